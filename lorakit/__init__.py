@@ -1,0 +1,36 @@
+"""lorakit: LoRA and QLoRA fine-tuning of large language models on DeepSpeed ZeRO.
+
+import lorakit
+result = lorakit.train(lorakit.load_recipe("recipes/quickstart.yaml", ["train.epochs=1"]))
+"""
+
+from lorakit.errors import DataError, LorakitError, RecipeError
+from lorakit.recipe import Recipe, load_recipe
+
+__version__ = "0.1.0"
+
+
+def train(recipe):
+    """Train a recipe; returns TrainResult(run_dir, summary). See lorakit.api.train."""
+    from lorakit.api import train as _train
+
+    return _train(recipe)
+
+
+def prepare(recipe):
+    """Tokenize and cache a recipe's data without training. See lorakit.api.prepare."""
+    from lorakit.api import prepare as _prepare
+
+    return _prepare(recipe)
+
+
+__all__ = [
+    "DataError",
+    "LorakitError",
+    "Recipe",
+    "RecipeError",
+    "__version__",
+    "load_recipe",
+    "prepare",
+    "train",
+]

@@ -1,0 +1,48 @@
+"""The Python API: load a recipe, prepare its data, train it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from lorakit import rundir
+from lorakit.data import PreparedData, prepare_data
+from lorakit.engine.job import TrainResult
+from lorakit.engine.launch import launched_distributed, process_group, torchrun_command
+from lorakit.model import load_config, load_tokenizer
+from lorakit.recipe import Recipe, dump_recipe
+
+
+def prepare(recipe: Recipe) -> PreparedData:
+    """Tokenize and cache the recipe's data (or find it cached); needs no GPU."""
+    source, config = load_config(recipe)
+    return prepare_data(recipe, load_tokenizer(recipe, source), config)
+
+
+def train(recipe: Recipe) -> TrainResult:
+    """Train `recipe` and return its run directory and summary.
+
+    Inside a launched group (torchrun, deepspeed) or for a 1-process recipe this trains in-process.
+    A recipe asking for more processes than this one is validated here (its data included, so bad input
+    fails before any run directory exists) and then run under torchrun.
+    """
+    from lorakit.engine.job import run_job
+
+    if launched_distributed() or recipe.distributed.num_processes == 1:
+        with process_group(recipe.distributed.backend):
+            return run_job(recipe)
+    print(prepare(recipe).describe(), flush=True)
+    with tempfile.TemporaryDirectory(prefix="lorakit-") as tmp:
+        resolved = Path(tmp) / "recipe.yaml"
+        resolved.write_text(dump_recipe(recipe))
+        cmd = torchrun_command(recipe.distributed.num_processes, "lorakit.run", [str(resolved), "--worker"])
+        # Child processes pick the work up from the cache this process just wrote.
+        proc = subprocess.run(cmd, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"training failed in a worker process (exit code {proc.returncode}); see the log above"
+        )
+    run_dir = Path(recipe.output.dir).expanduser().resolve()
+    return TrainResult(run_dir, rundir.read_summary(run_dir))

@@ -1,0 +1,22 @@
+"""Data: sources, templates, tokenization, on-disk cache, batching and collation.
+
+Names are imported on first use, so `lorakit.data.samples` loads without torch and datasets.
+"""
+
+from importlib import import_module
+
+_EXPORTS = {
+    "IGNORE_INDEX": "lorakit.data.collate",
+    "Seq2SeqCollator": "lorakit.data.collate",
+    "PreparedData": "lorakit.data.pipeline",
+    "prepare_data": "lorakit.data.pipeline",
+    "LengthGroupedBatchSampler": "lorakit.data.sampler",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'lorakit.data' has no attribute {name!r}")

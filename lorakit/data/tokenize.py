@@ -1,0 +1,117 @@
+"""Templated, truncated tokenization of (input, target) rows with datasets.map."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import datasets
+import numpy as np
+
+from lorakit.errors import DataError
+from lorakit.recipe.schema import DataSection
+
+# Tokenizers report "no limit" as a huge sentinel (int(1e30)); anything above this is not a real cap.
+_NO_LIMIT = 1_000_000
+
+
+def model_max_length(tokenizer, model_config) -> int | None:
+    """The longest sequence the model was trained for, from its tokenizer and config (None: unknown)."""
+    candidates = [getattr(tokenizer, "model_max_length", None)]
+    for key in ("max_position_embeddings", "n_positions"):
+        candidates.append(getattr(model_config, key, None))
+    real = [int(c) for c in candidates if isinstance(c, int | float) and 0 < c < _NO_LIMIT]
+    return min(real) if real else None
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Resolved token caps for one prepared dataset."""
+
+    max_source_length: int
+    max_target_length: int
+
+
+def resolve_lengths(
+    data: DataSection, source_lengths: np.ndarray, target_lengths: np.ndarray, model_max: int | None
+) -> Lengths:
+    """Turn `auto` caps into numbers: longest source (capped at the model max), p95 of targets."""
+    if data.max_source_length == "auto":
+        src = int(source_lengths.max())
+        if model_max is not None:
+            src = min(src, model_max)
+    else:
+        src = data.max_source_length
+    if data.max_target_length == "auto":
+        # ceil so that at least 95% of targets fit whole.
+        tgt = int(math.ceil(np.percentile(target_lengths, 95)))
+    else:
+        tgt = data.max_target_length
+    return Lengths(max(src, 2), max(tgt, 2))
+
+
+def _check_text(values, column: str, field: str, offset: int) -> None:
+    for i, v in enumerate(values):
+        if not isinstance(v, str):
+            raise DataError(
+                f"{field}: row {offset + i} of column {column!r} is {type(v).__name__}, not text: {v!r:.80}"
+            )
+
+
+def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: int = 1) -> datasets.Dataset:
+    """Add untruncated `input_ids` (templated source) and `labels` (target) columns; keep the raw target."""
+
+    def fn(batch, indices):
+        inputs, targets = batch[data.input_column], batch[data.target_column]
+        _check_text(inputs, data.input_column, "data.input_column", indices[0])
+        _check_text(targets, data.target_column, "data.target_column", indices[0])
+        texts = [data.prompt_template.format(input=x) for x in inputs]
+        return {
+            "input_ids": tokenizer(texts)["input_ids"],
+            "labels": tokenizer(targets)["input_ids"],
+            "reference": targets,
+            # Kept until truncation, which re-tokenizes the rare over-long inputs from their text.
+            "_input": inputs,
+        }
+
+    return ds.map(
+        fn,
+        batched=True,
+        with_indices=True,
+        remove_columns=ds.column_names,
+        num_proc=num_proc,
+        desc="tokenizing",
+        load_from_cache_file=False,
+    )
+
+
+def truncate_rows(ds: datasets.Dataset, data: DataSection, tokenizer, lengths: Lengths) -> datasets.Dataset:
+    """Cut sources and targets to the resolved caps, keeping the template and the final EOS intact."""
+    eos = tokenizer.eos_token_id
+    overhead = len(tokenizer(data.prompt_template.format(input=""))["input_ids"])
+    budget = lengths.max_source_length - overhead
+    if budget < 1:
+        raise DataError(
+            f"data.max_source_length={lengths.max_source_length} leaves no room for the input: the prompt "
+            f"template alone is {overhead} tokens"
+        )
+
+    def cut(ids: list[int], cap: int) -> list[int]:
+        if len(ids) <= cap:
+            return ids
+        return ids[: cap - 1] + [eos] if eos is not None and ids[-1] == eos else ids[:cap]
+
+    def fn(batch):
+        sources = []
+        for ids, text_in in zip(batch["input_ids"], batch["_input"], strict=True):
+            if len(ids) > lengths.max_source_length:
+                # Cut the input text, not the templated sequence, so a suffix like "Summary:" survives.
+                raw = tokenizer(text_in, add_special_tokens=False)["input_ids"][:budget]
+                text = data.prompt_template.format(input=tokenizer.decode(raw, skip_special_tokens=True))
+                ids = cut(tokenizer(text)["input_ids"], lengths.max_source_length)
+            sources.append(ids)
+        labels = [cut(t, lengths.max_target_length) for t in batch["labels"]]
+        length = [len(s) + len(t) for s, t in zip(sources, labels, strict=True)]
+        return {"input_ids": sources, "labels": labels, "length": length}
+
+    return ds.map(fn, batched=True, remove_columns=["_input"], desc="truncating", load_from_cache_file=False)

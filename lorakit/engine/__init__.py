@@ -1,0 +1,1 @@
+"""Engine: the DeepSpeed config, process groups, the training loop, checkpoint-free saving."""

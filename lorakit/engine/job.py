@@ -1,0 +1,209 @@
+"""One training job, run by every process of the group: build, train, evaluate, save, summarise."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from lorakit import rundir
+from lorakit.data import LengthGroupedBatchSampler, Seq2SeqCollator, prepare_data
+from lorakit.engine import dist
+from lorakit.engine.deepspeed_config import build_ds_config
+from lorakit.engine.loop import Trainer, plan_steps
+from lorakit.engine.save import save_trained
+from lorakit.engine.schedule import lambda_lr_factory
+from lorakit.evaluation.generate import evaluate_model
+from lorakit.meter import peak_memory
+from lorakit.model import build_model, count_parameters, load_config, load_tokenizer
+from lorakit.recipe import Recipe, dump_recipe
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What lorakit.train returns: the run directory and its summary."""
+
+    run_dir: Path
+    summary: dict[str, Any]
+
+
+def accelerator_name() -> str:
+    """DeepSpeed's accelerator for this machine: `cuda`, or `cpu` where there is no GPU."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
+def _prepare_everywhere(recipe: Recipe, tokenizer, config):
+    # Rank 0 tokenizes (or finds the cache); the others wait and then read its cache entry.
+    data = prepare_data(recipe, tokenizer, config) if dist.is_main() else None
+    dist.barrier()
+    return data if data is not None else prepare_data(recipe, tokenizer, config)
+
+
+def run_job(recipe: Recipe) -> TrainResult:
+    """Train `recipe` in this process group (already initialised) and write the run directory on rank 0."""
+    import deepspeed
+
+    world, main = dist.world_size(), dist.is_main()
+    source, config = load_config(recipe)
+    tokenizer = load_tokenizer(recipe, source)
+    data = _prepare_everywhere(recipe, tokenizer, config)
+    if main and not (dist.world_size() > 1 and data.cache_hit):
+        # Under a multi-process launch from lorakit.train, the launcher already reported the data step.
+        print(data.describe(), flush=True)
+    hidden = getattr(config, "d_model", None) or getattr(config, "hidden_size", None)
+    ds_config = build_ds_config(recipe, world, accelerator=accelerator_name(), hidden_size=hidden)
+    zero3 = recipe.distributed.zero_stage == 3
+    built = build_model(recipe, ds_config)
+    trainable, total = count_parameters(built.model)
+
+    run_dir = Path(recipe.output.dir).expanduser().resolve()
+    log = _Logger(run_dir if main else None)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in (rundir.ADAPTER, rundir.MODEL):
+            shutil.rmtree(run_dir / stale, ignore_errors=True)
+        rundir.write_text(run_dir / rundir.RECIPE, dump_recipe(recipe))
+        rundir.write_json(run_dir / rundir.DS_CONFIG, ds_config)
+        log.open()
+
+    t = recipe.train
+    sampler = LengthGroupedBatchSampler(
+        data.train["length"], t.micro_batch_size, num_replicas=world, rank=dist.rank(), seed=t.seed
+    )
+    collator = Seq2SeqCollator(tokenizer.pad_token_id, config.decoder_start_token_id)
+    loader = DataLoader(data.train, batch_sampler=sampler, collate_fn=collator)
+    plan = plan_steps(len(sampler), t.gradient_accumulation_steps, t.epochs, t.max_steps)
+    engine, *_ = deepspeed.initialize(
+        model=built.model,
+        model_parameters=[p for p in built.model.parameters() if p.requires_grad],
+        config=ds_config,
+        lr_scheduler=lambda_lr_factory(plan.total_steps, t.warmup_ratio, t.lr_schedule),
+    )
+    eval_results: dict[str, Any] = {}
+
+    def evaluate(epoch: int, step: int) -> None:
+        from lorakit.evaluation import compute_metrics
+
+        ev = recipe.eval
+        max_new = data.lengths.max_target_length if ev.max_new_tokens == "auto" else ev.max_new_tokens
+        out = evaluate_model(
+            engine,
+            data.eval,
+            collator,
+            tokenizer,
+            batch_size=ev.micro_batch_size or t.micro_batch_size,
+            generate=ev.generate,
+            max_new_tokens=max_new,
+            num_beams=ev.num_beams,
+            zero3=zero3,
+        )
+        metrics = {"loss": out["loss"]}
+        if ev.generate and main:
+            metrics.update(
+                compute_metrics(list(ev.metrics), out["predictions"], list(data.eval["reference"]))
+            )
+            log.predictions(out["predictions"], data.eval["reference"])
+        eval_results.clear()
+        eval_results.update(metrics)
+        log({"kind": "eval", "step": step, "epoch": epoch, **metrics})
+
+    progress = None
+    if main:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=plan.total_steps, desc="training", unit="step", dynamic_ncols=True)
+    trainer = Trainer(
+        engine,
+        loader,
+        sampler,
+        plan,
+        t.gradient_accumulation_steps,
+        log,
+        evaluate if recipe.eval_active() and data.eval is not None else None,
+        progress,
+    )
+    trainer.run()
+    if progress is not None:
+        progress.close()
+
+    saved = save_trained(engine, built, recipe, run_dir) if recipe.output.save_adapter else {}
+    memory = peak_memory()
+    gpu_peak, rss_peak = dist.all_reduce([memory["gpu"] or 0, memory["cpu_rss"]], op="max")
+    summary = {
+        "method": recipe.method.kind,
+        "model": recipe.model.name_or_path,
+        "model_source": built.source,
+        "attention": built.attention,
+        "dtype": recipe.model.dtype,
+        "world_size": world,
+        "zero_stage": recipe.distributed.zero_stage,
+        "trainable_params": trainable,
+        "total_params": total,
+        "steps": trainer.step,
+        "epochs": plan.epochs,
+        "train_samples": int(dist.all_reduce([trainer.meter.samples])[0]),
+        "train_tokens": trainer.global_real_tokens,
+        "padded_tokens": trainer.global_token_slots,
+        "packing_efficiency": trainer.global_real_tokens / max(trainer.global_token_slots, 1),
+        "tokens_per_second": trainer.tokens_per_second(),
+        "train_seconds": trainer.train_seconds,
+        "peak_memory_bytes": {
+            "gpu": int(gpu_peak) if memory["gpu"] is not None else None,
+            "cpu_rss": int(rss_peak),
+        },
+        "loss": {
+            "first": trainer.losses[0] if trainer.losses else None,
+            "last": trainer.losses[-1] if trainer.losses else None,
+        },
+        "eval": dict(eval_results) or None,
+        "adapter_dir": saved.get("adapter_dir"),
+        "model_dir": saved.get("model_dir"),
+        "data": {
+            "cache_dir": str(data.path),
+            "max_source_length": data.lengths.max_source_length,
+            "max_target_length": data.lengths.max_target_length,
+            **data.stats,
+        },
+        "versions": rundir.versions(),
+        "git_revision": rundir.git_revision(),
+    }
+    if main:
+        rundir.write_json(run_dir / rundir.SUMMARY, summary)
+        log.close()
+    dist.barrier()
+    return TrainResult(run_dir, summary)
+
+
+class _Logger:
+    """metrics.jsonl and eval predictions, written by rank 0 only."""
+
+    def __init__(self, run_dir: Path | None):
+        self.run_dir = run_dir
+        self._metrics: rundir.MetricsLog | None = None
+
+    def open(self) -> None:
+        self._metrics = rundir.MetricsLog(self.run_dir / rundir.METRICS)
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if self._metrics is not None:
+            self._metrics.write(record)
+
+    def predictions(self, predictions: list[str], references: list[str]) -> None:
+        if self.run_dir is None:
+            return
+        import json
+
+        lines = (
+            json.dumps({"prediction": p, "reference": r})
+            for p, r in zip(predictions, references, strict=True)
+        )
+        rundir.write_text(self.run_dir / "eval_predictions.jsonl", "\n".join(lines) + "\n")
+
+    def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()

@@ -1,0 +1,91 @@
+"""Process groups: join the one torchrun (or the deepspeed launcher) made, make a 1-process one, or
+start torchrun when the recipe asks for more processes than there are."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+from collections.abc import Iterator
+
+import torch
+
+
+def launched_distributed() -> bool:
+    """Whether this process was started by torchrun, the deepspeed launcher or another env:// launcher."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def free_port() -> int:
+    """An unused TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_backend(requested: str) -> str:
+    """nccl on GPUs, gloo on CPU, unless the recipe forces one."""
+    if requested != "auto":
+        return requested
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+@contextlib.contextmanager
+def process_group(backend: str = "auto") -> Iterator[None]:
+    """Be inside a torch.distributed group that DeepSpeed also knows, for the duration of a job.
+
+    Under a launcher the group comes from its environment; otherwise a private one-process group is made
+    on a free loopback port (and torn down after), so `lorakit.train` works from a notebook.
+    """
+    import deepspeed
+    import torch.distributed as dist
+
+    backend = resolve_backend(backend)
+    created = not dist.is_initialized()
+    # DeepSpeed reads the launcher's variables (deepspeed.zero.Init indexes os.environ["LOCAL_RANK"]), so a
+    # private group must provide them too; they are restored afterwards.
+    saved = {k: os.environ.get(k) for k in _LAUNCH_VARS}
+    if created and not launched_distributed():
+        os.environ.update(
+            {
+                "RANK": "0",
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": "1",
+                "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(free_port()),
+            }
+        )
+    try:
+        if created:
+            deepspeed.init_distributed(dist_backend=backend)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        yield
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_command(num_processes: int, module: str, args: list[str]) -> list[str]:
+    """The command that runs `python -m module args` on `num_processes` local processes."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={num_processes}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        module,
+        *args,
+    ]

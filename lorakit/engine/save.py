@@ -1,0 +1,78 @@
+"""Saving what was trained: a standard PEFT adapter (or a full model), whole even under ZeRO-3."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorakit import rundir
+from lorakit.engine import dist
+
+
+class IncompleteSaveError(RuntimeError):
+    """A gathered weight came back empty or mis-shaped: saving would write a broken adapter."""
+
+
+def _gathered(params: list[torch.nn.Parameter]):
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        # ZeRO-3 keeps a shard of each tensor per rank; this assembles whole tensors on every rank.
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+def _expected_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def gather_adapter_state(model) -> dict[str, torch.Tensor]:
+    """The trainable (LoRA) weights by parameter name, whole and on CPU, on every rank.
+
+    Checks every tensor against its full shape, so an adapter can never be saved empty or partial,
+    the failure users of other ZeRO-3 tools met as 100 KB adapter files.
+    """
+    from peft import get_peft_model_state_dict
+
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    with _gathered(list(trainable.values())):
+        expected = {n: _expected_shape(p) for n, p in trainable.items()}
+        full = {n: p.detach().to("cpu", copy=True) for n, p in trainable.items()}
+    for name, tensor in full.items():
+        if tensor.numel() == 0 or tuple(tensor.shape) != expected[name]:
+            raise IncompleteSaveError(
+                f"{name}: gathered shape {tuple(tensor.shape)}, expected {expected[name]}"
+            )
+    # The same filter save_pretrained applies: an adapter with no LoRA weights in it is an error, not a file.
+    if not get_peft_model_state_dict(model, state_dict=full):
+        raise IncompleteSaveError("the model has no adapter weights to save")
+    return full
+
+
+def save_trained(engine, built, recipe, run_dir: Path) -> dict[str, Any]:
+    """Save the adapter (LoRA) to run_dir/adapter or the full model to run_dir/model; return their paths."""
+    model = engine.module
+    if recipe.method.kind == "lora":
+        state = gather_adapter_state(model)
+        out = run_dir / rundir.ADAPTER
+        if dist.is_main():
+            # peft maps parameter names to its adapter format; handing it the gathered tensors means it
+            # never reads the (partitioned, empty) ZeRO-3 parameters itself.
+            model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
+            built.tokenizer.save_pretrained(str(out))
+        dist.barrier()
+        return {"adapter_dir": str(out)}
+    out = run_dir / rundir.MODEL
+    state = None
+    if recipe.distributed.zero_stage == 3:
+        # Collective: gathers module by module into rank 0's CPU memory (None elsewhere). DeepSpeed's
+        # public save_16bit_model writes a pickle whatever the file name; we want safetensors.
+        state = engine._zero3_consolidated_16bit_state_dict()
+    if dist.is_main():
+        model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
+        built.tokenizer.save_pretrained(str(out))
+    dist.barrier()
+    return {"model_dir": str(out)}

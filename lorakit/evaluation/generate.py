@@ -1,0 +1,76 @@
+"""Evaluation under any ZeRO stage: token-weighted eval loss and generation with every rank taking part."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lorakit.data.collate import model_inputs
+from lorakit.engine import dist
+from lorakit.engine.loss import token_loss_sum
+
+
+def eval_plan(num_rows: int, batch_size: int, num_replicas: int, rank: int) -> list[tuple[list[int], int]]:
+    """This rank's eval batches as (row indices, number of real rows).
+
+    Rows are dealt round-robin. Every rank gets the same number of batches, because under ZeRO-3 each
+    forward gathers parameters collectively; a rank with no rows left runs a copy of row 0 whose results
+    are thrown away (real = 0).
+    """
+    mine = list(range(rank, num_rows, num_replicas))
+    shard = -(-num_rows // num_replicas)
+    per_rank = -(-shard // batch_size)
+    plan = []
+    for b in range(per_rank):
+        rows = mine[b * batch_size : (b + 1) * batch_size]
+        plan.append((rows, len(rows)) if rows else ([0], 0))
+    return plan
+
+
+@torch.no_grad()
+def evaluate_model(
+    engine,
+    eval_ds,
+    collator,
+    tokenizer,
+    *,
+    batch_size: int,
+    generate: bool,
+    max_new_tokens: int,
+    num_beams: int,
+    zero3: bool,
+) -> dict[str, Any]:
+    """Eval loss over all ranks and, if `generate`, predictions in row order (on every rank)."""
+    model = engine.module
+    was_training = model.training
+    model.eval()
+    device = engine.device
+    loss_sum = tokens = 0.0
+    predictions: list[tuple[int, str]] = []
+    for rows, real in eval_plan(len(eval_ds), batch_size, dist.world_size(), dist.rank()):
+        batch = collator([eval_ds[i] for i in rows])
+        logits = engine(**model_inputs(batch, device), use_cache=False).logits
+        if real:
+            loss_sum += float(token_loss_sum(logits, batch["labels"].to(device)))
+            tokens += batch["num_target_tokens"]
+        if generate:
+            out = model.generate(
+                input_ids=batch["input_ids"].to(device),
+                attention_mask=batch["attention_mask"].to(device),
+                max_new_tokens=max_new_tokens,
+                num_beams=num_beams,
+                do_sample=False,
+                use_cache=True,
+                # Under ZeRO-3 a rank that finishes early must keep gathering parameters for the others.
+                synced_gpus=zero3 and dist.world_size() > 1,
+            )
+            texts = tokenizer.batch_decode(out, skip_special_tokens=True)
+            predictions.extend(zip(rows[:real], texts[:real], strict=True))
+    loss_sum, tokens = dist.all_reduce([loss_sum, tokens])
+    result: dict[str, Any] = {"loss": loss_sum / max(tokens, 1.0), "tokens": int(tokens)}
+    if generate:
+        merged = sorted(p for part in dist.all_gather_objects(predictions) for p in part)
+        result["predictions"] = [text for _, text in merged]
+    model.train(was_training)
+    return result

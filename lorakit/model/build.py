@@ -1,0 +1,119 @@
+"""Load the base model (dtype, attention backend, ZeRO-3 partitioned init), attach LoRA, checkpointing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+from lorakit.model.attention import choose_attention
+from lorakit.recipe.schema import Recipe
+from lorakit.testing import resolve_model_source
+
+
+@dataclass
+class BuiltModel:
+    """The trainable model and what was decided while building it."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    source: str
+    attention: str
+    is_encoder_decoder: bool
+    # transformers tracks HfDeepSpeedConfig through a weak reference: it must outlive training, since
+    # peft and generate ask "is ZeRO-3 on?" long after from_pretrained returns.
+    hf_ds_config: Any = None
+
+
+def load_config(recipe: Recipe):
+    """The base model's config and its local (or hub) source, without loading weights."""
+    source = resolve_model_source(recipe.model.name_or_path, recipe.data.cache_dir)
+    config = AutoConfig.from_pretrained(
+        source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code
+    )
+    return source, config
+
+
+def load_tokenizer(recipe: Recipe, source: str):
+    """The base model's tokenizer."""
+    tok = AutoTokenizer.from_pretrained(
+        source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code
+    )
+    if tok.pad_token_id is None:
+        # Causal tokenizers often ship without one; padding is masked, so EOS is a safe stand-in.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def lora_config(recipe: Recipe, is_encoder_decoder: bool):
+    """The peft LoraConfig for the recipe's method section."""
+    from peft import LoraConfig, TaskType
+
+    m = recipe.method
+    return LoraConfig(
+        r=m.r,
+        lora_alpha=m.alpha,
+        lora_dropout=m.dropout,
+        target_modules=m.target_modules,
+        task_type=TaskType.SEQ_2_SEQ_LM if is_encoder_decoder else TaskType.CAUSAL_LM,
+    )
+
+
+def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
+    """Load the base in the recipe's dtype and attention backend, then apply the method.
+
+    With ZeRO-3, `ds_config` must be given: HfDeepSpeedConfig is alive during from_pretrained, so each
+    rank materialises only its shard of the base (an 11B model never sits whole on one rank).
+    """
+    source, config = load_config(recipe)
+    is_enc_dec = bool(getattr(config, "is_encoder_decoder", False))
+    auto_cls = AutoModelForSeq2SeqLM if is_enc_dec else AutoModelForCausalLM
+    model_cls = auto_cls._model_mapping[type(config)]
+    attention = choose_attention(recipe.model.attention, model_cls)
+    dtype = getattr(torch, recipe.model.dtype)
+
+    hf_ds_config = None
+    if ds_config is not None and ds_config.get("zero_optimization", {}).get("stage") == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_ds_config = HfDeepSpeedConfig(ds_config)
+    # Seeded before loading so the LoRA init (and any freshly initialised weights) is reproducible.
+    torch.manual_seed(recipe.train.seed)
+    model = auto_cls.from_pretrained(
+        source,
+        revision=recipe.model.revision,
+        trust_remote_code=recipe.model.trust_remote_code,
+        dtype=dtype,
+        attn_implementation=attention,
+    )
+    if hf_ds_config is not None:
+        from lorakit.model.untie import restore_untied_head
+
+        restore_untied_head(model, source, recipe.model.revision, ds_config)
+    # The KV cache is for generation; in training it changes how packed/masked attention is built.
+    model.config.use_cache = False
+    if recipe.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if recipe.method.kind == "lora":
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config(recipe, is_enc_dec))
+        # peft may create LoRA weights in fp32; one dtype across the module is what DeepSpeed expects.
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    tokenizer = load_tokenizer(recipe, source)
+    return BuiltModel(model, tokenizer, source, attention, is_enc_dec, hf_ds_config)
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts, correct under ZeRO-3 partitioning (ds_numel)."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", p.numel())
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return trainable, total

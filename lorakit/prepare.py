@@ -1,0 +1,26 @@
+"""python -m lorakit.prepare RECIPE [KEY=VALUE ...]: tokenize and cache a recipe's data, no GPU needed."""
+
+from __future__ import annotations
+
+import sys
+
+from lorakit.cli import quiet_libraries, recipe_parser, run_cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m lorakit.prepare`."""
+    args = recipe_parser("python -m lorakit.prepare", __doc__).parse_args(argv)
+
+    def body() -> int:
+        import lorakit
+
+        quiet_libraries()
+        data = lorakit.prepare(lorakit.load_recipe(args.recipe, args.overrides))
+        print(data.describe())
+        return 0
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

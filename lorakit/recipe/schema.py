@@ -1,0 +1,207 @@
+"""THE recipe schema: every key, type, default and cross-field check lives here.
+
+A recipe is frozen after validation; values derived from it are functions, not stored fields.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    # extra="forbid": a misspelled key is an error naming it, never silently None.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelSection(_Section):
+    """The pretrained base model and how it is loaded."""
+
+    name_or_path: str = Field(
+        description="Hub model id, local directory, or `tiny:t5` (a tiny random T5 built locally by "
+        "lorakit.testing, for smoke tests and the quickstart)."
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the model.")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Weights and compute dtype; bf16 is the default on every modern GPU."
+    )
+    attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
+        "auto",
+        description="Attention backend. auto: flash_attention_2 when flash-attn is importable, a GPU is "
+        "present and the model supports it; else sdpa; else eager.",
+    )
+    gradient_checkpointing: bool = Field(
+        True, description="Non-reentrant activation checkpointing: trades ~30% compute for much less memory."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub repository.")
+
+
+class MethodSection(_Section):
+    """What is trained: a LoRA adapter or every parameter."""
+
+    kind: Literal["lora", "full"] = Field("lora", description="lora: train an adapter; full: every weight.")
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        "all-linear",
+        description="Modules that get LoRA: `all-linear` (every linear layer but the output head) or a "
+        "list of module-name suffixes such as [q, k, v, o].",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> MethodSection:
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("method.target_modules: give at least one module name, or `all-linear`")
+        return self
+
+
+class DataSection(_Section):
+    """Where examples come from and how they become tokens."""
+
+    source: str = Field(
+        description="Hub dataset id (loaded with datasets.load_dataset), a local .json/.jsonl/.csv/.parquet "
+        "file, a local directory holding {split}.{ext} files, or `builtin:NAME` for a dataset shipped "
+        "with lorakit (builtin:news_summaries)."
+    )
+    config: str | None = Field(None, description="Hub dataset configuration name, e.g. `3.0.0`.")
+    split: str = Field("train", description="Split to train on.")
+    eval_split: str | None = Field(
+        "validation", description="Split to evaluate on; null disables evaluation data."
+    )
+    input_column: str = Field("input", description="Column with the model input text.")
+    target_column: str = Field("target", description="Column with the text the model must produce.")
+    prompt_template: str = Field(
+        "{input}", description="Template applied to each input; must contain `{input}`."
+    )
+    max_samples: int | None = Field(None, ge=1, description="Use at most this many training rows.")
+    max_eval_samples: int | None = Field(None, ge=1, description="Use at most this many evaluation rows.")
+    max_source_length: int | Literal["auto"] = Field(
+        "auto",
+        description="Token cap on the templated input. auto: the longest templated input, capped at the "
+        "model's maximum length.",
+    )
+    max_target_length: int | Literal["auto"] = Field(
+        "auto", description="Token cap on the target. auto: the 95th percentile of target lengths."
+    )
+    packing: bool = Field(
+        False,
+        description="Pack several examples into one row. Encoder-decoder packing is not available yet; "
+        "without packing, batches are grouped by length and padded only to their longest member.",
+    )
+    cache_dir: str = Field(
+        "~/.cache/lorakit", description="Where tokenized datasets and built tiny models are cached."
+    )
+    num_proc: int = Field(1, ge=1, description="Processes for tokenization (datasets.map).")
+
+    @model_validator(mode="after")
+    def _check(self) -> DataSection:
+        if "{input}" not in self.prompt_template:
+            raise ValueError("data.prompt_template must contain the placeholder {input}")
+        try:
+            self.prompt_template.format(input="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"data.prompt_template: only {{input}} may appear in braces (write {{{{ for a literal brace): {e}"
+            ) from None
+        for name in ("max_source_length", "max_target_length"):
+            value = getattr(self, name)
+            if isinstance(value, int) and value < 1:
+                raise ValueError(f"data.{name} must be >= 1 or 'auto'")
+        return self
+
+
+class TrainSection(_Section):
+    """Optimisation hyper-parameters."""
+
+    epochs: int = Field(1, ge=1, description="Passes over the training data (ignored when max_steps is set).")
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps to take; overrides epochs.")
+    lr: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps spent warming up linearly.")
+    lr_schedule: Literal["linear", "cosine", "constant"] = Field("linear", description="Decay after warmup.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables clipping.")
+    micro_batch_size: int = Field(8, ge=1, description="Examples per process per forward pass.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    seed: int = Field(42, description="Seed for model init, LoRA init, shuffling and dropout.")
+    log_every: int = Field(1, ge=1, description="Write a metrics.jsonl line every this many steps.")
+
+
+class DistributedSection(_Section):
+    """How the work is spread over processes with DeepSpeed ZeRO."""
+
+    num_processes: int = Field(
+        1, ge=1, description="Processes per node; `python -m lorakit.run` starts torchrun when it needs more."
+    )
+    zero_stage: Literal[0, 1, 2, 3] = Field(3, description="DeepSpeed ZeRO stage.")
+    offload_optimizer: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="Where ZeRO keeps optimizer state."
+    )
+    offload_params: Literal["none", "cpu", "nvme"] = Field(
+        "none", description="Where ZeRO-3 keeps parameters between uses."
+    )
+    nvme_path: str | None = Field(None, description="Directory on a fast local disk for nvme offload.")
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="torch.distributed backend; auto: nccl on GPUs, gloo on CPU."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DistributedSection:
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise ValueError("distributed.offload_optimizer needs zero_stage 1, 2 or 3")
+        if self.offload_params != "none" and self.zero_stage != 3:
+            raise ValueError("distributed.offload_params needs zero_stage 3")
+        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
+            raise ValueError("distributed.nvme_path is required when offloading to nvme")
+        return self
+
+
+class EvalSection(_Section):
+    """Evaluation after each epoch: loss, and generation metrics."""
+
+    enabled: bool = Field(True, description="Evaluate after each epoch (needs data.eval_split).")
+    metrics: list[Literal["rouge", "exact_match", "accuracy"]] = Field(
+        ["rouge"], description="Generation metrics: rouge (summaries), exact_match/accuracy (labels)."
+    )
+    generate: bool = Field(True, description="Generate predictions for the metrics (else loss only).")
+    max_new_tokens: int | Literal["auto"] = Field(
+        "auto", description="Generation length cap; auto: data.max_target_length."
+    )
+    num_beams: int = Field(1, ge=1, description="Beam search width for generation.")
+    micro_batch_size: int | None = Field(None, ge=1, description="Eval batch size; default train's.")
+
+
+class OutputSection(_Section):
+    """Where the run directory goes."""
+
+    dir: str = Field(
+        description="Run directory: recipe.yaml, ds_config.json, metrics.jsonl, summary.json, adapter/."
+    )
+    save_adapter: bool = Field(
+        True, description="Save the trained adapter (LoRA) or model (full) at the end."
+    )
+
+
+class Recipe(_Section):
+    """A complete, validated, frozen training recipe."""
+
+    model: ModelSection
+    method: MethodSection = MethodSection()
+    data: DataSection
+    train: TrainSection = TrainSection()
+    distributed: DistributedSection = DistributedSection()
+    eval: EvalSection = EvalSection()
+    output: OutputSection
+
+    @model_validator(mode="after")
+    def _check(self) -> Recipe:
+        if self.eval.enabled and self.eval.generate and not self.eval.metrics:
+            raise ValueError(
+                "eval.metrics is empty while eval.generate is true: name a metric or set generate: false"
+            )
+        return self
+
+    def eval_active(self) -> bool:
+        """Whether the run evaluates (evaluation enabled and an eval split given)."""
+        return self.eval.enabled and self.data.eval_split is not None

@@ -1,0 +1,41 @@
+"""python -m lorakit.run RECIPE [KEY=VALUE ...]: train a recipe end to end."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from lorakit.cli import quiet_libraries, recipe_parser, run_cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m lorakit.run`."""
+    parser = recipe_parser("python -m lorakit.run", __doc__)
+    # Set by lorakit.train on the workers it launches: the launching process prints the report.
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    def body() -> int:
+        import lorakit
+
+        quiet_libraries()
+        recipe = lorakit.load_recipe(args.recipe, args.overrides)
+        result = lorakit.train(recipe)
+        if not args.worker and os.environ.get("RANK", "0") == "0":
+            s = result.summary
+            print(f"\nrun dir:  {result.run_dir}")
+            print(f"loss:     {s['loss']['first']:.4f} -> {s['loss']['last']:.4f} over {s['steps']} steps")
+            if s.get("eval"):
+                print("eval:     " + ", ".join(f"{k}={v:.4f}" for k, v in s["eval"].items()))
+            saved = s.get("adapter_dir") or s.get("model_dir")
+            if saved:
+                print(f"saved:    {saved}")
+            print(f"metrics:  {result.run_dir / 'metrics.jsonl'}")
+        return 0
+
+    return run_cli(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

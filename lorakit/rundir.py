@@ -1,0 +1,96 @@
+"""The run directory: what a run leaves behind, and how it describes itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+RECIPE = "recipe.yaml"
+DS_CONFIG = "ds_config.json"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+ADAPTER = "adapter"
+MODEL = "model"
+
+_PACKAGES = (
+    "lorakit",
+    "torch",
+    "transformers",
+    "peft",
+    "deepspeed",
+    "accelerate",
+    "datasets",
+    "bitsandbytes",
+)
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of python and the packages that shape a run."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_revision(path: str | Path = ".") -> str | None:
+    """The git commit of the working directory, when it is a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON atomically (temp file + rename), so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write text atomically."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class MetricsLog:
+    """Append-only metrics.jsonl: one JSON object per line, flushed as it is written."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._f = open(path, "w")  # noqa: SIM115 - lives as long as the run
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record, default=float) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any]:
+    """The summary.json of a finished run."""
+    return json.loads((Path(run_dir) / SUMMARY).read_text())
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every record of a run's metrics.jsonl."""
+    lines = (Path(run_dir) / METRICS).read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]

@@ -1,0 +1,217 @@
+"""Tiny random models and tokenizers built locally, for tests, the quickstart and users' smoke tests.
+
+Nothing here touches the network: the tokenizer is trained on the builtin news_summaries dataset and the
+weights are random but a pure function of the seed. `model.name_or_path: tiny:t5` (or `tiny:llama`) in a
+recipe resolves, through `resolve_model_source`, to a directory built once under the cache directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lorakit.errors import RecipeError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+TINY_KINDS: tuple[str, ...] = ("t5", "llama")
+# Bump when anything in the construction changes (tokenizer, config, init): cached directories are keyed by
+# it, so a stale build is never picked up.
+TINY_VERSION = 1
+TINY_VOCAB_SIZE = 2000
+TINY_MAX_LENGTH = 512
+
+PAD, EOS, UNK, BOS = "<pad>", "</s>", "<unk>", "<s>"
+# T5's ids for pad/eos/unk (decoder_start = pad = 0); <s> comes next and is used only by the causal kind.
+SPECIAL_TOKENS = (PAD, EOS, UNK, BOS)
+
+LLAMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def _corpus() -> list[str]:
+    """Every article and highlight of the builtin news_summaries dataset, in file order."""
+    from lorakit.data.samples import builtin_dataset_dir
+
+    texts = []
+    for split in ("train", "validation"):
+        with open(builtin_dataset_dir("news_summaries") / f"{split}.jsonl", encoding="utf-8") as f:
+            for line in f:
+                row = json.loads(line)
+                texts += [row["article"], row["highlights"]]
+    return texts
+
+
+@functools.lru_cache(maxsize=1)
+def _trained_tokenizer_json() -> str:
+    """The trained byte-level BPE as JSON; cached so that every build in a process reuses one training run."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    # Byte-level BPE: every byte is in the base alphabet, so no ASCII (or any) text ever maps to <unk>, and
+    # the ByteLevel decoder gives back the exact input text, spaces included.
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return tok.to_str()
+
+
+def build_tiny_tokenizer(path: str | os.PathLike, kind: str = "t5") -> PreTrainedTokenizerFast:
+    """Train (deterministically) and save a ~2000-token fast tokenizer into `path`; returns it.
+
+    t5: appends </s> to every sequence, as T5's tokenizer does. llama: prepends <s>, no </s> (Llama style),
+    and carries a small chat template.
+    """
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    _check_kind(kind, field="kind")
+    tok = Tokenizer.from_str(_trained_tokenizer_json())
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    if kind == "t5":
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"$A {EOS}", pair=f"$A {EOS} $B {EOS}", special_tokens=[(EOS, ids[EOS])]
+        )
+    else:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, ids[BOS])]
+        )
+    extra = {"bos_token": BOS, "chat_template": LLAMA_CHAT_TEMPLATE} if kind == "llama" else {}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        model_max_length=TINY_MAX_LENGTH,
+        # Byte-level decoding already restores the exact spacing; the clean-up would glue " ." etc.
+        clean_up_tokenization_spaces=False,
+        **extra,
+    )
+    Path(path).mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(path))
+    return tokenizer
+
+
+def _check_kind(kind: str, field: str) -> None:
+    if kind not in TINY_KINDS:
+        raise RecipeError(
+            f"{field}: unknown tiny model {kind!r}; available: " + ", ".join(f"tiny:{k}" for k in TINY_KINDS)
+        )
+
+
+def _t5_config(vocab_size: int):
+    from transformers import T5Config
+
+    return T5Config(
+        vocab_size=vocab_size,
+        d_model=64,
+        d_ff=128,
+        d_kv=16,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        feed_forward_proj="gated-gelu",
+        # FLAN-T5 / T5 v1.1: separate lm_head, no output scaling. transformers 5.x keeps the flag only as
+        # `scale_decoder_outputs=False` and stores tie_word_embeddings=True; the untied lm_head is restored
+        # from the checkpoint (see build_tiny_model).
+        tie_word_embeddings=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        n_positions=TINY_MAX_LENGTH,
+    )
+
+
+def _llama_config(vocab_size: int, bos: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=bos,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+
+
+def build_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0) -> PreTrainedModel:
+    """Build a tiny random `t5` or `llama` model (bit-identical for a given seed) and save it with its
+    tokenizer and generation config into `path`; returns the model."""
+    import torch
+    from transformers import LlamaForCausalLM, T5ForConditionalGeneration
+
+    _check_kind(kind, field="kind")
+    tokenizer = build_tiny_tokenizer(path, kind=kind)
+    # fork_rng: seeding must not disturb the caller's global RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if kind == "t5":
+            config = _t5_config(len(tokenizer))
+            model = T5ForConditionalGeneration(config)
+            # transformers 5.x always ties lm_head to the shared embedding for T5 (upstream PR #42815), but
+            # FLAN-T5 checkpoints carry their own lm_head, and from_pretrained keeps the two apart when both
+            # are saved with different values. Mirror that layout so the tiny model exercises the same path.
+            # std d_model**-0.5 (not T5's 1.0) keeps initial logits O(1), so a smoke run trains smoothly.
+            lm_head = torch.empty_like(model.shared.weight)
+            torch.nn.init.normal_(lm_head, std=config.d_model**-0.5)
+            model.lm_head.weight = torch.nn.Parameter(lm_head)
+        else:
+            config = _llama_config(len(tokenizer), bos=tokenizer.bos_token_id)
+            model = LlamaForCausalLM(config)
+    model.save_pretrained(str(path))
+    return model
+
+
+def resolve_model_source(name_or_path: str, cache_dir: str | os.PathLike) -> str:
+    """`tiny:KIND` -> its local directory under `cache_dir`/models, built on first use; else unchanged.
+
+    Safe when several processes (ranks) call it at once: each builds into a private sibling directory and
+    renames it into place atomically; a loser discards its copy. A complete directory is never rebuilt.
+    """
+    if not name_or_path.startswith("tiny:"):
+        return name_or_path
+    kind = name_or_path.removeprefix("tiny:")
+    _check_kind(kind, field="model.name_or_path")
+    models = Path(cache_dir).expanduser() / "models"
+    target = models / f"tiny-{kind}-v{TINY_VERSION}"
+    # The directory only ever appears by an atomic rename of a finished build, so existing means complete.
+    if target.is_dir():
+        return str(target)
+    models.mkdir(parents=True, exist_ok=True)
+    tmp = models / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        build_tiny_model(kind, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process renamed its build into place first: theirs is as good as ours.
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)

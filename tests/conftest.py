@@ -1,0 +1,42 @@
+"""Shared fixtures: a per-session lorakit cache (tiny models, tokenized data) and recipe builders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One cache for the whole session, so the tiny T5 is built once."""
+    return tmp_path_factory.mktemp("lorakit-cache")
+
+
+def tiny_recipe_dict(cache_dir: Path, out_dir: Path, **sections) -> dict:
+    """A small, fast seq2seq recipe on the tiny T5 and the builtin news data; sections override keys."""
+    raw = {
+        "model": {"name_or_path": "tiny:t5", "dtype": "float32", "gradient_checkpointing": False},
+        "method": {"kind": "lora", "r": 4, "alpha": 8, "dropout": 0.0},
+        "data": {
+            "source": "builtin:news_summaries",
+            "input_column": "article",
+            "target_column": "highlights",
+            "prompt_template": "Summarize the following news article:\n{input}\nSummary:\n",
+            "max_samples": 32,
+            "max_eval_samples": 8,
+            "max_source_length": 96,
+            "max_target_length": 24,
+            "cache_dir": str(cache_dir),
+        },
+        "train": {"epochs": 1, "lr": 3e-3, "micro_batch_size": 4, "warmup_ratio": 0.0},
+        "distributed": {"num_processes": 1, "zero_stage": 0},
+        "eval": {"metrics": ["rouge"], "max_new_tokens": 8},
+        "output": {"dir": str(out_dir)},
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return raw

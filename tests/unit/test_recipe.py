@@ -1,0 +1,100 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lorakit.errors import RecipeError
+from lorakit.recipe import apply_overrides, dump_recipe, load_recipe, recipe_from_dict
+from tests.conftest import RECIPES, tiny_recipe_dict
+
+
+def test_every_shipped_recipe_validates():
+    files = sorted(RECIPES.glob("*.yaml"))
+    assert {"quickstart.yaml", "flan_t5_xl_lora.yaml", "flan_t5_xxl_lora.yaml"} <= {f.name for f in files}
+    for f in files:
+        recipe = load_recipe(f)
+        assert f.read_text().splitlines()[0] == f"# python -m lorakit.run recipes/{f.name}"
+        assert recipe.output.dir
+
+
+def test_flan_t5_recipes_are_the_headline_setup():
+    for name in ("flan_t5_xl_lora.yaml", "flan_t5_xxl_lora.yaml"):
+        r = load_recipe(RECIPES / name)
+        assert r.model.dtype == "bfloat16" and r.model.gradient_checkpointing
+        assert r.method.kind == "lora" and r.method.target_modules == "all-linear"
+        assert r.distributed.zero_stage == 3 and r.distributed.num_processes == 8
+        assert (r.data.source, r.data.config) == ("abisee/cnn_dailymail", "3.0.0")
+        assert r.data.prompt_template == "Summarize the following news article:\n{input}\nSummary:\n"
+
+
+def test_dotted_overrides_are_typed():
+    r = load_recipe(
+        RECIPES / "quickstart.yaml",
+        [
+            "train.lr=2e-4",
+            "method.target_modules=[q, v]",
+            "data.max_samples=10",
+            "model.gradient_checkpointing=false",
+        ],
+    )
+    assert r.train.lr == 2e-4 and isinstance(r.train.lr, float)
+    assert r.method.target_modules == ["q", "v"]
+    assert r.data.max_samples == 10
+    assert r.model.gradient_checkpointing is False
+
+
+def test_overrides_do_not_mutate_input():
+    raw = {"train": {"lr": 1.0}}
+    out = apply_overrides(raw, ["train.lr=2.0", "eval.num_beams=4"])
+    assert raw == {"train": {"lr": 1.0}} and out["train"]["lr"] == 2.0 and out["eval"]["num_beams"] == 4
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("train.lrr=1e-3", "train.lrr"),
+        ("train.lr=fast", "train.lr"),
+        ("distributed.zero_stage=5", "distributed.zero_stage"),
+        ("method.kind=prefix", "method.kind"),
+        ("data.prompt_template=no placeholder", "data.prompt_template"),
+        ("distributed.offload_params=cpu", "distributed.offload_params"),
+    ],
+)
+def test_bad_values_name_the_field(tmp_path, override, field):
+    if field == "distributed.offload_params":
+        override_list = [override, "distributed.zero_stage=2"]
+    else:
+        override_list = [override]
+    with pytest.raises(RecipeError, match=field.replace(".", r"\.")):
+        load_recipe(RECIPES / "quickstart.yaml", override_list)
+
+
+def test_missing_required_section(tmp_path):
+    with pytest.raises(RecipeError, match=r"data: required key is missing"):
+        recipe_from_dict({"model": {"name_or_path": "x"}, "output": {"dir": "o"}})
+
+
+def test_recipe_is_frozen(tmp_path):
+    r = recipe_from_dict(tiny_recipe_dict(tmp_path, tmp_path / "run"))
+    with pytest.raises(Exception, match="frozen"):
+        r.train.lr = 1.0
+
+
+def test_resolved_dump_round_trips(tmp_path):
+    r = load_recipe(RECIPES / "quickstart.yaml")
+    f = tmp_path / "resolved.yaml"
+    f.write_text(dump_recipe(r))
+    assert load_recipe(f) == r
+    assert "warmup_ratio" in yaml.safe_load(f.read_text())["train"]  # defaults are written out
+
+
+def test_unreadable_recipe_files(tmp_path):
+    with pytest.raises(RecipeError, match="not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(bad)
+    with pytest.raises(RecipeError, match="KEY=VALUE"):
+        load_recipe(RECIPES / "quickstart.yaml", ["train.lr"])
+    assert Path(RECIPES / "quickstart.yaml").exists()
