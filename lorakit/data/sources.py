@@ -58,7 +58,8 @@ def load_split(data: DataSection, split: str) -> datasets.Dataset:
             ds = datasets.load_dataset(data.source, data.config, split=split)
     except DataError:
         raise
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
+        # OSError covers a missing file and an unreachable or unknown hub dataset (ConnectionError).
         raise DataError(f"data.source {data.source!r} (config {data.config!r}, split {split!r}): {e}") from e
     if len(ds) == 0:
         raise DataError(f"data.source {data.source!r}: split {split!r} is empty")

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
+from lorakit.errors import RecipeError
 from lorakit.model.attention import choose_attention
 from lorakit.recipe.schema import Recipe
 from lorakit.testing import resolve_model_source
@@ -30,9 +31,15 @@ class BuiltModel:
 def load_config(recipe: Recipe):
     """The base model's config and its local (or hub) source, without loading weights."""
     source = resolve_model_source(recipe.model.name_or_path, recipe.data.cache_dir)
-    config = AutoConfig.from_pretrained(
-        source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code
-    )
+    try:
+        config = AutoConfig.from_pretrained(
+            source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        # A misspelled hub id, a path without config.json, or no route to the hub.
+        raise RecipeError(
+            f"model.name_or_path {recipe.model.name_or_path!r}: cannot load its config: {e}"
+        ) from e
     return source, config
 
 

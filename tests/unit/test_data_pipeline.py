@@ -114,3 +114,21 @@ def test_collator_pads_dynamically_and_counts_tokens(cache_dir, tmp_path):
 def test_packing_for_seq2seq_is_refused_clearly(cache_dir, tmp_path):
     with pytest.raises(DataError, match="data.packing"):
         _prepare(cache_dir, tmp_path, packing=True)
+
+
+def test_unreachable_sources_are_clear_errors(cache_dir, tmp_path, monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    # The libraries read these at import time; patch the constants so nothing waits on network retries.
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError, match=r"data\.source 'lorakit-test/not-a-dataset'"):
+        _prepare(cache_dir, tmp_path, source="lorakit-test/not-a-dataset")
+    from lorakit.errors import RecipeError
+
+    recipe = recipe_from_dict(
+        tiny_recipe_dict(cache_dir, tmp_path / "run", model={"name_or_path": "lorakit-test/nope"})
+    )
+    with pytest.raises(RecipeError, match=r"model\.name_or_path 'lorakit-test/nope'"):
+        load_config(recipe)
