@@ -176,7 +176,18 @@ def run_job(recipe: Recipe) -> TrainResult:
         rundir.write_json(run_dir / rundir.SUMMARY, summary)
         log.close()
     dist.barrier()
+    release(engine, built)
     return TrainResult(run_dir, summary)
+
+
+def release(engine, built) -> None:
+    """Undo the process-wide state a job leaves: ZeRO hooks, and transformers' "ZeRO-3 is on" flag, which
+    would otherwise make every later from_pretrained in this process load partitioned."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    engine.destroy()
+    built.hf_ds_config = None
+    unset_hf_deepspeed_config()
 
 
 class _Logger:

@@ -65,7 +65,11 @@ def process_group(backend: str = "auto") -> Iterator[None]:
         yield
     finally:
         if created and dist.is_initialized():
-            dist.destroy_process_group()
+            # DeepSpeed's teardown also drops the groups it cached, so a later job in this process
+            # (a second lorakit.train in a notebook) does not reach for a destroyed group.
+            import deepspeed.comm
+
+            deepspeed.comm.destroy_process_group()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

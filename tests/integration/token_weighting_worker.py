@@ -41,6 +41,9 @@ def main(cache: str, out: str, mode: str) -> None:
         tok = load_tokenizer(recipe, source)
         data = prepare_data(recipe, tok, config)
         ds_config = build_ds_config(recipe, dist.world_size(), accelerator="cpu")
+        # Plain SGD at lr 1 makes the update exactly -gradient, so the weights compare gradients; Adam's
+        # g / (|g| + eps) would amplify float-order noise wherever g is near eps.
+        ds_config["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
         built = build_model(recipe, ds_config)
         engine, *_ = deepspeed.initialize(
             model=built.model,
