@@ -231,6 +231,12 @@ def _worker_baseline(spec: dict) -> dict:
             self.epoch = self.epoch_cpu = self.steps = 0.0
             self._e = self._c = self._s = 0.0
 
+        def on_train_begin(self, *a, **k):
+            # DeepSpeed's initialisation inside the Trainer resets torch's thread count (to one per core);
+            # pin it again so every side computes with the same number of threads.
+            if spec.get("torch_threads"):
+                torch.set_num_threads(spec["torch_threads"])
+
         def on_epoch_begin(self, *a, **k):
             self._e, self._c = time.perf_counter(), time.process_time()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 from lorakit import rundir
@@ -31,7 +32,9 @@ def train(recipe: Recipe) -> TrainResult:
     from lorakit.engine.job import run_job
 
     if launched_distributed() or recipe.distributed.num_processes == 1:
-        with process_group(recipe.distributed.backend):
+        with process_group(recipe.distributed.backend), warnings.catch_warnings():
+            # DeepSpeed calls torch.distributed APIs that torch deprecated, and warns on every step.
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
             return run_job(recipe)
     print(prepare(recipe).describe(), flush=True)
     with tempfile.TemporaryDirectory(prefix="lorakit-") as tmp:

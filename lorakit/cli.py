@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import warnings
 from collections.abc import Callable
 
 
@@ -21,8 +20,6 @@ def quiet_libraries() -> None:
     """Keep DeepSpeed's and datasets' INFO chatter out of the user's terminal."""
     for name in ("DeepSpeed", "deepspeed", "datasets", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    # DeepSpeed calls torch.distributed APIs that torch has deprecated, once per step.
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     try:
         import datasets
 

@@ -109,8 +109,10 @@ class Trainer:
         self.engine.train()
         for epoch in range(self.plan.epochs):
             self.sampler.set_epoch(epoch)
+            # The clock runs from the end of one step's bookkeeping to the end of the next step, so batch
+            # loading and collation count towards train_seconds; logging does not.
+            start = time.perf_counter()
             for window in accumulation_windows(self.loader, self.accumulation):
-                start = time.perf_counter()
                 stats = train_window(self.engine, window, self.meter)
                 seconds = time.perf_counter() - start
                 self.train_seconds += seconds
@@ -134,6 +136,7 @@ class Trainer:
                     self.progress.set_postfix(loss=f"{stats['loss']:.4f}")
                 if self.step >= self.plan.total_steps:
                     break
+                start = time.perf_counter()
             if self.evaluate is not None:
                 self.evaluate(epoch, self.step)
             if self.step >= self.plan.total_steps:

@@ -57,6 +57,8 @@ def check_result(result: dict, repeats: int) -> None:
         assert RUN_KEYS <= set(run), run
         assert run["useful_tokens"] == per_side["baseline"]
         assert run["epoch_seconds"] > 0 and run["useful_tokens"] <= run["token_slots"]
+    # Every side computed with the same number of torch threads (DeepSpeed inside the Trainer resets it).
+    assert len({run["torch_threads"] for run in result["runs"]}) == 1
     setup = result["setup"]
     assert setup["dtype"] in ("float32", "bfloat16") and setup["train"]["micro_batch_size"] == 8
     assert setup["data"]["max_source_length"] > 0 and setup["data"]["max_target_length"] > 0
