@@ -687,8 +687,8 @@ def plot(result: dict, path: Path) -> bool:
     except ImportError:
         return False
     labels = {
-        "baseline": "Seq2SeqTrainer\nmax_length padding",
-        "baseline_zero3": "Seq2SeqTrainer\n+ ZeRO-3, padded",
+        "baseline": "Trainer\npadded",
+        "baseline_zero3": "Trainer ZeRO-3\npadded",
         "lorakit_zero3": "lorakit\nZeRO-3",
         "lorakit_zero0": "lorakit\nZeRO-0",
     }
@@ -701,7 +701,7 @@ def plot(result: dict, path: Path) -> bool:
             ratio = result["ratios"][side]["useful_tokens_per_second"]
             top = max(runs + [result["medians"][side]["useful_tokens_per_second"]])
             ax.annotate(
-                f"x{ratio:.2f} vs {labels[result['ratios'][side]['versus']].splitlines()[-1]}",
+                f"x{ratio:.2f} vs {labels[result['ratios'][side]['versus']].splitlines()[0]}",
                 (i, top),
                 xytext=(0, 4),
                 textcoords="offset points",
