@@ -659,7 +659,6 @@ def orchestrate(args) -> int:
     result["benchmark_wall_seconds"] = time.perf_counter() - t0
     output = Path(args.output).expanduser().resolve()
     write_json(output, result)
-    output.chmod(0o644)  # write_json's temp file is private (0600); a result is for everyone to read
     log(f"useful tokens: {result['useful_tokens']['per_side']} (equal: {equal})")
     for side in PAIRS:
         log(

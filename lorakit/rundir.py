@@ -55,15 +55,11 @@ def git_revision(path: str | Path = ".") -> str | None:
 def write_json(path: Path, obj: Any) -> None:
     """Write JSON atomically (temp file + rename), so readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, json.dumps(obj, indent=2, default=str) + "\n")
+    write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def write_text(path: Path, text: str) -> None:
     """Write text atomically."""
-    _atomic_write(path, text)
-
-
-def _atomic_write(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         f.write(text)
