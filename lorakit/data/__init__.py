@@ -11,6 +11,7 @@ _EXPORTS = {
     "PreparedData": "lorakit.data.pipeline",
     "prepare_data": "lorakit.data.pipeline",
     "LengthGroupedBatchSampler": "lorakit.data.sampler",
+    "MultipackBatchSampler": "lorakit.data.multipack",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -70,8 +70,22 @@ class DataSection(_Section):
     eval_split: str | None = Field(
         "validation", description="Split to evaluate on; null disables evaluation data."
     )
-    input_column: str = Field("input", description="Column with the model input text.")
-    target_column: str = Field("target", description="Column with the text the model must produce.")
+    format: Literal["instruction", "completion", "chat"] = Field(
+        "instruction",
+        description="instruction: (input, target) text pairs, the input put through prompt_template (the "
+        "only format for encoder-decoder models); completion: one text column, every token trained "
+        "(causal LMs); chat: a column of messages [{role, content}, ...] rendered with the tokenizer's chat "
+        "template, loss on the assistant turns (causal LMs).",
+    )
+    input_column: str = Field("input", description="instruction: column with the model input text.")
+    target_column: str = Field("target", description="instruction: column with the text the model must produce.")
+    text_column: str = Field("text", description="completion: column with the text to train on.")
+    messages_column: str = Field("messages", description="chat: column with the list of messages.")
+    train_on_inputs: bool = Field(
+        False,
+        description="Causal LMs: also take the loss on prompt tokens (instruction) or on system and user "
+        "turns (chat). Off by default: the loss is on responses only.",
+    )
     prompt_template: str = Field(
         "{input}", description="Template applied to each input; must contain `{input}`."
     )
@@ -85,10 +99,22 @@ class DataSection(_Section):
     max_target_length: int | Literal["auto"] = Field(
         "auto", description="Token cap on the target. auto: the 95th percentile of target lengths."
     )
+    max_length: int | Literal["auto"] = Field(
+        "auto",
+        description="Causal LMs: token cap on a whole example (prompt and response). auto: the longest "
+        "example, capped at the model's maximum length.",
+    )
+    overlong: Literal["truncate", "drop", "error"] = Field(
+        "truncate",
+        description="What happens to an example longer than its cap (max_length, or train.max_tokens when "
+        "packing; max_source/target_length for encoder-decoders): truncate it, drop it, or stop with an "
+        "error naming the row. Truncated and dropped examples are counted in summary.json.",
+    )
     packing: bool = Field(
         False,
-        description="Pack several examples into one row. Encoder-decoder packing is not available yet; "
-        "without packing, batches are grouped by length and padded only to their longest member.",
+        description="Causal LMs: pack several examples into one row of up to train.max_tokens tokens with "
+        "a multipack sampler; attention never crosses examples. Encoder-decoder packing is not available "
+        "yet; without packing, batches are grouped by length and padded only to their longest member.",
     )
     cache_dir: str = Field(
         "~/.cache/lorakit", description="Where tokenized datasets and built tiny models are cached."
@@ -105,7 +131,7 @@ class DataSection(_Section):
             raise ValueError(
                 f"data.prompt_template: only {{input}} may appear in braces (write {{{{ for a literal brace): {e}"
             ) from None
-        for name in ("max_source_length", "max_target_length"):
+        for name in ("max_source_length", "max_target_length", "max_length"):
             value = getattr(self, name)
             if isinstance(value, int) and value < 1:
                 raise ValueError(f"data.{name} must be >= 1 or 'auto'")
@@ -122,7 +148,16 @@ class TrainSection(_Section):
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps spent warming up linearly.")
     lr_schedule: Literal["linear", "cosine", "constant"] = Field("linear", description="Decay after warmup.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables clipping.")
-    micro_batch_size: int = Field(8, ge=1, description="Examples per process per forward pass.")
+    micro_batch_size: int = Field(
+        8, ge=1, description="Examples per process per forward pass (without packing)."
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="With data.packing: the token budget of one packed micro-batch (one row per process "
+        "per forward pass). Default: micro_batch_size x data.max_length, what a full padded micro-batch "
+        "would hold.",
+    )
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     seed: int = Field(42, description="Seed for model init, LoRA init, shuffling and dropout.")
     log_every: int = Field(1, ge=1, description="Write a metrics.jsonl line every this many steps.")
@@ -196,6 +231,11 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> Recipe:
+        if self.data.format == "completion" and self.eval_active() and self.eval.generate:
+            raise ValueError(
+                "eval.generate: data.format completion has no reference outputs to score generations "
+                "against; set eval.generate: false (the eval loss is still computed)"
+            )
         if self.eval.enabled and self.eval.generate and not self.eval.metrics:
             raise ValueError(
                 "eval.metrics is empty while eval.generate is true: name a metric or set generate: false"
