@@ -27,7 +27,8 @@ class TokenMeter:
     def add(self, batch: dict) -> None:
         self.real += int(batch["num_real_tokens"])
         self.slots += int(batch["num_token_slots"])
-        self.samples += int(batch["input_ids"].shape[0])
+        # A packed row holds several examples: collators say how many.
+        self.samples += int(batch["num_examples"])
 
     def efficiency(self) -> float:
         """Useful tokens / token slots: 1.0 means no compute was spent on padding."""

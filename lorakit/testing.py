@@ -1,8 +1,9 @@
 """Tiny random models and tokenizers built locally, for tests, the quickstart and users' smoke tests.
 
 Nothing here touches the network: the tokenizer is trained on the builtin news_summaries dataset and the
-weights are random but a pure function of the seed. `model.name_or_path: tiny:t5` (or `tiny:llama`) in a
-recipe resolves, through `resolve_model_source`, to a directory built once under the cache directory.
+weights are random but a pure function of the seed. `model.name_or_path: tiny:t5` (or `tiny:llama`,
+`tiny:mistral`, `tiny:qwen2`) in a recipe resolves, through `resolve_model_source`, to a directory built once
+under the cache directory.
 """
 
 from __future__ import annotations
@@ -20,10 +21,15 @@ from lorakit.errors import RecipeError
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-TINY_KINDS: tuple[str, ...] = ("t5", "llama")
+TINY_KINDS: tuple[str, ...] = ("t5", "llama", "mistral", "qwen2")
+# The decoder-only kinds: they share the Llama-style tokenizer (BOS prepended, no EOS, chat template).
+CAUSAL_KINDS: tuple[str, ...] = ("llama", "mistral", "qwen2")
+# tiny:mistral's attention window: deliberately small, so sequences longer than it exercise sliding-window
+# attention (real Mistral uses 4096).
+TINY_SLIDING_WINDOW = 64
 # Bump when anything in the construction changes (tokenizer, config, init): cached directories are keyed by
 # it, so a stale build is never picked up.
-TINY_VERSION = 1
+TINY_VERSION = 2
 TINY_VOCAB_SIZE = 2000
 TINY_MAX_LENGTH = 512
 
@@ -76,8 +82,8 @@ def _trained_tokenizer_json() -> str:
 def build_tiny_tokenizer(path: str | os.PathLike, kind: str = "t5") -> PreTrainedTokenizerFast:
     """Train (deterministically) and save a ~2000-token fast tokenizer into `path`; returns it.
 
-    t5: appends </s> to every sequence, as T5's tokenizer does. llama: prepends <s>, no </s> (Llama style),
-    and carries a small chat template.
+    t5: appends </s> to every sequence, as T5's tokenizer does. llama, mistral, qwen2: prepends <s>, no </s>
+    (Llama style), and carries a small chat template.
     """
     from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
@@ -93,7 +99,7 @@ def build_tiny_tokenizer(path: str | os.PathLike, kind: str = "t5") -> PreTraine
         tok.post_processor = processors.TemplateProcessing(
             single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, ids[BOS])]
         )
-    extra = {"bos_token": BOS, "chat_template": LLAMA_CHAT_TEMPLATE} if kind == "llama" else {}
+    extra = {"bos_token": BOS, "chat_template": LLAMA_CHAT_TEMPLATE} if kind in CAUSAL_KINDS else {}
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,
@@ -141,10 +147,11 @@ def _t5_config(vocab_size: int):
     )
 
 
-def _llama_config(vocab_size: int, bos: int):
-    from transformers import LlamaConfig
+def _causal_config(kind: str, vocab_size: int, bos: int):
+    """Config of a tiny decoder-only model: the same shape for every causal kind."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    return LlamaConfig(
+    common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -152,18 +159,28 @@ def _llama_config(vocab_size: int, bos: int):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
-        tie_word_embeddings=False,
         bos_token_id=bos,
         eos_token_id=1,
         pad_token_id=0,
     )
+    if kind == "mistral":
+        return MistralConfig(**common, tie_word_embeddings=False, sliding_window=TINY_SLIDING_WINDOW)
+    if kind == "qwen2":
+        # Small Qwen2 checkpoints (0.5B, 1.5B) tie the output head to the input embedding.
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    return LlamaConfig(**common, tie_word_embeddings=False)
 
 
 def build_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0) -> PreTrainedModel:
-    """Build a tiny random `t5` or `llama` model (bit-identical for a given seed) and save it with its
+    """Build a tiny random model of a TINY_KINDS kind (bit-identical for a given seed) and save it with its
     tokenizer and generation config into `path`; returns the model."""
     import torch
-    from transformers import LlamaForCausalLM, T5ForConditionalGeneration
+    from transformers import (
+        LlamaForCausalLM,
+        MistralForCausalLM,
+        Qwen2ForCausalLM,
+        T5ForConditionalGeneration,
+    )
 
     _check_kind(kind, field="kind")
     tokenizer = build_tiny_tokenizer(path, kind=kind)
@@ -181,8 +198,14 @@ def build_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0) -> PreTr
             torch.nn.init.normal_(lm_head, std=config.d_model**-0.5)
             model.lm_head.weight = torch.nn.Parameter(lm_head)
         else:
-            config = _llama_config(len(tokenizer), bos=tokenizer.bos_token_id)
-            model = LlamaForCausalLM(config)
+            config = _causal_config(kind, len(tokenizer), bos=tokenizer.bos_token_id)
+            model_cls = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}
+            model = model_cls[kind](config)
+            # The default init (std 0.02) caps logits near +-1 with hidden size 64, so the loss of a LoRA smoke
+            # run could barely fall; hidden**-0.5 (as for the tiny T5's head) gives logits of order 1-10.
+            # In place, so Qwen2's tied embedding gets the same values.
+            with torch.no_grad():
+                torch.nn.init.normal_(model.lm_head.weight, std=config.hidden_size**-0.5)
     model.save_pretrained(str(path))
     return model
 

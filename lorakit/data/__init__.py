@@ -7,6 +7,8 @@ from importlib import import_module
 
 _EXPORTS = {
     "IGNORE_INDEX": "lorakit.data.collate",
+    "CausalCollator": "lorakit.data.collate",
+    "PackedCausalCollator": "lorakit.data.collate",
     "Seq2SeqCollator": "lorakit.data.collate",
     "PreparedData": "lorakit.data.pipeline",
     "prepare_data": "lorakit.data.pipeline",

@@ -1,4 +1,9 @@
-"""Collators: dynamic padding to the longest member of each batch, never to a fixed max_length."""
+"""Collators: dynamic padding to the longest member of a batch (never to a fixed max_length), or packing.
+
+Every batch carries, besides model inputs, `num_target_tokens` (tokens the loss is taken over),
+`num_real_tokens` (useful tokens), `num_token_slots` (the batch's capacity) and `num_examples`, which
+the loop uses for token-weighted loss and the throughput, sample and packing-efficiency meters.
+"""
 
 from __future__ import annotations
 
@@ -19,12 +24,7 @@ def _pad(rows: Sequence[Sequence[int]], value: int) -> torch.Tensor:
 
 
 class Seq2SeqCollator:
-    """Pads sources with the pad id (masked) and targets with -100 (ignored by the loss).
-
-    Besides model inputs, each batch carries `num_target_tokens` (tokens the loss is taken over),
-    `num_real_tokens` (non-pad source + target tokens) and `num_token_slots` (padding included), which
-    the loop uses for token-weighted loss and the throughput and packing-efficiency meters.
-    """
+    """Pads sources with the pad id (masked) and targets with -100 (ignored by the loss)."""
 
     def __init__(self, pad_token_id: int, decoder_start_token_id: int):
         self.pad_token_id = pad_token_id
@@ -51,12 +51,80 @@ class Seq2SeqCollator:
             "num_target_tokens": num_target,
             "num_real_tokens": int(attention_mask.sum()) + num_target,
             "num_token_slots": input_ids.numel() + labels.numel(),
+            "num_examples": len(rows),
         }
 
 
-MODEL_KEYS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
+def shift_labels(labels: Sequence[int]) -> list[int]:
+    """Causal LM targets: position t predicts token t+1; the last position of an example predicts nothing.
+
+    Rows store labels aligned with input_ids (-100 where no loss is taken); shifting here, per example,
+    puts -100 at every example's last position, so no token is ever trained to predict the next example.
+    """
+    return list(labels[1:]) + [IGNORE_INDEX]
 
 
-def model_inputs(batch: dict[str, Any], device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The tensors the model's forward takes (labels excluded: the loss is ours), moved to `device`."""
-    return {k: batch[k].to(device) for k in MODEL_KEYS if k in batch}
+class CausalCollator:
+    """Right-pads causal rows (pad id, masked) with labels shifted per example."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        input_ids = _pad([r["input_ids"] for r in rows], self.pad_token_id)
+        attention_mask = _pad([[1] * len(r["input_ids"]) for r in rows], 0)
+        labels = _pad([shift_labels(r["labels"]) for r in rows], IGNORE_INDEX)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "labels": labels,
+            "num_target_tokens": int((labels != IGNORE_INDEX).sum()),
+            "num_real_tokens": int(attention_mask.sum()),
+            "num_token_slots": input_ids.numel(),
+            "num_examples": len(rows),
+        }
+
+
+class PackedCausalCollator:
+    """Concatenates a micro-batch of causal rows into ONE row with position_ids restarting per example.
+
+    The model never sees an attention mask from here: `lorakit.model.packing` turns the position_ids into
+    per-example (block-diagonal causal) attention for each backend. The row is not padded; its capacity,
+    `max_tokens`, is what `num_token_slots` reports, so the packing efficiency says how full rows are.
+    """
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+
+    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        ids: list[int] = []
+        positions: list[int] = []
+        labels: list[int] = []
+        for r in rows:
+            ids.extend(r["input_ids"])
+            positions.extend(range(len(r["input_ids"])))
+            labels.extend(shift_labels(r["labels"]))
+        if len(ids) > self.max_tokens:
+            raise ValueError(f"packed row of {len(ids)} tokens exceeds max_tokens={self.max_tokens}")
+        label_t = torch.tensor([labels], dtype=torch.long)
+        return {
+            "input_ids": torch.tensor([ids], dtype=torch.long),
+            "position_ids": torch.tensor([positions], dtype=torch.long),
+            "labels": label_t,
+            "num_target_tokens": int((label_t != IGNORE_INDEX).sum()),
+            "num_real_tokens": len(ids),
+            "num_token_slots": self.max_tokens,
+            "num_examples": len(rows),
+        }
+
+
+def left_pad_prompts(prompts: Sequence[Sequence[int]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Causal-LM generation inputs: prompts left-padded, so every row's continuation starts at one column."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            input_ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+            attention_mask[i, width - len(p) :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}

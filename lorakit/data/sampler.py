@@ -14,7 +14,8 @@ _WINDOW_BATCHES = 64
 class LengthGroupedBatchSampler:
     """Yields this rank's micro-batches (lists of dataset indices) of examples with similar lengths.
 
-    Padding to the longest member of a batch then wastes little. Each epoch is a deterministic shuffle
+    Padding to the longest member of a batch then wastes little (with group_by_length=False, batches are
+    random: what a plain shuffled DataLoader gives, kept for comparisons). Each epoch is a deterministic shuffle
     from (seed, epoch). Every rank gets exactly `len(self)` batches: without drop_last the index list is
     padded with repeats from its start (like torch's DistributedSampler); with drop_last the remainder
     that does not fill a batch on every rank is dropped and reported by `dropped`.
@@ -29,6 +30,7 @@ class LengthGroupedBatchSampler:
         rank: int = 0,
         seed: int = 0,
         drop_last: bool = False,
+        group_by_length: bool = True,
     ):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside num_replicas {num_replicas}")
@@ -37,6 +39,7 @@ class LengthGroupedBatchSampler:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.batch_size, self.num_replicas, self.rank = batch_size, num_replicas, rank
         self.seed, self.drop_last, self.epoch = seed, drop_last, 0
+        self.group_by_length = group_by_length
         group = batch_size * num_replicas
         n = len(self.lengths)
         self.total = (n // group) * group if drop_last else -(-n // group) * group
@@ -65,8 +68,9 @@ class LengthGroupedBatchSampler:
         groups = []
         for start in range(0, self.total, window):
             chunk = order[start : start + window]
-            # Stable sort, longest first, so batches of a window hold neighbours in length.
-            chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
+            if self.group_by_length:
+                # Stable sort, longest first, so batches of a window hold neighbours in length.
+                chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
             groups.extend(chunk[i : i + group] for i in range(0, len(chunk), group))
         rng.shuffle(groups)
         per_rank: list[list[list[int]]] = [[] for _ in range(self.num_replicas)]

@@ -1,9 +1,10 @@
-"""Templated, truncated tokenization of (input, target) rows with datasets.map."""
+"""Encoder-decoder data: templated tokenization of (input, target) rows, caps and the overlong policy."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import datasets
 import numpy as np
@@ -26,25 +27,33 @@ def model_max_length(tokenizer, model_config) -> int | None:
 
 @dataclass(frozen=True)
 class Lengths:
-    """Resolved token caps for one prepared dataset."""
+    """Resolved token caps for one prepared dataset: source and target caps for an encoder-decoder (then
+    max_length is None), or the whole-sequence cap for a causal LM (then the other two are None)."""
 
-    max_source_length: int
-    max_target_length: int
+    max_source_length: int | None = None
+    max_target_length: int | None = None
+    max_length: int | None = None
 
 
 def resolve_lengths(
     data: DataSection, source_lengths: np.ndarray, target_lengths: np.ndarray, model_max: int | None
 ) -> Lengths:
-    """Turn `auto` caps into numbers: longest source (capped at the model max), p95 of targets."""
+    """Turn `auto` caps into numbers: longest source (capped at the model max); for targets the p95 when
+    over-long rows are truncated, else (drop, error) the longest target, capped at the model max."""
     if data.max_source_length == "auto":
         src = int(source_lengths.max())
         if model_max is not None:
             src = min(src, model_max)
     else:
         src = data.max_source_length
-    if data.max_target_length == "auto":
+    if data.max_target_length == "auto" and data.overlong == "truncate":
         # ceil so that at least 95% of targets fit whole.
         tgt = int(math.ceil(np.percentile(target_lengths, 95)))
+    elif data.max_target_length == "auto":
+        # A p95 cap would drop, or stop on, the 5% longest targets: auto means "fit the data" here.
+        tgt = int(target_lengths.max())
+        if model_max is not None:
+            tgt = min(tgt, model_max)
     else:
         tgt = data.max_target_length
     return Lengths(max(src, 2), max(tgt, 2))
@@ -115,3 +124,65 @@ def truncate_rows(ds: datasets.Dataset, data: DataSection, tokenizer, lengths: L
         return {"input_ids": sources, "labels": labels, "length": length}
 
     return ds.map(fn, batched=True, remove_columns=["_input"], desc="truncating", load_from_cache_file=False)
+
+
+def apply_overlong(
+    ds: datasets.Dataset, policy: str, lengths: Lengths, split: str
+) -> tuple[datasets.Dataset, int, int]:
+    """Rows whose source or target is over its cap: kept for truncate_rows (truncate), removed (drop), or
+    a DataError naming the first (error). Returns (rows, truncated count, dropped count)."""
+    src = np.fromiter((len(x) for x in ds["input_ids"]), dtype=np.int64, count=len(ds))
+    tgt = np.fromiter((len(x) for x in ds["labels"]), dtype=np.int64, count=len(ds))
+    over = (src > lengths.max_source_length) | (tgt > lengths.max_target_length)
+    n_over = int(over.sum())
+    if n_over == 0:
+        return ds, 0, 0
+    if policy == "error":
+        i = int(np.flatnonzero(over)[0])
+        raise DataError(
+            f"data.overlong is error: row {i} of split {split!r} has a {int(src[i])}-token source "
+            f"(data.max_source_length={lengths.max_source_length}) and a {int(tgt[i])}-token target "
+            f"(data.max_target_length={lengths.max_target_length}); {n_over} row(s) are over a cap. Raise "
+            "data.max_source_length / data.max_target_length, or set data.overlong: truncate or drop"
+        )
+    if policy == "drop":
+        return ds.select(np.flatnonzero(~over)), 0, n_over
+    return ds, n_over, 0
+
+
+def prepare_seq2seq(
+    raw: dict[str, datasets.Dataset], data: DataSection, tokenizer, model_max: int | None, split_names: dict
+) -> tuple[dict[str, datasets.Dataset], Lengths, dict[str, Any]]:
+    """Tokenize, cap and count encoder-decoder splits ("train" and maybe "eval"): (splits, lengths, stats)."""
+    tokenized = {k: tokenize_rows(ds, data, tokenizer, data.num_proc) for k, ds in raw.items()}
+    train_tok = tokenized["train"]
+    src_len = np.fromiter((len(x) for x in train_tok["input_ids"]), dtype=np.int64)
+    tgt_len = np.fromiter((len(x) for x in train_tok["labels"]), dtype=np.int64)
+    lengths = resolve_lengths(data, src_len, tgt_len, model_max)
+    overlong: dict[str, Any] = {"policy": data.overlong}
+    splits = {}
+    for k, ds in tokenized.items():
+        kept, truncated, dropped = apply_overlong(ds, data.overlong, lengths, split_names[k])
+        prefix = "" if k == "train" else f"{k}_"
+        overlong[f"{prefix}truncated"], overlong[f"{prefix}dropped"] = truncated, dropped
+        if len(kept) == 0:
+            raise DataError(
+                f"data.overlong is drop: every row of split {split_names[k]!r} is over data.max_source_length="
+                f"{lengths.max_source_length} or data.max_target_length={lengths.max_target_length}, so "
+                "none is left; raise them or set data.overlong: truncate"
+            )
+        splits[k] = truncate_rows(kept, data, tokenizer, lengths)
+    cut = data.overlong == "truncate"
+    stats = {
+        "format": data.format,
+        "train_rows": len(splits["train"]),
+        "eval_rows": len(splits["eval"]) if "eval" in splits else 0,
+        "source_tokens_untruncated": {"mean": float(src_len.mean()), "max": int(src_len.max())},
+        "target_tokens_untruncated": {"mean": float(tgt_len.mean()), "max": int(tgt_len.max())},
+        # Train rows actually cut (none when over-long rows are dropped).
+        "truncated_sources": int((src_len > lengths.max_source_length).sum()) if cut else 0,
+        "truncated_targets": int((tgt_len > lengths.max_target_length).sum()) if cut else 0,
+        "overlong": overlong,
+        "model_max_length": model_max,
+    }
+    return splits, lengths, stats

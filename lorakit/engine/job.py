@@ -10,7 +10,14 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from lorakit import rundir
-from lorakit.data import LengthGroupedBatchSampler, Seq2SeqCollator, prepare_data
+from lorakit.data import (
+    CausalCollator,
+    LengthGroupedBatchSampler,
+    MultipackBatchSampler,
+    PackedCausalCollator,
+    Seq2SeqCollator,
+    prepare_data,
+)
 from lorakit.engine import dist
 from lorakit.engine.deepspeed_config import build_ds_config
 from lorakit.engine.loop import Trainer, plan_steps
@@ -72,12 +79,12 @@ def run_job(recipe: Recipe) -> TrainResult:
         log.open()
 
     t = recipe.train
-    sampler = LengthGroupedBatchSampler(
-        data.train["length"], t.micro_batch_size, num_replicas=world, rank=dist.rank(), seed=t.seed
-    )
-    collator = Seq2SeqCollator(tokenizer.pad_token_id, config.decoder_start_token_id)
+    batching = make_batching(recipe, data, tokenizer, config, world, dist.rank())
+    sampler, collator = batching.sampler, batching.collator
     loader = DataLoader(data.train, batch_sampler=sampler, collate_fn=collator)
     plan = plan_steps(len(sampler), t.gradient_accumulation_steps, t.epochs, t.max_steps)
+    if main:
+        print(batching.describe(plan, world), flush=True)
     engine, *_ = deepspeed.initialize(
         model=built.model,
         model_parameters=[p for p in built.model.parameters() if p.requires_grad],
@@ -90,11 +97,12 @@ def run_job(recipe: Recipe) -> TrainResult:
         from lorakit.evaluation import compute_metrics
 
         ev = recipe.eval
-        max_new = data.lengths.max_target_length if ev.max_new_tokens == "auto" else ev.max_new_tokens
+        max_new = auto_max_new_tokens(data) if ev.max_new_tokens == "auto" else ev.max_new_tokens
         out = evaluate_model(
             engine,
+            built.inputs,
             data.eval,
-            collator,
+            batching.eval_collator,
             tokenizer,
             batch_size=ev.micro_batch_size or t.micro_batch_size,
             generate=ev.generate,
@@ -119,6 +127,7 @@ def run_job(recipe: Recipe) -> TrainResult:
         progress = tqdm(total=plan.total_steps, desc="training", unit="step", dynamic_ncols=True)
     trainer = Trainer(
         engine,
+        built.inputs,
         loader,
         sampler,
         plan,
@@ -150,6 +159,7 @@ def run_job(recipe: Recipe) -> TrainResult:
         "train_tokens": trainer.global_real_tokens,
         "padded_tokens": trainer.global_token_slots,
         "packing_efficiency": trainer.global_real_tokens / max(trainer.global_token_slots, 1),
+        "batching": batching.summary(plan),
         "tokens_per_second": trainer.tokens_per_second(),
         "train_seconds": trainer.train_seconds,
         "peak_memory_bytes": {
@@ -167,6 +177,7 @@ def run_job(recipe: Recipe) -> TrainResult:
             "cache_dir": str(data.path),
             "max_source_length": data.lengths.max_source_length,
             "max_target_length": data.lengths.max_target_length,
+            "max_length": data.lengths.max_length,
             **data.stats,
         },
         "versions": rundir.versions(),
@@ -178,6 +189,91 @@ def run_job(recipe: Recipe) -> TrainResult:
     dist.barrier()
     release(engine, built)
     return TrainResult(run_dir, summary)
+
+
+@dataclass
+class Batching:
+    """How training rows become micro-batches: sampler, collators, and what to report about them."""
+
+    sampler: Any
+    collator: Any
+    eval_collator: Any
+    packing: bool
+    max_tokens: int | None = None
+    # Tokens / capacity of the packed micro-batches of epoch 0 (the sampler's own measure).
+    efficiency: float | None = None
+
+    def summary(self, plan) -> dict[str, Any]:
+        """The batching facts recorded in summary.json."""
+        out: dict[str, Any] = {
+            "packing": self.packing,
+            "micro_batches_per_epoch_per_rank": plan.micro_batches_per_epoch,
+            "steps_per_epoch": plan.steps_per_epoch,
+            "examples_dropped_per_epoch": self.sampler.dropped,
+        }
+        if self.packing:
+            out["max_tokens"] = self.max_tokens
+            out["sampler_efficiency_epoch0"] = self.efficiency
+        return out
+
+    def describe(self, plan, world: int) -> str:
+        """One line for the terminal at start: micro-batches, steps, packing."""
+        line = (
+            f"batching: {plan.micro_batches_per_epoch} micro-batches per epoch on each of {world} rank(s) -> "
+            f"{plan.steps_per_epoch} steps per epoch, {plan.total_steps} steps in all"
+        )
+        if self.packing:
+            line += f"; packed rows of <= {self.max_tokens} tokens, {self.efficiency:.1%} full"
+        if self.sampler.dropped:
+            line += f"; {self.sampler.dropped} examples per epoch dropped by drop_last"
+        return line
+
+
+def packing_max_tokens(recipe: Recipe, max_length: int) -> int:
+    """The token budget of one packed micro-batch: train.max_tokens, else what a full padded one holds."""
+    return recipe.train.max_tokens or recipe.train.micro_batch_size * max_length
+
+
+def make_batching(recipe: Recipe, data, tokenizer, config, world: int, rank: int) -> Batching:
+    """Sampler and collators for the model family and the recipe's packing choice."""
+    t = recipe.train
+    if getattr(config, "is_encoder_decoder", False):
+        collator = Seq2SeqCollator(tokenizer.pad_token_id, config.decoder_start_token_id)
+        eval_collator = collator
+    else:
+        eval_collator = CausalCollator(tokenizer.pad_token_id)
+        collator = eval_collator
+    if recipe.data.packing:
+        max_tokens = packing_max_tokens(recipe, data.lengths.max_length)
+        sampler = MultipackBatchSampler(
+            data.train["length"], max_tokens, num_replicas=world, rank=rank, seed=t.seed
+        )
+        return Batching(
+            sampler, PackedCausalCollator(max_tokens), eval_collator, True, max_tokens, sampler.efficiency()
+        )
+    sampler = LengthGroupedBatchSampler(
+        data.train["length"],
+        t.micro_batch_size,
+        num_replicas=world,
+        rank=rank,
+        seed=t.seed,
+        group_by_length=recipe.data.group_by_length,
+    )
+    return Batching(sampler, collator, eval_collator, False)
+
+
+def auto_max_new_tokens(data) -> int:
+    """Generation cap when eval.max_new_tokens is auto: the target cap (seq2seq), else the longest eval
+    response (causal: tokens after the prompt)."""
+    if data.lengths.max_target_length is not None:
+        return data.lengths.max_target_length
+    return max(
+        (
+            length - len(prompt)
+            for length, prompt in zip(data.eval["length"], data.eval["prompt_ids"], strict=True)
+        ),
+        default=1,
+    )
 
 
 def release(engine, built) -> None:

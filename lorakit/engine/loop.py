@@ -9,7 +9,6 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from lorakit.data.collate import model_inputs
 from lorakit.engine import dist
 from lorakit.engine.loss import micro_batch_loss, token_loss_sum
 from lorakit.meter import TokenMeter
@@ -46,7 +45,7 @@ def accumulation_windows(loader: DataLoader, accumulation: int):
         yield window
 
 
-def train_window(engine, window: list[dict[str, Any]], meter: TokenMeter) -> dict[str, float]:
+def train_window(engine, inputs, window: list[dict[str, Any]], meter: TokenMeter) -> dict[str, float]:
     """Forward/backward every micro-batch of one window and take one optimizer step.
 
     The loss backpropagated is the sum of token losses over the window on every rank, divided by the
@@ -61,8 +60,7 @@ def train_window(engine, window: list[dict[str, Any]], meter: TokenMeter) -> dic
         # The window, not DeepSpeed's micro-step counter, decides when gradients are reduced and applied,
         # so a short last window of an epoch still steps with correctly weighted gradients.
         engine.set_gradient_accumulation_boundary(i == len(window) - 1)
-        # No KV cache in training: it is useless there and changes how attention masks are built.
-        logits = engine(**model_inputs(batch, device), use_cache=False).logits
+        logits = inputs.logits(engine, batch, device)
         loss_sum = token_loss_sum(logits, batch["labels"].to(device))
         engine.backward(micro_batch_loss(loss_sum, window_tokens, world), scale_wrt_gas=False)
         engine.step()
@@ -87,6 +85,7 @@ class Trainer:
     def __init__(
         self,
         engine,
+        inputs,
         loader: DataLoader,
         sampler,
         plan: StepPlan,
@@ -95,7 +94,7 @@ class Trainer:
         evaluate=None,
         progress=None,
     ):
-        self.engine, self.loader, self.sampler, self.plan = engine, loader, sampler, plan
+        self.engine, self.inputs, self.loader, self.sampler, self.plan = engine, inputs, loader, sampler, plan
         self.accumulation, self.log, self.evaluate, self.progress = accumulation, log, evaluate, progress
         self.meter = TokenMeter()
         self.losses: list[float] = []
@@ -113,7 +112,7 @@ class Trainer:
             # loading and collation count towards train_seconds; logging does not.
             start = time.perf_counter()
             for window in accumulation_windows(self.loader, self.accumulation):
-                stats = train_window(self.engine, window, self.meter)
+                stats = train_window(self.engine, self.inputs, window, self.meter)
                 seconds = time.perf_counter() - start
                 self.train_seconds += seconds
                 self.step += 1

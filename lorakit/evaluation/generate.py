@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lorakit.data.collate import model_inputs
+from lorakit.data.collate import left_pad_prompts
 from lorakit.engine import dist
 from lorakit.engine.loss import token_loss_sum
 
@@ -31,6 +31,7 @@ def eval_plan(num_rows: int, batch_size: int, num_replicas: int, rank: int) -> l
 @torch.no_grad()
 def evaluate_model(
     engine,
+    inputs,
     eval_ds,
     collator,
     tokenizer,
@@ -41,7 +42,11 @@ def evaluate_model(
     num_beams: int,
     zero3: bool,
 ) -> dict[str, Any]:
-    """Eval loss over all ranks and, if `generate`, predictions in row order (on every rank)."""
+    """Eval loss over all ranks and, if `generate`, predictions in row order (on every rank).
+
+    `inputs` is the model's ModelInputs; encoder-decoders generate from the source, causal LMs from each
+    row's `prompt_ids` (left-padded), and only the continuation is decoded.
+    """
     model = engine.module
     was_training = model.training
     model.eval()
@@ -49,15 +54,23 @@ def evaluate_model(
     loss_sum = tokens = 0.0
     predictions: list[tuple[int, str]] = []
     for rows, real in eval_plan(len(eval_ds), batch_size, dist.world_size(), dist.rank()):
-        batch = collator([eval_ds[i] for i in rows])
-        logits = engine(**model_inputs(batch, device), use_cache=False).logits
+        examples = [eval_ds[i] for i in rows]
+        batch = collator(examples)
+        logits = inputs.logits(engine, batch, device)
         if real:
             loss_sum += float(token_loss_sum(logits, batch["labels"].to(device)))
             tokens += batch["num_target_tokens"]
         if generate:
+            causal = "prompt_ids" in examples[0]
+            if causal:
+                prompt = left_pad_prompts([e["prompt_ids"] for e in examples], tokenizer.pad_token_id)
+            else:
+                prompt = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
             out = model.generate(
-                input_ids=batch["input_ids"].to(device),
-                attention_mask=batch["attention_mask"].to(device),
+                input_ids=prompt["input_ids"].to(device),
+                attention_mask=prompt["attention_mask"].to(device),
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
                 max_new_tokens=max_new_tokens,
                 num_beams=num_beams,
                 do_sample=False,
@@ -65,6 +78,9 @@ def evaluate_model(
                 # Under ZeRO-3 a rank that finishes early must keep gathering parameters for the others.
                 synced_gpus=zero3 and dist.world_size() > 1,
             )
+            if causal:
+                # A causal LM returns prompt + continuation; the prediction is the continuation.
+                out = out[:, prompt["input_ids"].shape[1] :]
             texts = tokenizer.batch_decode(out, skip_special_tokens=True)
             predictions.extend(zip(rows[:real], texts[:real], strict=True))
     loss_sum, tokens = dist.all_reduce([loss_sum, tokens])

@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from lorakit.errors import RecipeError
 from lorakit.model.attention import choose_attention
+from lorakit.model.inputs import ModelInputs
 from lorakit.recipe.schema import Recipe
 from lorakit.testing import resolve_model_source
 
@@ -23,6 +24,8 @@ class BuiltModel:
     source: str
     attention: str
     is_encoder_decoder: bool
+    # Turns batches into forward kwargs (per-example attention for packed rows) for this model's backend.
+    inputs: ModelInputs
     # transformers tracks HfDeepSpeedConfig through a weak reference: it must outlive training, since
     # peft and generate ask "is ZeRO-3 on?" long after from_pretrained returns.
     hf_ds_config: Any = None
@@ -79,6 +82,11 @@ def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
     auto_cls = AutoModelForSeq2SeqLM if is_enc_dec else AutoModelForCausalLM
     model_cls = auto_cls._model_mapping[type(config)]
     attention = choose_attention(recipe.model.attention, model_cls)
+    if attention == "sdpa" and recipe.data.packing and not is_enc_dec:
+        # Packed rows: SDPA per example (cost sum of L_i^2) instead of SDPA over the row with a T x T mask.
+        from lorakit.model.varlen import register_varlen_sdpa
+
+        attention = register_varlen_sdpa()
     dtype = getattr(torch, recipe.model.dtype)
 
     hf_ds_config = None
@@ -112,7 +120,8 @@ def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
             if p.requires_grad and p.dtype != dtype:
                 p.data = p.data.to(dtype)
     tokenizer = load_tokenizer(recipe, source)
-    return BuiltModel(model, tokenizer, source, attention, is_enc_dec, hf_ds_config)
+    inputs = ModelInputs(config, attention, dtype)
+    return BuiltModel(model, tokenizer, source, attention, is_enc_dec, inputs, hf_ds_config)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -78,7 +78,9 @@ class DataSection(_Section):
         "template, loss on the assistant turns (causal LMs).",
     )
     input_column: str = Field("input", description="instruction: column with the model input text.")
-    target_column: str = Field("target", description="instruction: column with the text the model must produce.")
+    target_column: str = Field(
+        "target", description="instruction: column with the text the model must produce."
+    )
     text_column: str = Field("text", description="completion: column with the text to train on.")
     messages_column: str = Field("messages", description="chat: column with the list of messages.")
     train_on_inputs: bool = Field(
@@ -97,7 +99,9 @@ class DataSection(_Section):
         "model's maximum length.",
     )
     max_target_length: int | Literal["auto"] = Field(
-        "auto", description="Token cap on the target. auto: the 95th percentile of target lengths."
+        "auto",
+        description="Token cap on the target. auto: the 95th percentile of target lengths (with "
+        "data.overlong drop or error: the longest target, capped at the model's maximum length).",
     )
     max_length: int | Literal["auto"] = Field(
         "auto",
@@ -115,6 +119,11 @@ class DataSection(_Section):
         description="Causal LMs: pack several examples into one row of up to train.max_tokens tokens with "
         "a multipack sampler; attention never crosses examples. Encoder-decoder packing is not available "
         "yet; without packing, batches are grouped by length and padded only to their longest member.",
+    )
+    group_by_length: bool = Field(
+        True,
+        description="Without packing: put examples of similar length in the same micro-batch, so padding to "
+        "the longest member wastes little. false: random micro-batches (more padding, fully random order).",
     )
     cache_dir: str = Field(
         "~/.cache/lorakit", description="Where tokenized datasets and built tiny models are cached."

@@ -41,15 +41,17 @@ def run_cli(module, *args, timeout=900):
     )
 
 
-@pytest.fixture(scope="module")
-def quickstart(tmp_path_factory):
-    base = tmp_path_factory.mktemp("quickstart")
+def run_recipe(base, recipe: str):
+    """python -m lorakit.run recipes/RECIPE with a private cache and run dir under `base`; must exit 0."""
     cache, run_dir = base / "cache", base / "run"
-    proc = run_cli(
-        "lorakit.run", RECIPES / "quickstart.yaml", f"data.cache_dir={cache}", f"output.dir={run_dir}"
-    )
+    proc = run_cli("lorakit.run", RECIPES / recipe, f"data.cache_dir={cache}", f"output.dir={run_dir}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc, cache, run_dir
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+    return run_recipe(tmp_path_factory.mktemp("quickstart"), "quickstart.yaml")
 
 
 @pytest.mark.slow

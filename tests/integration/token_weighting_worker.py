@@ -60,7 +60,7 @@ def main(cache: str, out: str, mode: str) -> None:
             window = [collate(rows_a), collate(rows_b)]
         else:
             window = [collate(rows_a if dist.rank() == 0 else rows_b)]
-        stats = train_window(engine, window, TokenMeter())
+        stats = train_window(engine, built.inputs, window, TokenMeter())
         weights = gather_adapter_state(engine.module)
         if dist.is_main():
             torch.save(weights, Path(out) / f"{mode}.pt")

@@ -24,6 +24,10 @@ def test_prepare_tokenizes_then_reuses_cache(tmp_path):
     again, _, _ = _prepare(cache, tmp_path, max_samples=20, max_eval_samples=5)
     assert again.cache_hit and again.path == first.path
     assert again.train["input_ids"] == first.train["input_ids"]
+    # Lengths and stats round-trip through the cache metadata; describe() reports the overlong counts.
+    assert again.lengths == first.lengths and again.lengths.max_length is None
+    assert again.stats == first.stats and again.stats["overlong"]["policy"] == "truncate"
+    assert "over-long examples (truncate): train " in again.describe()
     other, _, _ = _prepare(cache, tmp_path, max_samples=21, max_eval_samples=5)
     assert not other.cache_hit and other.path != first.path
 

@@ -10,7 +10,8 @@ from tests.conftest import RECIPES, tiny_recipe_dict
 
 def test_every_shipped_recipe_validates():
     files = sorted(RECIPES.glob("*.yaml"))
-    assert {"quickstart.yaml", "flan_t5_xl_lora.yaml", "flan_t5_xxl_lora.yaml"} <= {f.name for f in files}
+    shipped = {"quickstart.yaml", "quickstart_causal.yaml", "llama3_8b_lora.yaml"}
+    assert shipped | {"flan_t5_xl_lora.yaml", "flan_t5_xxl_lora.yaml"} <= {f.name for f in files}
     for f in files:
         recipe = load_recipe(f)
         assert f.read_text().splitlines()[0] == f"# python -m lorakit.run recipes/{f.name}"
@@ -25,6 +26,25 @@ def test_flan_t5_recipes_are_the_headline_setup():
         assert r.distributed.zero_stage == 3 and r.distributed.num_processes == 8
         assert (r.data.source, r.data.config) == ("abisee/cnn_dailymail", "3.0.0")
         assert r.data.prompt_template == "Summarize the following news article:\n{input}\nSummary:\n"
+
+
+def test_causal_recipes_pack_on_zero3():
+    big = load_recipe(RECIPES / "llama3_8b_lora.yaml")
+    assert big.model.attention == "auto" and big.model.dtype == "bfloat16" and big.model.gradient_checkpointing
+    assert big.method.kind == "lora" and big.method.target_modules == "all-linear"
+    assert big.distributed.zero_stage == 3 and big.distributed.num_processes == 8
+    assert big.data.packing and big.data.format == "chat" and big.train.max_tokens
+    small = load_recipe(RECIPES / "quickstart_causal.yaml")
+    assert small.model.name_or_path == "tiny:llama" and small.data.packing
+    assert small.distributed.zero_stage == 3 and small.distributed.num_processes == 2
+
+
+def test_completion_data_cannot_be_scored_by_generation():
+    raw = tiny_recipe_dict(Path("c"), Path("o"), data={"format": "completion"})
+    with pytest.raises(RecipeError, match=r"eval\.generate: data\.format completion"):
+        recipe_from_dict(raw)
+    raw["eval"]["generate"] = False
+    assert recipe_from_dict(raw).data.format == "completion"
 
 
 def test_dotted_overrides_are_typed():

@@ -66,3 +66,16 @@ def test_bad_arguments():
         LengthGroupedBatchSampler([1, 2], 1, num_replicas=2, rank=2)
     with pytest.raises(ValueError, match="no examples"):
         LengthGroupedBatchSampler([], 1)
+
+
+def test_random_batches_pad_more_than_grouped():
+    lengths = _lengths(800)
+
+    def slots(grouped: bool) -> int:
+        s = LengthGroupedBatchSampler(lengths, 8, seed=1, group_by_length=grouped)
+        batches = list(s)
+        assert sorted(i for b in batches for i in b) == list(range(800))
+        return sum(len(b) * int(lengths[b].max()) for b in batches)
+
+    # Same examples either way; random batches pad to much longer members.
+    assert slots(False) > 1.5 * slots(True)

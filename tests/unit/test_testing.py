@@ -19,6 +19,7 @@ from transformers import (
 from lorakit import testing
 from lorakit.errors import RecipeError
 from lorakit.testing import (
+    CAUSAL_KINDS,
     TINY_KINDS,
     TINY_VERSION,
     build_tiny_model,
@@ -26,7 +27,7 @@ from lorakit.testing import (
     resolve_model_source,
 )
 
-AUTO = {"t5": AutoModelForSeq2SeqLM, "llama": AutoModelForCausalLM}
+AUTO = {"t5": AutoModelForSeq2SeqLM} | {kind: AutoModelForCausalLM for kind in CAUSAL_KINDS}
 TEXT = "The council voted 41 to 7 on Monday to fund 12 schools in Porto, said Maria Novak."
 
 
@@ -65,8 +66,13 @@ def test_t5_tokenizer_appends_eos_like_t5(tiny_dirs):
     assert tok(TEXT, add_special_tokens=False)["input_ids"] == ids[:-1]
 
 
-def test_llama_tokenizer_prepends_bos_and_has_chat_template(tiny_dirs):
-    tok = AutoTokenizer.from_pretrained(tiny_dirs["llama"])
+def test_causal_kinds_are_the_non_t5_kinds():
+    assert set(CAUSAL_KINDS) == set(TINY_KINDS) - {"t5"}
+
+
+@pytest.mark.parametrize("kind", CAUSAL_KINDS)
+def test_causal_tokenizer_prepends_bos_and_has_chat_template(tiny_dirs, kind):
+    tok = AutoTokenizer.from_pretrained(tiny_dirs[kind])
     assert tok.bos_token == "<s>" and tok.bos_token_id == 3
     ids = tok(TEXT)["input_ids"]
     assert ids[0] == tok.bos_token_id and tok.eos_token_id not in ids
@@ -168,14 +174,40 @@ def test_t5_lm_head_stays_untied_after_loading(tiny_dirs):
     assert not torch.equal(model.lm_head.weight, model.shared.weight)
 
 
-def test_llama_config(tiny_dirs):
-    cfg = AutoConfig.from_pretrained(tiny_dirs["llama"])
-    assert cfg.model_type == "llama" and not cfg.tie_word_embeddings
+@pytest.mark.parametrize("kind", CAUSAL_KINDS)
+def test_causal_config(tiny_dirs, kind):
+    cfg = AutoConfig.from_pretrained(tiny_dirs[kind])
+    assert cfg.model_type == kind
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (64, 128, 2)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.max_position_embeddings) == (4, 2, 1024)
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (3, 1, 0)
-    gen = GenerationConfig.from_pretrained(tiny_dirs["llama"])
+    assert cfg.vocab_size == testing.TINY_VOCAB_SIZE
+    # Small Qwen2 checkpoints tie the output head to the embedding; Llama and Mistral do not.
+    assert cfg.tie_word_embeddings is (kind == "qwen2")
+    assert getattr(cfg, "sliding_window", None) == (
+        testing.TINY_SLIDING_WINDOW if kind == "mistral" else None
+    )
+    gen = GenerationConfig.from_pretrained(tiny_dirs[kind])
     assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (3, 1, 0)
+
+
+def test_qwen2_head_is_tied_after_loading(tiny_dirs):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen2"])
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_mistral_attends_within_its_sliding_window(tiny_dirs):
+    # The window is 64 tokens: the logits at position p depend only on tokens p-63..p. Changing the first
+    # token moves every logit inside the window and none beyond it (2 layers: the receptive field is
+    # 2 * 63 tokens, so compare position 130, past it).
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["mistral"]).eval()
+    ids = torch.randint(4, testing.TINY_VOCAB_SIZE, (1, 140), generator=torch.Generator().manual_seed(0))
+    other = ids.clone()
+    other[0, 0] = 4 if ids[0, 0] != 4 else 5
+    with torch.no_grad():
+        a, b = model(ids).logits[0], model(other).logits[0]
+    assert not torch.allclose(a[10], b[10])
+    assert torch.allclose(a[130:], b[130:], atol=1e-6)
 
 
 # --- resolve_model_source ----------------------------------------------------------------------------
@@ -188,7 +220,9 @@ def test_resolve_passes_other_names_through(tmp_path, name):
 
 
 def test_resolve_unknown_tiny_kind(tmp_path):
-    with pytest.raises(RecipeError, match=r"model\.name_or_path.*tiny:t5, tiny:llama"):
+    with pytest.raises(
+        RecipeError, match=r"model\.name_or_path.*tiny:t5, tiny:llama, tiny:mistral, tiny:qwen2"
+    ):
         resolve_model_source("tiny:xyz", tmp_path)
 
 

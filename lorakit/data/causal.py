@@ -1,0 +1,297 @@
+"""Causal-LM rows: instruction, completion and chat examples as whole sequences with unshifted labels.
+
+Every row has `input_ids` (the full sequence), `labels` (same length: the token where the loss is taken on
+it, else -100; the collator shifts), `length`, `prompt_ids` (what generation starts from at eval) and
+`reference` (the text generation should produce).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import datasets
+import jinja2
+import numpy as np
+
+from lorakit.data.tokenize import Lengths
+from lorakit.errors import DataError
+from lorakit.recipe.schema import DataSection, Recipe
+
+# Same value as lorakit.data.collate.IGNORE_INDEX (not imported: that module pulls in torch).
+IGNORE_INDEX = -100
+
+_IDS = datasets.List(datasets.Value("int32"))
+FEATURES = datasets.Features(
+    {
+        "input_ids": _IDS,
+        "labels": _IDS,
+        "length": datasets.Value("int32"),
+        "prompt_ids": _IDS,
+        "reference": datasets.Value("string"),
+    }
+)
+
+
+def required_columns(data: DataSection) -> dict[str, str]:
+    """{recipe field: column name} of the columns the recipe's data.format reads."""
+    if data.format == "completion":
+        return {"data.text_column": data.text_column}
+    if data.format == "chat":
+        return {"data.messages_column": data.messages_column}
+    return {"data.input_column": data.input_column, "data.target_column": data.target_column}
+
+
+def check_tokenizer(data: DataSection, tokenizer) -> None:
+    """The tokenizer can produce this format: a chat template for chat, an EOS token for the others."""
+    if data.format == "chat":
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                "data.format chat: the model's tokenizer has no chat template (tokenizer.chat_template is "
+                "unset), so messages cannot be rendered; use a tokenizer that ships one (an instruct/chat "
+                "checkpoint), or put the text in a column and use data.format instruction or completion"
+            )
+    elif tokenizer.eos_token_id is None:
+        raise DataError(
+            f"data.format {data.format}: the model's tokenizer has no EOS token, so the model could not "
+            "learn where a response ends; use a tokenizer with an eos_token"
+        )
+
+
+def _check_text(values, column: str, field: str, offset: int) -> None:
+    for i, v in enumerate(values):
+        if not isinstance(v, str):
+            raise DataError(
+                f"{field}: row {offset + i} of column {column!r} is {type(v).__name__}, not text: {v!r:.80}"
+            )
+
+
+def _check_messages(messages, column: str, row: int) -> None:
+    where = f"data.messages_column: row {row} of column {column!r}"
+    if not isinstance(messages, list) or not messages:
+        raise DataError(
+            f"{where} must be a non-empty list of {{role, content}} messages, got {type(messages).__name__}: "
+            f"{messages!r:.80}"
+        )
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: message {j} is {type(m).__name__}, not a {{role, content}} mapping")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise DataError(
+                    f"{where}: message {j} needs a text {key!r}, got {type(m.get(key)).__name__}: "
+                    f"{m.get(key)!r:.80}"
+                )
+
+
+def _adds_eos(tokenizer) -> bool:
+    """Whether plain tokenization already ends every sequence with EOS (T5-style, or add_eos_token)."""
+    return tokenizer("a")["input_ids"][-1:] == [tokenizer.eos_token_id]
+
+
+class _Chat:
+    """Renders one conversation and finds the token span of each assistant turn."""
+
+    def __init__(self, tokenizer, row: int):
+        self.tok, self.row = tokenizer, row
+
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        try:
+            return self.tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
+            raise DataError(f"data.messages_column: row {self.row}: the chat template failed: {e}") from e
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def not_prefix_stable(self, turn: int) -> DataError:
+        return DataError(
+            f"data.messages_column: row {self.row}: the tokenizer's chat template is not prefix-stable: "
+            f"rendering the conversation up to message {turn} does not give a prefix of the whole "
+            "conversation's rendering (the template rewrites earlier turns, e.g. strips reasoning from "
+            "past assistant messages), so the assistant tokens cannot be located; use a prefix-stable "
+            "template, or data.format instruction with the prompt and response in two columns"
+        )
+
+    def labels(self, messages: list[dict], train_on_inputs: bool) -> tuple[list[int], list[int]]:
+        """(input_ids, labels) of the conversation, labels set on assistant turns only (or everywhere)."""
+        full = self.render(messages, generation_prompt=False)
+        if getattr(self.tok, "is_fast", False):
+            enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        else:  # a Python (slow) tokenizer has no character offsets: compare token prefixes instead
+            enc = self.tok(full, add_special_tokens=False)
+        offsets = enc.get("offset_mapping")
+        ids = list(enc["input_ids"])
+        if train_on_inputs:
+            return ids, list(ids)
+        labels = [IGNORE_INDEX] * len(ids)
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], generation_prompt=True)
+            through = self.render(messages[: i + 1], generation_prompt=False)
+            if not (full.startswith(before) and full.startswith(through) and len(through) >= len(before)):
+                raise self.not_prefix_stable(i)
+            if offsets is not None:
+                # A token straddling a boundary belongs to the assistant turn (trained), at either end.
+                start = sum(1 for _, end in offsets if end <= len(before))
+                stop = sum(1 for begin, _ in offsets if begin < len(through))
+            else:
+                start, stop = len(self.encode(before)), len(self.encode(through))
+                if ids[:start] != self.encode(before) or ids[:stop] != self.encode(through):
+                    raise self.not_prefix_stable(i)
+            labels[start:stop] = ids[start:stop]
+        return ids, labels
+
+    def prompt(self, messages: list[dict]) -> tuple[list[int], str]:
+        """(prompt_ids, reference): the conversation before its last assistant turn, and that turn."""
+        if messages[-1]["role"] == "assistant":
+            return self.encode(self.render(messages[:-1], generation_prompt=True)), messages[-1]["content"]
+        return self.encode(self.render(messages, generation_prompt=True)), ""
+
+
+def tokenize_causal(
+    ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: int = 1
+) -> datasets.Dataset:
+    """Untruncated causal rows (input_ids, labels, length, prompt_ids, reference) for data.format."""
+    eos = tokenizer.eos_token_id
+    adds_eos = data.format != "chat" and _adds_eos(tokenizer)
+
+    def with_eos(ids: list[int]) -> list[int]:
+        return ids if ids[-1:] == [eos] else ids + [eos]
+
+    def instruction(batch, first: int) -> dict[str, list]:
+        inputs, targets = batch[data.input_column], batch[data.target_column]
+        _check_text(inputs, data.input_column, "data.input_column", first)
+        _check_text(targets, data.target_column, "data.target_column", first)
+        prompts = tokenizer([data.prompt_template.format(input=x) for x in inputs])["input_ids"]
+        if adds_eos:  # the EOS belongs after the response, not inside the sequence
+            prompts = [p[:-1] if p[-1:] == [eos] else p for p in prompts]
+        responses = [with_eos(r) for r in tokenizer(targets, add_special_tokens=False)["input_ids"]]
+        ids = [p + r for p, r in zip(prompts, responses, strict=True)]
+        if data.train_on_inputs:
+            labels = [list(x) for x in ids]
+        else:
+            labels = [[IGNORE_INDEX] * len(p) + r for p, r in zip(prompts, responses, strict=True)]
+        return {"input_ids": ids, "labels": labels, "prompt_ids": prompts, "reference": list(targets)}
+
+    def completion(batch, first: int) -> dict[str, list]:
+        texts = batch[data.text_column]
+        _check_text(texts, data.text_column, "data.text_column", first)
+        ids = [with_eos(x) for x in tokenizer(texts)["input_ids"]]
+        return {
+            "input_ids": ids,
+            "labels": ids,
+            "prompt_ids": [[] for _ in ids],
+            "reference": [""] * len(ids),
+        }
+
+    def chat(batch, first: int) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "labels": [], "prompt_ids": [], "reference": []}
+        for k, messages in enumerate(batch[data.messages_column]):
+            _check_messages(messages, data.messages_column, first + k)
+            conv = _Chat(tokenizer, first + k)
+            ids, labels = conv.labels(messages, data.train_on_inputs)
+            prompt, reference = conv.prompt(messages)
+            for key, value in zip(out, (ids, labels, prompt, reference), strict=True):
+                out[key].append(value)
+        return out
+
+    build = {"instruction": instruction, "completion": completion, "chat": chat}[data.format]
+
+    def fn(batch, indices):
+        rows = build(batch, indices[0])
+        rows["length"] = [len(x) for x in rows["input_ids"]]
+        return rows
+
+    return ds.map(
+        fn,
+        batched=True,
+        with_indices=True,
+        remove_columns=ds.column_names,
+        features=FEATURES,
+        num_proc=num_proc,
+        desc="tokenizing",
+        load_from_cache_file=False,
+    )
+
+
+def resolve_max_length(recipe: Recipe, lengths: np.ndarray, model_max: int | None) -> tuple[int, str]:
+    """(cap, the recipe field it comes from): data.max_length (auto: the longest example, capped at the
+    model's maximum), lowered to train.max_tokens when packing with a smaller budget."""
+    data = recipe.data
+    if data.max_length == "auto":
+        cap = int(lengths.max())
+        if model_max is not None:
+            cap = min(cap, model_max)
+    else:
+        cap = data.max_length
+    budget = recipe.train.max_tokens
+    if data.packing and budget is not None and budget < cap:
+        return budget, "train.max_tokens"
+    return cap, "data.max_length"
+
+
+def apply_overlong(
+    ds: datasets.Dataset, policy: str, cap: int, cap_field: str, split: str
+) -> tuple[datasets.Dataset, int, int]:
+    """Apply data.overlong to rows longer than `cap`; returns (rows, truncated count, dropped count)."""
+    lengths = np.asarray(ds["length"], dtype=np.int64)
+    over = np.flatnonzero(lengths > cap)
+    if over.size == 0:
+        return ds, 0, 0
+    if policy == "error":
+        i = int(over[0])
+        raise DataError(
+            f"data.overlong is error: row {i} of split {split!r} is {int(lengths[i])} tokens, longer than "
+            f"the cap of {cap} ({cap_field}); {over.size} row(s) are over it. Raise {cap_field}, or set "
+            "data.overlong: truncate or drop"
+        )
+    if policy == "drop":
+        return ds.select(np.flatnonzero(lengths <= cap)), 0, int(over.size)
+
+    def cut(batch):
+        ids = [x[:cap] for x in batch["input_ids"]]
+        return {
+            "input_ids": ids,
+            "labels": [x[:cap] for x in batch["labels"]],
+            "length": [len(x) for x in ids],
+        }
+
+    return ds.map(cut, batched=True, desc="truncating", load_from_cache_file=False), int(over.size), 0
+
+
+def prepare_causal(
+    raw: dict[str, datasets.Dataset], recipe: Recipe, tokenizer, model_max: int | None, split_names: dict
+) -> tuple[dict[str, datasets.Dataset], Lengths, dict[str, Any]]:
+    """Tokenize, cap and count causal splits ("train" and maybe "eval"): (splits, lengths, stats)."""
+    data = recipe.data
+    check_tokenizer(data, tokenizer)
+    tokenized = {k: tokenize_causal(ds, data, tokenizer, data.num_proc) for k, ds in raw.items()}
+    all_lengths = np.concatenate([np.asarray(ds["length"], dtype=np.int64) for ds in tokenized.values()])
+    train_len = np.asarray(tokenized["train"]["length"], dtype=np.int64)
+    cap, cap_field = resolve_max_length(recipe, all_lengths, model_max)
+    overlong: dict[str, Any] = {"policy": data.overlong, "cap": cap, "cap_from": cap_field}
+    splits = {}
+    for k, ds in tokenized.items():
+        splits[k], truncated, dropped = apply_overlong(ds, data.overlong, cap, cap_field, split_names[k])
+        prefix = "" if k == "train" else f"{k}_"
+        overlong[f"{prefix}truncated"], overlong[f"{prefix}dropped"] = truncated, dropped
+        if len(splits[k]) == 0:
+            raise DataError(
+                f"data.overlong is drop: every row of split {split_names[k]!r} is longer than the cap of "
+                f"{cap} ({cap_field}), so none is left; raise {cap_field} or set data.overlong: truncate"
+            )
+    labels = splits["train"]["labels"]
+    stats = {
+        "format": data.format,
+        "train_rows": len(splits["train"]),
+        "eval_rows": len(splits["eval"]) if "eval" in splits else 0,
+        "tokens_untruncated": {"mean": float(train_len.mean()), "max": int(train_len.max())},
+        "loss_tokens": sum(sum(1 for t in row if t != IGNORE_INDEX) for row in labels),
+        "rows_without_loss": sum(1 for row in labels if all(t == IGNORE_INDEX for t in row)),
+        "overlong": overlong,
+        "model_max_length": model_max,
+    }
+    return splits, Lengths(max_length=cap), stats

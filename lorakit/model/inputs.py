@@ -1,0 +1,108 @@
+"""Batches -> the keyword arguments of the model's forward, with per-example attention for packed rows.
+
+A packed row holds several examples one after another, with position_ids restarting at 0 for each. How
+attention is kept inside each example depends on the backend:
+
+- flash_attention_2: no mask at all. transformers derives cu_seqlens from the restarting position_ids and
+  calls the varlen kernel, which never computes attention across examples (and skips the padding work).
+- lorakit_varlen_sdpa (what packed recipes load instead of sdpa, see lorakit.model.varlen): the example
+  boundaries go to the attention function as `lorakit_segments`, which runs SDPA per example. The
+  all-ones 2-D mask passed alongside keeps transformers from building a T x T mask it would not use.
+- sdpa / eager: an explicit 4-D block-diagonal causal mask, built here on the device (boolean for sdpa,
+  additive float for eager). transformers uses a 4-D mask as given. We do not rely on its detection of
+  packed position_ids: that detection is skipped whenever a KV cache is present, and in train mode with
+  `use_cache` left on, transformers 5.x let the second example attend to the first. An explicit mask
+  holds whatever the cache setting (tests/integration/test_packed_attention.py checks both).
+
+Sliding-window models (Mistral) get the window inside each example; models whose layers mix full and
+sliding attention (`config.layer_types`) get one mask per layer type, the form their forward accepts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lorakit.model.varlen import VARLEN_SDPA
+
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "decoder_input_ids", "decoder_attention_mask")
+
+
+def example_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Index of the example each token belongs to, from position_ids that restart at 0 per example."""
+    return (position_ids == 0).cumsum(-1)
+
+
+def packed_attention_mask(
+    position_ids: torch.Tensor, *, attention: str, dtype: torch.dtype, sliding_window: int | None = None
+) -> torch.Tensor:
+    """(B, 1, T, T) mask letting token q see token k only if both are in one example and k <= q
+    (and q - k < sliding_window when given). Boolean (True = attend) for sdpa, additive for eager."""
+    seq = example_ids(position_ids)
+    t = position_ids.shape[-1]
+    idx = torch.arange(t, device=position_ids.device)
+    allowed = (seq[:, :, None] == seq[:, None, :]) & (idx[None, :] <= idx[:, None])[None]
+    if sliding_window is not None:
+        allowed &= (idx[None, :] > idx[:, None] - sliding_window)[None]
+    allowed = allowed[:, None]
+    if attention == "sdpa":
+        return allowed
+    # eager adds the mask to the scores: 0 where allowed, the dtype's most negative value elsewhere.
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
+
+
+def _window(config, layer_type: str | None) -> int | None:
+    if layer_type is None:
+        return getattr(config, "sliding_window", None)
+    return getattr(config, "sliding_window", None) if layer_type == "sliding_attention" else None
+
+
+class ModelInputs:
+    """Callable: batch dict -> forward kwargs on `device` (labels excluded: the loss is computed by us).
+
+    Built once per model from its config, attention backend and compute dtype.
+    """
+
+    def __init__(self, config, attention: str, dtype: torch.dtype):
+        self.attention, self.dtype = attention, dtype
+        self.layer_types = sorted(set(getattr(config, "layer_types", None) or [])) or None
+        self.config = config
+
+    def packed_mask(self, position_ids: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor] | None:
+        """The attention-mask argument for a packed batch (None for flash attention: varlen from positions)."""
+        if self.attention.startswith("flash"):
+            return None
+
+        def build(layer_type: str | None) -> torch.Tensor:
+            return packed_attention_mask(
+                position_ids,
+                attention=self.attention,
+                dtype=self.dtype,
+                sliding_window=_window(self.config, layer_type),
+            )
+
+        if self.layer_types is None:
+            return build(None)
+        return {layer_type: build(layer_type) for layer_type in self.layer_types}
+
+    def __call__(self, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+        out: dict[str, Any] = {k: batch[k].to(device) for k in MODEL_KEYS if k in batch}
+        if "position_ids" in out and "attention_mask" not in out and self.attention == VARLEN_SDPA:
+            positions = batch["position_ids"][0]
+            starts = torch.nonzero(positions == 0).flatten().tolist()
+            out["lorakit_segments"] = (*starts, positions.numel())
+            out["attention_mask"] = torch.ones_like(out["input_ids"])
+        elif "position_ids" in out and "attention_mask" not in out:
+            mask = self.packed_mask(out["position_ids"])
+            if mask is not None:
+                out["attention_mask"] = mask
+        return out
+
+    def logits(self, model, batch: dict[str, Any], device: torch.device | str) -> torch.Tensor:
+        """Forward `batch` through `model` (a module or a DeepSpeed engine) the way training does."""
+        # No KV cache in training or eval loss: it is useless there and changes how transformers builds
+        # attention masks (the packed-sequence trap described above).
+        return model(**self(batch, device), use_cache=False).logits
