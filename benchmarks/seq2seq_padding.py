@@ -28,17 +28,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as a script from a checkout: benchmarks.common and this lorakit
+
+from benchmarks.common import machine as _machine  # noqa: E402
+from benchmarks.common import pairs as _pairs  # noqa: E402
+from benchmarks.common import run_worker, source_dirty  # noqa: E402
+from benchmarks.common import source_digest as _source_digest  # noqa: E402
+from benchmarks.common import versions as _versions  # noqa: E402
+
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "seq2seq_padding.json"
 
 PROMPT = "Summarize the following news article:\n{input}\nSummary:\n"  # recipes/quickstart.yaml
@@ -355,26 +361,9 @@ def _run_side(side: str, spec: dict, tmp: Path, log) -> dict:
         from lorakit.engine.launch import free_port
 
         spec.update(baseline_zero_stage=3, master_port=free_port())
-    spec_path, result_path, log_path = (tmp / f"{side}.{n}" for n in ("spec.json", "result.json", "log"))
-    spec_path.write_text(json.dumps(spec))
-    result_path.unlink(missing_ok=True)
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    load = os.getloadavg()[0]
-    start = time.perf_counter()
-    with open(log_path, "w") as out:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--worker", str(spec_path), str(result_path)],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    if proc.returncode != 0 or not result_path.is_file():
-        tail = log_path.read_text()[-4000:]
-        raise RuntimeError(f"{side} run failed (exit code {proc.returncode}); last output:\n{tail}")
-    result = json.loads(result_path.read_text())
-    result.update(side=side, process_seconds=time.perf_counter() - start, load_avg_1min_before=load)
+    result = run_worker(__file__, spec, tmp, side)
+    result["side"] = side
+    load = result["load_avg_1min_before"]
     result["padding_efficiency"] = result["useful_tokens"] / result["token_slots"]
     result["useful_tokens_per_second"] = result["useful_tokens"] / result["epoch_seconds"]
     result["step_useful_tokens_per_second"] = result["useful_tokens"] / result["step_seconds"]
@@ -385,48 +374,6 @@ def _run_side(side: str, spec: dict, tmp: Path, log) -> dict:
         f"  efficiency {result['padding_efficiency']:.3f}  (load {load:.1f})"
     )
     return result
-
-
-def _source_digest() -> str:
-    """A hash of lorakit's source files, to detect code that changed while the benchmark ran."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for path in sorted((ROOT / "lorakit").rglob("*.py")):
-        h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def _machine() -> dict:
-    cpu = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_model": cpu,
-        "cpu_count": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "accelerator": "none (CPU only)",
-    }
-
-
-def _versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "peft", "deepspeed", "accelerate", "datasets", "lorakit"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    import lorakit
-
-    out["lorakit"] = getattr(lorakit, "__version__", out["lorakit"])
-    return out
 
 
 def _summarise(runs: list[dict]) -> tuple[dict, dict]:
@@ -487,25 +434,13 @@ def _analysis(medians: dict, first: dict) -> dict:
     }
 
 
-def _pairs(runs: list[dict], side: str, base_side: str):
-    by_repeat: dict[int, dict] = {}
-    for r in runs:
-        by_repeat.setdefault(r["repeat"], {})[r["side"]] = r
-    return [(d[base_side], d[side]) for _, d in sorted(by_repeat.items()) if base_side in d and side in d]
-
-
 def orchestrate(args) -> int:
     t0 = time.perf_counter()
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     from lorakit.rundir import git_revision, write_json
 
     revision, digest = git_revision(ROOT), _source_digest()
-    dirty = None
-    if revision:
-        diff = subprocess.run(
-            ["git", "status", "--porcelain", "--", "lorakit"], cwd=ROOT, capture_output=True, text=True
-        )
-        dirty = bool(diff.stdout.strip()) if diff.returncode == 0 else None
+    dirty = source_dirty() if revision else None
 
     def log(msg):
         print(msg, flush=True)

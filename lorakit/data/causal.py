@@ -13,7 +13,7 @@ import datasets
 import jinja2
 import numpy as np
 
-from lorakit.data.tokenize import Lengths
+from lorakit.data.tokenize import Lengths, check_text
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection, Recipe
 
@@ -55,14 +55,6 @@ def check_tokenizer(data: DataSection, tokenizer) -> None:
             f"data.format {data.format}: the model's tokenizer has no EOS token, so the model could not "
             "learn where a response ends; use a tokenizer with an eos_token"
         )
-
-
-def _check_text(values, column: str, field: str, offset: int) -> None:
-    for i, v in enumerate(values):
-        if not isinstance(v, str):
-            raise DataError(
-                f"{field}: row {offset + i} of column {column!r} is {type(v).__name__}, not text: {v!r:.80}"
-            )
 
 
 def _check_messages(messages, column: str, row: int) -> None:
@@ -163,8 +155,8 @@ def tokenize_causal(
 
     def instruction(batch, first: int) -> dict[str, list]:
         inputs, targets = batch[data.input_column], batch[data.target_column]
-        _check_text(inputs, data.input_column, "data.input_column", first)
-        _check_text(targets, data.target_column, "data.target_column", first)
+        check_text(inputs, data.input_column, "data.input_column", first)
+        check_text(targets, data.target_column, "data.target_column", first)
         prompts = tokenizer([data.prompt_template.format(input=x) for x in inputs])["input_ids"]
         if adds_eos:  # the EOS belongs after the response, not inside the sequence
             prompts = [p[:-1] if p[-1:] == [eos] else p for p in prompts]
@@ -178,7 +170,7 @@ def tokenize_causal(
 
     def completion(batch, first: int) -> dict[str, list]:
         texts = batch[data.text_column]
-        _check_text(texts, data.text_column, "data.text_column", first)
+        check_text(texts, data.text_column, "data.text_column", first)
         ids = [with_eos(x) for x in tokenizer(texts)["input_ids"]]
         return {
             "input_ids": ids,

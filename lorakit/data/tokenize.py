@@ -59,7 +59,8 @@ def resolve_lengths(
     return Lengths(max(src, 2), max(tgt, 2))
 
 
-def _check_text(values, column: str, field: str, offset: int) -> None:
+def check_text(values, column: str, field: str, offset: int) -> None:
+    """DataError naming the field and row of the first cell in `values` that is not a string."""
     for i, v in enumerate(values):
         if not isinstance(v, str):
             raise DataError(
@@ -72,8 +73,8 @@ def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: 
 
     def fn(batch, indices):
         inputs, targets = batch[data.input_column], batch[data.target_column]
-        _check_text(inputs, data.input_column, "data.input_column", indices[0])
-        _check_text(targets, data.target_column, "data.target_column", indices[0])
+        check_text(inputs, data.input_column, "data.input_column", indices[0])
+        check_text(targets, data.target_column, "data.target_column", indices[0])
         texts = [data.prompt_template.format(input=x) for x in inputs]
         return {
             "input_ids": tokenizer(texts)["input_ids"],
