@@ -62,3 +62,57 @@ def test_full_finetune_zero3_saves_a_loadable_model(cache_dir, tmp_path):
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, base.get_parameter(n))]
     assert changed and "lm_head.weight" in changed
     assert model.lm_head.weight is not model.shared.weight
+
+
+def _chat_rows(n: int) -> list[dict]:
+    """Two-turn conversations whose answers follow from the question (so a LoRA can learn them)."""
+    colors = ["red", "blue", "green", "white", "black", "yellow"]
+    rows = []
+    for i in range(n):
+        c = colors[i % len(colors)]
+        rows.append(
+            {
+                "messages": [
+                    {"role": "system", "content": "Answer with one word."},
+                    {"role": "user", "content": f"Name the color: {c}."},
+                    {"role": "assistant", "content": c},
+                    {"role": "user", "content": f"Again, the color {c}?"},
+                    {"role": "assistant", "content": f"{c} again"},
+                ]
+            }
+        )
+    return rows
+
+
+@pytest.mark.slow
+def test_train_api_packed_chat_on_qwen2(cache_dir, tmp_path):
+    data_dir = tmp_path / "chat"
+    data_dir.mkdir()
+    for split, n in (("train", 96), ("validation", 8)):
+        lines = (json.dumps(r) for r in _chat_rows(n))
+        (data_dir / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    recipe = recipe_from_dict(
+        tiny_recipe_dict(
+            cache_dir,
+            tmp_path / "run",
+            model={"name_or_path": "tiny:qwen2"},
+            data={
+                "source": str(data_dir),
+                "format": "chat",
+                "packing": True,
+                "max_length": "auto",
+                "max_samples": 96,
+            },
+            # ~91 tokens per conversation: 4 per packed row.
+            train={"epochs": 3, "lr": 2e-2, "max_tokens": 384},
+            distributed={"zero_stage": 2},
+            eval={"metrics": ["exact_match"], "max_new_tokens": 4},
+        )
+    )
+    s = lorakit.train(recipe).summary
+    assert s["attention"] == "lorakit_varlen_sdpa" and s["batching"]["packing"]
+    assert s["train_samples"] == 3 * 96
+    assert s["packing_efficiency"] > 0.9
+    assert s["loss"]["last"] < 0.6 * s["loss"]["first"]
+    assert s["data"]["format"] == "chat" and s["data"]["overlong"]["dropped"] == 0
+    assert "exact_match" in s["eval"]
