@@ -31,6 +31,11 @@ def train(recipe: Recipe) -> TrainResult:
     """
     from lorakit.engine.job import run_job
 
+    if recipe.method.quantization():
+        from lorakit.model.quantize import require_bitsandbytes
+
+        require_bitsandbytes()  # before any tokenizing, worker or run directory
+
     if launched_distributed() or recipe.distributed.num_processes == 1:
         with process_group(recipe.distributed.backend), warnings.catch_warnings():
             # DeepSpeed calls torch.distributed APIs that torch deprecated, and warns on every step.

@@ -40,3 +40,44 @@ def tiny_recipe_dict(cache_dir: Path, out_dir: Path, **sections) -> dict:
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
     return raw
+
+
+# How packed rows are isolated: per-example SDPA (what packed recipes load for sdpa), or explicit 4-D masks
+# (sdpa loaded without packing, and eager).
+PACKING_BACKENDS = {"varlen_sdpa": ("sdpa", True), "sdpa_mask": ("sdpa", False), "eager": ("eager", False)}
+
+
+def training_config_model(cache_dir: Path, out_dir: Path, backend: str, **model):
+    """A tiny model built as training builds it (gradient checkpointing, LoRA) with a non-zero adapter
+    update and dropout off (random per token, so no two forwards would agree), in train mode."""
+    import torch
+
+    from lorakit.model import build_model
+    from lorakit.recipe import recipe_from_dict
+
+    attention, packing = PACKING_BACKENDS[backend]
+    recipe = recipe_from_dict(
+        tiny_recipe_dict(
+            cache_dir,
+            out_dir,
+            model={"attention": attention, "gradient_checkpointing": True, **model},
+            method={"dropout": 0.0},
+            data={"packing": packing},
+        )
+    )
+    built = build_model(recipe)
+    assert built.attention == ("lorakit_varlen_sdpa" if backend == "varlen_sdpa" else attention)
+    # LoRA's B starts at zero; give the adapter a real contribution so the contract covers its path.
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in built.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    # Dropout lives in nn.Dropout modules and, for attention weights, as a float on attention modules (T5).
+    for m in built.model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        elif isinstance(getattr(m, "dropout", None), float):
+            m.dropout = 0.0
+    built.model.train()
+    return built

@@ -9,6 +9,7 @@ _EXPORTS = {
     "IGNORE_INDEX": "lorakit.data.collate",
     "CausalCollator": "lorakit.data.collate",
     "PackedCausalCollator": "lorakit.data.collate",
+    "PackedSeq2SeqCollator": "lorakit.data.collate",
     "Seq2SeqCollator": "lorakit.data.collate",
     "PreparedData": "lorakit.data.pipeline",
     "prepare_data": "lorakit.data.pipeline",

@@ -118,6 +118,51 @@ class PackedCausalCollator:
         }
 
 
+class PackedSeq2SeqCollator:
+    """Packs a micro-batch of (source, target) rows into ONE encoder row and ONE decoder row.
+
+    Sources are concatenated into the encoder row, targets into the decoder row; `source_segments` and
+    `target_segments` say which example (1, 2, ...) each token belongs to, from which lorakit.model.inputs
+    builds the three masks (encoder: same example; decoder: same example and causal; cross: same example).
+    Decoder inputs restart with the decoder start token at every example. Rows are not padded: their
+    capacities are what `num_token_slots` reports.
+    """
+
+    def __init__(self, max_source_tokens: int, max_target_tokens: int, decoder_start_token_id: int):
+        self.max_source_tokens, self.max_target_tokens = max_source_tokens, max_target_tokens
+        self.decoder_start_token_id = decoder_start_token_id
+
+    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        src: list[int] = []
+        src_seg: list[int] = []
+        tgt: list[int] = []
+        dec: list[int] = []
+        tgt_seg: list[int] = []
+        for k, r in enumerate(rows, start=1):
+            src.extend(r["input_ids"])
+            src_seg.extend([k] * len(r["input_ids"]))
+            labels = list(r["labels"])
+            tgt.extend(labels)
+            dec.extend([self.decoder_start_token_id, *labels[:-1]])
+            tgt_seg.extend([k] * len(labels))
+        if len(src) > self.max_source_tokens or len(tgt) > self.max_target_tokens:
+            raise ValueError(
+                f"packed rows of {len(src)} source / {len(tgt)} target tokens exceed the capacities "
+                f"{self.max_source_tokens} / {self.max_target_tokens}"
+            )
+        return {
+            "input_ids": torch.tensor([src], dtype=torch.long),
+            "source_segments": torch.tensor([src_seg], dtype=torch.long),
+            "decoder_input_ids": torch.tensor([dec], dtype=torch.long),
+            "target_segments": torch.tensor([tgt_seg], dtype=torch.long),
+            "labels": torch.tensor([tgt], dtype=torch.long),
+            "num_target_tokens": len(tgt),
+            "num_real_tokens": len(src) + len(tgt),
+            "num_token_slots": self.max_source_tokens + self.max_target_tokens,
+            "num_examples": len(rows),
+        }
+
+
 def left_pad_prompts(prompts: Sequence[Sequence[int]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Causal-LM generation inputs: prompts left-padded, so every row's continuation starts at one column."""
     width = max(len(p) for p in prompts)

@@ -68,11 +68,6 @@ def check_supported(recipe: Recipe, is_encoder_decoder: bool) -> None:
             f"data.format {recipe.data.format}: encoder-decoder models (T5 family) take (input, target) "
             "pairs; set data.format: instruction with data.input_column and data.target_column"
         )
-    if recipe.data.packing:
-        raise DataError(
-            "data.packing: packing is not available for encoder-decoder models in this version; set "
-            "data.packing: false (batches are grouped by length, so padding stays small)"
-        )
 
 
 def _load(data: DataSection, split: str) -> datasets.Dataset:

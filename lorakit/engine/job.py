@@ -15,17 +15,21 @@ from lorakit.data import (
     LengthGroupedBatchSampler,
     MultipackBatchSampler,
     PackedCausalCollator,
+    PackedSeq2SeqCollator,
     Seq2SeqCollator,
     prepare_data,
 )
+from lorakit.data.multipack_seq2seq import Seq2SeqMultipackBatchSampler, default_max_target_tokens
 from lorakit.engine import dist
 from lorakit.engine.deepspeed_config import build_ds_config
 from lorakit.engine.loop import Trainer, plan_steps
 from lorakit.engine.save import save_trained
 from lorakit.engine.schedule import lambda_lr_factory
+from lorakit.errors import DataError
 from lorakit.evaluation.generate import evaluate_model
 from lorakit.meter import peak_memory
 from lorakit.model import build_model, count_parameters, load_config, load_tokenizer
+from lorakit.model.quantize import describe_quantization, quantization_summary
 from lorakit.recipe import Recipe, dump_recipe
 
 
@@ -79,7 +83,7 @@ def run_job(recipe: Recipe) -> TrainResult:
         log.open()
 
     t = recipe.train
-    batching = make_batching(recipe, data, tokenizer, config, world, dist.rank())
+    batching = make_batching(recipe, data, tokenizer, config, built, world, dist.rank())
     sampler, collator = batching.sampler, batching.collator
     loader = DataLoader(data.train, batch_sampler=sampler, collate_fn=collator)
     plan = plan_steps(len(sampler), t.gradient_accumulation_steps, t.epochs, t.max_steps)
@@ -91,6 +95,10 @@ def run_job(recipe: Recipe) -> TrainResult:
         config=ds_config,
         lr_scheduler=lambda_lr_factory(plan.total_steps, t.warmup_ratio, t.lr_schedule),
     )
+    # After deepspeed.initialize, so under ZeRO-3 it counts the partitioned base through ds_numel.
+    quantization = quantization_summary(engine.module, recipe) if recipe.method.quantization() else None
+    if main and quantization:
+        print(describe_quantization(quantization), flush=True)
     eval_results: dict[str, Any] = {}
 
     def evaluate(epoch: int, step: int) -> None:
@@ -153,6 +161,7 @@ def run_job(recipe: Recipe) -> TrainResult:
         "zero_stage": recipe.distributed.zero_stage,
         "trainable_params": trainable,
         "total_params": total,
+        "quantization": quantization,
         "steps": trainer.step,
         "epochs": plan.epochs,
         "train_samples": int(dist.all_reduce([trainer.meter.samples])[0]),
@@ -200,8 +209,11 @@ class Batching:
     eval_collator: Any
     packing: bool
     max_tokens: int | None = None
-    # Tokens / capacity of the packed micro-batches of epoch 0 (the sampler's own measure).
+    # Tokens / capacity of the packed micro-batches (the sampler's own measure; encoder rows for seq2seq).
     efficiency: float | None = None
+    # Encoder-decoder packing: the decoder row's capacity and how full it is.
+    max_target_tokens: int | None = None
+    target_efficiency: float | None = None
 
     def summary(self, plan) -> dict[str, Any]:
         """The batching facts recorded in summary.json."""
@@ -214,6 +226,10 @@ class Batching:
         if self.packing:
             out["max_tokens"] = self.max_tokens
             out["sampler_efficiency_epoch0"] = self.efficiency
+        if self.max_target_tokens is not None:
+            out["max_target_tokens"] = self.max_target_tokens
+            out["source_efficiency"] = self.efficiency
+            out["target_efficiency"] = self.target_efficiency
         return out
 
     def describe(self, plan, world: int) -> str:
@@ -222,7 +238,12 @@ class Batching:
             f"batching: {plan.micro_batches_per_epoch} micro-batches per epoch on each of {world} rank(s) -> "
             f"{plan.steps_per_epoch} steps per epoch, {plan.total_steps} steps in all"
         )
-        if self.packing:
+        if self.max_target_tokens is not None:
+            line += (
+                f"; packed encoder rows of <= {self.max_tokens} tokens ({self.efficiency:.1%} full) and decoder "
+                f"rows of <= {self.max_target_tokens} ({self.target_efficiency:.1%} full)"
+            )
+        elif self.packing:
             line += f"; packed rows of <= {self.max_tokens} tokens, {self.efficiency:.1%} full"
         if self.sampler.dropped:
             line += f"; {self.sampler.dropped} examples per epoch dropped by drop_last"
@@ -230,27 +251,63 @@ class Batching:
 
 
 def packing_max_tokens(recipe: Recipe, max_length: int) -> int:
-    """The token budget of one packed micro-batch: train.max_tokens, else what a full padded one holds."""
+    """The token budget of one packed micro-batch (the encoder row for encoder-decoders): train.max_tokens,
+    else what a full padded micro-batch holds."""
     return recipe.train.max_tokens or recipe.train.micro_batch_size * max_length
 
 
-def make_batching(recipe: Recipe, data, tokenizer, config, world: int, rank: int) -> Batching:
-    """Sampler and collators for the model family and the recipe's packing choice."""
+def _seq2seq_packing(recipe: Recipe, data, config, eval_collator, world: int, rank: int) -> Batching:
+    src = [len(x) for x in data.train["input_ids"]]
+    tgt = [len(x) for x in data.train["labels"]]
+    max_src = packing_max_tokens(recipe, data.lengths.max_source_length)
+    max_tgt = recipe.train.max_target_tokens or default_max_target_tokens(src, tgt, max_src)
+    for name, lengths, cap, setting in (
+        ("source", src, max_src, "train.max_tokens"),
+        ("target", tgt, max_tgt, "train.max_target_tokens"),
+    ):
+        if max(lengths) > cap:
+            raise DataError(
+                f"{setting}={cap} is smaller than the longest {name} ({max(lengths)} tokens): a packed row "
+                f"must hold any one example; raise {setting} or lower data.max_{name}_length"
+            )
+    sampler = Seq2SeqMultipackBatchSampler(
+        src, tgt, max_src, max_tgt, num_replicas=world, rank=rank, seed=recipe.train.seed
+    )
+    collator = PackedSeq2SeqCollator(max_src, max_tgt, config.decoder_start_token_id)
+    return Batching(
+        sampler,
+        collator,
+        eval_collator,
+        True,
+        max_src,
+        sampler.efficiency(),
+        max_tgt,
+        sampler.target_efficiency(),
+    )
+
+
+def make_batching(recipe: Recipe, data, tokenizer, config, built, world: int, rank: int) -> Batching:
+    """Sampler and collators for the model family and whether the built model packs."""
     t = recipe.train
     if getattr(config, "is_encoder_decoder", False):
-        collator = Seq2SeqCollator(tokenizer.pad_token_id, config.decoder_start_token_id)
-        eval_collator = collator
+        eval_collator = Seq2SeqCollator(tokenizer.pad_token_id, config.decoder_start_token_id)
+        if built.packing:
+            return _seq2seq_packing(recipe, data, config, eval_collator, world, rank)
     else:
         eval_collator = CausalCollator(tokenizer.pad_token_id)
-        collator = eval_collator
-    if recipe.data.packing:
-        max_tokens = packing_max_tokens(recipe, data.lengths.max_length)
-        sampler = MultipackBatchSampler(
-            data.train["length"], max_tokens, num_replicas=world, rank=rank, seed=t.seed
-        )
-        return Batching(
-            sampler, PackedCausalCollator(max_tokens), eval_collator, True, max_tokens, sampler.efficiency()
-        )
+        if built.packing:
+            max_tokens = packing_max_tokens(recipe, data.lengths.max_length)
+            sampler = MultipackBatchSampler(
+                data.train["length"], max_tokens, num_replicas=world, rank=rank, seed=t.seed
+            )
+            return Batching(
+                sampler,
+                PackedCausalCollator(max_tokens),
+                eval_collator,
+                True,
+                max_tokens,
+                sampler.efficiency(),
+            )
     sampler = LengthGroupedBatchSampler(
         data.train["length"],
         t.micro_batch_size,
@@ -259,7 +316,7 @@ def make_batching(recipe: Recipe, data, tokenizer, config, world: int, rank: int
         seed=t.seed,
         group_by_length=recipe.data.group_by_length,
     )
-    return Batching(sampler, collator, eval_collator, False)
+    return Batching(sampler, eval_collator, eval_collator, False)
 
 
 def auto_max_new_tokens(data) -> int:

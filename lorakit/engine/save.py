@@ -53,9 +53,10 @@ def gather_adapter_state(model) -> dict[str, torch.Tensor]:
 
 
 def save_trained(engine, built, recipe, run_dir: Path) -> dict[str, Any]:
-    """Save the adapter (LoRA) to run_dir/adapter or the full model to run_dir/model; return their paths."""
+    """Save the adapter (lora, qlora) to run_dir/adapter or the full model to run_dir/model; return the
+    paths."""
     model = engine.module
-    if recipe.method.kind == "lora":
+    if recipe.method.adapter():
         state = gather_adapter_state(model)
         out = run_dir / rundir.ADAPTER
         if dist.is_main():

@@ -37,3 +37,12 @@ def choose_attention(requested: str, model_cls) -> str:
             "model.attention: flash_attention_2 needs a CUDA GPU and flash-attn (pip install 'lorakit[flash]')"
         )
     return requested
+
+
+def packing_enabled(setting: bool | str, attention: str, is_encoder_decoder: bool) -> bool:
+    """data.packing resolved: `auto` packs wherever the backend keeps packed examples apart: every causal
+    backend (varlen flash, per-example SDPA, masks), and the mask-taking ones (sdpa, eager) for
+    encoder-decoders, whose packed rows need 4-D masks."""
+    if setting != "auto":
+        return bool(setting)
+    return not (is_encoder_decoder and attention.startswith("flash"))

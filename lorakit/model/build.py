@@ -9,8 +9,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from lorakit.errors import RecipeError
-from lorakit.model.attention import choose_attention
+from lorakit.model.attention import choose_attention, packing_enabled
 from lorakit.model.inputs import ModelInputs
+from lorakit.model.quantize import bnb_config, check_keep_in_fp32, logical_numel
 from lorakit.recipe.schema import Recipe
 from lorakit.testing import resolve_model_source
 
@@ -26,6 +27,8 @@ class BuiltModel:
     is_encoder_decoder: bool
     # Turns batches into forward kwargs (per-example attention for packed rows) for this model's backend.
     inputs: ModelInputs
+    # Whether training batches are packed (data.packing resolved for this model and backend).
+    packing: bool = False
     # transformers tracks HfDeepSpeedConfig through a weak reference: it must outlive training, since
     # peft and generate ask "is ZeRO-3 on?" long after from_pretrained returns.
     hf_ds_config: Any = None
@@ -82,12 +85,18 @@ def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
     auto_cls = AutoModelForSeq2SeqLM if is_enc_dec else AutoModelForCausalLM
     model_cls = auto_cls._model_mapping[type(config)]
     attention = choose_attention(recipe.model.attention, model_cls)
-    if attention == "sdpa" and recipe.data.packing and not is_enc_dec:
+    packing = packing_enabled(recipe.data.packing, attention, is_enc_dec)
+    if attention == "sdpa" and packing:
         # Packed rows: SDPA per example (cost sum of L_i^2) instead of SDPA over the row with a T x T mask.
         from lorakit.model.varlen import register_varlen_sdpa
 
         attention = register_varlen_sdpa()
     dtype = getattr(torch, recipe.model.dtype)
+    check_keep_in_fp32(model_cls, dtype)
+    quant_type = recipe.method.quantization()
+    # QLoRA: transformers quantizes the linear layers as it loads them. Under ZeRO-3 it then loads the
+    # (4-bit) base whole on each rank, without zero.Init; deepspeed.initialize partitions it afterwards.
+    quantization = bnb_config(quant_type, dtype) if quant_type else None
 
     hf_ds_config = None
     if ds_config is not None and ds_config.get("zero_optimization", {}).get("stage") == 3:
@@ -102,6 +111,7 @@ def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
         trust_remote_code=recipe.model.trust_remote_code,
         dtype=dtype,
         attn_implementation=attention,
+        quantization_config=quantization,
     )
     if hf_ds_config is not None:
         from lorakit.model.untie import restore_untied_head
@@ -111,7 +121,9 @@ def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
     model.config.use_cache = False
     if recipe.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if recipe.method.kind == "lora":
+    if recipe.method.adapter():
+        # peft freezes the base (4-bit weights included). No prepare_model_for_kbit_training for qlora:
+        # see quantize.py for what it would do and why it is not needed here.
         from peft import get_peft_model
 
         model = get_peft_model(model, lora_config(recipe, is_enc_dec))
@@ -121,14 +133,15 @@ def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
                 p.data = p.data.to(dtype)
     tokenizer = load_tokenizer(recipe, source)
     inputs = ModelInputs(config, attention, dtype)
-    return BuiltModel(model, tokenizer, source, attention, is_enc_dec, inputs, hf_ds_config)
+    return BuiltModel(model, tokenizer, source, attention, is_enc_dec, inputs, packing, hf_ds_config)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts, correct under ZeRO-3 partitioning (ds_numel)."""
+    """(trainable, total) parameter counts, correct under ZeRO-3 partitioning (ds_numel) and for 4-bit
+    weights (the weights they stand for, not their packed storage)."""
     trainable = total = 0
     for p in model.parameters():
-        n = getattr(p, "ds_numel", p.numel())
+        n = logical_numel(p)
         total += n
         if p.requires_grad:
             trainable += n

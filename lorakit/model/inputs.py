@@ -16,6 +16,15 @@ attention is kept inside each example depends on the backend:
 
 Sliding-window models (Mistral) get the window inside each example; models whose layers mix full and
 sliding attention (`config.layer_types`) get one mask per layer type, the form their forward accepts.
+
+Encoder-decoder rows (T5) carry `source_segments` / `target_segments` instead, and get three 4-D masks:
+encoder self-attention within an example, decoder self-attention within an example and causal, and
+cross-attention from each decoder token to its own example's encoder tokens only. T5's relative position
+bias is computed from token distances in the row, which inside one (contiguous) example are the example's
+own distances; pairs across examples are masked. The encoder-self and cross masks have different shapes
+but T5ForConditionalGeneration takes one `attention_mask` for both, so `logits` runs the encoder first
+with its mask and hands the decoder the cross mask through `encoder_outputs` + `attention_mask`, using
+only the model's public forward arguments.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ import torch
 from lorakit.model.varlen import VARLEN_SDPA
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "decoder_input_ids", "decoder_attention_mask")
+# Passed from __call__ to logits for packed encoder-decoder rows; not a model argument.
+CROSS_MASK = "lorakit_cross_attention_mask"
 
 
 def example_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -45,6 +56,11 @@ def packed_attention_mask(
     allowed = (seq[:, :, None] == seq[:, None, :]) & (idx[None, :] <= idx[:, None])[None]
     if sliding_window is not None:
         allowed &= (idx[None, :] > idx[:, None] - sliding_window)[None]
+    return _as_mask(allowed, attention, dtype)
+
+
+def _as_mask(allowed: torch.Tensor, attention: str, dtype: torch.dtype) -> torch.Tensor:
+    """(B, T, S) boolean -> the (B, 1, T, S) mask the backend takes: boolean for sdpa, additive for eager."""
     allowed = allowed[:, None]
     if attention == "sdpa":
         return allowed
@@ -52,6 +68,25 @@ def packed_attention_mask(
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
         ~allowed, torch.finfo(dtype).min
     )
+
+
+def seq2seq_packed_masks(
+    source_segments: torch.Tensor, target_segments: torch.Tensor, *, attention: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(encoder self, decoder self, cross) masks for packed encoder-decoder rows (segment ids per token)."""
+    t = target_segments.shape[-1]
+    idx = torch.arange(t, device=target_segments.device)
+    encoder = source_segments[:, :, None] == source_segments[:, None, :]
+    causal = (idx[None, :] <= idx[:, None])[None]
+    decoder = (target_segments[:, :, None] == target_segments[:, None, :]) & causal
+    cross = target_segments[:, :, None] == source_segments[:, None, :]
+    return tuple(_as_mask(m, attention, dtype) for m in (encoder, decoder, cross))
+
+
+def _bounds(segments: torch.Tensor) -> tuple[int, ...]:
+    """Example boundaries (0, end of example 1, ..., T) of a CPU row of segment ids."""
+    change = torch.nonzero(segments[1:] != segments[:-1]).flatten() + 1
+    return (0, *change.tolist(), segments.numel())
 
 
 def _window(config, layer_type: str | None) -> int | None:
@@ -90,7 +125,20 @@ class ModelInputs:
 
     def __call__(self, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
         out: dict[str, Any] = {k: batch[k].to(device) for k in MODEL_KEYS if k in batch}
-        if "position_ids" in out and "attention_mask" not in out and self.attention == VARLEN_SDPA:
+        if "source_segments" in batch and self.attention == VARLEN_SDPA:
+            out["lorakit_seq2seq_segments"] = (
+                _bounds(batch["source_segments"][0]),
+                _bounds(batch["target_segments"][0]),
+            )
+        elif "source_segments" in batch:
+            encoder, decoder, cross = seq2seq_packed_masks(
+                batch["source_segments"].to(device),
+                batch["target_segments"].to(device),
+                attention=self.attention,
+                dtype=self.dtype,
+            )
+            out.update({"attention_mask": encoder, "decoder_attention_mask": decoder, CROSS_MASK: cross})
+        elif "position_ids" in out and "attention_mask" not in out and self.attention == VARLEN_SDPA:
             positions = batch["position_ids"][0]
             starts = torch.nonzero(positions == 0).flatten().tolist()
             out["lorakit_segments"] = (*starts, positions.numel())
@@ -105,4 +153,12 @@ class ModelInputs:
         """Forward `batch` through `model` (a module or a DeepSpeed engine) the way training does."""
         # No KV cache in training or eval loss: it is useless there and changes how transformers builds
         # attention masks (the packed-sequence trap described above).
-        return model(**self(batch, device), use_cache=False).logits
+        kwargs = self(batch, device)
+        cross = kwargs.pop(CROSS_MASK, None)
+        if cross is not None:
+            module = getattr(model, "module", model)  # a DeepSpeed engine wraps the (peft) model
+            encoder_outputs = module.get_encoder()(
+                input_ids=kwargs.pop("input_ids"), attention_mask=kwargs.pop("attention_mask")
+            )
+            kwargs.update(encoder_outputs=encoder_outputs, attention_mask=cross)
+        return model(**kwargs, use_cache=False).logits

@@ -1,10 +1,17 @@
 """Per-example SDPA for packed rows: attention cost sum(L_i^2), not T^2, without flash-attn.
 
 Registered with transformers' AttentionInterface (its extension point for attention kernels, so no
-monkeypatching) under VARLEN_SDPA. For a packed batch, lorakit.model.inputs passes the example boundaries
-as `lorakit_segments`; each example's queries attend causally to its own keys only, with one SDPA call per
-example, so nothing is computed across examples and no T x T mask is ever built. Batches without
-boundaries (eval loss, generation) go to transformers' own SDPA unchanged.
+monkeypatching) under VARLEN_SDPA. For a packed batch, lorakit.model.inputs passes the example boundaries;
+each example's queries attend to its own keys only, with one SDPA call per example, so nothing is computed
+across examples and no T x T attention is ever done. Batches without boundaries (eval loss, generation) go
+to transformers' own SDPA unchanged.
+
+- Causal LMs get `lorakit_segments` (row boundaries): causal attention within each example.
+- Encoder-decoders (T5) get `lorakit_seq2seq_segments` = (encoder boundaries, decoder boundaries). The
+  attention module says which attention it is through T5's own attributes: encoder self-attention
+  (`is_decoder` false), decoder self-attention (`is_causal` true) or cross-attention (decoder, not
+  causal). T5's relative position bias arrives as `position_bias` over the whole row; the block of an
+  example is exactly that example's bias, since distances inside a contiguous example do not change.
 """
 
 from __future__ import annotations
@@ -27,6 +34,36 @@ def _segment_attention(q, k, v, scaling, dropout, window):
     )
 
 
+def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, position_bias):
+    source, target = segments
+    if not getattr(module, "is_decoder", False):
+        q_bounds, k_bounds, causal = source, source, False
+    elif getattr(module, "is_causal", False):
+        q_bounds, k_bounds, causal = target, target, True
+    else:
+        q_bounds, k_bounds, causal = target, source, False
+    outs = []
+    for qs, qe, ks, ke in zip(q_bounds[:-1], q_bounds[1:], k_bounds[:-1], k_bounds[1:], strict=True):
+        bias = None if position_bias is None else position_bias[:, :, qs:qe, ks:ke]
+        if causal:
+            n = qe - qs
+            future = torch.ones(n, n, dtype=torch.bool, device=query.device).triu(1)
+            if bias is None:
+                bias = torch.zeros((1, 1, n, n), dtype=query.dtype, device=query.device)
+            bias = bias.masked_fill(future, torch.finfo(bias.dtype).min)
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, qs:qe],
+                key[:, :, ks:ke],
+                value[:, :, ks:ke],
+                attn_mask=None if bias is None else bias.to(query.dtype),
+                dropout_p=dropout,
+                scale=scaling,
+            )
+        )
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
 def varlen_sdpa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -39,6 +76,12 @@ def varlen_sdpa_attention(
 ):
     """transformers attention function: (B, H, T, D) inputs -> ((B, T, H, D) output, None)."""
     segments = kwargs.pop("lorakit_segments", None)
+    seq2seq = kwargs.pop("lorakit_seq2seq_segments", None)
+    if seq2seq is not None:
+        dropout = dropout if module.training else 0.0
+        return _seq2seq_attention(
+            module, query, key, value, scaling, dropout, seq2seq, kwargs.get("position_bias")
+        )
     if segments is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -38,9 +38,21 @@ class ModelSection(_Section):
 
 
 class MethodSection(_Section):
-    """What is trained: a LoRA adapter or every parameter."""
+    """What is trained: a LoRA adapter (on a base in model.dtype or in 4 bits) or every parameter."""
 
-    kind: Literal["lora", "full"] = Field("lora", description="lora: train an adapter; full: every weight.")
+    kind: Literal["lora", "qlora", "full"] = Field(
+        "lora",
+        description="lora: train a LoRA adapter on the frozen base, kept in model.dtype; qlora: the same on "
+        "a base quantized to 4 bits (bitsandbytes NF4, double quantization, compute and storage in "
+        'model.dtype; needs pip install "lorakit[qlora]"), for when GPU memory is short; full: train every '
+        "weight.",
+    )
+    quant_type: Literal["nf4", "fp4"] | None = Field(
+        None,
+        description="kind qlora: the 4-bit data type of the base. null means nf4 (NormalFloat4, the QLoRA "
+        "paper's choice); fp4 is plain 4-bit float. Only kind qlora quantizes: set with full or lora it is "
+        "an error.",
+    )
     r: int = Field(16, ge=1, description="LoRA rank.")
     alpha: float = Field(32, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r).")
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
@@ -54,7 +66,28 @@ class MethodSection(_Section):
     def _check(self) -> MethodSection:
         if isinstance(self.target_modules, list) and not self.target_modules:
             raise ValueError("method.target_modules: give at least one module name, or `all-linear`")
+        if self.quant_type is not None and self.kind == "full":
+            raise ValueError(
+                "method.quant_type: full fine-tuning cannot train a 4-bit base (bitsandbytes' 4-bit weights "
+                "are frozen, and full has no adapter to train on top of them); use method.kind: qlora, or "
+                "remove method.quant_type"
+            )
+        if self.quant_type is not None and self.kind == "lora":
+            raise ValueError(
+                "method.quant_type: kind lora keeps the base in model.dtype; use method.kind: qlora for a "
+                "4-bit base"
+            )
         return self
+
+    def adapter(self) -> bool:
+        """Whether the method trains a LoRA adapter (lora, qlora) rather than every weight (full)."""
+        return self.kind in ("lora", "qlora")
+
+    def quantization(self) -> str | None:
+        """The base's 4-bit data type (nf4, fp4), or None when the base is not quantized."""
+        if self.kind != "qlora":
+            return None
+        return self.quant_type or "nf4"
 
 
 class DataSection(_Section):
@@ -114,11 +147,14 @@ class DataSection(_Section):
         "packing; max_source/target_length for encoder-decoders): truncate it, drop it, or stop with an "
         "error naming the row. Truncated and dropped examples are counted in summary.json.",
     )
-    packing: bool = Field(
-        False,
-        description="Causal LMs: pack several examples into one row of up to train.max_tokens tokens with "
-        "a multipack sampler; attention never crosses examples. Encoder-decoder packing is not available "
-        "yet; without packing, batches are grouped by length and padded only to their longest member.",
+    packing: bool | Literal["auto"] = Field(
+        "auto",
+        description="Pack several examples into one row with a multipack sampler, so no compute goes to "
+        "padding; attention never crosses examples. Causal LMs: rows of up to train.max_tokens tokens. "
+        "Encoder-decoders: an encoder row of up to train.max_tokens and a decoder row of up to "
+        "train.max_target_tokens. auto: on wherever the attention backend can keep examples apart (every "
+        "causal backend; sdpa and eager for encoder-decoders); false: batches grouped by length and padded "
+        "to their longest member.",
     )
     group_by_length: bool = Field(
         True,
@@ -163,9 +199,15 @@ class TrainSection(_Section):
     max_tokens: int | None = Field(
         None,
         ge=1,
-        description="With data.packing: the token budget of one packed micro-batch (one row per process "
-        "per forward pass). Default: micro_batch_size x data.max_length, what a full padded micro-batch "
-        "would hold.",
+        description="With packing: the token budget of one packed micro-batch (one row per process per "
+        "forward pass; the encoder row for encoder-decoders). Default: micro_batch_size x data.max_length "
+        "(x data.max_source_length for encoder-decoders), what a full padded micro-batch would hold.",
+    )
+    max_target_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Encoder-decoder packing: the token budget of the decoder row. Default: max_tokens x "
+        "the training data's target/source token ratio (at least its longest target), so both rows fill.",
     )
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     seed: int = Field(42, description="Seed for model init, LoRA init, shuffling and dropout.")

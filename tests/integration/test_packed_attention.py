@@ -12,9 +12,7 @@ import torch
 
 from lorakit.data.collate import IGNORE_INDEX, CausalCollator, PackedCausalCollator
 from lorakit.engine.loss import token_loss_sum
-from lorakit.model import build_model
-from lorakit.recipe import recipe_from_dict
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import PACKING_BACKENDS, training_config_model
 
 CAUSAL_KINDS = ("llama", "mistral", "qwen2")
 # Longer than tiny:mistral's sliding window (64), so the window is exercised inside an example.
@@ -22,31 +20,11 @@ LENGTHS = (37, 90, 5, 71)
 TOL = 1e-4
 
 
-# How packed rows are isolated: per-example SDPA (what packed recipes load for sdpa), or an explicit
-# block-diagonal mask (sdpa loaded without packing, and eager).
-BACKENDS = {"varlen_sdpa": ("sdpa", True), "sdpa_mask": ("sdpa", False), "eager": ("eager", False)}
+BACKENDS = PACKING_BACKENDS
 
 
 def _model(cache_dir, tmp_path, kind: str, backend: str):
-    attention, packing = BACKENDS[backend]
-    recipe = recipe_from_dict(
-        tiny_recipe_dict(
-            cache_dir,
-            tmp_path / "run",
-            model={"name_or_path": f"tiny:{kind}", "attention": attention, "gradient_checkpointing": True},
-            method={"dropout": 0.0},
-            data={"packing": packing},
-        )
-    )
-    built = build_model(recipe)
-    assert built.attention == ("lorakit_varlen_sdpa" if backend == "varlen_sdpa" else attention)
-    # LoRA's B starts at zero; give the adapter a real contribution so the contract covers its path.
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in built.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    built.model.train()
+    built = training_config_model(cache_dir, tmp_path / "run", backend, name_or_path=f"tiny:{kind}")
     assert built.model.base_model.model.model.gradient_checkpointing
     return built
 

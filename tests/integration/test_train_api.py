@@ -116,3 +116,15 @@ def test_train_api_packed_chat_on_qwen2(cache_dir, tmp_path):
     assert s["loss"]["last"] < 0.6 * s["loss"]["first"]
     assert s["data"]["format"] == "chat" and s["data"]["overlong"]["dropped"] == 0
     assert "exact_match" in s["eval"]
+
+
+def test_packing_budget_below_the_longest_example_is_a_clear_error(cache_dir, tmp_path):
+    from lorakit.errors import DataError
+
+    recipe = recipe_from_dict(
+        tiny_recipe_dict(cache_dir, tmp_path / "run", data={"packing": True}, train={"max_tokens": 50})
+    )
+    with pytest.raises(
+        DataError, match=r"train\.max_tokens=50 is smaller than the longest source \(96 tokens\)"
+    ):
+        lorakit.train(recipe)

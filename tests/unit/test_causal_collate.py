@@ -48,7 +48,9 @@ def test_packed_mask_is_block_diagonal_causal_with_window():
     w = packed_attention_mask(pos, attention="sdpa", dtype=torch.float32, sliding_window=2)
     assert w[0, 0, 3].tolist() == [False, False, True, True, False, False, False]
     e = packed_attention_mask(pos, attention="eager", dtype=torch.bfloat16)
-    assert e.dtype == torch.bfloat16 and e[0, 0, 4, 3] == torch.finfo(torch.bfloat16).min and e[0, 0, 4, 4] == 0
+    assert (
+        e.dtype == torch.bfloat16 and e[0, 0, 4, 3] == torch.finfo(torch.bfloat16).min and e[0, 0, 4, 4] == 0
+    )
 
 
 def test_model_inputs_per_backend():

@@ -115,9 +115,10 @@ def test_collator_pads_dynamically_and_counts_tokens(cache_dir, tmp_path):
     assert (labels[batch["decoder_attention_mask"] == 0] == IGNORE_INDEX).all()
 
 
-def test_packing_for_seq2seq_is_refused_clearly(cache_dir, tmp_path):
-    with pytest.raises(DataError, match="data.packing"):
-        _prepare(cache_dir, tmp_path, packing=True)
+def test_packing_does_not_change_seq2seq_rows(cache_dir, tmp_path):
+    packed, _, _ = _prepare(cache_dir, tmp_path, packing=True)
+    padded, _, _ = _prepare(cache_dir, tmp_path, packing=False)
+    assert packed.path == padded.path and packed.train["input_ids"] == padded.train["input_ids"]
 
 
 def test_unreachable_sources_are_clear_errors(cache_dir, tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from tests.conftest import RECIPES, tiny_recipe_dict
 def test_every_shipped_recipe_validates():
     files = sorted(RECIPES.glob("*.yaml"))
     shipped = {"quickstart.yaml", "quickstart_causal.yaml", "llama3_8b_lora.yaml"}
+    shipped |= {"llama3_70b_qlora.yaml", "llama3_70b_qlora_zero2.yaml", "flan_t5_xxl_qlora.yaml"}
     assert shipped | {"flan_t5_xl_lora.yaml", "flan_t5_xxl_lora.yaml"} <= {f.name for f in files}
     for f in files:
         recipe = load_recipe(f)
@@ -30,13 +31,45 @@ def test_flan_t5_recipes_are_the_headline_setup():
 
 def test_causal_recipes_pack_on_zero3():
     big = load_recipe(RECIPES / "llama3_8b_lora.yaml")
-    assert big.model.attention == "auto" and big.model.dtype == "bfloat16" and big.model.gradient_checkpointing
+    assert (
+        big.model.attention == "auto" and big.model.dtype == "bfloat16" and big.model.gradient_checkpointing
+    )
     assert big.method.kind == "lora" and big.method.target_modules == "all-linear"
     assert big.distributed.zero_stage == 3 and big.distributed.num_processes == 8
     assert big.data.packing and big.data.format == "chat" and big.train.max_tokens
     small = load_recipe(RECIPES / "quickstart_causal.yaml")
     assert small.model.name_or_path == "tiny:llama" and small.data.packing
     assert small.distributed.zero_stage == 3 and small.distributed.num_processes == 2
+
+
+def test_qlora_recipes_quantize_the_base_on_zero2_and_zero3():
+    for name, stage in (("llama3_70b_qlora.yaml", 3), ("llama3_70b_qlora_zero2.yaml", 2)):
+        r = load_recipe(RECIPES / name)
+        assert r.model.name_or_path == "meta-llama/Llama-3.1-70B-Instruct"
+        assert r.method.kind == "qlora" and r.method.quantization() == "nf4"
+        assert r.method.target_modules == "all-linear" and r.model.gradient_checkpointing
+        assert r.model.dtype == "bfloat16" and r.model.attention == "auto"
+        assert r.distributed.zero_stage == stage and r.distributed.num_processes == 8
+        assert r.data.format == "chat" and r.data.packing is True and r.train.max_tokens
+    z3, z2 = (
+        load_recipe(RECIPES / "llama3_70b_qlora.yaml"),
+        load_recipe(RECIPES / "llama3_70b_qlora_zero2.yaml"),
+    )
+    # The same tokens per optimizer step on both stages.
+    assert z3.train.max_tokens * z3.train.gradient_accumulation_steps == (
+        z2.train.max_tokens * z2.train.gradient_accumulation_steps
+    )
+    t5 = load_recipe(RECIPES / "flan_t5_xxl_qlora.yaml")
+    lora = load_recipe(RECIPES / "flan_t5_xxl_lora.yaml")
+    assert t5.model.name_or_path == "google/flan-t5-xxl" and t5.model.dtype == "bfloat16"
+    assert t5.method.kind == "qlora" and t5.method.quantization() == "nf4"
+    assert t5.method.target_modules == "all-linear" and t5.distributed.zero_stage == 3
+    assert t5.data == lora.data  # the same data, so QLoRA and LoRA runs compare like for like
+    examples_per_step = {
+        name: r.train.micro_batch_size * r.train.gradient_accumulation_steps * r.distributed.num_processes
+        for name, r in (("qlora", t5), ("lora", lora))
+    }
+    assert examples_per_step["qlora"] == examples_per_step["lora"]
 
 
 def test_completion_data_cannot_be_scored_by_generation():

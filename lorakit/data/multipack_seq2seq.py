@@ -1,0 +1,176 @@
+"""Multipack for encoder-decoder examples: micro-batches under two capacities, source and target tokens.
+
+Each micro-batch becomes one encoder row and one decoder row (lorakit.data.collate.PackedSeq2SeqCollator),
+so a bin must respect both capacities. This is two-dimensional bin packing: examples are placed largest
+first (by the sum of their two sizes, each relative to its capacity) into the open bin they fit best
+(least room left in both dimensions together), so examples with long targets and short sources fill the
+gaps that others leave. Open bins that can no longer take even the smallest remaining example are retired
+from the search, which keeps it fast. Bins are packed once: `len()` is exact and the same every epoch;
+each epoch reshuffles the order of steps and which rank takes which bin, from (seed, epoch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+# Retire full bins from the search every this many placements.
+_COMPACT_EVERY = 256
+
+
+def default_max_target_tokens(source_lengths, target_lengths, max_source_tokens: int) -> int:
+    """A decoder capacity in the data's own target/source ratio (never below the longest target), so both
+    rows of a packed pair fill equally."""
+    src = np.asarray(source_lengths, dtype=np.float64)
+    tgt = np.asarray(target_lengths, dtype=np.int64)
+    ratio = float(tgt.sum()) / max(float(src.sum()), 1.0)
+    return max(int(np.ceil(max_source_tokens * ratio)), int(tgt.max()))
+
+
+def pack_pairs(a: np.ndarray, b: np.ndarray, cap_a: int, cap_b: int) -> list[list[int]]:
+    """Two-dimensional best-fit decreasing: bins (lists of indices) with sum(a) <= cap_a, sum(b) <= cap_b."""
+    n = len(a)
+    # Largest first by the sum of both relative sizes (measured: fuller bins in both dimensions than
+    # ordering by the larger of the two, which leaves more bins full in one dimension only).
+    size = a / cap_a + b / cap_b
+    order = np.lexsort((-a, -size))
+    # The smallest a and b among the examples still to place, for retiring bins that can take none.
+    min_a = np.minimum.accumulate(a[order][::-1])[::-1]
+    min_b = np.minimum.accumulate(b[order][::-1])[::-1]
+    room_a = np.empty(n, dtype=np.int64)
+    room_b = np.empty(n, dtype=np.int64)
+    ids = np.empty(n, dtype=np.int64)  # bin id of each active slot
+    items: list[list[int]] = []
+    active = 0
+    for step, i in enumerate(order.tolist()):
+        ai, bi = int(a[i]), int(b[i])
+        ra, rb = room_a[:active], room_b[:active]
+        fits = (ra >= ai) & (rb >= bi)
+        if fits.any():
+            score = np.where(fits, (ra - ai) / cap_a + (rb - bi) / cap_b, np.inf)
+            j = int(score.argmin())
+        else:
+            j = active
+            active += 1
+            room_a[j], room_b[j], ids[j] = cap_a, cap_b, len(items)
+            items.append([])
+        room_a[j] -= ai
+        room_b[j] -= bi
+        items[ids[j]].append(i)
+        if step % _COMPACT_EVERY == 0 and step + 1 < n:
+            keep = (room_a[:active] >= min_a[step + 1]) & (room_b[:active] >= min_b[step + 1])
+            k = int(keep.sum())
+            room_a[:k], room_b[:k], ids[:k] = room_a[:active][keep], room_b[:active][keep], ids[:active][keep]
+            active = k
+    return items
+
+
+class Seq2SeqMultipackBatchSampler:
+    """Yields this rank's micro-batches (lists of dataset indices) with sum(source lengths) <=
+    `max_source_tokens` and sum(target lengths) <= `max_target_tokens`.
+
+    Same contract as MultipackBatchSampler: every rank gets exactly `len()` micro-batches per epoch; every
+    example is used exactly once per epoch (bins are split to make their count a multiple of the ranks),
+    or with drop_last the remainder bins holding the fewest examples are dropped (`dropped`); the ranks of
+    a step get bins of similar cost; `set_epoch` reshuffles deterministically.
+    """
+
+    def __init__(
+        self,
+        source_lengths: Sequence[int],
+        target_lengths: Sequence[int],
+        max_source_tokens: int,
+        max_target_tokens: int,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        drop_last: bool = False,
+        quadratic_scale: float = 16384.0,
+    ):
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is outside num_replicas {num_replicas}")
+        a = np.asarray(source_lengths, dtype=np.int64)
+        b = np.asarray(target_lengths, dtype=np.int64)
+        if a.ndim != 1 or a.shape != b.shape or len(a) == 0:
+            raise ValueError("source and target lengths must be flat, non-empty and of equal length")
+        for name, x, cap in (("source", a, max_source_tokens), ("target", b, max_target_tokens)):
+            bad = np.flatnonzero((x < 1) | (x > cap))
+            if len(bad):
+                i = int(bad[0])
+                raise ValueError(
+                    f"example {i} has {name} length {int(x[i])}, outside [1, {cap}]; truncate or drop "
+                    "over-long examples before packing"
+                )
+        self.source_lengths, self.target_lengths = a, b
+        self.max_source_tokens, self.max_target_tokens = int(max_source_tokens), int(max_target_tokens)
+        self.num_replicas, self.rank, self.seed, self.epoch = num_replicas, rank, seed, 0
+        self.quadratic_scale = float(quadratic_scale)
+        bins = pack_pairs(a, b, self.max_source_tokens, self.max_target_tokens)
+        bins = self._fit_replicas(bins, drop_last)
+        self.dropped = len(a) - sum(len(x) for x in bins)
+        bins.sort(key=self._cost)
+        self._bins = bins
+
+    def _cost(self, items: list[int]) -> float:
+        a, b = self.source_lengths[items], self.target_lengths[items]
+        return float(a.sum() + b.sum() + ((a * a).sum() + (b * b).sum()) / self.quadratic_scale)
+
+    def _fit_replicas(self, bins: list[list[int]], drop_last: bool) -> list[list[int]]:
+        r = self.num_replicas
+        extra = -len(bins) % r
+        if extra == 0:
+            return bins
+        if drop_last and len(bins) >= r:
+            # Drop the bins that hold the fewest examples: the least data lost.
+            bins.sort(key=len)
+            return bins[len(bins) % r :]
+        if len(self.source_lengths) < r:
+            raise ValueError(f"{len(self.source_lengths)} examples are fewer than num_replicas {r}")
+        for _ in range(extra):
+            bins.sort(key=len)
+            if len(bins[-1]) < 2:
+                raise ValueError(
+                    f"{len(self.source_lengths)} examples cannot make a multiple of num_replicas {r} "
+                    "micro-batches without repeating one; use drop_last"
+                )
+            big = bins.pop()
+            # Alternate by size, so the halves cost about the same; both fit since the whole did.
+            big.sort(key=lambda i: -(self.source_lengths[i] + self.target_lengths[i]))
+            bins += [big[0::2], big[1::2]]
+        return bins
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle deterministically for `epoch`."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self._bins) // self.num_replicas
+
+    def efficiency(self) -> float:
+        """Source tokens used / source capacity of all micro-batches (the same every epoch)."""
+        used = sum(int(self.source_lengths[b].sum()) for b in self._bins)
+        return used / (self.max_source_tokens * len(self._bins))
+
+    def target_efficiency(self) -> float:
+        """Target tokens used / target capacity of all micro-batches."""
+        used = sum(int(self.target_lengths[b].sum()) for b in self._bins)
+        return used / (self.max_target_tokens * len(self._bins))
+
+    def all_batches(self) -> list[list[list[int]]]:
+        """Every rank's batches for the current epoch: result[rank][i]."""
+        rng = np.random.default_rng((self.seed, self.epoch))
+        r = self.num_replicas
+        steps = rng.permutation(len(self))
+        deal = np.argsort(rng.random((len(self), r)), axis=1)
+        out: list[list[list[int]]] = [[] for _ in range(r)]
+        for step in steps.tolist():
+            for rank in range(r):
+                b = self._bins[step * r + int(deal[step, rank])]
+                # Within a micro-batch the order of examples changes nothing but is shuffled anyway.
+                out[rank].append([int(i) for i in rng.permutation(b)])
+        return out
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.all_batches()[self.rank])

@@ -1,0 +1,167 @@
+"""QLoRA: the frozen base quantized to 4 bits with bitsandbytes, and what that saves.
+
+bitsandbytes is an optional dependency (`pip install "lorakit[qlora]"`) and this is the only module that
+imports it, lazily. Everything else recognises a 4-bit weight by its `quant_state`, without the import.
+
+Choices (docs/qlora.md explains them):
+- compute dtype and quant-storage dtype are both model.dtype: the packed 4-bit weights are stored in
+  tensors of the same dtype as every other parameter, so ZeRO-3 partitions and gathers one dtype only
+  (as peers do for ZeRO-3 and FSDP; DeepSpeed 0.19.8 also coped with uint8 storage in our CPU check), and
+  DeepSpeed's bf16 engine has nothing to cast;
+- no peft `prepare_model_for_kbit_training`: in peft 0.21 it upcasts every non-4-bit parameter
+  (embeddings, norms, output head, T5's `wo`) to fp32, which DeepSpeed's bf16 engine casts straight back
+  (a wasted peak of twice their size), and its input-grad hook is only needed for reentrant checkpointing.
+  What it does that matters (freezing the base, non-reentrant checkpointing) build.py does anyway;
+- modules that transformers keeps out of quantization (the output head; `_keep_in_fp32_modules`, which
+  for T5 is every `wo`) stay unquantized in model.dtype and are listed in summary.json.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lorakit.errors import RecipeError
+
+INSTALL_HINT = 'pip install "lorakit[qlora]"'
+
+
+def require_bitsandbytes():
+    """Import bitsandbytes, or stop with an error that names the extra to install."""
+    try:
+        import bitsandbytes
+    except ImportError as e:
+        raise RecipeError(
+            f"method.kind qlora needs bitsandbytes, which cannot be imported ({e}); install it with "
+            f"{INSTALL_HINT}, or use method.kind: lora"
+        ) from e
+    return bitsandbytes
+
+
+def bnb_config(quant_type: str, dtype: torch.dtype):
+    """transformers' BitsAndBytesConfig for a 4-bit base: `quant_type` (nf4/fp4), double quantization,
+    compute and storage in `dtype`."""
+    require_bitsandbytes()
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant_type,
+        # Quantizes the per-block scales too: ~0.37 bits per parameter less, no measurable quality loss
+        # (QLoRA paper).
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=dtype,
+    )
+
+
+def check_keep_in_fp32(model_cls, dtype: torch.dtype) -> None:
+    """Refuse fp16 for models that transformers keeps partly in fp32 (T5's `wo`): DeepSpeed's fp16 engine
+    casts every parameter to fp16, so the layers that overflow in fp16 would run in fp16 after all."""
+    keep = sorted(getattr(model_cls, "_keep_in_fp32_modules", None) or [])
+    if dtype == torch.float16 and keep:
+        raise RecipeError(
+            f"model.dtype float16: {model_cls.__name__} keeps {keep} in float32 under fp16 because they "
+            "overflow in fp16, but DeepSpeed's fp16 engine casts every parameter to fp16; use model.dtype: "
+            "bfloat16 (fp32's range, so those layers are safe in it) or float32"
+        )
+
+
+def is_4bit(p: torch.Tensor) -> bool:
+    """Whether `p` is a bitsandbytes 4-bit weight (packed data plus a quantization state)."""
+    return getattr(p, "quant_state", None) is not None
+
+
+def logical_numel(p: torch.Tensor) -> int:
+    """Number of weights `p` stands for: the unquantized shape of a 4-bit weight, and the full (not
+    partitioned) size under ZeRO-3."""
+    if is_4bit(p):
+        return int(p.quant_state.shape.numel())
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+def _storage_bytes(p: torch.Tensor) -> int:
+    # ds_numel: the whole tensor, even when ZeRO-3 has left this rank only its partition.
+    return int(getattr(p, "ds_numel", p.numel())) * p.element_size()
+
+
+def _quant_state_tensors(qs) -> list[torch.Tensor]:
+    out = [qs.absmax, qs.code]
+    if getattr(qs, "nested", False):
+        out += [qs.state2.absmax, qs.state2.code, qs.offset]
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
+def quantization_summary(model: torch.nn.Module, recipe) -> dict[str, Any]:
+    """What summary.json records about a 4-bit base: the quantization settings, which linear layers were
+    left unquantized, and the bytes of the frozen base in 4 bits against the same weights in `dtype`.
+
+    Computed from the parameters (ds_numel under ZeRO-3, so the whole model, never one rank's partition):
+    before = every base weight in model.dtype; after = 4-bit packed weights + their quantization constants
+    (block scales, double-quantization scales and code tables, shared tables counted once) + the weights
+    left unquantized. Quantization constants are not ZeRO-3 parameters: every rank holds a copy.
+    """
+    quant_type, dtype = recipe.method.quantization(), getattr(torch, recipe.model.dtype)
+    before = after = constants = 0
+    quantized_params = 0
+    seen: set[int] = set()
+    for p in model.parameters():
+        if p.requires_grad:
+            continue  # the adapter, not the base
+        if is_4bit(p):
+            n = logical_numel(p)
+            quantized_params += n
+            before += n * dtype.itemsize
+            after += _storage_bytes(p)
+            for t in _quant_state_tensors(p.quant_state):
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    constants += t.numel() * t.element_size()
+        else:
+            before += _storage_bytes(p)
+            after += _storage_bytes(p)
+    after += constants
+    # Frozen plain linear layers by their last name (peft wraps each in a LoRA layer as `.base_layer`).
+    unquantized = sorted(
+        {
+            name.removesuffix(".base_layer").rsplit(".", 1)[-1]
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and not is_4bit(m.weight) and not m.weight.requires_grad
+        }
+    )
+    return {
+        "type": f"bitsandbytes-{quant_type}",
+        "bits": 4,
+        "double_quant": True,
+        "compute_dtype": str(dtype).removeprefix("torch."),
+        "storage_dtype": str(dtype).removeprefix("torch."),
+        "quantized_params": quantized_params,
+        "unquantized_linear": unquantized,
+        "base_bytes": {
+            "before": before,
+            "after": after,
+            "saved": before - after,
+            "quant_constants": constants,
+        },
+    }
+
+
+def describe_quantization(q: dict[str, Any]) -> str:
+    """One line for the terminal at start: the 4-bit type and the memory it saves."""
+    b = q["base_bytes"]
+    line = (
+        f"quantization: {q['type']} (double quant, compute/storage {q['compute_dtype']}): frozen base "
+        f"{_size(b['before'])} -> {_size(b['after'])} ({b['saved'] / max(b['before'], 1):.0%} saved)"
+    )
+    if q["unquantized_linear"]:
+        line += "; left unquantized: " + ", ".join(q["unquantized_linear"])
+    return line
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
