@@ -17,6 +17,15 @@ def train(recipe):
     return _train(recipe)
 
 
+def merge(source, output, **options):
+    """Merge a run's LoRA adapter into its base (or re-export a full run) as safetensors in `output`,
+    verified; returns MergeResult. Options: dtype, max_shard_size, base, force, tolerance,
+    compare_quantized. See lorakit.export.merge."""
+    from lorakit.export import merge as _merge
+
+    return _merge(source, output, **options)
+
+
 def prepare(recipe):
     """Tokenize and cache a recipe's data without training. See lorakit.api.prepare."""
     from lorakit.api import prepare as _prepare
@@ -31,6 +40,7 @@ __all__ = [
     "RecipeError",
     "__version__",
     "load_recipe",
+    "merge",
     "prepare",
     "train",
 ]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lorakit import rundir
 from lorakit.data import PreparedData, prepare_data
+from lorakit.engine import dist
 from lorakit.engine.job import TrainResult
 from lorakit.engine.launch import launched_distributed, process_group, torchrun_command
 from lorakit.model import load_config, load_tokenizer
@@ -20,6 +21,21 @@ def prepare(recipe: Recipe) -> PreparedData:
     """Tokenize and cache the recipe's data (or find it cached); needs no GPU."""
     source, config = load_config(recipe)
     return prepare_data(recipe, load_tokenizer(recipe, source), config)
+
+
+def merge_after_training(recipe: Recipe, result: TrainResult) -> TrainResult:
+    """output.merge: merge the saved adapter (or re-export the full model) into run_dir/merged and record
+    merged_dir in summary.json. Rank 0, after run_job has returned, so the training model, engine and
+    process group are gone and only the merge's one copy of the model is in memory."""
+    import gc
+
+    from lorakit.export import merge
+
+    gc.collect()
+    merged = merge(result.run_dir, result.run_dir / rundir.MERGED, dtype=recipe.model.dtype)
+    summary = {**result.summary, "merged_dir": str(merged.output_dir)}
+    rundir.write_json(result.run_dir / rundir.SUMMARY, summary)
+    return TrainResult(result.run_dir, summary)
 
 
 def train(recipe: Recipe) -> TrainResult:
@@ -40,7 +56,9 @@ def train(recipe: Recipe) -> TrainResult:
         with process_group(recipe.distributed.backend), warnings.catch_warnings():
             # DeepSpeed calls torch.distributed APIs that torch deprecated, and warns on every step.
             warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-            return run_job(recipe)
+            result = run_job(recipe)
+            main = dist.is_main()
+        return merge_after_training(recipe, result) if recipe.output.merge and main else result
     print(prepare(recipe).describe(), flush=True)
     with tempfile.TemporaryDirectory(prefix="lorakit-") as tmp:
         resolved = Path(tmp) / "recipe.yaml"

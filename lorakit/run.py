@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
             saved = s.get("adapter_dir") or s.get("model_dir")
             if saved:
                 print(f"saved:    {saved}")
+            if s.get("merged_dir"):
+                print(f"merged:   {s['merged_dir']}")
             print(f"metrics:  {result.run_dir / 'metrics.jsonl'}")
         return 0
 

@@ -17,6 +17,7 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 ADAPTER = "adapter"
 MODEL = "model"
+MERGED = "merged"
 
 _PACKAGES = (
     "lorakit",

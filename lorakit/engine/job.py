@@ -76,7 +76,7 @@ def run_job(recipe: Recipe) -> TrainResult:
     log = _Logger(run_dir if main else None)
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (rundir.ADAPTER, rundir.MODEL):
+        for stale in (rundir.ADAPTER, rundir.MODEL, rundir.MERGED):
             shutil.rmtree(run_dir / stale, ignore_errors=True)
         rundir.write_text(run_dir / rundir.RECIPE, dump_recipe(recipe))
         rundir.write_json(run_dir / rundir.DS_CONFIG, ds_config)
@@ -182,6 +182,8 @@ def run_job(recipe: Recipe) -> TrainResult:
         "eval": dict(eval_results) or None,
         "adapter_dir": saved.get("adapter_dir"),
         "model_dir": saved.get("model_dir"),
+        # Set by lorakit.train once output.merge has merged (api.merge_after_training).
+        "merged_dir": None,
         "data": {
             "cache_dir": str(data.path),
             "max_source_length": data.lengths.max_source_length,

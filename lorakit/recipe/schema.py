@@ -262,11 +262,26 @@ class OutputSection(_Section):
     """Where the run directory goes."""
 
     dir: str = Field(
-        description="Run directory: recipe.yaml, ds_config.json, metrics.jsonl, summary.json, adapter/."
+        description="Run directory: recipe.yaml, ds_config.json, metrics.jsonl, summary.json, adapter/ "
+        "(merged/ with output.merge)."
     )
     save_adapter: bool = Field(
         True, description="Save the trained adapter (LoRA) or model (full) at the end."
     )
+    merge: bool = Field(
+        False,
+        description="After saving, merge the adapter into the base (full runs: re-export the model) as "
+        "sharded safetensors in run_dir/merged, in model.dtype, verified like `python -m lorakit.merge` "
+        "(rank 0, in the training process); summary.json records merged_dir. See docs/merge.md.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> OutputSection:
+        if self.merge and not self.save_adapter:
+            raise ValueError(
+                "output.merge needs output.save_adapter: true (the merge reads the saved adapter or model)"
+            )
+        return self
 
 
 class Recipe(_Section):

@@ -161,3 +161,35 @@ def test_second_run_reuses_the_tokenized_cache(quickstart, tmp_path):
         rundir.read_summary(tmp_path / "again")["data"]["cache_dir"]
         == rundir.read_summary(run_dir)["data"]["cache_dir"]
     )
+
+
+@pytest.mark.slow
+def test_quickstart_run_merges_through_the_cli(quickstart, tmp_path):
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from lorakit.data import Seq2SeqCollator
+    from lorakit.data.cache import load_cached
+    from lorakit.engine.loss import token_loss_sum
+
+    _, _, run_dir = quickstart
+    out = tmp_path / "merged"
+    proc = run_cli("lorakit.merge", run_dir, "--output", out, "--max-shard-size", "500KB", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "merged vs the adapter model" in proc.stdout and f"saved:    {out}" in proc.stdout
+    summary = rundir.read_summary(run_dir)
+    model = AutoModelForSeq2SeqLM.from_pretrained(out).eval()  # a plain transformers model, no peft
+    assert model.dtype == torch.bfloat16 and len(list(out.glob("*.safetensors"))) > 1
+    tok = AutoTokenizer.from_pretrained(out)
+    splits, _ = load_cached(__import__("pathlib").Path(summary["data"]["cache_dir"]))
+    collate = Seq2SeqCollator(tok.pad_token_id, model.config.decoder_start_token_id)
+    loss = tokens = 0.0
+    with torch.no_grad():
+        for start in range(0, len(splits["eval"]), 8):
+            batch = collate([splits["eval"][i] for i in range(start, min(start + 8, len(splits["eval"])))])
+            keys = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask")
+            loss += float(token_loss_sum(model(**{k: batch[k] for k in keys}).logits, batch["labels"]))
+            tokens += batch["num_target_tokens"]
+    # The adapter's eval loss, as the run measured it (bf16, 2 ranks, packed training batches).
+    assert loss / tokens == pytest.approx(summary["eval"]["loss"], rel=0.02)
+    card = (out / "README.md").read_text()
+    assert "tiny:t5" in card and f"{summary['eval']['rouge1']:.4f}" in card

@@ -1,0 +1,281 @@
+"""One merge: read and check the adapter, load the base once, merge in place, verify, save atomically, and
+verify the saved copy again after reloading it.
+
+Memory: one copy of the model at a time. transformers 5 always builds the model on the meta device and
+loads the weights straight into it (low_cpu_mem_usage is the only mode), peft's merge_and_unload folds
+B A x scale into each weight in place, and the reference logits are computed from the same PeftModel before
+merging, so no second copy is ever needed. The merged model is freed before the saved copy is reloaded.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorakit.errors import MergeError, VerificationError
+from lorakit.export.adapter import (
+    Adapter,
+    check_fits,
+    check_same_architecture,
+    config_signature,
+    read_adapter,
+)
+from lorakit.export.card import QLORA_NOTE, model_card
+from lorakit.export.output import atomic_directory, check_output, parse_size
+from lorakit.export.sources import MergeSource, locate
+from lorakit.export.verify import RELATIVE_TOLERANCE, Check, compare, probe_batch, probe_logits
+
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """What lorakit.merge returns: where the model went and what was checked."""
+
+    output_dir: Path
+    method: str  # lora, qlora or full
+    base: str
+    dtype: str
+    shards: int
+    # The checks that gate the export: merged vs adapter model (adapters), saved copy reloaded vs reference.
+    checks: tuple[Check, ...]
+    # QLoRA with compare_quantized: the merged model vs the adapter on the 4-bit base (reported, not gated).
+    quantized: Check | None = None
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def merge(
+    source: str | Path,
+    output: str | Path,
+    *,
+    dtype: str | None = None,
+    max_shard_size: str | int = "5GB",
+    base: str | None = None,
+    force: bool = False,
+    tolerance: float | None = None,
+    compare_quantized: bool = False,
+) -> MergeResult:
+    """Merge the LoRA adapter of a run (or an adapter directory) into its base, or re-export a full
+    fine-tuning run, as sharded safetensors with tokenizer, generation config and model card in `output`.
+
+    dtype: bfloat16 | float16 | float32 (default: the run's model.dtype, else bfloat16). base: the base model
+    (default: the run's model.name_or_path, else adapter_config.json's). force: replace a non-empty
+    `output`. tolerance: relative logit tolerance (default RELATIVE_TOLERANCE[dtype]). compare_quantized
+    (QLoRA): also report the merged model against the adapter on the 4-bit base it was trained with.
+    Raises AdapterError / MergeError for bad input and VerificationError when a check fails; `output` is
+    then left as it was."""
+    src = locate(source, base)
+    dtype = dtype or src.default_dtype
+    if dtype not in RELATIVE_TOLERANCE:
+        raise MergeError(f"--dtype {dtype!r}: choose one of {', '.join(RELATIVE_TOLERANCE)}")
+    tol = RELATIVE_TOLERANCE[dtype] if tolerance is None else float(tolerance)
+    if not tol > 0:
+        raise MergeError(f"--tolerance {tolerance!r}: must be a positive number")
+    shard_bytes = parse_size(max_shard_size)
+    if compare_quantized and src.method != "qlora":
+        raise MergeError(f"--compare-quantized: {src.path} is a {src.method} run, not QLoRA")
+    protect = [src.path] + ([Path(src.base_source)] if Path(src.base_source).is_dir() else [])
+    out = check_output(Path(output), force, protect)
+    adapter = read_adapter(src.path) if src.kind == "adapter" else None
+    torch_dtype = getattr(torch, dtype)
+    auto_cls, config = _model_class(src)
+    batch = probe_batch(config, config.vocab_size)
+    notes: list[str] = []
+    checks: list[Check] = []
+    quantized = None
+
+    if adapter is None:
+        _say(f"exporting: the fully fine-tuned model {src.path} in {dtype}")
+        model = _load(auto_cls, src.base_source, torch_dtype, src)
+        reference = probe_logits(model, batch)
+        against = "the run's model"
+    else:
+        _say(f"merging: {adapter.describe()} into {src.base_name} ({src.base_source}) in {dtype}")
+        _check_architecture(src, config)
+        if src.method == "qlora":
+            notes.append(QLORA_NOTE.format(dtype=dtype))
+            _say(notes[-1])
+        quantized_ref = _adapter_on_4bit(src, auto_cls, batch) if compare_quantized else None
+        model, reference, base_logits = _merged_model(src, adapter, auto_cls, torch_dtype, batch)
+        merged = probe_logits(model, batch)
+        against = "the adapter model" + (" (on the unquantized base)" if src.method == "qlora" else "")
+        checks.append(_require(compare(f"merged vs {against}", merged, reference, tol, base_logits)))
+        if not checks[-1].effect_visible:
+            notes.append(
+                f"warning: the adapter moves the probe logits by at most {checks[-1].adapter_effect:.3g}, "
+                f"within the {dtype} tolerance, so this check cannot tell the merged model from the base"
+            )
+            _say(notes[-1])
+        if quantized_ref is not None:
+            quantized = compare(
+                "merged vs the adapter on the 4-bit base it was trained with (quantization error, reported "
+                "only)",
+                merged,
+                quantized_ref,
+                tol,
+            )
+            _say(quantized.describe())
+
+    model_class = type(model).__name__
+    with atomic_directory(out, force) as tmp:
+        # Training turns the KV cache off (and a full run saves that); a served model wants it on.
+        model.config.use_cache = True
+        _save_model(model, tmp, shard_bytes)
+        _save_tokenizer(src, tmp, notes)
+        del model
+        gc.collect()
+        # What a user will load: the directory just written, read back by transformers.
+        reloaded = _load(auto_cls, str(tmp), torch_dtype, None)
+        reloaded_logits = probe_logits(reloaded, batch)
+        del reloaded
+        checks.append(
+            _require(compare(f"saved copy, reloaded, vs {against}", reloaded_logits, reference, tol))
+        )
+        shards = _count_shards(tmp)
+        card = model_card(
+            src,
+            dtype=dtype,
+            model_class=model_class,
+            is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
+            shards=shards,
+            checks=[*checks, *([quantized] if quantized else [])],
+            notes=notes,
+        )
+        (tmp / "README.md").write_text(card)
+    plural = "s" if shards != 1 else ""
+    _say(
+        f"saved:    {out} ({shards} safetensors shard{plural}, {dtype}) + tokenizer, generation config, README.md"
+    )
+    return MergeResult(out, src.method, src.base_name, dtype, shards, tuple(checks), quantized)
+
+
+def _require(check: Check) -> Check:
+    _say(check.describe())
+    if not check.passed:
+        raise VerificationError(
+            f"merge refused, nothing written: {check.describe()}. The difference exceeds the tolerance: the "
+            "export does not reproduce the model it came from. If it is rounding noise of a deep model in a "
+            "16-bit dtype, merge with --dtype float32 or raise --tolerance"
+        )
+    return check
+
+
+def _model_class(src: MergeSource):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    try:
+        config = AutoConfig.from_pretrained(
+            src.base_source, revision=src.revision, trust_remote_code=src.trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise MergeError(f"base model {src.base_name!r}: cannot load its config: {e}") from e
+    enc_dec = bool(getattr(config, "is_encoder_decoder", False))
+    return (AutoModelForSeq2SeqLM if enc_dec else AutoModelForCausalLM), config
+
+
+def _load(auto_cls, source: str, torch_dtype: torch.dtype, src: MergeSource | None, **kwargs):
+    """The model on CPU in `torch_dtype`, eval mode."""
+    model = auto_cls.from_pretrained(
+        source,
+        revision=src.revision if src is not None else None,
+        trust_remote_code=src.trust_remote_code if src is not None else False,
+        dtype=torch_dtype,
+        **kwargs,
+    )
+    return model.eval()
+
+
+def _check_architecture(src: MergeSource, config) -> None:
+    """With --base, refuse a base of another architecture than the model the adapter was trained on (same
+    module names and shapes do not make a Llama adapter right for Qwen2)."""
+    if not src.base_overridden:
+        return
+    from transformers import AutoConfig
+
+    for trained in src.trained_on:
+        try:
+            # local_files_only: an optional check must never wait on the network.
+            trained_cfg = AutoConfig.from_pretrained(
+                trained, local_files_only=True, trust_remote_code=src.trust_remote_code
+            )
+        except (OSError, ValueError):
+            continue
+        check_same_architecture(
+            config_signature(trained_cfg), config_signature(config), f"{src.base_name} (trained on {trained})"
+        )
+        return
+    _say(
+        "note: the config of the model the adapter was trained on is not available; checking module names and shapes only"
+    )
+
+
+def _merged_model(src: MergeSource, adapter: Adapter, auto_cls, torch_dtype, batch):
+    """(merged model, reference logits of the adapter model, logits of the base alone), one model copy."""
+    from peft import PeftModel
+
+    model = _load(auto_cls, src.base_source, torch_dtype, src)
+    check_fits(adapter, model, src.base_name)
+    peft_model = PeftModel.from_pretrained(model, str(src.path), is_trainable=False)
+    reference = probe_logits(peft_model, batch)
+    with peft_model.disable_adapter():
+        base_logits = probe_logits(peft_model, batch)
+    return _merge_weights(peft_model), reference, base_logits
+
+
+def _merge_weights(peft_model):
+    """peft adds B A x scale to each adapted weight in place and drops the LoRA layers; safe_merge refuses a
+    merge that would put NaNs in a weight."""
+    return peft_model.merge_and_unload(safe_merge=True)
+
+
+def _adapter_on_4bit(src: MergeSource, auto_cls, batch) -> torch.Tensor:
+    """Logits of the adapter on the 4-bit base, as trained (the recipe's quantization and dtype)."""
+    from peft import PeftModel
+
+    from lorakit.model.quantize import bnb_config
+
+    train_dtype = getattr(torch, src.recipe.model.dtype)
+    quant = bnb_config(src.recipe.method.quantization(), train_dtype)
+    model = _load(auto_cls, src.base_source, train_dtype, src, quantization_config=quant)
+    logits = probe_logits(PeftModel.from_pretrained(model, str(src.path)), batch)
+    del model
+    gc.collect()
+    return logits
+
+
+def _save_model(model, directory: Path, shard_bytes: int) -> None:
+    """Sharded safetensors (+ index when more than one shard), config and generation config."""
+    model.save_pretrained(str(directory), max_shard_size=shard_bytes)
+
+
+def _save_tokenizer(src: MergeSource, directory: Path, notes: list[str]) -> None:
+    from transformers import AutoTokenizer
+
+    where = src.tokenizer_source()
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            where,
+            revision=src.revision if where == src.base_source else None,
+            trust_remote_code=src.trust_remote_code,
+        )
+    except (OSError, ValueError) as e:
+        notes.append(f"no tokenizer saved: none could be loaded from {where} ({e})")
+        _say(notes[-1])
+        return
+    tok.save_pretrained(str(directory))
+
+
+def _count_shards(directory: Path) -> int:
+    index = directory / INDEX
+    if not index.is_file():
+        return len(list(directory.glob("*.safetensors")))
+    weight_map: dict[str, Any] = json.loads(index.read_text())["weight_map"]
+    return len(set(weight_map.values()))

@@ -1,0 +1,93 @@
+"""The export directory: written whole beside its final name and renamed into place, or not at all."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from lorakit.errors import MergeError
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+def parse_size(text: str | int) -> int:
+    """`5GB`, `500MB`, `100KiB` or a byte count -> bytes (KB/MB/GB are powers of 1000, as on the hub)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        size = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in _UNITS:
+            raise MergeError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 100KiB")
+        size = int(float(m.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise MergeError(f"--max-shard-size {text!r}: must be at least 1 byte")
+    return size
+
+
+def check_output(output: Path, force: bool, protect: list[Path]) -> Path:
+    """The resolved output path, refused when it would overwrite something it must not.
+
+    An existing non-empty directory (or a file) is replaced only with force; never the directory being
+    merged or one that contains it (force would delete the adapter being read)."""
+    output = Path(output).expanduser().resolve()
+    for p in protect:
+        p = p.resolve()
+        if output == p or output in p.parents:
+            raise MergeError(f"--output {output}: would overwrite {p}, which the merge reads; choose another")
+    if output.is_dir() and any(output.iterdir()) and not force:
+        raise MergeError(f"--output {output} exists and is not empty; choose another or pass --force")
+    if output.exists() and not output.is_dir() and not force:
+        raise MergeError(f"--output {output} exists and is a file; choose another or pass --force")
+    return output
+
+
+@contextlib.contextmanager
+def atomic_directory(output: Path, force: bool) -> Iterator[Path]:
+    """Yield a private sibling directory of `output`; when the block finishes, rename it to `output`.
+
+    If the block raises (KeyboardInterrupt included), the sibling is deleted and `output` is untouched, as are
+    any parent directories this created. A process killed outright (SIGKILL) can leave a `.NAME.tmp-*`
+    sibling, never a directory under the final name."""
+    missing = [p for p in [output.parent, *output.parent.parents] if not p.exists()]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            # Readable by others, like a run directory (safetensors files are written private, 0600).
+            os.chmod(f, 0o755 if f.is_dir() else 0o644)
+        _publish(tmp, output, force)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in missing:  # innermost first; only ones still empty
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: Path, output: Path, force: bool) -> None:
+    if output.exists() and not (output.is_dir() and not any(output.iterdir())):
+        if not force:
+            raise MergeError(f"--output {output} appeared while merging; nothing was written over it")
+        # Move the old one aside first, so the final name only ever holds a whole export.
+        old = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(output, old)
+        try:
+            os.rename(tmp, output)
+        except BaseException:
+            os.rename(old, output)
+            raise
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        return
+    # rename(2) replaces an empty directory atomically.
+    os.rename(tmp, output)

@@ -1,0 +1,154 @@
+"""What a merge reads: a run directory, an adapter directory or a full model, and the base model to use."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lorakit import rundir
+from lorakit.errors import LorakitError, MergeError
+from lorakit.export.adapter import CONFIG as ADAPTER_CONFIG
+from lorakit.recipe import Recipe, recipe_from_dict
+from lorakit.recipe.schema import DataSection
+from lorakit.testing import resolve_model_source
+
+TOKENIZER_FILE = "tokenizer_config.json"
+
+
+@dataclass(frozen=True)
+class MergeSource:
+    """The thing being exported and everything known about how it was made."""
+
+    kind: str  # "adapter" (lora, qlora) or "full" (a complete fine-tuned model)
+    path: Path  # the adapter directory, or the full model's directory
+    run_dir: Path | None
+    recipe: Recipe | None
+    recipe_text: str | None
+    summary: dict[str, Any] | None
+    # The base: as the user names it (tiny:t5, a hub id, a path) and as transformers loads it.
+    base_name: str
+    base_source: str
+    revision: str | None
+    trust_remote_code: bool
+    # --base was given: the model the adapter was trained on (its sources, to compare architectures).
+    base_overridden: bool = False
+    trained_on: tuple[str, ...] = ()
+
+    @property
+    def method(self) -> str:
+        """lora, qlora or full (an adapter without a run directory counts as lora)."""
+        if self.recipe is not None:
+            return self.recipe.method.kind
+        return "full" if self.kind == "full" else "lora"
+
+    @property
+    def default_dtype(self) -> str:
+        """The training dtype when the run is known, else bfloat16."""
+        return self.recipe.model.dtype if self.recipe is not None else "bfloat16"
+
+    def tokenizer_source(self) -> str:
+        """Where the tokenizer comes from: the adapter or model directory (lorakit saves it there), else the
+        base."""
+        return str(self.path) if (self.path / TOKENIZER_FILE).is_file() else self.base_source
+
+
+def _read_recipe(run_dir: Path) -> tuple[Recipe, str]:
+    text = (run_dir / rundir.RECIPE).read_text()
+    try:
+        return recipe_from_dict(yaml.safe_load(text)), text
+    except (LorakitError, yaml.YAMLError) as e:
+        raise MergeError(f"{run_dir / rundir.RECIPE}: cannot read the run's recipe: {e}") from e
+
+
+def _resolve(name: str, cache_dir: str, what: str) -> str:
+    try:
+        return resolve_model_source(name, cache_dir)
+    except LorakitError as e:
+        raise MergeError(f"{what} {name!r}: {e}") from e
+
+
+def locate(path: str | Path, base: str | None = None) -> MergeSource:
+    """Find what `path` is (run dir, adapter dir, model dir) and which base model the merge uses.
+
+    The base is `base` when given (tiny:* names resolve under the recipe's data.cache_dir), else the run's
+    model.name_or_path, else the base_model_name_or_path peft recorded in adapter_config.json."""
+    p = Path(path).expanduser().resolve()
+    if not p.is_dir():
+        raise MergeError(f"{path}: no such directory (expected a run directory or an adapter directory)")
+    run_dir = p if (p / rundir.RECIPE).is_file() else None
+    if run_dir is None and (p.parent / rundir.RECIPE).is_file():
+        run_dir = p.parent  # RUN/adapter or RUN/model given directly
+    recipe, recipe_text = _read_recipe(run_dir) if run_dir is not None else (None, None)
+    summary_file = run_dir / rundir.SUMMARY if run_dir is not None else None
+    summary = json.loads(summary_file.read_text()) if summary_file and summary_file.is_file() else None
+
+    if p == run_dir:
+        full = not recipe.method.adapter()
+        artefact = p / (rundir.MODEL if full else rundir.ADAPTER)
+        if not artefact.is_dir():
+            what = "model" if full else "adapter"
+            raise MergeError(
+                f"{p}: a {recipe.method.kind} run without its {artefact.name}/ directory: training did not "
+                f"finish, or output.save_adapter was false; there is no {what} to export"
+            )
+    elif (p / ADAPTER_CONFIG).is_file() or (p / "config.json").is_file():
+        full, artefact = not (p / ADAPTER_CONFIG).is_file(), p
+    else:
+        raise MergeError(
+            f"{p}: neither a run directory (no {rundir.RECIPE}), an adapter directory (no {ADAPTER_CONFIG}) "
+            "nor a model directory (no config.json)"
+        )
+    cache_dir = recipe.data.cache_dir if recipe is not None else DataSection.model_fields["cache_dir"].default
+    common = dict(path=artefact, run_dir=run_dir, recipe=recipe, recipe_text=recipe_text, summary=summary)
+    if full:
+        if base is not None:
+            raise MergeError(
+                f"--base: {artefact} is a complete fine-tuned model; it has no base to merge into"
+            )
+        name = recipe.model.name_or_path if recipe is not None else str(artefact)
+        trust = recipe.model.trust_remote_code if recipe is not None else False
+        return MergeSource(
+            "full",
+            base_name=name,
+            base_source=str(artefact),
+            revision=None,
+            trust_remote_code=trust,
+            **common,
+        )
+
+    trained_on = []
+    if recipe is not None:
+        trained_on.append((recipe.model.name_or_path, recipe.model.revision))
+    adapter_cfg = _adapter_config(artefact)
+    if adapter_cfg.get("base_model_name_or_path"):
+        trained_on.append((adapter_cfg["base_model_name_or_path"], adapter_cfg.get("revision")))
+    trust = recipe.model.trust_remote_code if recipe is not None else False
+    if base is not None:
+        name, revision = base, None
+    elif trained_on:
+        name, revision = trained_on[0]
+    else:
+        raise MergeError(f"{artefact / ADAPTER_CONFIG} names no base model; pass --base MODEL")
+    source = _resolve(name, cache_dir, "--base" if base is not None else "base model")
+    return MergeSource(
+        "adapter",
+        base_name=name,
+        base_source=source,
+        revision=revision,
+        trust_remote_code=trust,
+        base_overridden=base is not None,
+        trained_on=tuple(_resolve(n, cache_dir, "trained-on model") for n, _ in trained_on),
+        **common,
+    )
+
+
+def _adapter_config(path: Path) -> dict[str, Any]:
+    f = path / ADAPTER_CONFIG
+    try:
+        return json.loads(f.read_text()) if f.is_file() else {}
+    except json.JSONDecodeError:
+        return {}  # read_adapter reports it

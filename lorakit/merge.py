@@ -1,0 +1,95 @@
+"""python -m lorakit.merge RUN_DIR_OR_ADAPTER_DIR --output DIR: merge a LoRA adapter into its base model (or
+re-export a full fine-tuning run) as sharded safetensors that transformers loads, verified before it is
+kept. See docs/merge.md."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import types
+
+from lorakit.cli import quiet_libraries, run_cli
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command's arguments."""
+    p = argparse.ArgumentParser(prog="python -m lorakit.merge", description=__doc__)
+    p.add_argument("source", help="run directory, or an adapter (or full model) directory")
+    p.add_argument("--output", required=True, help="directory to write the merged model to")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default=None,
+        help="dtype of the exported weights (default: the run's model.dtype, else bfloat16)",
+    )
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB")
+    p.add_argument(
+        "--base",
+        default=None,
+        help="base model to merge into (default: the run's model.name_or_path, else adapter_config.json's); "
+        "tiny:* names resolve under the run's data.cache_dir",
+    )
+    p.add_argument("--force", action="store_true", help="replace --output if it exists and is not empty")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="largest allowed logit difference, relative to the largest logit (default per dtype: float32 "
+        "1e-4, float16 2e-2, bfloat16 1e-1)",
+    )
+    p.add_argument(
+        "--compare-quantized",
+        action="store_true",
+        help="QLoRA runs: also report the merged model against the adapter on the 4-bit base (loads it)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m lorakit.merge`."""
+    args = parser().parse_args(argv)
+
+    def body() -> int:
+        from lorakit.export import merge
+
+        quiet_libraries()
+        # A kill (SIGTERM) unwinds like Ctrl-C, so the temporary export directory is removed.
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+        merge(
+            args.source,
+            args.output,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            base=args.base,
+            force=args.force,
+            tolerance=args.tolerance,
+            compare_quantized=args.compare_quantized,
+        )
+        return 0
+
+    try:
+        return run_cli(body)
+    except KeyboardInterrupt:
+        print(f"interrupted: nothing was written to {args.output}", file=sys.stderr)
+        return 130
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+class _CallableModule(types.ModuleType):
+    """`lorakit.merge` is both the function and this module's name: importing the module rebinds the
+    package attribute to the module, so the module forwards calls to lorakit.export.merge."""
+
+    def __call__(self, *args, **kwargs):
+        from lorakit.export import merge
+
+        return merge(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    sys.exit(main())
