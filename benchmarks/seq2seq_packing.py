@@ -1,0 +1,897 @@
+"""Packed vs padded encoder-decoder (T5) training in lorakit: useful tokens per second over one epoch, and the
+eval loss after it.
+
+    python benchmarks/seq2seq_packing.py [--output benchmarks/results/seq2seq_packing.json]
+                                         [--max-samples N] [--repeats K] [--budgets 1024,2048,4096]
+                                         [--sweep-repeats K] [--max-tokens N] [--max-eval-samples N]
+                                         [--cache-dir DIR] [--torch-threads T] [--note TEXT]
+    python benchmarks/seq2seq_packing.py --plot-only benchmarks/results/seq2seq_packing.json
+
+Three ways to batch the same (article, summary) pairs, all trained with `lorakit.train` on the same tiny T5,
+data, LoRA, optimizer, schedule, seed, dtype (float32) and gradient checkpointing, one process, DeepSpeed
+without ZeRO:
+
+- padded_random: random micro-batches of 8 padded to their longest member (data.packing false,
+  data.group_by_length false): a shuffled DataLoader + DataCollatorForSeq2Seq, the usual Hugging Face setup;
+- padded_grouped: micro-batches of 8 examples of similar length, padded to their longest member
+  (data.packing false, data.group_by_length true);
+- packed: one packed encoder row of at most train.max_tokens tokens and one decoder row of at most
+  train.max_target_tokens (lorakit's default: max_tokens x the data's target/source ratio) per micro-batch
+  (data.packing true, random example order), attention per example (lorakit_varlen_sdpa).
+
+The packed side's encoder budget is chosen by measurement in the same invocation: a sweep phase trains one
+epoch at each budget of --budgets and picks the one with the highest median useful tokens/s; the comparison
+rounds that follow are new runs. A budget changes how many examples an optimizer step holds (about
+max_tokens / mean source length), so the comparison also runs `packed_matched`: the swept budget whose steps
+hold closest to 8 examples, the padded sides' batch, when it differs from the chosen one.
+
+Every run evaluates once after its epoch (eval.generate false: the loss on the first --max-eval-samples
+validation rows); the evaluation is timed apart and excluded from the epoch's seconds.
+
+Every training run is a fresh subprocess of this script, and the sides are interleaved (the order reversed
+every other round) so machine noise hits them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as a script from a checkout: benchmarks.common and this lorakit
+
+from benchmarks.common import (  # noqa: E402
+    changed_files,
+    load_average,
+    machine,
+    paired_ratios,
+    run_worker,
+    source_digest,
+    source_dirty,
+    source_files,
+    versions,
+)
+
+DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "seq2seq_packing.json"
+
+MODEL = "tiny:t5"
+PROMPT = "Summarize the following news article:\n{input}\nSummary:\n"  # recipes/quickstart.yaml
+MICRO_BATCH = 8
+DTYPE = "float32"
+DEFAULT_BUDGETS = (1024, 2048, 4096)
+# The claims of issue #10, as (name, side, versus, what, threshold).
+CLAIMS = (
+    {
+        "name": "packed_vs_padded_random_speed",
+        "side": "packed",
+        "versus": "padded_random",
+        "metric": "useful_tokens_per_second",
+        "ratio_at_least": 2.0,
+        "text": "packed trains >= 2x the useful tokens/s of random micro-batches padded to their longest member",
+    },
+    {
+        "name": "packed_vs_padded_grouped_speed",
+        "side": "packed",
+        "versus": "padded_grouped",
+        "metric": "useful_tokens_per_second",
+        "ratio_at_least": 1.0,
+        "text": "packed trains >= 1.0x the useful tokens/s of length-grouped padded micro-batches",
+    },
+    {
+        "name": "packed_eval_loss_vs_padded_random",
+        "side": "packed",
+        "versus": "padded_random",
+        "metric": "eval_loss",
+        "text": "after one epoch on the same data, packed's eval loss <= padded_random's (median over runs)",
+    },
+)
+SIDE_SPECS = {
+    "padded_random": {"packing": False, "group_by_length": False},
+    "padded_grouped": {"packing": False, "group_by_length": True},
+    "packed": {"packing": True, "group_by_length": False},
+    "packed_matched": {"packing": True, "group_by_length": False},
+}
+BASE_SIDES = ("padded_random", "padded_grouped", "packed")
+COMPARISONS = (
+    ("packed", "padded_random"),
+    ("packed", "padded_grouped"),
+    ("padded_grouped", "padded_random"),
+)
+MATCHED_COMPARISONS = (("packed_matched", "padded_random"), ("packed_matched", "padded_grouped"))
+TRAIN = {
+    "epochs": 1,
+    "lr": 3e-3,
+    "micro_batch_size": MICRO_BATCH,
+    "gradient_accumulation_steps": 1,
+    "warmup_ratio": 0.05,
+    "lr_schedule": "linear",
+    "weight_decay": 0.0,
+    "max_grad_norm": 1.0,
+    "seed": 42,
+}
+LORA = {"kind": "lora", "r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear"}
+TIMING = {
+    "epoch_seconds": "wall clock of lorakit.engine.loop.Trainer.run (our own timer, installed in the worker) "
+    "minus the evaluation it calls after the epoch (timed apart: eval_seconds): the epoch loop with batch "
+    "loading, collation, logging and the progress bar; model build, DeepSpeed initialisation, data "
+    "preparation, evaluation and saving excluded (saving is disabled)",
+    "eval_seconds": "wall clock of the evaluation after the epoch (loss only, no generation)",
+    "step_seconds": "lorakit's summary['train_seconds']: the sum of per-step windows, batch loading included, "
+    "logging excluded",
+    "useful_tokens": "summary['train_tokens']: the non-pad source tokens plus the target tokens of every "
+    "micro-batch trained on",
+    "token_slots": "summary['padded_tokens']: padded sides: rows x (longest source + longest target) of every "
+    "micro-batch; packed sides: train.max_tokens + train.max_target_tokens per packed micro-batch (its "
+    "capacity)",
+    "epoch_cpu_seconds": "CPU time of the worker process over the epoch (time.process_time, evaluation "
+    "excluded); with one torch thread, cpu/wall well below 1 means other jobs took the core away",
+    "examples": "counted by the worker micro-batch by micro-batch (a packed micro-batch holds several "
+    "examples; summary['train_samples'] counts rows)",
+    "eval_loss": "summary['eval']['loss'] after the epoch: token-weighted cross-entropy on the validation "
+    "rows (same rows, same caps, on every run)",
+}
+
+
+def recipe_dict(spec: dict) -> dict:
+    """The lorakit recipe of one run; `spec` holds the side's batching and the shared settings."""
+    train = dict(TRAIN)
+    if spec["packing"]:
+        train["max_tokens"] = spec["max_tokens"]
+    return {
+        "model": {
+            "name_or_path": MODEL,
+            "dtype": DTYPE,
+            "gradient_checkpointing": spec["gradient_checkpointing"],
+        },
+        "method": dict(LORA),
+        "data": {
+            "source": "builtin:news_summaries",
+            "split": "train",
+            "eval_split": "validation",
+            "format": "instruction",
+            "input_column": "article",
+            "target_column": "highlights",
+            "prompt_template": PROMPT,
+            "max_samples": spec["max_samples"],
+            "max_eval_samples": spec["max_eval_samples"],
+            "max_source_length": "auto",
+            "max_target_length": "auto",
+            "packing": spec["packing"],
+            "group_by_length": spec["group_by_length"],
+            "cache_dir": spec["cache_dir"],
+        },
+        "train": train,
+        "distributed": {"num_processes": 1, "zero_stage": 0},
+        "eval": {"enabled": True, "generate": False},
+        "output": {"dir": spec["work_dir"], "save_adapter": False},
+    }
+
+
+# ----------------------------------------------------------------------------------------------- worker
+def worker(spec: dict) -> dict:
+    """One training run in this (fresh) process: lorakit.train with our timers and batch counter."""
+    import torch
+
+    import lorakit
+    from lorakit.engine import loop
+    from lorakit.recipe import recipe_from_dict
+
+    threads = spec.get("torch_threads") or 0
+    timer: dict[str, float] = {"eval_seconds": 0.0, "eval_cpu_seconds": 0.0}
+    run, train_window = loop.Trainer.run, loop.train_window
+    counts = {
+        "examples": 0,
+        "micro_batches": 0,
+        "rows": 0,
+        "loss_tokens": 0,
+        "source_tokens": 0,
+        "counted_useful_tokens": 0,
+        "widest_source_row": 0,
+        "widest_target_row": 0,
+    }
+
+    def timed_run(self):
+        # DeepSpeed's initialisation can reset torch's thread count; pin it again before the clock starts.
+        if threads:
+            torch.set_num_threads(threads)
+        evaluate = self.evaluate
+        if evaluate is not None:
+
+            def timed_evaluate(*args, **kwargs):
+                start_e, cpu_e = time.perf_counter(), time.process_time()
+                try:
+                    return evaluate(*args, **kwargs)
+                finally:
+                    timer["eval_seconds"] += time.perf_counter() - start_e
+                    timer["eval_cpu_seconds"] += time.process_time() - cpu_e
+
+            self.evaluate = timed_evaluate
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            return run(self)
+        finally:
+            timer["epoch_seconds"] = time.perf_counter() - start - timer["eval_seconds"]
+            timer["epoch_cpu_seconds"] = time.process_time() - cpu - timer["eval_cpu_seconds"]
+            timer["torch_threads"] = torch.get_num_threads()
+
+    def counted_window(engine, inputs, window, meter):
+        for b in window:  # instrumentation only: reads the batches, changes nothing
+            ids, labels = b["input_ids"], b["labels"]
+            mask = b.get("attention_mask")
+            source = int(mask.sum()) if mask is not None else int((b["source_segments"] > 0).sum())
+            target = int((labels != -100).sum())
+            counts["examples"] += int(b.get("num_examples", ids.shape[0]))
+            counts["micro_batches"] += 1
+            counts["rows"] += ids.shape[0]
+            counts["loss_tokens"] += target
+            counts["source_tokens"] += source
+            counts["counted_useful_tokens"] += source + target
+            counts["widest_source_row"] = max(counts["widest_source_row"], ids.shape[1])
+            counts["widest_target_row"] = max(counts["widest_target_row"], labels.shape[1])
+        return train_window(engine, inputs, window, meter)
+
+    loop.Trainer.run, loop.train_window = timed_run, counted_window
+    s = lorakit.train(recipe_from_dict(recipe_dict(spec))).summary
+    batching = s["batching"]
+    return {
+        **timer,
+        **counts,
+        "step_seconds": s["train_seconds"],
+        "optimizer_steps": s["steps"],
+        "summary_train_samples": s["train_samples"],
+        "useful_tokens": s["train_tokens"],
+        "token_slots": s["padded_tokens"],
+        "lorakit_packing_efficiency": s["packing_efficiency"],
+        "lorakit_tokens_per_second": s["tokens_per_second"],
+        "batching": batching,
+        "source_efficiency": batching.get("source_efficiency"),
+        "target_efficiency": batching.get("target_efficiency"),
+        "max_target_tokens": batching.get("max_target_tokens"),
+        "loss_first": s["loss"]["first"],
+        "loss_last": s["loss"]["last"],
+        "eval_loss": (s.get("eval") or {}).get("loss"),
+        "eval_rows": s["data"].get("eval_rows"),
+        "attention": s["attention"],
+        "zero_stage": s["zero_stage"],
+        "trainable_params": s["trainable_params"],
+        "total_params": s["total_params"],
+        "peak_rss_bytes": s["peak_memory_bytes"]["cpu_rss"],
+        "max_source_length": s["data"]["max_source_length"],
+        "max_target_length": s["data"]["max_target_length"],
+        "source_tokens_untruncated": s["data"].get("source_tokens_untruncated"),
+        "target_tokens_untruncated": s["data"].get("target_tokens_untruncated"),
+    }
+
+
+# ------------------------------------------------------------------------------------------ orchestration
+def run_side(
+    side: str, max_tokens: int | None, shared: dict, tmp: Path, log, label: str | None = None
+) -> dict:
+    """Train one side in a fresh interpreter; returns its measurements and the rates derived from them."""
+    label = label or side
+    spec = dict(shared, **SIDE_SPECS[side], side=side)
+    spec["max_tokens"] = max_tokens if spec["packing"] else None
+    spec["work_dir"] = str(tmp / f"work-{label}-{time.monotonic_ns()}")
+    r = run_worker(__file__, spec, tmp, label)
+    r.update(side=side, max_tokens=spec["max_tokens"])
+    r["padding_efficiency"] = r["useful_tokens"] / r["token_slots"]
+    r["useful_tokens_per_second"] = r["useful_tokens"] / r["epoch_seconds"]
+    r["useful_tokens_per_cpu_second"] = r["useful_tokens"] / r["epoch_cpu_seconds"]
+    r["cpu_seconds_per_wall_second"] = r["epoch_cpu_seconds"] / r["epoch_seconds"]
+    r["step_useful_tokens_per_second"] = r["useful_tokens"] / r["step_seconds"]
+    r["token_slots_per_second"] = r["token_slots"] / r["epoch_seconds"]
+    r["seconds_per_optimizer_step"] = r["epoch_seconds"] / r["optimizer_steps"]
+    r["useful_tokens_per_optimizer_step"] = r["useful_tokens"] / r["optimizer_steps"]
+    r["examples_per_optimizer_step"] = r["examples"] / r["optimizer_steps"]
+    log(
+        f"  {label:16s} epoch {r['epoch_seconds']:6.1f} s  {r['useful_tokens_per_second']:7.0f} useful tok/s  "
+        f"eff. {r['padding_efficiency']:.3f}  {r['optimizer_steps']:4d} steps "
+        f"({r['examples_per_optimizer_step']:.1f} ex/step)  eval loss {r['eval_loss']:.4f}  "
+        f"(eval {r['eval_seconds']:.1f} s, cpu/wall {r['cpu_seconds_per_wall_second']:.2f}, "
+        f"load {r['load_avg_1min_before']:.2f})"
+    )
+    return r
+
+
+MEDIAN_KEYS = (
+    "epoch_seconds",
+    "epoch_cpu_seconds",
+    "eval_seconds",
+    "step_seconds",
+    "useful_tokens_per_second",
+    "useful_tokens_per_cpu_second",
+    "cpu_seconds_per_wall_second",
+    "step_useful_tokens_per_second",
+    "token_slots_per_second",
+    "seconds_per_optimizer_step",
+    "padding_efficiency",
+    "eval_loss",
+    "loss_last",
+)
+
+
+def medians_of(runs: list[dict]) -> dict:
+    out = {k: statistics.median(r[k] for r in runs) for k in MEDIAN_KEYS}
+    for k in ("source_efficiency", "target_efficiency"):
+        values = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = statistics.median(values) if values else None
+    return out
+
+
+def ratios_of(runs: list[dict], medians: dict, comparisons) -> dict:
+    out = {}
+    for side, base in comparisons:
+        paired = paired_ratios(runs, side, base, "useful_tokens_per_second")
+        out[f"{side}/{base}"] = {
+            "side": side,
+            "versus": base,
+            "useful_tokens_per_second": medians[side]["useful_tokens_per_second"]
+            / medians[base]["useful_tokens_per_second"],
+            "paired_useful_tokens_per_second": paired,
+            "paired_median": statistics.median(paired),
+            "epoch_time_speedup": medians[base]["epoch_seconds"] / medians[side]["epoch_seconds"],
+            "useful_tokens_per_cpu_second": medians[side]["useful_tokens_per_cpu_second"]
+            / medians[base]["useful_tokens_per_cpu_second"],
+            "paired_useful_tokens_per_cpu_second": paired_ratios(
+                runs, side, base, "useful_tokens_per_cpu_second"
+            ),
+            "step_useful_tokens_per_second": medians[side]["step_useful_tokens_per_second"]
+            / medians[base]["step_useful_tokens_per_second"],
+            "padding_efficiency_ratio": medians[side]["padding_efficiency"]
+            / medians[base]["padding_efficiency"],
+            "eval_loss_difference": medians[side]["eval_loss"] - medians[base]["eval_loss"],
+            "paired_eval_loss_differences": [
+                s - b
+                for s, b in zip(
+                    [r["eval_loss"] for r in runs if r["side"] == side],
+                    [r["eval_loss"] for r in runs if r["side"] == base],
+                    strict=False,
+                )
+            ],
+        }
+    return out
+
+
+def claims_of(ratios: dict, medians: dict, valid: bool) -> list[dict]:
+    """Each claim with the measured value it is judged on; claim_met comes from the recorded medians."""
+    out = []
+    for c in CLAIMS:
+        key = f"{c['side']}/{c['versus']}"
+        if c["metric"] == "eval_loss":
+            side_loss, base_loss = medians[c["side"]]["eval_loss"], medians[c["versus"]]["eval_loss"]
+            out.append(
+                dict(
+                    c,
+                    side_eval_loss=side_loss,
+                    versus_eval_loss=base_loss,
+                    claim_met=bool(valid and side_loss <= base_loss),
+                )
+            )
+        else:
+            measured = ratios[key][c["metric"]]
+            out.append(
+                dict(
+                    c,
+                    measured_ratio=measured,
+                    paired_median=ratios[key]["paired_median"],
+                    claim_met=bool(valid and measured >= c["ratio_at_least"]),
+                )
+            )
+    return out
+
+
+def sweep(budgets: list[int], rounds: int, shared: dict, tmp: Path, log) -> dict:
+    """Packed epochs at every budget, interleaved; picks the budget with the highest median useful tokens/s."""
+    runs = []
+    for rnd in range(rounds):
+        order = list(budgets) if rnd % 2 == 0 else list(reversed(budgets))
+        log(f"budget sweep {rnd + 1}/{rounds}: {' -> '.join(map(str, order))}")
+        for position, budget in enumerate(order):
+            r = run_side("packed", budget, shared, tmp, log, label=f"sweep_{budget}")
+            runs.append(dict(r, repeat=rnd, position=position))
+    per_budget = {}
+    for b in budgets:
+        mine = [r for r in runs if r["max_tokens"] == b]
+        per_budget[str(b)] = {
+            **medians_of(mine),
+            "useful_tokens_per_second_runs": [r["useful_tokens_per_second"] for r in mine],
+            "eval_loss_runs": [r["eval_loss"] for r in mine],
+            "optimizer_steps": mine[0]["optimizer_steps"],
+            "micro_batches": mine[0]["micro_batches"],
+            "max_target_tokens": mine[0]["max_target_tokens"],
+            "useful_tokens_per_optimizer_step": mine[0]["useful_tokens_per_optimizer_step"],
+            "examples_per_optimizer_step": mine[0]["examples_per_optimizer_step"],
+        }
+    best = max(budgets, key=lambda b: per_budget[str(b)]["useful_tokens_per_second"])
+    return {
+        "how": "one epoch of the packed side at each budget (train.max_tokens, the encoder row; the decoder "
+        "row is lorakit's default), interleaved in this invocation before the comparison rounds (order "
+        "reversed every other round); the budget with the highest median useful tokens/s is chosen; the "
+        "comparison rounds are separate runs",
+        "budgets": list(budgets),
+        "repeats": rounds,
+        "per_budget": per_budget,
+        "best": best,
+        "best_by_cpu_time": max(budgets, key=lambda b: per_budget[str(b)]["useful_tokens_per_cpu_second"]),
+        "runs": runs,
+    }
+
+
+def orchestrate(args) -> int:
+    t0 = time.perf_counter()
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    load_at_start = load_average()
+    from lorakit.rundir import git_revision, write_json
+
+    revision, digest, files_at_start = git_revision(ROOT), source_digest(), source_files()
+    dirty = source_dirty() if revision else None
+
+    def log(msg):
+        print(msg, flush=True)
+
+    import lorakit
+    from lorakit.model import load_config
+    from lorakit.recipe import recipe_from_dict
+
+    sides = list(BASE_SIDES)
+    comparisons = COMPARISONS
+    shared = {
+        "max_samples": args.max_samples,
+        "max_eval_samples": args.max_eval_samples,
+        "cache_dir": str(Path(args.cache_dir).expanduser().resolve()),
+        "gradient_checkpointing": args.gradient_checkpointing == "on",
+        "torch_threads": args.torch_threads,
+    }
+    scratch = str(Path(tempfile.gettempdir()) / "lorakit-bench-unused")
+
+    def recipe_for(side: str, max_tokens: int | None):
+        spec = dict(shared, **SIDE_SPECS[side], work_dir=scratch)
+        spec["max_tokens"] = max_tokens
+        return recipe_from_dict(recipe_dict(spec))
+
+    # Build the tiny model and tokenize once per distinct recipe here, so no timed run pays for it.
+    data = lorakit.prepare(recipe_for("padded_random", None))
+    log(data.describe())
+    max_source = data.lengths.max_source_length
+    budgets = sorted(set(args.budgets if args.max_tokens is None else [args.max_tokens]))
+    short = [b for b in budgets if b < max_source]
+    if short:
+        print(
+            f"error: budgets {short} are below the longest source ({max_source} tokens): packing would "
+            "truncate examples and the sides would not train on the same tokens",
+            file=sys.stderr,
+        )
+        return 2
+    for b in budgets:
+        lorakit.prepare(recipe_for("packed", b))
+    _, config = load_config(recipe_for("padded_random", None))
+
+    runs: list[dict] = []
+    budget_sweep = None
+    with tempfile.TemporaryDirectory(prefix="lorakit-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        matched = None
+        if args.max_tokens is None:
+            budget_sweep = sweep(budgets, args.sweep_repeats, shared, tmp, log)
+            chosen = budget_sweep["best"]
+            log(f"chosen budget: {chosen} encoder tokens per packed micro-batch")
+            # The budget whose optimizer steps hold closest to a padded micro-batch's 8 examples: with it,
+            # packing is compared at (about) the same batch size and number of optimizer steps.
+            per = budget_sweep["per_budget"]
+            matched = min(
+                budgets, key=lambda b: abs(per[str(b)]["examples_per_optimizer_step"] - MICRO_BATCH)
+            )
+            budget_sweep["matched_to_padded_batch"] = {
+                "budget": matched,
+                "padded_examples_per_optimizer_step": MICRO_BATCH,
+                "packed_examples_per_optimizer_step": per[str(matched)]["examples_per_optimizer_step"],
+            }
+            if matched != chosen:
+                sides.insert(sides.index("packed") + 1, "packed_matched")
+                comparisons += MATCHED_COMPARISONS
+                log(f"packed_matched: budget {matched}, closest to {MICRO_BATCH} examples per optimizer step")
+        else:
+            chosen = args.max_tokens
+        budget_of = {s: (matched if s == "packed_matched" else chosen) for s in sides}
+        for repeat in range(args.repeats):
+            order = sides if repeat % 2 == 0 else list(reversed(sides))
+            log(f"repeat {repeat + 1}/{args.repeats}: {' -> '.join(order)}")
+            for position, side in enumerate(order):
+                r = run_side(side, budget_of[side], shared, tmp, log)
+                runs.append(dict(r, repeat=repeat, position=position))
+
+    every = runs + (budget_sweep["runs"] if budget_sweep else [])
+    useful = {s: sorted({r["useful_tokens"] for r in runs if r["side"] == s}) for s in sides}
+    all_useful = sorted({r["useful_tokens"] for r in every})
+    loss_tokens = sorted({r["loss_tokens"] for r in every})
+    examples = sorted({r["examples"] for r in every})
+    eval_rows = sorted({r["eval_rows"] for r in every if r["eval_rows"] is not None})
+    equal = len(all_useful) == 1 and all(r["counted_useful_tokens"] == r["useful_tokens"] for r in every)
+    each_once = examples == [args.max_samples]
+    evaluated = all(r["eval_loss"] is not None for r in every)
+    valid = equal and each_once and evaluated
+    medians = {s: medians_of([r for r in runs if r["side"] == s]) for s in sides}
+    ratios = ratios_of(runs, medians, comparisons)
+    claims = claims_of(ratios, medians, valid)
+    first = {s: next(r for r in runs if r["side"] == s) for s in sides}
+    r0 = first["padded_random"]
+    result = {
+        "benchmark": "seq2seq_packing",
+        "measured": "useful (non-pad source + target) tokens per second over one training epoch of a tiny T5 "
+        "in lorakit, and the eval loss after it: packed encoder/decoder rows vs micro-batches of 8 padded to "
+        "their longest member (random, and grouped by length); same model, rows, LoRA, optimizer, schedule, "
+        "seed, dtype and checkpointing; interleaved in one invocation",
+        "claims": claims,
+        "claims_met": {c["name"]: c["claim_met"] for c in claims},
+        "chosen_max_tokens": chosen,
+        "matched_max_tokens": matched,
+        "max_tokens": {s: budget_of[s] if SIDE_SPECS[s]["packing"] else None for s in sides},
+        "max_target_tokens": {s: first[s]["max_target_tokens"] for s in sides},
+        "command": "python benchmarks/seq2seq_packing.py " + " ".join(args.argv),
+        "date": started,
+        "load_average_at_start": load_at_start,
+        "benchmark_wall_seconds": None,
+        "timing": TIMING,
+        "setup": {
+            "model": {
+                "name_or_path": MODEL,
+                "built_by": "lorakit.testing.resolve_model_source",
+                **{
+                    k: getattr(config, k, None)
+                    for k in (
+                        "model_type",
+                        "d_model",
+                        "d_ff",
+                        "num_layers",
+                        "num_decoder_layers",
+                        "num_heads",
+                        "vocab_size",
+                    )
+                },
+                "total_params": r0["total_params"],
+                "trainable_params": r0["trainable_params"],
+            },
+            "data": {
+                "source": "builtin:news_summaries",
+                "split": "train",
+                "rows": args.max_samples,
+                "format": "instruction",
+                "input_column": "article",
+                "target_column": "highlights",
+                "prompt_template": PROMPT,
+                "max_source_length": r0["max_source_length"],
+                "max_target_length": r0["max_target_length"],
+                "caps_from": "data.max_source_length / max_target_length auto, as lorakit resolves them",
+                "source_tokens_untruncated": r0["source_tokens_untruncated"],
+                "target_tokens_untruncated": r0["target_tokens_untruncated"],
+                "eval_split": "validation",
+                "eval_rows": eval_rows[0] if len(eval_rows) == 1 else eval_rows,
+            },
+            "lora": LORA,
+            "train": dict(TRAIN, optimizer="torch.optim.AdamW (DeepSpeed's torch_adam on CPU)"),
+            "dtype": DTYPE,
+            "gradient_checkpointing": shared["gradient_checkpointing"],
+            "attention": {s: first[s]["attention"] for s in sides},
+            "zero_stage": {s: first[s]["zero_stage"] for s in sides},
+            "processes": 1,
+            "evaluation": f"after the epoch, loss only (eval.generate false), first {args.max_eval_samples} "
+            "validation rows; timed apart and excluded from epoch_seconds",
+            "saving": "disabled",
+            "torch_threads": sorted({r["torch_threads"] for r in every}),
+        },
+        "sides": {
+            "padded_random": "data.packing false, data.group_by_length false, micro_batch_size 8: random "
+            "micro-batches padded to their longest member (a shuffled DataLoader + DataCollatorForSeq2Seq)",
+            "padded_grouped": "data.packing false, data.group_by_length true, micro_batch_size 8: "
+            "micro-batches of similar lengths padded to their longest member",
+            "packed": f"data.packing true, train.max_tokens {chosen} (chosen by the budget sweep"
+            + (")" if budget_sweep else "; given with --max-tokens, no sweep)")
+            + ", train.max_target_tokens lorakit's default: one packed encoder row and one decoder row per "
+            "micro-batch, examples in random order, attention per example",
+            **(
+                {
+                    "packed_matched": f"packed with train.max_tokens {matched}: the swept budget whose "
+                    f"optimizer steps hold closest to {MICRO_BATCH} examples, as the padded sides' do"
+                }
+                if "packed_matched" in sides
+                else {}
+            ),
+        },
+        "batch_size_matching": "the padded sides take 8 examples per optimizer step; a packed step holds about "
+        "max_tokens / mean source length examples, so the chosen budget also changes the number of optimizer "
+        "steps of the epoch (examples_per_optimizer_step records it per side). packed_matched runs the swept "
+        "budget closest to 8 examples per step when it is not the chosen one. lr and schedule are the same on "
+        "every side (not rescaled for the batch size).",
+        "machine": machine(),
+        "versions": versions(),
+        "git_revision": revision,
+        "checks": {
+            "useful_tokens_equal_on_all_runs": equal,
+            "useful_tokens": all_useful[0] if len(all_useful) == 1 else all_useful,
+            "loss_tokens": loss_tokens[0] if len(loss_tokens) == 1 else loss_tokens,
+            "examples_per_run": examples[0] if len(examples) == 1 else examples,
+            "each_example_once": each_once,
+            "every_run_evaluated": evaluated,
+            "runs_checked": len(every),
+            "runs_with_cpu_per_wall_below_0.9": [
+                f"{r['side']}@{r['max_tokens']}" if r["max_tokens"] else r["side"]
+                for r in every
+                if r["cpu_seconds_per_wall_second"] < 0.9
+            ],
+        },
+        "useful_tokens": {
+            "per_side": {s: v[0] if len(v) == 1 else v for s, v in useful.items()},
+            "equal_on_all_sides": equal,
+        },
+        "padding_efficiency": {s: medians[s]["padding_efficiency"] for s in sides},
+        "source_efficiency": {s: medians[s]["source_efficiency"] for s in sides},
+        "target_efficiency": {s: medians[s]["target_efficiency"] for s in sides},
+        "eval_loss": {s: medians[s]["eval_loss"] for s in sides},
+        "token_slots": {s: first[s]["token_slots"] for s in sides},
+        "optimizer_steps": {s: first[s]["optimizer_steps"] for s in sides},
+        "examples_per_optimizer_step": {s: first[s]["examples_per_optimizer_step"] for s in sides},
+        "useful_tokens_per_optimizer_step": {s: first[s]["useful_tokens_per_optimizer_step"] for s in sides},
+        "medians": medians,
+        "ratios": ratios,
+        "budget_sweep": budget_sweep,
+        "runs": runs,
+        "notes": list(args.note or []),
+    }
+    end_digest = source_digest()
+    changed = changed_files(files_at_start, source_files())
+    result["lorakit_source"] = {
+        "changed_during_run": changed,
+        "git_revision_at_start": revision,
+        "uncommitted_changes_at_start": dirty,
+        "sha256_at_start": digest,
+        "sha256_at_end": end_digest,
+        "unchanged_during_run": digest == end_digest,
+    }
+    if digest != end_digest:
+        log(f"warning: lorakit's source changed while the benchmark ran: {', '.join(changed)}")
+    result["load_average_at_end"] = load_average()
+    result["benchmark_wall_seconds"] = time.perf_counter() - t0
+    output = Path(args.output).expanduser().resolve()
+    write_json(output, result)
+    log(
+        f"useful tokens: {result['checks']['useful_tokens']} on every run (equal: {equal}); examples per run: {examples}"
+    )
+    if budget_sweep:
+        log(
+            "budget sweep (median useful tok/s): "
+            + ", ".join(
+                f"{b}: {budget_sweep['per_budget'][str(b)]['useful_tokens_per_second']:.0f}" for b in budgets
+            )
+        )
+    for s in sides:
+        m = medians[s]
+        log(
+            f"{s:15s} median {m['useful_tokens_per_second']:7.0f} useful tok/s, epoch {m['epoch_seconds']:.1f} s, "
+            f"eval loss {m['eval_loss']:.4f}, efficiency {m['padding_efficiency']:.3f}"
+        )
+    for key, r in ratios.items():
+        log(
+            f"{key}: x{r['useful_tokens_per_second']:.2f} useful tokens/s (ratio of medians), paired "
+            f"{[round(x, 2) for x in r['paired_useful_tokens_per_second']]} (median x{r['paired_median']:.2f}); "
+            f"eval loss {r['eval_loss_difference']:+.4f}"
+        )
+    for c in claims:
+        log(f"claim {c['name']}: {'met' if c['claim_met'] else 'NOT met'}")
+    log(f"wrote {output} in {result['benchmark_wall_seconds']:.0f} s")
+    if plot(result, output.with_suffix(".png")):
+        log(f"wrote {output.with_suffix('.png')}")
+    else:
+        log("matplotlib is not installed: no chart (pip install matplotlib)")
+    if not valid:
+        print(
+            "error: the runs did not all train on the same tokens, each example once, and evaluate",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+LABELS = {
+    "padded_random": "padded\nrandom",
+    "padded_grouped": "padded\ngrouped by length",
+    "packed": "packed",
+    "packed_matched": "packed\n(~8 examples/step)",
+}
+
+
+def plot(result: dict, path: Path) -> bool:
+    """Useful tokens/s and eval loss per side, and the budget sweep; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    sides = list(result["medians"])
+    sweep_data = result.get("budget_sweep")
+    widths = [len(sides) + 1, len(sides) + 1] + ([len(sweep_data["budgets"]) + 1] if sweep_data else [])
+    fig, axes = plt.subplots(
+        1,
+        len(widths),
+        figsize=(1.3 * sum(widths) + 1, 4.8),
+        squeeze=False,
+        gridspec_kw={"width_ratios": widths},
+    )
+    labels = [
+        LABELS.get(s, s) + (f"\nmax_tokens {result['max_tokens'][s]}" if result["max_tokens"].get(s) else "")
+        for s in sides
+    ]
+    ax = axes[0][0]
+    for i, side in enumerate(sides):
+        med = result["medians"][side]["useful_tokens_per_second"]
+        runs = [r["useful_tokens_per_second"] for r in result["runs"] if r["side"] == side]
+        ax.bar(i, med, color=f"C{i}", alpha=0.8)
+        ax.scatter([i] * len(runs), runs, color="black", s=12, zorder=3)
+        lines = [
+            f"x{ratio['useful_tokens_per_second']:.2f} vs {ratio['versus']}"
+            for ratio in result["ratios"].values()
+            if ratio["side"] == side
+        ]
+        text = "\n".join(lines + [f"padding eff. {result['padding_efficiency'][side]:.2f}"])
+        ax.annotate(
+            text,
+            (i, max(runs + [med])),
+            xytext=(0, 4),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
+    ax.set_xticks(range(len(sides)), labels, fontsize=7)
+    ax.set_title("useful tokens / s (bars: median, dots: runs)", fontsize=9)
+    ax.margins(y=0.25)
+    ax = axes[0][1]
+    for i, side in enumerate(sides):
+        med = result["medians"][side]["eval_loss"]
+        runs = [r["eval_loss"] for r in result["runs"] if r["side"] == side]
+        ax.bar(i, med, color=f"C{i}", alpha=0.8)
+        ax.scatter([i] * len(runs), runs, color="black", s=12, zorder=3)
+        ax.annotate(
+            f"{med:.3f}\n{result['optimizer_steps'][side]} steps",
+            (i, max(runs + [med])),
+            xytext=(0, 4),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
+    low = min(r["eval_loss"] for r in result["runs"])
+    high = max(r["eval_loss"] for r in result["runs"])
+    ax.set_ylim(low - 0.5 * (high - low + 0.05), high + 0.5 * (high - low + 0.05))
+    ax.set_xticks(range(len(sides)), labels, fontsize=7)
+    ax.set_title("eval loss after the epoch (lower is better)", fontsize=9)
+    if sweep_data:
+        ax2 = axes[0][2]
+        budgets = sweep_data["budgets"]
+        per = sweep_data["per_budget"]
+        meds = [per[str(b)]["useful_tokens_per_second"] for b in budgets]
+        ax2.bar(range(len(budgets)), meds, color="C2", alpha=0.6)
+        for i, b in enumerate(budgets):
+            runs = per[str(b)]["useful_tokens_per_second_runs"]
+            ax2.scatter([i] * len(runs), runs, color="black", s=12, zorder=3)
+            ax2.annotate(
+                f"eff. {per[str(b)]['padding_efficiency']:.2f}\n{per[str(b)]['optimizer_steps']} steps\n"
+                f"eval {per[str(b)]['eval_loss']:.3f}",
+                (i, max(runs + [meds[i]])),
+                xytext=(0, 4),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
+        ax2.set_xticks(
+            range(len(budgets)),
+            [f"{b}{' (chosen)' if b == sweep_data['best'] else ''}" for b in budgets],
+            fontsize=8,
+        )
+        ax2.set_xlabel("train.max_tokens (encoder tokens per packed row)", fontsize=8)
+        ax2.set_title(
+            f"budget sweep: packed useful tokens / s ({sweep_data['repeats']} round(s))", fontsize=9
+        )
+        ax2.margins(y=0.3)
+    setup, v = result["setup"], result["versions"]
+    fig.suptitle(
+        f"tiny T5, {setup['data']['rows']} rows, micro batch {setup['train']['micro_batch_size']} (padded), "
+        f"{setup['dtype']}, 1 process, ZeRO-0, {'/'.join(map(str, setup['torch_threads']))} torch thread(s), "
+        f"CPU ({result['machine']['cpu_count']} cores), torch {v['torch']}, transformers {v['transformers']}, "
+        f"deepspeed {v['deepspeed']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _budgets(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive token budgets, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        spec = json.loads(Path(argv[1]).read_text())
+        if spec.get("torch_threads"):
+            import torch
+
+            torch.set_num_threads(spec["torch_threads"])
+        Path(argv[2]).write_text(json.dumps(worker(spec)))
+        return 0
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/seq2seq_packing.py", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--output", default=str(DEFAULT_OUTPUT), help="result JSON (default: %(default)s)")
+    p.add_argument("--max-samples", type=int, default=1000, help="first N training rows (default: all 1000)")
+    p.add_argument(
+        "--max-eval-samples", type=int, default=100, help="validation rows for the eval loss (default: 100)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every side (default: 3)")
+    p.add_argument(
+        "--budgets",
+        type=_budgets,
+        default=list(DEFAULT_BUDGETS),
+        help="packed encoder token budgets to sweep, comma-separated (default: 1024,2048,4096)",
+    )
+    p.add_argument(
+        "--sweep-repeats", type=int, default=1, help="interleaved rounds of the budget sweep (default: 1)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="packed budget to use; skips the sweep (default: sweep)"
+    )
+    p.add_argument(
+        "--cache-dir", default="~/.cache/lorakit", help="lorakit cache: tiny model, tokenized data"
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        choices=("on", "off"),
+        default="on",
+        help="activation checkpointing on every side (default: on, lorakit's default)",
+    )
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads in every run (default: 1; 0: torch's default, one per core)",
+    )
+    p.add_argument("--note", action="append", help="a note to store in the result (repeatable)")
+    p.add_argument("--plot-only", metavar="RESULT_JSON", help="only redraw the chart of an existing result")
+    args = p.parse_args(argv)
+    args.argv = argv
+    if args.plot_only:
+        path = Path(args.plot_only)
+        if not plot(json.loads(path.read_text()), path.with_suffix(".png")):
+            p.error("--plot-only needs matplotlib (pip install matplotlib)")
+        return 0
+    if args.max_samples < MICRO_BATCH or args.max_samples % MICRO_BATCH:
+        # The padded sides' sampler fills a last short micro-batch with repeats: counts would differ.
+        p.error(
+            f"--max-samples must be a multiple of the micro batch size {MICRO_BATCH}, got {args.max_samples}"
+        )
+    if args.repeats < 1 or args.sweep_repeats < 1 or args.max_eval_samples < 1:
+        p.error("--repeats, --sweep-repeats and --max-eval-samples must be >= 1")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        p.error("--max-tokens must be >= 1")
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
