@@ -40,9 +40,11 @@ def choose_attention(requested: str, model_cls) -> str:
 
 
 def packing_enabled(setting: bool | str, attention: str, is_encoder_decoder: bool) -> bool:
-    """data.packing resolved: `auto` packs wherever the backend keeps packed examples apart: every causal
-    backend (varlen flash, per-example SDPA, masks), and the mask-taking ones (sdpa, eager) for
-    encoder-decoders, whose packed rows need 4-D masks."""
+    """data.packing resolved. `auto` packs causal LMs on every backend (varlen flash, per-example SDPA,
+    masks). Encoder-decoders pack only when asked (`true`, on sdpa or eager): T5 computes its relative
+    position bias over the whole packed row, quadratic in the row length, and the committed benchmark
+    (benchmarks/README.md, seq2seq_packing) measured packed T5 slower than length-grouped batches, so it is
+    not the default until that bias is computed per example."""
     if setting != "auto":
         return bool(setting)
-    return not (is_encoder_decoder and attention.startswith("flash"))
+    return not is_encoder_decoder

@@ -152,9 +152,9 @@ class DataSection(_Section):
         description="Pack several examples into one row with a multipack sampler, so no compute goes to "
         "padding; attention never crosses examples. Causal LMs: rows of up to train.max_tokens tokens. "
         "Encoder-decoders: an encoder row of up to train.max_tokens and a decoder row of up to "
-        "train.max_target_tokens. auto: on wherever the attention backend can keep examples apart (every "
-        "causal backend; sdpa and eager for encoder-decoders); false: batches grouped by length and padded "
-        "to their longest member.",
+        "train.max_target_tokens (sdpa or eager). auto: on for causal LMs, off for encoder-decoders (packed "
+        "T5 is exact but not yet faster than length-grouped batches: see docs/packing.md); false: batches "
+        "grouped by length and padded to their longest member.",
     )
     group_by_length: bool = Field(
         True,

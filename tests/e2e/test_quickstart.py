@@ -60,11 +60,8 @@ def test_quickstart_trains_evaluates_and_saves(quickstart):
     summary = rundir.read_summary(run_dir)
     assert SUMMARY_KEYS <= set(summary)
     assert summary["world_size"] == 2 and summary["zero_stage"] == 3 and summary["method"] == "lora"
-    # quickstart.yaml runs packed: encoder and decoder rows, both reported.
-    batching = summary["batching"]
-    assert batching["packing"] and batching["max_tokens"] == 2048 and batching["max_target_tokens"] >= 25
-    assert batching["source_efficiency"] > 0.8 and batching["target_efficiency"] > 0.8
-    assert summary["attention"] == "lorakit_varlen_sdpa"
+    # packing: auto leaves T5 unpacked (length-grouped batches); see docs/packing.md.
+    assert summary["batching"]["packing"] is False and summary["attention"] == "sdpa"
     assert 0 < summary["trainable_params"] < summary["total_params"]
     assert summary["loss"]["last"] < 0.8 * summary["loss"]["first"]
     assert summary["train_tokens"] <= summary["padded_tokens"]
