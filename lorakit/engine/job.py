@@ -143,6 +143,7 @@ def run_job(recipe: Recipe) -> TrainResult:
         log,
         evaluate if recipe.eval_active() and data.eval is not None else None,
         progress,
+        log_every=t.log_every,
     )
     trainer.run()
     if progress is not None:

@@ -93,9 +93,11 @@ class Trainer:
         log,
         evaluate=None,
         progress=None,
+        log_every: int = 1,
     ):
         self.engine, self.inputs, self.loader, self.sampler, self.plan = engine, inputs, loader, sampler, plan
         self.accumulation, self.log, self.evaluate, self.progress = accumulation, log, evaluate, progress
+        self.log_every = log_every
         self.meter = TokenMeter()
         self.losses: list[float] = []
         self.train_seconds = 0.0
@@ -129,7 +131,9 @@ class Trainer:
                     "tokens_per_second": stats["real_tokens"] / seconds if seconds > 0 else None,
                     "target_tokens": stats["target_tokens"],
                 }
-                self.log(record)
+                # Every log_every-th step, and always the last, so the run's final loss is on record.
+                if self.step % self.log_every == 0 or self.step >= self.plan.total_steps:
+                    self.log(record)
                 if self.progress is not None:
                     self.progress.update(1)
                     self.progress.set_postfix(loss=f"{stats['loss']:.4f}")

@@ -128,3 +128,19 @@ def test_packing_budget_below_the_longest_example_is_a_clear_error(cache_dir, tm
         DataError, match=r"train\.max_tokens=50 is smaller than the longest source \(96 tokens\)"
     ):
         lorakit.train(recipe)
+
+
+def test_log_every_thins_metrics_but_keeps_the_last_step(cache_dir, tmp_path):
+    recipe = recipe_from_dict(
+        tiny_recipe_dict(
+            cache_dir,
+            tmp_path / "run",
+            train={"max_steps": 5, "log_every": 2},
+            eval={"enabled": False},
+            output={"save_adapter": False},
+        )
+    )
+    result = lorakit.train(recipe)
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [2, 4, 5]
+    assert result.summary["steps"] == 5

@@ -1,0 +1,249 @@
+"""python -m lorakit.recipe.reference [--write PATH]: the recipe reference (docs/recipes.md), generated
+from the schema.
+
+Every key, type, default and description comes from the pydantic models in lorakit.recipe.schema, and the
+cross-field rules are the messages their validators raise, so the page cannot drift from the code (a unit
+test compares docs/recipes.md with this generator's output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import os
+import sys
+import tempfile
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import annotated_types
+import yaml
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from lorakit.recipe.schema import Recipe
+
+REGENERATE = "python -m lorakit.recipe.reference --write docs/recipes.md"
+
+_INTRO = f"""\
+# Recipe reference
+
+<!-- Generated from lorakit/recipe/schema.py by `{REGENERATE}`; do not edit by hand. -->
+
+A recipe is a YAML file with {{count}} sections, each a mapping of keys:
+
+{{sections}}
+
+Every key has a default except the ones marked **required** below, so a recipe names only what it
+changes. Run one, overriding any key with its dotted name on the command line (values are read as YAML,
+so `train.lr=2e-4` is a number and `method.target_modules=[q,v]` a list):
+
+    python -m lorakit.run RECIPE section.key=value ...
+
+The schema is strict: an unknown or misspelled key is an error that names it, never silently ignored,
+and a validated recipe is frozen. Besides each key's own type and range, the schema's validators reject
+combinations of keys that cannot work together; they are listed under each section (and, for checks
+that span sections, at the end) with the message they give.
+"""
+
+
+def _cell(text: str) -> str:
+    """Text made safe for one Markdown table cell."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def render_type(annotation: Any) -> str:
+    """A readable type: `int`, `float`, `bool | "auto"`, `"lora" | "qlora" | "full"`, `list[str]`, ..."""
+    if annotation is None or annotation is type(None):
+        return "null"
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return " | ".join(_literal(v) for v in typing.get_args(annotation))
+    if origin is Union or origin is types.UnionType:
+        parts = [render_type(a) for a in typing.get_args(annotation)]
+        # null last: `str | null` reads as "a string, or nothing".
+        return " | ".join([p for p in parts if p != "null"] + [p for p in parts if p == "null"])
+    if origin in (list, tuple, set, dict):
+        return f"{origin.__name__}[{', '.join(render_type(a) for a in typing.get_args(annotation))}]"
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation)
+
+
+def _literal(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, str) else render_value(value)
+
+
+def render_value(value: Any) -> str:
+    """A value as it would be written in a recipe (YAML flow style): null, true, 0.0002, [rouge], auto."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000)
+    return text.removesuffix("\n").removesuffix("\n...").strip()
+
+
+def render_default(field: FieldInfo) -> str:
+    """`required` for a key without default, else the default as YAML."""
+    if field.is_required():
+        return "required"
+    return render_value(field.get_default(call_default_factory=True))
+
+
+def render_constraints(field: FieldInfo) -> str:
+    """Range constraints (ge/gt/le/lt) as `>= 1`, `>= 0, < 1`; empty when there are none."""
+    out = []
+    for meta in field.metadata:
+        for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            bound = getattr(meta, attr, None)
+            if isinstance(meta, annotated_types.BaseMetadata) and bound is not None:
+                out.append(f"{op} {bound}")
+    return ", ".join(out)
+
+
+def validator_messages(model: type[BaseModel]) -> list[str]:
+    """The messages of the ValueErrors raised by the model's own validators, read from their source.
+
+    f-string placeholders are kept as `{name}`, except a trailing `: {e}` that only echoes the cause.
+    """
+    messages = []
+    for name in model.__pydantic_decorators__.model_validators:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(model, name))))
+        # `for name in ("a", "b"): ... raise ValueError(f"x.{name} ...")` gives one message per value.
+        loops: dict[int, tuple[str, list[str]]] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.For) and isinstance(node.target, ast.Name):
+                values = [e.value for e in getattr(node.iter, "elts", []) if isinstance(e, ast.Constant)]
+                if values and len(values) == len(node.iter.elts):
+                    for inner in ast.walk(node):
+                        loops[id(inner)] = (node.target.id, values)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args):
+                continue
+            if not (isinstance(node.exc.func, ast.Name) and node.exc.func.id == "ValueError"):
+                continue
+            var, values = loops.get(id(node), ("", [None]))
+            for value in values:
+                text = _string(node.exc.args[0], {var: value} if var else {})
+                if text is not None:
+                    messages.append(text)
+    return messages
+
+
+def _string(node: ast.expr, names: dict[str, Any]) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        parts = list(node.values)
+        if (
+            len(parts) >= 2
+            and isinstance(parts[-1], ast.FormattedValue)
+            and isinstance(parts[-2], ast.Constant)
+            and str(parts[-2].value).endswith(": ")
+        ):
+            parts = parts[:-1]
+            parts[-1] = ast.Constant(str(parts[-1].value).removesuffix(": "))
+        return "".join(_part(p, names) for p in parts)
+    return None
+
+
+def _part(node: ast.expr, names: dict[str, Any]) -> str:
+    if isinstance(node, ast.Constant):
+        return str(node.value)
+    assert isinstance(node, ast.FormattedValue)
+    if isinstance(node.value, ast.Name) and node.value.id in names:
+        return str(names[node.value.id])
+    return "{" + ast.unparse(node.value) + "}"
+
+
+def _section_doc(model: type[BaseModel]) -> str:
+    return inspect.cleandoc(model.__doc__ or "")
+
+
+def _rules(messages: list[str]) -> list[str]:
+    if not messages:
+        return []
+    lines = ["", "Also rejected (the validators' messages):", ""]
+    lines += [f"- {' '.join(m.split())}" for m in messages]
+    return lines
+
+
+def section_models() -> list[tuple[str, type[BaseModel]]]:
+    """The recipe's sections, in schema order, with their models."""
+    return [(name, field.annotation) for name, field in Recipe.model_fields.items()]
+
+
+def generate() -> str:
+    """The whole reference page as Markdown."""
+    sections = section_models()
+    names = ", ".join(f"[`{name}`](#{name})" for name, _ in sections)
+    lines = [_INTRO.format(count=_count_word(len(sections)), sections=names).rstrip("\n")]
+    for name, model in sections:
+        required = "required section" if Recipe.model_fields[name].is_required() else "optional section"
+        lines += ["", f"## {name}", "", f"{_section_doc(model)} ({required})", ""]
+        lines += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
+        for key, field in model.model_fields.items():
+            type_text = render_type(field.annotation)
+            constraints = render_constraints(field)
+            type_cell = f"`{_cell(type_text)}`" + (f" ({_cell(constraints)})" if constraints else "")
+            default = render_default(field)
+            default_cell = "**required**" if default == "required" else f"`{_cell(default)}`"
+            lines.append(
+                f"| `{name}.{key}` | {type_cell} | {default_cell} | {_cell(field.description or '')} |"
+            )
+        lines += _rules(validator_messages(model))
+    across = validator_messages(Recipe)
+    if across:
+        lines += [
+            "",
+            "## Rules across sections",
+            "",
+            "Checked on the whole recipe, once every section is valid.",
+        ]
+        lines += _rules(across)
+    return "\n".join(lines) + "\n"
+
+
+def _count_word(n: int) -> str:
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+    return words[n] if n < len(words) else str(n)
+
+
+def write(path: str | Path, text: str) -> None:
+    """Write `text` to `path` atomically: a temporary file in the same directory, then a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        # mkstemp creates the file 0600; give it the mode a plain write would (or the page's current one).
+        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m lorakit.recipe.reference`."""
+    p = argparse.ArgumentParser(prog="python -m lorakit.recipe.reference", description=__doc__)
+    p.add_argument("--write", metavar="PATH", help="write the page to PATH (atomically) instead of stdout")
+    args = p.parse_args(argv)
+    text = generate()
+    if args.write:
+        write(args.write, text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
