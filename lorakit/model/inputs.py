@@ -139,9 +139,7 @@ class ModelInputs:
             )
             out.update({"attention_mask": encoder, "decoder_attention_mask": decoder, CROSS_MASK: cross})
         elif "position_ids" in out and "attention_mask" not in out and self.attention == VARLEN_SDPA:
-            positions = batch["position_ids"][0]
-            starts = torch.nonzero(positions == 0).flatten().tolist()
-            out["lorakit_segments"] = (*starts, positions.numel())
+            out["lorakit_segments"] = _bounds(example_ids(batch["position_ids"])[0])
             out["attention_mask"] = torch.ones_like(out["input_ids"])
         elif "position_ids" in out and "attention_mask" not in out:
             mask = self.packed_mask(out["position_ids"])
