@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -13,6 +17,7 @@ from lorakit.data import PreparedData, prepare_data
 from lorakit.engine import dist
 from lorakit.engine.job import TrainResult
 from lorakit.engine.launch import launched_distributed, process_group, torchrun_command
+from lorakit.engine.signals import STOP_SIGNALS
 from lorakit.model import load_config, load_tokenizer
 from lorakit.recipe import Recipe, dump_recipe
 
@@ -60,15 +65,57 @@ def train(recipe: Recipe) -> TrainResult:
             main = dist.is_main()
         return merge_after_training(recipe, result) if recipe.output.merge and main else result
     print(prepare(recipe).describe(), flush=True)
+    run_dir = Path(recipe.output.dir).expanduser().resolve()
+    from lorakit.engine.checkpoint import find_resume
+
+    # A checkpoint the workers would refuse (another recipe, another world size) is refused here, with
+    # exit code 2 and before torchrun starts.
+    find_resume(recipe, run_dir, world=recipe.distributed.num_processes)
+    from lorakit.engine.job import EXIT
+
+    # A stale exit.json from an earlier launch must not be mistaken for this one's.
+    (run_dir / EXIT).unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="lorakit-") as tmp:
         resolved = Path(tmp) / "recipe.yaml"
         resolved.write_text(dump_recipe(recipe))
         cmd = torchrun_command(recipe.distributed.num_processes, "lorakit.run", [str(resolved), "--worker"])
         # Child processes pick the work up from the cache this process just wrote.
-        proc = subprocess.run(cmd, env=os.environ.copy())
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"training failed in a worker process (exit code {proc.returncode}); see the log above"
-        )
-    run_dir = Path(recipe.output.dir).expanduser().resolve()
+        returncode = _run_forwarding_signals(cmd)
+    if returncode != 0:
+        _raise_worker_exit(run_dir)
+        raise RuntimeError(f"training failed in a worker process (exit code {returncode}); see the log above")
     return TrainResult(run_dir, rundir.read_summary(run_dir))
+
+
+def _run_forwarding_signals(cmd: list[str]) -> int:
+    """Run torchrun, passing SIGTERM/SIGUSR1 sent to this process on to it (torchrun hands SIGTERM to the
+    workers, which then save a checkpoint and stop), so stopping the launcher stops the run cleanly."""
+    proc = subprocess.Popen(cmd, env=os.environ.copy())
+    previous = {}
+
+    def forward(signum, frame):
+        # torchrun handles SIGTERM (not SIGUSR1, which would kill it outright): always send SIGTERM.
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _raise_worker_exit(run_dir: Path) -> None:
+    """Re-raise, in the launching process, a worker's preemption or divergence with its exit code."""
+    from lorakit.engine.job import EXIT
+    from lorakit.engine.loop import Preempted, TrainingDiverged
+
+    path = run_dir / EXIT
+    if not path.is_file():
+        return
+    info = json.loads(path.read_text())
+    kinds = {"Preempted": Preempted, "TrainingDiverged": TrainingDiverged}
+    if info.get("error") in kinds:
+        raise kinds[info["error"]](info["message"])

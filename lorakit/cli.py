@@ -1,4 +1,5 @@
-"""What every lorakit command shares: recipe arguments, quiet logs, and exit code 2 for bad input."""
+"""What every lorakit command shares: recipe arguments, quiet logs, and exit code 2 for bad input (with a
+pointer to the documentation that explains the fix, where there is one)."""
 
 from __future__ import annotations
 
@@ -29,11 +30,19 @@ def quiet_libraries() -> None:
 
 
 def run_cli(body: Callable[[], int | None]) -> int:
-    """Run a command body, turning lorakit's input errors into a message and exit code 2."""
+    """Run a command body, turning lorakit's input errors into a message (followed by `see` and the
+    documentation page, when the error names one) and the error's exit code (2 for bad input)."""
     from lorakit.errors import LorakitError
 
     try:
         return body() or 0
     except LorakitError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_message(e), file=sys.stderr)
         return e.exit_code
+
+
+def error_message(error: Exception) -> str:
+    """What the CLI prints for a lorakit error: `error: MESSAGE`, then `see DOC` when it has a doc link."""
+    text = f"error: {error}"
+    link = error.doc_link() if hasattr(error, "doc_link") else None
+    return f"{text}\nsee {link}" if link else text

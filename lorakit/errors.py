@@ -1,14 +1,64 @@
-"""Errors that mean "the user's input is wrong": the CLIs turn them into a message and exit code 2."""
+"""Errors that mean "the user's input is wrong": the CLIs turn them into a message and exit code 2.
+
+An error may name the documentation page that explains the fix:
+`AdapterError("...", doc="docs/merge.md#what-is-checked")`. The CLI prints it after the message as
+`see docs/merge.md#what-is-checked`; a test checks that every page and anchor the code names exists.
+"""
+
+from __future__ import annotations
+
+import re
 
 
 class LorakitError(Exception):
-    """Base class for errors caused by user input (recipe, data, paths)."""
+    """Base class for errors caused by user input (recipe, data, paths).
+
+    `doc`: the page (and anchor) of the documentation that explains the fix, relative to the repository,
+    e.g. "docs/merge.md#what-is-checked"; None when there is none. A subclass whose every instance has the
+    same page can set it as a class attribute."""
 
     exit_code = 2
+    doc: str | None = None
+
+    def __init__(self, *args: object, doc: str | None = None):
+        super().__init__(*args)
+        if doc is not None:
+            self.doc = doc
+
+    def __reduce__(self):
+        # Keep `doc` when the error crosses a process boundary (pickling drops keyword arguments).
+        return _rebuild, (type(self), self.args, self.doc)
+
+    def doc_link(self) -> str | None:
+        """Where the documentation explains this error, or None."""
+        return self.doc
+
+
+def _rebuild(cls: type[LorakitError], args: tuple, doc: str | None) -> LorakitError:
+    return cls(*args, doc=doc)
+
+
+RECIPE_REFERENCE = "docs/recipes.md"
+
+
+def recipe_section_link(message: str) -> str | None:
+    """The recipe reference's section (`docs/recipes.md#train`) of the first `section.key` field a message
+    names (each section of the schema is a heading of the generated page), or None."""
+    from lorakit.recipe.schema import Recipe  # not at the top: lorakit.recipe imports this module
+
+    sections = "|".join(Recipe.model_fields)
+    m = re.search(rf"(?<![\w./-])({sections})\.[a-z_]+", message)
+    return f"{RECIPE_REFERENCE}#{m[1]}" if m else None
 
 
 class RecipeError(LorakitError):
-    """The recipe is malformed: unknown key, wrong type, impossible combination."""
+    """The recipe is malformed: unknown key, wrong type, impossible combination.
+
+    Without an explicit `doc`, an error that names a field (`train.lr: ...`) links the recipe reference's
+    section of that field, so schema validation messages point to the documentation of their keys."""
+
+    def doc_link(self) -> str | None:
+        return self.doc if self.doc is not None else recipe_section_link(str(self))
 
 
 class DataError(LorakitError):

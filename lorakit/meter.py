@@ -33,3 +33,110 @@ class TokenMeter:
     def efficiency(self) -> float:
         """Useful tokens / token slots: 1.0 means no compute was spent on padding."""
         return self.real / self.slots if self.slots else 0.0
+
+
+def _live_storages(device_type: str | None = None) -> dict[int, torch.UntypedStorage]:
+    """Every storage of a live tensor that Python can see (parameters, gradients, optimizer state, buffers
+    held by DeepSpeed), by identity; `device_type` ("cpu", "cuda") filters."""
+    import gc
+    import warnings
+
+    out: dict[int, torch.UntypedStorage] = {}
+    with warnings.catch_warnings():
+        # isinstance() on some deprecated torch.distributed objects warns; they are not tensors anyway.
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if not isinstance(obj, torch.Tensor) or obj.is_meta:
+                continue
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue  # sparse and other storage-less tensors
+            if device_type is None or storage.device.type == device_type:
+                out[id(storage)] = storage
+    return out
+
+
+def live_tensor_bytes(device_type: str | None = None) -> int:
+    """Bytes of every live tensor storage in this process (each storage once, however many views share
+    it). Call it between steps: on CPU this is the measured counterpart of the planner's model states."""
+    return sum(s.nbytes() for s in _live_storages(device_type).values())
+
+
+class TensorMemoryTracker:
+    """Current and peak bytes of tensor storages on one device type, for CPU runs where torch keeps no
+    allocator statistics: the counterpart of torch.cuda.max_memory_allocated.
+
+        with TensorMemoryTracker("cpu") as t:
+            ...train a step...
+        t.peak - t.baseline   # the most tensor memory the step added
+
+    Storages created by torch operators are seen as they are made (a TorchDispatchMode) and forgotten when
+    freed (a weakref finalizer; torch keeps one Python object per live storage). Tensors made outside the
+    dispatcher (loaded from a checkpoint file) are picked up by `rescan()`, and at entry. Only the storages
+    operators return are seen, not their scratch space; the overhead is a Python call per operator, fine
+    for tiny models and a few steps.
+    """
+
+    def __init__(self, device_type: str = "cpu"):
+        self.device_type = device_type
+        self._sizes: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        self.baseline = 0
+        self._mode = None
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        import weakref
+
+        if storage.device.type != self.device_type:
+            return
+        key, size = id(storage), storage.nbytes()
+        old = self._sizes.get(key)
+        if old is None:
+            self._sizes[key] = size
+            self.current += size
+            weakref.finalize(storage, self._release, key)
+        elif old != size:  # resized in place (ZeRO-3 frees and refills parameter storages)
+            self._sizes[key] = size
+            self.current += size - old
+        self.peak = max(self.peak, self.current)
+
+    def _release(self, key: int) -> None:
+        self.current -= self._sizes.pop(key, 0)
+
+    def rescan(self) -> None:
+        """Pick up storages made outside torch operators (e.g. weights read from a file)."""
+        for storage in _live_storages(self.device_type).values():
+            self._track(storage)
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the current bytes."""
+        self.peak = self.current
+
+    def __enter__(self) -> TensorMemoryTracker:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and not t.is_meta:
+                        try:
+                            tracker._track(t.untyped_storage())
+                        except (RuntimeError, NotImplementedError):
+                            pass
+                return out
+
+        self.rescan()
+        self.baseline = self.peak = self.current
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        self._mode = None

@@ -18,6 +18,7 @@ SUMMARY = "summary.json"
 ADAPTER = "adapter"
 MODEL = "model"
 MERGED = "merged"
+CHECKPOINTS = "checkpoints"
 
 _PACKAGES = (
     "lorakit",
@@ -70,15 +71,25 @@ def write_text(path: Path, text: str) -> None:
 
 
 class MetricsLog:
-    """Append-only metrics.jsonl: one JSON object per line, flushed as it is written."""
+    """Append-only metrics.jsonl: one JSON object per line, flushed as it is written.
 
-    def __init__(self, path: Path):
+    `keep` (a resumed run): keep the first `keep` lines of an existing file, the ones written up to the
+    checkpoint, and append after them; otherwise start a new file.
+    """
+
+    def __init__(self, path: Path, keep: int | None = None):
         self.path = path
-        self._f = open(path, "w")  # noqa: SIM115 - lives as long as the run
+        self.count = 0
+        if keep is not None and path.exists():
+            lines = [line for line in path.read_text().splitlines() if line.strip()][:keep]
+            write_text(path, "".join(line + "\n" for line in lines))
+            self.count = len(lines)
+        self._f = open(path, "a" if keep is not None else "w")  # noqa: SIM115 - lives as long as the run
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record, default=float) + "\n")
         self._f.flush()
+        self.count += 1
 
     def close(self) -> None:
         self._f.close()

@@ -82,3 +82,38 @@ class LengthGroupedBatchSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.all_batches()[self.rank])
+
+
+class ResumableBatchSampler:
+    """Wraps a batch sampler so a resumed run skips the micro-batches its checkpoint had already trained.
+
+    The wrapped samplers are deterministic per (seed, epoch), so skipping the first `skip` batches of the
+    resumed epoch yields exactly the batches the interrupted run would have seen next. Only indices are
+    skipped: no example is loaded or collated for them. The skip applies once, to the next iteration.
+    """
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+        self.skip = 0
+
+    @property
+    def dropped(self) -> int:
+        return self.sampler.dropped
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def skip_next(self, batches: int) -> None:
+        """Leave out the first `batches` batches of the next epoch iterated."""
+        if not 0 <= batches <= len(self.sampler):
+            raise ValueError(f"cannot skip {batches} of {len(self.sampler)} batches")
+        self.skip = batches
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        skip, self.skip = self.skip, 0
+        for i, batch in enumerate(self.sampler):
+            if i >= skip:
+                yield batch

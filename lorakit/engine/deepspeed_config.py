@@ -31,6 +31,10 @@ def build_ds_config(
         zero["offload_optimizer"] = _offload(d.offload_optimizer, d.nvme_path)
     if d.offload_params != "none":
         zero["offload_param"] = _offload(d.offload_params, d.nvme_path)
+    if d.zero_stage in (1, 2) and hidden_size:
+        # DeepSpeed allocates the whole reduce bucket (default 5e8 elements: 1 GB in bf16, twice with
+        # overlap_comm) however few parameters train; hidden^2 is what the HF integration's "auto" uses.
+        zero["reduce_bucket_size"] = hidden_size * hidden_size
     if d.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
         if hidden_size:

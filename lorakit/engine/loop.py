@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import DataLoader
 
 from lorakit.engine import dist
+from lorakit.engine.checkpoint import LoopState
 from lorakit.engine.loss import micro_batch_loss, token_loss_sum
+from lorakit.errors import LorakitError
 from lorakit.meter import TokenMeter
 
 
@@ -79,8 +82,46 @@ def train_window(engine, inputs, window: list[dict[str, Any]], meter: TokenMeter
     }
 
 
+class Preempted(LorakitError):
+    """The run was asked to stop (SIGTERM, SIGUSR1) and saved a resumable checkpoint: relaunch to resume."""
+
+    # EX_TEMPFAIL (sysexits.h): a temporary failure, the caller is invited to retry.
+    exit_code = 75
+    doc = "docs/resume.md#preemption-sigterm-and-sigusr1"
+
+
+class TrainingDiverged(LorakitError):
+    """A step's loss or gradient norm was not finite (train.on_nonfinite: error, or too many skipped)."""
+
+    exit_code = 4
+    doc = "docs/resume.md#non-finite-loss-or-gradients-trainon_nonfinite"
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """When the loop saves resumable checkpoints; `save(reason)` writes one (collective) and returns its
+    path."""
+
+    save: Callable[[str], Any]
+    every: int | None = None
+    at_epoch_end: bool = True
+
+
+@dataclass(frozen=True)
+class NonFinitePolicy:
+    """What a step with a NaN or infinite loss or gradient norm does: stop (error) or is skipped."""
+
+    action: str = "error"
+    max_skipped: int = 10
+
+
+def _finite(x: float | None) -> bool:
+    return x is None or math.isfinite(x)
+
+
 class Trainer:
-    """Runs the epochs: windows, logging, per-epoch evaluation hooks. Knows nothing of files."""
+    """Runs the epochs: windows, logging, per-epoch evaluation hooks, checkpoints, preemption and
+    non-finite steps. Knows nothing of files: saving is the `checkpointing.save` callback's business."""
 
     def __init__(
         self,
@@ -94,56 +135,142 @@ class Trainer:
         evaluate=None,
         progress=None,
         log_every: int = 1,
+        *,
+        state: LoopState | None = None,
+        checkpointing: Checkpointing | None = None,
+        nonfinite: NonFinitePolicy = NonFinitePolicy(),
+        stop_requested: Callable[[], bool] | None = None,
     ):
         self.engine, self.inputs, self.loader, self.sampler, self.plan = engine, inputs, loader, sampler, plan
         self.accumulation, self.log, self.evaluate, self.progress = accumulation, log, evaluate, progress
         self.log_every = log_every
+        self.state = state or LoopState()
+        self.checkpointing, self.nonfinite = checkpointing, nonfinite
+        self.stop_requested = stop_requested or (lambda: False)
         self.meter = TokenMeter()
-        self.losses: list[float] = []
-        self.train_seconds = 0.0
-        self.step = 0
-        self.global_real_tokens = 0
-        self.global_token_slots = 0
+        self.last_checkpoint = None
+
+    # The summary reads these; they live in the state so a resumed run continues them.
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
+    def losses(self) -> list[float]:
+        return self.state.losses
+
+    @property
+    def train_seconds(self) -> float:
+        return self.state.train_seconds
+
+    @property
+    def global_real_tokens(self) -> int:
+        return self.state.global_real_tokens
+
+    @property
+    def global_token_slots(self) -> int:
+        return self.state.global_token_slots
 
     def run(self) -> None:
-        """Train for the planned steps, evaluating after each epoch."""
+        """Train for the planned steps (from where the state says), evaluating after each epoch."""
         self.engine.train()
-        for epoch in range(self.plan.epochs):
+        st = self.state
+        if st.step >= self.plan.total_steps:
+            return
+        for epoch in range(st.epoch, self.plan.epochs):
             self.sampler.set_epoch(epoch)
+            if st.micro_batches_done:
+                # A resumed epoch: the sampler's order is fixed by (seed, epoch), so skipping what was
+                # trained continues with exactly the batches the interrupted run had next.
+                self.sampler.skip_next(st.micro_batches_done)
             # The clock runs from the end of one step's bookkeeping to the end of the next step, so batch
             # loading and collation count towards train_seconds; logging does not.
             start = time.perf_counter()
             for window in accumulation_windows(self.loader, self.accumulation):
                 stats = train_window(self.engine, self.inputs, window, self.meter)
                 seconds = time.perf_counter() - start
-                self.train_seconds += seconds
-                self.step += 1
-                self.losses.append(stats["loss"])
-                self.global_real_tokens += stats["real_tokens"]
-                self.global_token_slots += stats["token_slots"]
-                record = {
-                    "kind": "train",
-                    "step": self.step,
-                    "epoch": epoch,
-                    "loss": stats["loss"],
-                    "lr": self.engine.get_lr()[0],
-                    "grad_norm": stats["grad_norm"],
-                    "tokens_per_second": stats["real_tokens"] / seconds if seconds > 0 else None,
-                    "target_tokens": stats["target_tokens"],
-                }
-                # Every log_every-th step, and always the last, so the run's final loss is on record.
-                if self.step % self.log_every == 0 or self.step >= self.plan.total_steps:
-                    self.log(record)
-                if self.progress is not None:
-                    self.progress.update(1)
-                    self.progress.set_postfix(loss=f"{stats['loss']:.4f}")
-                if self.step >= self.plan.total_steps:
+                st.micro_batches_done += len(window)
+                self._account(epoch, stats, seconds)
+                if st.step >= self.plan.total_steps:
                     break
+                if self.stop_requested():
+                    self._save("preempted")
+                    raise Preempted(
+                        f"stopped at step {st.step} on request (SIGTERM/SIGUSR1); checkpoint saved to "
+                        f"{self.last_checkpoint}. Relaunch the same command to resume."
+                    )
+                ck = self.checkpointing
+                if ck is not None and ck.every and st.step % ck.every == 0:
+                    self._save("every")
                 start = time.perf_counter()
             if self.evaluate is not None:
-                self.evaluate(epoch, self.step)
-            if self.step >= self.plan.total_steps:
+                st.eval = dict(self.evaluate(epoch, st.step) or {})
+            st.epoch, st.micro_batches_done = epoch + 1, 0
+            if self.checkpointing is not None and self.checkpointing.at_epoch_end:
+                self._save("epoch")
+            if st.step >= self.plan.total_steps:
                 break
+
+    def _account(self, epoch: int, stats: dict[str, Any], seconds: float) -> None:
+        st = self.state
+        st.step += 1
+        st.train_seconds += seconds
+        st.global_real_tokens += stats["real_tokens"]
+        st.global_token_slots += stats["token_slots"]
+        finite = _finite(stats["loss"]) and _finite(stats["grad_norm"]) and self._update_applied()
+        record = {
+            "kind": "train",
+            "step": st.step,
+            "epoch": epoch,
+            "loss": stats["loss"],
+            "lr": self.engine.get_lr()[0],
+            "grad_norm": stats["grad_norm"],
+            "tokens_per_second": stats["real_tokens"] / seconds if seconds > 0 else None,
+            "target_tokens": stats["target_tokens"],
+            # Cumulative useful tokens, so runs compare on a token axis whatever log_every is.
+            "tokens": st.global_real_tokens,
+        }
+        if not finite:
+            record["skipped"] = self.nonfinite.action == "skip"
+            # A non-finite step is always on record, whatever log_every says.
+            self.log(record)
+            self._nonfinite(stats)
+            return
+        st.losses.append(stats["loss"])
+        # Every log_every-th step, and always the last, so the run's final loss is on record.
+        if st.step % self.log_every == 0 or st.step >= self.plan.total_steps:
+            self.log(record)
+        if self.progress is not None:
+            self.progress.update(1)
+            self.progress.set_postfix(loss=f"{stats['loss']:.4f}")
+
+    def _update_applied(self) -> bool:
+        # ZeRO 1-3 optimizers check gradients for inf/NaN and skip the update themselves.
+        applied = getattr(self.engine, "was_step_applied", None)
+        return bool(applied()) if applied is not None else True
+
+    def _nonfinite(self, stats: dict[str, Any]) -> None:
+        st = self.state
+        what = f"step {st.step}: loss {stats['loss']}, gradient norm {stats['grad_norm']}"
+        last = f"the last checkpoint is {self.last_checkpoint}" if self.last_checkpoint else "no checkpoint"
+        if self.nonfinite.action == "skip":
+            st.skipped_steps.append(st.step)
+            if self.progress is not None:
+                self.progress.update(1)
+            if len(st.skipped_steps) <= self.nonfinite.max_skipped:
+                return
+            raise TrainingDiverged(
+                f"{what}: more than train.max_skipped_steps={self.nonfinite.max_skipped} steps were not "
+                f"finite (steps {st.skipped_steps}); stopped, {last}. Lower train.lr or check the data"
+            )
+        raise TrainingDiverged(
+            f"{what} is not finite; stopped, {last} (was written before it). Lower train.lr or check the "
+            "data, or set train.on_nonfinite: skip to drop such steps"
+        )
+
+    def _save(self, reason: str) -> None:
+        if self.checkpointing is not None:
+            self.last_checkpoint = self.checkpointing.save(reason)
 
     def tokens_per_second(self) -> float:
         """Useful (non-pad) tokens per second of training, over all ranks."""

@@ -34,7 +34,18 @@ class ModelSection(_Section):
     gradient_checkpointing: bool = Field(
         True, description="Non-reentrant activation checkpointing: trades ~30% compute for much less memory."
     )
-    trust_remote_code: bool = Field(False, description="Allow model code from the hub repository.")
+    trust_remote_code: bool = Field(
+        False,
+        description="Run the Python code a model repository ships (config.json `auto_map`) when loading its "
+        "config, tokenizer and weights. Off: such a model is refused with a message naming this key. Turn it "
+        "on only for a repository you trust: its code runs with your permissions.",
+    )
+    allow_pickle: bool = Field(
+        False,
+        description="Allow loading base weights from pickle files (pytorch_model.bin, *.pt), which can run "
+        "code when read. Off: weights load only from safetensors, and a model that has none is refused with "
+        "a message naming this key. What lorakit writes (adapter, full model, merged model) is safetensors.",
+    )
 
 
 class MethodSection(_Section):
@@ -147,13 +158,23 @@ class DataSection(_Section):
         "packing; max_source/target_length for encoder-decoders): truncate it, drop it, or stop with an "
         "error naming the row. Truncated and dropped examples are counted in summary.json.",
     )
+    on_bad_rows: Literal["error", "skip"] = Field(
+        "error",
+        description="A row that cannot become an example: a line that is not valid JSON (.jsonl), a missing "
+        "column, a null, empty or non-text field, or (chat) messages that are not a list of {role, content} "
+        "texts. error: stop with a message naming the file and line (the row index for hub datasets and "
+        "parquet files); skip: leave it out, print how many were left out with the first reasons, and count "
+        "them in summary.json (data.bad_rows). Over-long examples are data.overlong's business. See "
+        "docs/data.md.",
+    )
     packing: bool | Literal["auto"] = Field(
         "auto",
         description="Pack several examples into one row with a multipack sampler, so no compute goes to "
         "padding; attention never crosses examples. Causal LMs: rows of up to train.max_tokens tokens. "
         "Encoder-decoders: an encoder row of up to train.max_tokens and a decoder row of up to "
         "train.max_target_tokens (sdpa or eager). auto: on for causal LMs, off for encoder-decoders (packed "
-        "T5 is exact but not yet faster than length-grouped batches: see docs/packing.md); false: batches "
+        "T5 is exact, with its position bias computed per example, but on the committed benchmark it is not "
+        "the 2x over random padded batches the default asks for: see docs/packing.md); false: batches "
         "grouped by length and padded to their longest member.",
     )
     group_by_length: bool = Field(
@@ -201,17 +222,48 @@ class TrainSection(_Section):
         ge=1,
         description="With packing: the token budget of one packed micro-batch (one row per process per "
         "forward pass; the encoder row for encoder-decoders). Default: micro_batch_size x data.max_length "
-        "(x data.max_source_length for encoder-decoders), what a full padded micro-batch would hold.",
+        "(x data.max_source_length for encoder-decoders), what a full padded micro-batch would hold. A "
+        "larger budget holds more examples per optimizer step; docs/packing.md has measured budgets.",
     )
     max_target_tokens: int | None = Field(
         None,
         ge=1,
         description="Encoder-decoder packing: the token budget of the decoder row. Default: max_tokens x "
-        "the training data's target/source token ratio (at least its longest target), so both rows fill.",
+        "the training data's target/source token ratio (at least its longest target), so both rows fill "
+        "alike (the sampler packs under both budgets at once).",
     )
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     seed: int = Field(42, description="Seed for model init, LoRA init, shuffling and dropout.")
     log_every: int = Field(1, ge=1, description="Write a metrics.jsonl line every this many steps.")
+    on_nonfinite: Literal["error", "skip"] = Field(
+        "error",
+        description="A step whose loss or gradient norm is NaN or infinite. error: stop with a message naming "
+        "the step (exit code 4), keeping the last checkpoint; skip: drop that step's update (weights, "
+        "optimizer and learning-rate schedule unchanged) and count it in summary.json.",
+    )
+    max_skipped_steps: int = Field(
+        10,
+        ge=0,
+        description="With on_nonfinite skip: stop as with error once more steps than this were skipped.",
+    )
+    resume: str = Field(
+        "auto",
+        description="auto: continue from the newest complete checkpoint in output.dir/checkpoints (see the "
+        "checkpoint section) when there is one, so a relaunch of the same recipe picks up where it stopped; "
+        "never: start fresh (existing checkpoints are deleted); or the path of one checkpoint directory to "
+        "resume from.",
+    )
+
+
+class CheckpointSection(_Section):
+    """Resumable checkpoints: DeepSpeed engine state (weights, optimizer, scheduler), sampler position, RNG
+    states and loop counters, written atomically under output.dir/checkpoints. See docs/resume.md."""
+
+    every: int | None = Field(
+        None, ge=1, description="Save a checkpoint every this many optimizer steps; null: only at epoch ends."
+    )
+    at_epoch_end: bool = Field(True, description="Save a checkpoint at the end of every epoch.")
+    keep: int = Field(2, ge=1, description="Keep the newest this many checkpoints; older ones are deleted.")
 
 
 class DistributedSection(_Section):
@@ -293,6 +345,7 @@ class Recipe(_Section):
     train: TrainSection = TrainSection()
     distributed: DistributedSection = DistributedSection()
     eval: EvalSection = EvalSection()
+    checkpoint: CheckpointSection = CheckpointSection()
     output: OutputSection
 
     @model_validator(mode="after")
@@ -301,6 +354,12 @@ class Recipe(_Section):
             raise ValueError(
                 "eval.generate: data.format completion has no reference outputs to score generations "
                 "against; set eval.generate: false (the eval loss is still computed)"
+            )
+        if self.train.on_nonfinite == "skip" and self.distributed.zero_stage == 0:
+            raise ValueError(
+                "train.on_nonfinite: skip needs distributed.zero_stage 1, 2 or 3: ZeRO's optimizers leave out an "
+                "update whose gradients are not finite, while stage 0 applies it before lorakit sees the "
+                "gradient norm; use a ZeRO stage or on_nonfinite: error"
             )
         if self.eval.enabled and self.eval.generate and not self.eval.metrics:
             raise ValueError(

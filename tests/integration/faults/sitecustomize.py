@@ -1,0 +1,80 @@
+"""Fault injection for the resume tests, loaded at interpreter start (PYTHONPATH) by every process.
+
+LORAKIT_FAULT=ACTION:STEP acts in the process that trains rank 0: the rank-0 worker under torchrun (which
+sets RANK), or a 1-process run (no RANK; a launcher that starts torchrun never trains itself):
+- kill:N      SIGKILL every process of the launch (launcher, torchrun, every worker) after step N's update,
+              before it is logged: a node dying.
+- term:N      SIGTERM the launcher (`python -m lorakit.run`) after step N, as Kubernetes does to a
+              container's first process on preemption; it must pass the request on.
+- nan:N       make micro-batch N's loss NaN (with accumulation 1: step N's).
+- crash-save:N  die (os._exit) while writing step N's checkpoint, after its files are written and before the
+              directory is published.
+"""
+
+import os
+
+_spec = os.environ.get("LORAKIT_FAULT")
+if _spec and os.environ.get("RANK", "0") == "0":
+    import signal
+
+    _action, _step = _spec.split(":")
+    _step = int(_step)
+
+    if _action in ("kill", "term"):
+        import lorakit.engine.loop as _loop
+
+        _train_window = _loop.train_window
+        _calls = {"n": 0}
+
+        def _ppid(pid):
+            with open(f"/proc/{pid}/stat") as f:
+                return int(f.read().rsplit(")", 1)[1].split()[1])
+
+        def _faulty_train_window(*args, **kwargs):
+            out = _train_window(*args, **kwargs)
+            _calls["n"] += 1
+            if _calls["n"] == _step:
+                agent = os.getppid()  # torchrun, which starts each worker in a session of its own
+                launcher = _ppid(agent)
+                if _action == "term":
+                    os.kill(launcher, signal.SIGTERM)
+                else:
+                    workers = [
+                        int(p) for p in os.listdir("/proc") if p.isdigit() and _safe_ppid(int(p)) == agent
+                    ]
+                    for pid in [launcher, agent, *(w for w in workers if w != os.getpid()), os.getpid()]:
+                        os.kill(pid, signal.SIGKILL)
+            return out
+
+        def _safe_ppid(pid):
+            try:
+                return _ppid(pid)
+            except OSError:
+                return None
+
+        _loop.train_window = _faulty_train_window
+    elif _action == "nan":
+        import lorakit.engine.loop as _loop
+
+        _token_loss_sum = _loop.token_loss_sum
+        _calls = {"n": 0}
+
+        def _nan_loss(*args, **kwargs):
+            out = _token_loss_sum(*args, **kwargs)
+            _calls["n"] += 1
+            return out * float("nan") if _calls["n"] == _step else out
+
+        _loop.token_loss_sum = _nan_loss
+    elif _action == "crash-save":
+        import lorakit.engine.checkpoint as _ckpt
+
+        _fsync_tree = _ckpt._fsync_tree
+
+        def _crash_before_publish(path):
+            if path.name == f"{_ckpt._TMP_PREFIX}step-{_step:08d}":
+                os._exit(9)
+            _fsync_tree(path)
+
+        _ckpt._fsync_tree = _crash_before_publish
+    else:
+        raise ValueError(f"LORAKIT_FAULT: unknown action {_action!r}")

@@ -1,0 +1,86 @@
+"""A NaN loss stops the run naming the step (exit code 4, last checkpoint kept), or is skipped and
+counted when the recipe says so."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import lorakit
+import lorakit.engine.loop as loop
+from lorakit import rundir
+from lorakit.engine.checkpoint import complete_checkpoints
+from lorakit.recipe import recipe_from_dict
+from tests.conftest import ROOT, tiny_recipe_dict
+from tests.integration.test_resume import FAULTS
+
+
+def _raw(cache_dir, out, **train):
+    return tiny_recipe_dict(
+        cache_dir,
+        out,
+        train={"max_steps": 5, "micro_batch_size": 4, **train},
+        distributed={"zero_stage": 2},
+        eval={"enabled": False},
+        checkpoint={"every": 2},
+    )
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_with_exit_4_naming_the_step_and_keeps_the_checkpoint(cache_dir, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(_raw(cache_dir, tmp_path / "run")))
+    env = {**os.environ, "LORAKIT_FAULT": "nan:3"}
+    env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "lorakit.run", str(recipe)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 4, proc.stderr[-5000:]
+    assert "error: step 3: loss nan" in proc.stderr and "Traceback" not in proc.stderr
+    assert "on_nonfinite: skip" in proc.stderr
+    run = tmp_path / "run"
+    assert [c.step for c in complete_checkpoints(run)] == [2]
+    assert not (run / "summary.json").exists()
+    assert rundir.read_metrics(run)[-1]["step"] == 3
+
+
+@pytest.mark.slow
+def test_nan_loss_skipped_leaves_weights_finite_and_is_counted(cache_dir, tmp_path, monkeypatch):
+    real = loop.token_loss_sum
+    calls = {"n": 0}
+
+    def nan_on_third(*args, **kwargs):
+        calls["n"] += 1
+        out = real(*args, **kwargs)
+        return out * float("nan") if calls["n"] == 3 else out
+
+    monkeypatch.setattr(loop, "token_loss_sum", nan_on_third)
+    recipe = recipe_from_dict(_raw(cache_dir, tmp_path / "run", on_nonfinite="skip"))
+    s = lorakit.train(recipe).summary
+    assert s["skipped_steps"] == [3] and s["steps"] == 5
+    assert all(math.isfinite(x) for x in (s["loss"]["first"], s["loss"]["last"]))
+    skipped = [r for r in rundir.read_metrics(tmp_path / "run") if r.get("skipped")]
+    assert [r["step"] for r in skipped] == [3]
+    adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in adapter.values())
+
+
+@pytest.mark.slow
+def test_too_many_skipped_steps_stop_the_run(cache_dir, tmp_path, monkeypatch):
+    real = loop.token_loss_sum
+    monkeypatch.setattr(loop, "token_loss_sum", lambda *a, **k: real(*a, **k) * float("nan"))
+    recipe = recipe_from_dict(_raw(cache_dir, tmp_path / "run", on_nonfinite="skip", max_skipped_steps=1))
+    with pytest.raises(loop.TrainingDiverged, match=r"more than train.max_skipped_steps=1 .*steps \[1, 2\]"):
+        lorakit.train(recipe)

@@ -1,0 +1,127 @@
+"""Resume exactly, survive preemption and crashes: 2 processes, ZeRO-3, real launches of `python -m
+lorakit.run` (which runs torchrun), with faults injected by tests/integration/faults/sitecustomize.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from lorakit import rundir
+from lorakit.engine.checkpoint import complete_checkpoints
+from tests.conftest import ROOT, tiny_recipe_dict
+
+FAULTS = Path(__file__).parent / "faults"
+STEPS = 8
+
+
+def _recipe(cache_dir: Path, out: Path, path: Path) -> Path:
+    raw = tiny_recipe_dict(
+        cache_dir,
+        out,
+        # Dropout on: a resume must restore the RNG streams, not only the weights.
+        method={"dropout": 0.1},
+        train={"max_steps": STEPS, "micro_batch_size": 2, "gradient_accumulation_steps": 2},
+        distributed={"num_processes": 2, "zero_stage": 3},
+        eval={"enabled": False},
+        checkpoint={"every": 2, "keep": 2},
+    )
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _launch(recipe: Path, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "LORAKIT_FAULT"}
+    if fault:
+        env["LORAKIT_FAULT"] = fault
+        env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), str(ROOT), env.get("PYTHONPATH", "")])
+    # Its own process group, so a fault can kill "the node" (launcher, torchrun, workers) and not pytest.
+    return subprocess.run(
+        [sys.executable, "-m", "lorakit.run", str(recipe)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        start_new_session=True,
+    )
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rundir.read_metrics(run_dir) if r["kind"] == "train"}
+
+
+def _adapter(run_dir: Path):
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def _assert_same_run(run_dir: Path, reference: Path) -> None:
+    # The resumed run's metrics.jsonl reads as one run: every step once, the same losses.
+    assert _losses(run_dir) == pytest.approx(_losses(reference), abs=1e-6)
+    assert sorted(_losses(run_dir)) == list(range(1, STEPS + 1))
+    a, b = _adapter(run_dir), _adapter(reference)
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+@pytest.fixture(scope="module")
+def reference(cache_dir, tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("uninterrupted")
+    proc = _launch(_recipe(cache_dir, base / "run", base / "recipe.yaml"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return base / "run"
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_relaunch_matches_uninterrupted(reference, cache_dir, tmp_path):
+    recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
+    killed = _launch(recipe, fault="kill:5")
+    assert killed.returncode == -signal.SIGKILL
+    assert not (tmp_path / "run" / "summary.json").exists()
+    assert [c.step for c in complete_checkpoints(tmp_path / "run")] == [2, 4]
+
+    resumed = _launch(recipe)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    summary = rundir.read_summary(tmp_path / "run")
+    assert summary["resumed_from"]["step"] == 4 and summary["steps"] == STEPS
+    _assert_same_run(tmp_path / "run", reference)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_exits_75_and_the_relaunch_resumes(reference, cache_dir, tmp_path):
+    recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
+    stopped = _launch(recipe, fault="term:3")
+    assert stopped.returncode == 75, stopped.stderr[-5000:]
+    assert "relaunch the same command to resume" in stopped.stderr.lower()
+    ckpts = complete_checkpoints(tmp_path / "run")
+    # Step 3 finished, then every rank stopped at the same boundary and saved.
+    assert ckpts[-1].step == 3 and ckpts[-1].state["reason"] == "preempted"
+
+    resumed = _launch(recipe)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == 3
+    _assert_same_run(tmp_path / "run", reference)
+
+
+@pytest.mark.slow
+def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(reference, cache_dir, tmp_path):
+    recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
+    crashed = _launch(recipe, fault="crash-save:4")
+    assert crashed.returncode != 0
+    root = tmp_path / "run" / "checkpoints"
+    # The half-published step 4 is left as a temporary directory; step 2 is intact and the newest.
+    assert (root / ".tmp-step-00000004").is_dir()
+    assert [c.step for c in complete_checkpoints(tmp_path / "run")] == [2]
+
+    resumed = _launch(recipe)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == 2
+    assert not (root / ".tmp-step-00000004").exists()
+    _assert_same_run(tmp_path / "run", reference)
