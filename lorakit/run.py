@@ -14,6 +14,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = recipe_parser("python -m lorakit.run", __doc__)
     # Set by lorakit.train on the workers it launches: the launching process prints the report.
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    # The deepspeed launcher passes --local_rank=N unless told --no_local_rank; LOCAL_RANK in the
+    # environment says the same, and is what lorakit reads.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     def body() -> int:

@@ -7,13 +7,15 @@ it, else -100; the collator shifts), `length`, `prompt_ids` (what generation sta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import datasets
 import jinja2
 import numpy as np
 
-from lorakit.data.tokenize import Lengths, check_text
+from lorakit.data.sources import BAD_ROWS_DOC, MAX_QUOTED, OVERLONG_DOC, RowLocator, SourceRows
+from lorakit.data.tokenize import Lengths
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection, Recipe
 
@@ -30,15 +32,8 @@ FEATURES = datasets.Features(
         "reference": datasets.Value("string"),
     }
 )
-
-
-def required_columns(data: DataSection) -> dict[str, str]:
-    """{recipe field: column name} of the columns the recipe's data.format reads."""
-    if data.format == "completion":
-        return {"data.text_column": data.text_column}
-    if data.format == "chat":
-        return {"data.messages_column": data.messages_column}
-    return {"data.input_column": data.input_column, "data.target_column": data.target_column}
+# Chat rows also carry why the template refused a row ("" when it did not), until drop_refused.
+CHAT_FEATURES = datasets.Features({**FEATURES, "_bad": datasets.Value("string")})
 
 
 def check_tokenizer(data: DataSection, tokenizer) -> None:
@@ -57,34 +52,20 @@ def check_tokenizer(data: DataSection, tokenizer) -> None:
         )
 
 
-def _check_messages(messages, column: str, row: int) -> None:
-    where = f"data.messages_column: row {row} of column {column!r}"
-    if not isinstance(messages, list) or not messages:
-        raise DataError(
-            f"{where} must be a non-empty list of {{role, content}} messages, got {type(messages).__name__}: "
-            f"{messages!r:.80}"
-        )
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise DataError(f"{where}: message {j} is {type(m).__name__}, not a {{role, content}} mapping")
-        for key in ("role", "content"):
-            if not isinstance(m.get(key), str):
-                raise DataError(
-                    f"{where}: message {j} needs a text {key!r}, got {type(m.get(key)).__name__}: "
-                    f"{m.get(key)!r:.80}"
-                )
-
-
 def _adds_eos(tokenizer) -> bool:
     """Whether plain tokenization already ends every sequence with EOS (T5-style, or add_eos_token)."""
     return tokenizer("a")["input_ids"][-1:] == [tokenizer.eos_token_id]
 
 
+class TemplateFailed(DataError):
+    """The chat template refused one conversation (e.g. roles that do not alternate): a bad row."""
+
+
 class _Chat:
     """Renders one conversation and finds the token span of each assistant turn."""
 
-    def __init__(self, tokenizer, row: int):
-        self.tok, self.row = tokenizer, row
+    def __init__(self, tokenizer, where: str):
+        self.tok, self.where = tokenizer, where
 
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         try:
@@ -92,14 +73,14 @@ class _Chat:
                 messages, tokenize=False, add_generation_prompt=generation_prompt
             )
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
-            raise DataError(f"data.messages_column: row {self.row}: the chat template failed: {e}") from e
+            raise TemplateFailed(f"{self.where}: the chat template failed: {e}") from e
 
     def encode(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def not_prefix_stable(self, turn: int) -> DataError:
         return DataError(
-            f"data.messages_column: row {self.row}: the tokenizer's chat template is not prefix-stable: "
+            f"data.messages_column: {self.where}: the tokenizer's chat template is not prefix-stable: "
             f"rendering the conversation up to message {turn} does not give a prefix of the whole "
             "conversation's rendering (the template rewrites earlier turns, e.g. strips reasoning from "
             "past assistant messages), so the assistant tokens cannot be located; use a prefix-stable "
@@ -144,9 +125,13 @@ class _Chat:
 
 
 def tokenize_causal(
-    ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: int = 1
+    ds: datasets.Dataset, data: DataSection, tokenizer, where: Callable[[int], str], num_proc: int = 1
 ) -> datasets.Dataset:
-    """Untruncated causal rows (input_ids, labels, length, prompt_ids, reference) for data.format."""
+    """Untruncated causal rows (input_ids, labels, length, prompt_ids, reference) for data.format.
+
+    The rows were checked when loaded (lorakit.data.sources). Chat rows the template refuses stop the run
+    under data.on_bad_rows error; under skip they come out empty, with the reason in a `_bad` column for
+    drop_refused to remove and count."""
     eos = tokenizer.eos_token_id
     adds_eos = data.format != "chat" and _adds_eos(tokenizer)
 
@@ -155,8 +140,6 @@ def tokenize_causal(
 
     def instruction(batch, first: int) -> dict[str, list]:
         inputs, targets = batch[data.input_column], batch[data.target_column]
-        check_text(inputs, data.input_column, "data.input_column", first)
-        check_text(targets, data.target_column, "data.target_column", first)
         prompts = tokenizer([data.prompt_template.format(input=x) for x in inputs])["input_ids"]
         if adds_eos:  # the EOS belongs after the response, not inside the sequence
             prompts = [p[:-1] if p[-1:] == [eos] else p for p in prompts]
@@ -170,7 +153,6 @@ def tokenize_causal(
 
     def completion(batch, first: int) -> dict[str, list]:
         texts = batch[data.text_column]
-        check_text(texts, data.text_column, "data.text_column", first)
         ids = [with_eos(x) for x in tokenizer(texts)["input_ids"]]
         return {
             "input_ids": ids,
@@ -180,13 +162,22 @@ def tokenize_causal(
         }
 
     def chat(batch, first: int) -> dict[str, list]:
-        out: dict[str, list] = {"input_ids": [], "labels": [], "prompt_ids": [], "reference": []}
+        out: dict[str, list] = {"input_ids": [], "labels": [], "prompt_ids": [], "reference": [], "_bad": []}
         for k, messages in enumerate(batch[data.messages_column]):
-            _check_messages(messages, data.messages_column, first + k)
-            conv = _Chat(tokenizer, first + k)
-            ids, labels = conv.labels(messages, data.train_on_inputs)
-            prompt, reference = conv.prompt(messages)
-            for key, value in zip(out, (ids, labels, prompt, reference), strict=True):
+            conv = _Chat(tokenizer, where(first + k))
+            try:
+                ids, labels = conv.labels(messages, data.train_on_inputs)
+                prompt, reference = conv.prompt(messages)
+                bad = ""
+            except TemplateFailed as e:
+                if data.on_bad_rows == "error":
+                    raise DataError(
+                        f"data.on_bad_rows is error: {e}. Fix or remove that row, or set data.on_bad_rows: "
+                        "skip to leave such rows out (they are counted in summary.json)",
+                        doc=BAD_ROWS_DOC,
+                    ) from None
+                ids, labels, prompt, reference, bad = [], [], [], "", str(e)
+            for key, value in zip(out, (ids, labels, prompt, reference, bad), strict=True):
                 out[key].append(value)
         return out
 
@@ -202,11 +193,35 @@ def tokenize_causal(
         batched=True,
         with_indices=True,
         remove_columns=ds.column_names,
-        features=FEATURES,
+        features=CHAT_FEATURES if data.format == "chat" else FEATURES,
         num_proc=num_proc,
         desc="tokenizing",
         load_from_cache_file=False,
     )
+
+
+def drop_refused(ds: datasets.Dataset, source: SourceRows) -> tuple[datasets.Dataset, SourceRows]:
+    """Remove the chat rows the template refused (data.on_bad_rows skip), counting them with the rows
+    left out at loading, and keep the row locations in step."""
+    if "_bad" not in ds.column_names:
+        return ds, source
+    reasons = ds["_bad"]
+    ds = ds.remove_columns("_bad")
+    refused = [i for i, r in enumerate(reasons) if r]
+    if not refused:
+        return ds, source
+    keep = np.asarray([i for i, r in enumerate(reasons) if not r], dtype=np.int64)
+    if keep.size == 0:
+        raise DataError(
+            f"data.on_bad_rows is skip, but the chat template refused every row of {source.where.origin}, "
+            f"e.g. {reasons[refused[0]]}",
+            doc=BAD_ROWS_DOC,
+        )
+    where = source.where
+    positions = where.positions[keep] if where.positions is not None else keep
+    quoted = source.quoted + [reasons[i] for i in refused][: max(MAX_QUOTED - len(source.quoted), 0)]
+    located = RowLocator(where.origin, where.unit, positions)
+    return ds.select(keep), SourceRows(source.rows, located, source.skipped + len(refused), quoted)
 
 
 def resolve_max_length(recipe: Recipe, lengths: np.ndarray, model_max: int | None) -> tuple[int, str]:
@@ -226,7 +241,7 @@ def resolve_max_length(recipe: Recipe, lengths: np.ndarray, model_max: int | Non
 
 
 def apply_overlong(
-    ds: datasets.Dataset, policy: str, cap: int, cap_field: str, split: str
+    ds: datasets.Dataset, policy: str, cap: int, cap_field: str, where: Callable[[int], str]
 ) -> tuple[datasets.Dataset, int, int]:
     """Apply data.overlong to rows longer than `cap`; returns (rows, truncated count, dropped count)."""
     lengths = np.asarray(ds["length"], dtype=np.int64)
@@ -236,9 +251,10 @@ def apply_overlong(
     if policy == "error":
         i = int(over[0])
         raise DataError(
-            f"data.overlong is error: row {i} of split {split!r} is {int(lengths[i])} tokens, longer than "
+            f"data.overlong is error: {where(i)} is {int(lengths[i])} tokens, longer than "
             f"the cap of {cap} ({cap_field}); {over.size} row(s) are over it. Raise {cap_field}, or set "
-            "data.overlong: truncate or drop"
+            "data.overlong: truncate or drop",
+            doc=OVERLONG_DOC,
         )
     if policy == "drop":
         return ds.select(np.flatnonzero(lengths <= cap)), 0, int(over.size)
@@ -255,25 +271,32 @@ def apply_overlong(
 
 
 def prepare_causal(
-    raw: dict[str, datasets.Dataset], recipe: Recipe, tokenizer, model_max: int | None, split_names: dict
+    raw: dict[str, SourceRows], recipe: Recipe, tokenizer, model_max: int | None
 ) -> tuple[dict[str, datasets.Dataset], Lengths, dict[str, Any]]:
-    """Tokenize, cap and count causal splits ("train" and maybe "eval"): (splits, lengths, stats)."""
+    """Tokenize, cap and count causal splits ("train" and maybe "eval"): (splits, lengths, stats).
+
+    `raw` is updated in place when the chat template refuses rows (data.on_bad_rows skip)."""
     data = recipe.data
     check_tokenizer(data, tokenizer)
-    tokenized = {k: tokenize_causal(ds, data, tokenizer, data.num_proc) for k, ds in raw.items()}
+    tokenized = {}
+    for k, src in raw.items():
+        tokenized[k], raw[k] = drop_refused(
+            tokenize_causal(src.rows, data, tokenizer, src.where, data.num_proc), src
+        )
     all_lengths = np.concatenate([np.asarray(ds["length"], dtype=np.int64) for ds in tokenized.values()])
     train_len = np.asarray(tokenized["train"]["length"], dtype=np.int64)
     cap, cap_field = resolve_max_length(recipe, all_lengths, model_max)
     overlong: dict[str, Any] = {"policy": data.overlong, "cap": cap, "cap_from": cap_field}
     splits = {}
     for k, ds in tokenized.items():
-        splits[k], truncated, dropped = apply_overlong(ds, data.overlong, cap, cap_field, split_names[k])
+        splits[k], truncated, dropped = apply_overlong(ds, data.overlong, cap, cap_field, raw[k].where)
         prefix = "" if k == "train" else f"{k}_"
         overlong[f"{prefix}truncated"], overlong[f"{prefix}dropped"] = truncated, dropped
         if len(splits[k]) == 0:
             raise DataError(
-                f"data.overlong is drop: every row of split {split_names[k]!r} is longer than the cap of "
-                f"{cap} ({cap_field}), so none is left; raise {cap_field} or set data.overlong: truncate"
+                f"data.overlong is drop: every row of {raw[k].where.origin} is longer than the cap of "
+                f"{cap} ({cap_field}), so none is left; raise {cap_field} or set data.overlong: truncate",
+                doc=OVERLONG_DOC,
             )
     labels = splits["train"]["labels"]
     stats = {

@@ -14,11 +14,11 @@ from typing import Any
 import datasets
 
 from lorakit.data import cache
-from lorakit.data.causal import prepare_causal, required_columns
-from lorakit.data.sources import load_split, source_fingerprint
+from lorakit.data.causal import prepare_causal
+from lorakit.data.sources import MAX_QUOTED, SourceRows, load_split, source_fingerprint
 from lorakit.data.tokenize import Lengths, model_max_length, prepare_seq2seq
 from lorakit.errors import DataError
-from lorakit.recipe.schema import DataSection, Recipe
+from lorakit.recipe.schema import Recipe
 
 
 @dataclass
@@ -52,11 +52,24 @@ class PreparedData:
             )
             if "eval_truncated" in over:
                 line += f"; eval {over['eval_truncated']} truncated, {over['eval_dropped']} dropped"
+        bad = self.stats.get("bad_rows") or {}
+        skipped = bad.get("skipped", 0) + bad.get("eval_skipped", 0)
+        if skipped:
+            counts = f"train {bad['skipped']}" + (
+                f", eval {bad['eval_skipped']}" if "eval_skipped" in bad else ""
+            )
+            line += f"\nbad rows left out (data.on_bad_rows skip): {counts}; the first:"
+            line += "".join(f"\n  {reason}" for reason in bad["first"])
         return line
 
 
-def _select(ds: datasets.Dataset, limit: int | None) -> datasets.Dataset:
-    return ds.select(range(min(limit, len(ds)))) if limit else ds
+def bad_rows_stats(policy: str, loaded: dict[str, SourceRows]) -> dict[str, Any]:
+    """What summary.json records about bad rows: the policy, rows left out per split, the first reasons."""
+    out: dict[str, Any] = {"policy": policy, "skipped": loaded["train"].skipped}
+    if "eval" in loaded:
+        out["eval_skipped"] = loaded["eval"].skipped
+    out["first"] = [q for src in loaded.values() for q in src.quoted][:MAX_QUOTED]
+    return out
 
 
 def check_supported(recipe: Recipe, is_encoder_decoder: bool) -> None:
@@ -68,24 +81,6 @@ def check_supported(recipe: Recipe, is_encoder_decoder: bool) -> None:
             f"data.format {recipe.data.format}: encoder-decoder models (T5 family) take (input, target) "
             "pairs; set data.format: instruction with data.input_column and data.target_column"
         )
-
-
-def _load(data: DataSection, split: str) -> datasets.Dataset:
-    """load_split, checking the columns data.format reads (not input/target for completion and chat)."""
-    columns = required_columns(data)
-    if data.format == "instruction":
-        return load_split(data, split)
-    # load_split checks data.input_column and data.target_column: point both at the one column this
-    # format reads, and name the real field in its error.
-    ((field_name, column),) = columns.items()
-    try:
-        return load_split(data.model_copy(update={"input_column": column, "target_column": column}), split)
-    except DataError as e:
-        message = str(e)
-        for checked in ("data.input_column: ", "data.target_column: "):
-            if message.startswith(checked):
-                raise DataError(f"{field_name}: {message.removeprefix(checked)}") from None
-        raise
 
 
 def prepare_data(recipe: Recipe, tokenizer, model_config) -> PreparedData:
@@ -118,13 +113,12 @@ def prepare_data(recipe: Recipe, tokenizer, model_config) -> PreparedData:
             splits["train"], splits.get("eval"), Lengths(**meta["lengths"]), path, True, meta["stats"]
         )
 
-    raw = {k: _load(data, s) for k, s in split_names.items()}
-    raw["train"] = _select(raw["train"], data.max_samples)
-    if "eval" in raw:
-        raw["eval"] = _select(raw["eval"], data.max_eval_samples)
+    limits = {"train": data.max_samples, "eval": data.max_eval_samples}
+    raw = {k: load_split(data, s, limits[k]) for k, s in split_names.items()}
     if enc_dec:
-        splits, lengths, stats = prepare_seq2seq(raw, data, tokenizer, model_max, split_names)
+        splits, lengths, stats = prepare_seq2seq(raw, data, tokenizer, model_max)
     else:
-        splits, lengths, stats = prepare_causal(raw, recipe, tokenizer, model_max, split_names)
+        splits, lengths, stats = prepare_causal(raw, recipe, tokenizer, model_max)
+    stats["bad_rows"] = bad_rows_stats(data.on_bad_rows, raw)
     cache.save_cached(path, splits, {"lengths": vars(lengths), "stats": stats, "key": key})
     return PreparedData(splits["train"], splits.get("eval"), lengths, path, False, stats)

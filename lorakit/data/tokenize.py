@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import datasets
 import numpy as np
 
+from lorakit.data.sources import OVERLONG_DOC, SourceRows
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
 
@@ -59,22 +61,13 @@ def resolve_lengths(
     return Lengths(max(src, 2), max(tgt, 2))
 
 
-def check_text(values, column: str, field: str, offset: int) -> None:
-    """DataError naming the field and row of the first cell in `values` that is not a string."""
-    for i, v in enumerate(values):
-        if not isinstance(v, str):
-            raise DataError(
-                f"{field}: row {offset + i} of column {column!r} is {type(v).__name__}, not text: {v!r:.80}"
-            )
-
-
 def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: int = 1) -> datasets.Dataset:
-    """Add untruncated `input_ids` (templated source) and `labels` (target) columns; keep the raw target."""
+    """Add untruncated `input_ids` (templated source) and `labels` (target) columns; keep the raw target.
 
-    def fn(batch, indices):
+    The rows were checked when loaded (lorakit.data.sources): every input and target is non-empty text."""
+
+    def fn(batch):
         inputs, targets = batch[data.input_column], batch[data.target_column]
-        check_text(inputs, data.input_column, "data.input_column", indices[0])
-        check_text(targets, data.target_column, "data.target_column", indices[0])
         texts = [data.prompt_template.format(input=x) for x in inputs]
         return {
             "input_ids": tokenizer(texts)["input_ids"],
@@ -87,7 +80,6 @@ def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: 
     return ds.map(
         fn,
         batched=True,
-        with_indices=True,
         remove_columns=ds.column_names,
         num_proc=num_proc,
         desc="tokenizing",
@@ -128,10 +120,10 @@ def truncate_rows(ds: datasets.Dataset, data: DataSection, tokenizer, lengths: L
 
 
 def apply_overlong(
-    ds: datasets.Dataset, policy: str, lengths: Lengths, split: str
+    ds: datasets.Dataset, policy: str, lengths: Lengths, where: Callable[[int], str]
 ) -> tuple[datasets.Dataset, int, int]:
     """Rows whose source or target is over its cap: kept for truncate_rows (truncate), removed (drop), or
-    a DataError naming the first (error). Returns (rows, truncated count, dropped count)."""
+    a DataError naming the first by file and line (error). Returns (rows, truncated count, dropped count)."""
     src = np.fromiter((len(x) for x in ds["input_ids"]), dtype=np.int64, count=len(ds))
     tgt = np.fromiter((len(x) for x in ds["labels"]), dtype=np.int64, count=len(ds))
     over = (src > lengths.max_source_length) | (tgt > lengths.max_target_length)
@@ -141,10 +133,11 @@ def apply_overlong(
     if policy == "error":
         i = int(np.flatnonzero(over)[0])
         raise DataError(
-            f"data.overlong is error: row {i} of split {split!r} has a {int(src[i])}-token source "
+            f"data.overlong is error: {where(i)} has a {int(src[i])}-token source "
             f"(data.max_source_length={lengths.max_source_length}) and a {int(tgt[i])}-token target "
             f"(data.max_target_length={lengths.max_target_length}); {n_over} row(s) are over a cap. Raise "
-            "data.max_source_length / data.max_target_length, or set data.overlong: truncate or drop"
+            "data.max_source_length / data.max_target_length, or set data.overlong: truncate or drop",
+            doc=OVERLONG_DOC,
         )
     if policy == "drop":
         return ds.select(np.flatnonzero(~over)), 0, n_over
@@ -152,10 +145,10 @@ def apply_overlong(
 
 
 def prepare_seq2seq(
-    raw: dict[str, datasets.Dataset], data: DataSection, tokenizer, model_max: int | None, split_names: dict
+    raw: dict[str, SourceRows], data: DataSection, tokenizer, model_max: int | None
 ) -> tuple[dict[str, datasets.Dataset], Lengths, dict[str, Any]]:
     """Tokenize, cap and count encoder-decoder splits ("train" and maybe "eval"): (splits, lengths, stats)."""
-    tokenized = {k: tokenize_rows(ds, data, tokenizer, data.num_proc) for k, ds in raw.items()}
+    tokenized = {k: tokenize_rows(src.rows, data, tokenizer, data.num_proc) for k, src in raw.items()}
     train_tok = tokenized["train"]
     src_len = np.fromiter((len(x) for x in train_tok["input_ids"]), dtype=np.int64)
     tgt_len = np.fromiter((len(x) for x in train_tok["labels"]), dtype=np.int64)
@@ -163,14 +156,15 @@ def prepare_seq2seq(
     overlong: dict[str, Any] = {"policy": data.overlong}
     splits = {}
     for k, ds in tokenized.items():
-        kept, truncated, dropped = apply_overlong(ds, data.overlong, lengths, split_names[k])
+        kept, truncated, dropped = apply_overlong(ds, data.overlong, lengths, raw[k].where)
         prefix = "" if k == "train" else f"{k}_"
         overlong[f"{prefix}truncated"], overlong[f"{prefix}dropped"] = truncated, dropped
         if len(kept) == 0:
             raise DataError(
-                f"data.overlong is drop: every row of split {split_names[k]!r} is over data.max_source_length="
+                f"data.overlong is drop: every row of {raw[k].where.origin} is over data.max_source_length="
                 f"{lengths.max_source_length} or data.max_target_length={lengths.max_target_length}, so "
-                "none is left; raise them or set data.overlong: truncate"
+                "none is left; raise them or set data.overlong: truncate",
+                doc=OVERLONG_DOC,
             )
         splits[k] = truncate_rows(kept, data, tokenizer, lengths)
     cut = data.overlong == "truncate"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +35,42 @@ class BuiltModel:
     hf_ds_config: Any = None
 
 
+# Weight files read with pickle (torch.load), which can run code while it reads.
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+def _pickle_refused(name: str, detail: str) -> RecipeError:
+    return RecipeError(
+        f"model.name_or_path {name!r}: {detail}; lorakit loads safetensors weights only, because pickle files "
+        "can run code when they are read. Convert the weights to safetensors, or set model.allow_pickle: true "
+        "if you trust where this checkpoint came from"
+    )
+
+
+def check_weight_files(recipe: Recipe, source: str) -> None:
+    """Refuse a local model directory whose weights are pickle files only, unless model.allow_pickle.
+
+    Hub models are held to the same rule by from_pretrained(use_safetensors=True) in build_model; this
+    check makes a local directory fail before any data is tokenized."""
+    path = Path(source)
+    if recipe.model.allow_pickle or not path.is_dir() or any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(f.name for f in path.iterdir() if f.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise _pickle_refused(
+            recipe.model.name_or_path, f"its weights are pickle files only ({', '.join(pickles)})"
+        )
+
+
+def _remote_code_hint(recipe: Recipe, error: Exception) -> str:
+    if "trust_remote_code" in str(error) and not recipe.model.trust_remote_code:
+        return (
+            "; the repository ships its own Python code, which lorakit runs only with model.trust_remote_code: "
+            "true (set it only if you trust that code: it runs with your permissions)"
+        )
+    return ""
+
+
 def load_config(recipe: Recipe):
     """The base model's config and its local (or hub) source, without loading weights."""
     source = resolve_model_source(recipe.model.name_or_path, recipe.data.cache_dir)
@@ -42,10 +79,12 @@ def load_config(recipe: Recipe):
             source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code
         )
     except (OSError, ValueError) as e:
-        # A misspelled hub id, a path without config.json, or no route to the hub.
+        # A misspelled hub id, a path without config.json, no route to the hub, or refused remote code.
         raise RecipeError(
             f"model.name_or_path {recipe.model.name_or_path!r}: cannot load its config: {e}"
+            + _remote_code_hint(recipe, e)
         ) from e
+    check_weight_files(recipe, source)
     return source, config
 
 
@@ -105,14 +144,21 @@ def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
         hf_ds_config = HfDeepSpeedConfig(ds_config)
     # Seeded before loading so the LoRA init (and any freshly initialised weights) is reproducible.
     torch.manual_seed(recipe.train.seed)
-    model = auto_cls.from_pretrained(
-        source,
-        revision=recipe.model.revision,
-        trust_remote_code=recipe.model.trust_remote_code,
-        dtype=dtype,
-        attn_implementation=attention,
-        quantization_config=quantization,
-    )
+    try:
+        model = auto_cls.from_pretrained(
+            source,
+            revision=recipe.model.revision,
+            trust_remote_code=recipe.model.trust_remote_code,
+            # True: only safetensors; None: transformers' default, safetensors else pytorch_model.bin.
+            use_safetensors=None if recipe.model.allow_pickle else True,
+            dtype=dtype,
+            attn_implementation=attention,
+            quantization_config=quantization,
+        )
+    except OSError as e:
+        if recipe.model.allow_pickle or "safetensors" not in str(e):
+            raise
+        raise _pickle_refused(recipe.model.name_or_path, f"no safetensors weights found ({e})") from e
     if hf_ds_config is not None:
         from lorakit.model.untie import restore_untied_head
 

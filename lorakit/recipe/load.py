@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from lorakit.errors import RecipeError
 from lorakit.recipe.schema import Recipe
@@ -34,20 +34,33 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Return a copy of `raw` with dotted `KEY=VALUE` overrides applied."""
+def _apply(raw: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """(a copy of `raw` with the well-formed overrides applied, a problem line for each malformed one)."""
     out = _deep_copy(raw)
+    problems = []
     for item in overrides:
-        path, value = _parse_override(item)
-        node = out
-        for i, part in enumerate(path[:-1]):
-            nxt = node.get(part)
-            if nxt is None:
-                nxt = node[part] = {}
-            elif not isinstance(nxt, dict):
-                raise RecipeError(f"override {item!r}: {'.'.join(path[: i + 1])} is not a section")
-            node = nxt
-        node[path[-1]] = value
+        try:
+            path, value = _parse_override(item)
+            node = out
+            for i, part in enumerate(path[:-1]):
+                nxt = node.get(part)
+                if nxt is None:
+                    nxt = node[part] = {}
+                elif not isinstance(nxt, dict):
+                    raise RecipeError(f"override {item!r}: {'.'.join(path[: i + 1])} is not a section")
+                node = nxt
+            node[path[-1]] = value
+        except RecipeError as e:
+            problems.append(f"  {e}")
+    return out, problems
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a copy of `raw` with dotted `KEY=VALUE` overrides applied; every malformed one is named in
+    one RecipeError."""
+    out, problems = _apply(raw, overrides)
+    if problems:
+        raise RecipeError(_report(problems))
     return out
 
 
@@ -59,28 +72,79 @@ def _deep_copy(d: Any) -> Any:
     return d
 
 
-def format_validation_error(err: ValidationError) -> str:
-    """One line per problem, each naming the dotted field."""
-    lines = []
+def _dotted(loc: tuple) -> str:
+    """The dotted recipe field of a pydantic error location. Parts below a leaf field are dropped: they
+    name the member of a union (`int`, `literal['auto']`) the value was tried against, not a field."""
+    model: type[BaseModel] | None = Recipe
+    parts: list[str] = []
+    for part in loc:
+        if isinstance(part, int):
+            parts.append(str(part))
+        elif model is not None and not part.startswith("function-"):
+            parts.append(part)
+            field = model.model_fields.get(part)
+            annotation = field.annotation if field is not None else None
+            is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+            model = annotation if is_section else None
+    return ".".join(parts)
+
+
+def _validation_lines(err: ValidationError) -> list[str]:
+    """One line per field, naming its dotted path; a union's alternatives are joined in that line."""
+    by_field: dict[str, list[str]] = {}
+    given: dict[str, Any] = {}
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
+        path = _dotted(e["loc"]) or "recipe"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; see docs/recipes.md for every key)"
         elif e["type"] == "missing":
             msg = "required key is missing"
-        lines.append(f"  {loc or 'recipe'}: {msg}")
-    return "invalid recipe:\n" + "\n".join(lines)
+        elif not isinstance(e.get("input"), dict):
+            given[path] = e.get("input")
+        if msg not in by_field.setdefault(path, []):
+            by_field[path].append(msg)
+    lines = []
+    for path, msgs in by_field.items():
+        prefix = "Input should be "
+        if len(msgs) > 1 and all(m.startswith(prefix) for m in msgs):
+            # "a valid integer, unable to parse string as an integer" + "'auto'" -> "a valid integer or 'auto'"
+            msgs = [prefix + " or ".join(m.removeprefix(prefix).split(", unable to")[0] for m in msgs)]
+        text = "; or ".join(msgs)
+        if path in given:
+            text += f" (got {given[path]!r:.60})"
+        # A cross-field check names its fields itself ("data.prompt_template must ...").
+        lines.append(f"  {text}" if text.startswith(f"{path}.") else f"  {path}: {text}")
+    return lines
+
+
+def _report(lines: list[str]) -> str:
+    count = f"{len(lines)} problems" if len(lines) > 1 else "1 problem"
+    return f"invalid recipe ({count}):\n" + "\n".join(lines)
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """Every problem in one message, one line each, each naming the dotted field."""
+    return _report(_validation_lines(err))
+
+
+def _validate(raw: Any, problems: Sequence[str] = ()) -> Recipe:
+    """A frozen Recipe, or one RecipeError listing `problems` and every schema error with its field."""
+    if not isinstance(raw, dict):
+        raise RecipeError("invalid recipe: the top level must be a mapping of sections (model, data, ...)")
+    lines = list(problems)
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as e:
+        lines += _validation_lines(e)
+    if lines:
+        raise RecipeError(_report(lines))
+    return recipe
 
 
 def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
     """Validate a plain dict into a frozen Recipe, raising RecipeError with field names."""
-    if not isinstance(raw, dict):
-        raise RecipeError("invalid recipe: the top level must be a mapping of sections (model, data, ...)")
-    try:
-        return Recipe.model_validate(raw)
-    except ValidationError as e:
-        raise RecipeError(format_validation_error(e)) from None
+    return _validate(raw)
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
@@ -89,10 +153,14 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
     try:
+        # safe_load: a recipe is data; tags such as !!python/object, which build objects, are refused.
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML: {e}") from None
-    return recipe_from_dict(apply_overrides(raw, overrides))
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: the top level must be a mapping of sections (model, data, ...)")
+    # Malformed overrides and schema errors are reported together, so one run shows every mistake.
+    return _validate(*_apply(raw, overrides))
 
 
 def dump_recipe(recipe: Recipe) -> str:

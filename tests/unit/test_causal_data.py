@@ -117,7 +117,7 @@ def test_completion_rows_train_on_every_token(cache_dir, tmp_path):
 
 def test_completion_errors_name_the_field_and_row(cache_dir, tmp_path):
     src = _jsonl(tmp_path / "docs.jsonl", [{"text": "fine"}, {"text": 7}])
-    with pytest.raises(DataError, match=r"data\.text_column: row 1 of column 'text' is int"):
+    with pytest.raises(DataError, match=r"docs\.jsonl line 2: column 'text' is int"):
         _prepare(cache_dir, tmp_path, source=src, format="completion", eval_split=None)
     with pytest.raises(DataError, match=r"data\.text_column: column 'body' not found.*\['text'\]"):
         _prepare(cache_dir, tmp_path, source=src, format="completion", text_column="body", eval_split=None)
@@ -212,7 +212,7 @@ def test_chat_on_other_tiny_causal_models(cache_dir, tmp_path, kind):
 def test_malformed_messages_name_the_column_and_row(cache_dir, tmp_path, messages, problem):
     path = tmp_path / "conv.jsonl"
     path.write_text(json.dumps({"conv": CONVERSATION}) + "\n" + json.dumps({"conv": messages}) + "\n")
-    with pytest.raises(DataError, match=rf"data\.messages_column: row 1 of column 'conv'.*{problem}"):
+    with pytest.raises(DataError, match=rf"conv\.jsonl line 2: column 'conv' .*{problem}"):
         _prepare(
             cache_dir, tmp_path, source=str(path), format="chat", messages_column="conv", eval_split=None
         )
@@ -230,11 +230,11 @@ def test_chat_template_problems(cache_dir, tmp_path):
         "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
     )
     with pytest.raises(
-        DataError, match="row 0: the tokenizer's chat template is not prefix-stable.*instruction"
+        DataError, match="train.jsonl line 1: the tokenizer's chat template is not prefix-stable.*instruction"
     ):
         prepare_data(recipe, tok, config)
     tok.chat_template = "{{ raise_exception('roles must alternate') }}"
-    with pytest.raises(DataError, match="row 0: the chat template failed: roles must alternate"):
+    with pytest.raises(DataError, match="train.jsonl line 1: the chat template failed: roles must alternate"):
         prepare_data(recipe, tok, config)
 
 
@@ -287,10 +287,11 @@ def test_overlong_error_names_row_length_and_setting(cache_dir, tmp_path, news_l
     train_len, _ = news_lengths
     cap = sorted(train_len)[len(train_len) // 2]
     first = next(i for i, n in enumerate(train_len) if n > cap)
-    match = rf"row {first} of split 'train' is {train_len[first]} tokens.*cap of {cap} \(data\.max_length\)"
+    # The builtin train.jsonl has one row per line: row i is line i + 1.
+    match = rf"train\.jsonl line {first + 1} is {train_len[first]} tokens.*cap of {cap} \(data\.max_length\)"
     with pytest.raises(DataError, match=match):
         _prepare(cache_dir, tmp_path, max_samples=24, max_eval_samples=8, max_length=cap, overlong="error")
-    with pytest.raises(DataError, match="every row of split 'train'"):
+    with pytest.raises(DataError, match=r"every row of \S*train\.jsonl is longer"):
         _prepare(cache_dir, tmp_path, max_samples=24, eval_split=None, max_length=8, overlong="drop")
 
 
@@ -333,7 +334,7 @@ def test_seq2seq_overlong_drop_and_error(cache_dir, tmp_path):
     assert all(len(r["input_ids"]) <= 90 and len(r["labels"]) <= 24 for r in dropped.train)
     assert f"{over} dropped" in dropped.describe()
     with pytest.raises(
-        DataError, match=r"row \d+ of split 'train' has a \d+-token source.*data\.overlong: truncate"
+        DataError, match=r"train\.jsonl line \d+ has a \d+-token source.*data\.overlong: truncate"
     ):
         _prepare(cache_dir, tmp_path, overlong="error", **kw)
 

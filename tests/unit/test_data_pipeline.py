@@ -65,7 +65,7 @@ def test_non_text_cell_names_the_row(cache_dir, tmp_path):
     f = tmp_path / "rows.jsonl"
     rows = [{"input": "a b c", "target": "a"}, {"input": None, "target": "b"}]
     f.write_text("\n".join(json.dumps(r) for r in rows))
-    with pytest.raises(DataError, match=r"row 1 of column 'input'"):
+    with pytest.raises(DataError, match=r"rows\.jsonl line 2: column 'input' is null"):
         _prepare(
             cache_dir,
             tmp_path,

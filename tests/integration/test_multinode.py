@@ -1,0 +1,215 @@
+"""Several nodes, simulated on 127.0.0.1: two launchers of one process each give the same run (per-step
+losses and saved adapter) as one launcher of two processes, with torchrun's c10d rendezvous and with the
+deepspeed launcher's hostfile. See docs/multinode.md.
+
+The one-node reference runs as users start it, `python -m lorakit.run` (which starts torchrun with 2
+processes), with HOME, TMPDIR and the working directory pointed at fresh directories: it also shows that
+a run writes nothing outside output.dir and data.cache_dir. Its data holds two bad rows under
+data.on_bad_rows skip, so it also shows skips reaching summary.json from a 2-process ZeRO-3 run.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from lorakit import rundir
+from lorakit.data.samples import builtin_dataset_dir
+from lorakit.engine.launch import free_port
+from tests.conftest import RECIPES, ROOT
+
+pytestmark = pytest.mark.slow
+
+BAD_ROWS = ['{"article": "a storm", "highlights": ', '{"article": "a storm", "highlights": null}']
+# Generous: on a 2-core machine these runs share the CPU with whatever else the suite runs meanwhile.
+TIMEOUT = 600
+
+
+def _env(**extra) -> dict[str, str]:
+    # One thread per process, as torchrun sets it (the deepspeed launcher does not): 2 processes share 2
+    # cores here, and the runs compared must not differ in threading.
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+
+
+def _overrides(source: Path, cache: Path, out: Path) -> list[str]:
+    return [
+        "model.dtype=float32",
+        "model.gradient_checkpointing=false",
+        f"data.source={source}",
+        "data.on_bad_rows=skip",
+        "data.eval_split=null",
+        "data.max_samples=32",
+        "data.max_length=128",
+        "train.max_steps=3",
+        "train.max_tokens=512",
+        "train.seed=7",
+        "eval.enabled=false",
+        f"data.cache_dir={cache}",
+        f"output.dir={out}",
+    ]
+
+
+def _run_together(
+    commands: list[list[str]], env: dict[str, str], cwd: Path = ROOT
+) -> list[subprocess.CompletedProcess]:
+    """Start every command at once (the nodes of one job) and wait for all of them. Each launcher gets
+    its own process group, so a run that hangs is stopped with the workers it started."""
+    procs = [
+        subprocess.Popen(
+            c,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for c in commands
+    ]
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return [
+        subprocess.CompletedProcess(c, p.returncode, out)
+        for c, p, out in zip(commands, procs, outputs, strict=True)
+    ]
+
+
+def _train_records(run_dir: Path) -> list[dict]:
+    return [r for r in rundir.read_metrics(run_dir) if r["kind"] == "train"]
+
+
+def _assert_same_run(run_dir: Path, reference: Path) -> None:
+    ours, theirs = _train_records(run_dir), _train_records(reference)
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [1, 2, 3]
+    for a, b in zip(ours, theirs, strict=True):
+        for key in ("loss", "grad_norm", "target_tokens"):
+            assert abs(a[key] - b[key]) <= 1e-6, (key, a, b)
+    adapter, expected = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (run_dir, reference))
+    assert adapter.keys() == expected.keys() and adapter
+    worst = max(float((adapter[k] - expected[k]).abs().max()) for k in adapter)
+    assert worst <= 1e-6, worst
+    assert rundir.read_summary(run_dir)["world_size"] == 2
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, cache_dir):
+    """The data file (builtin news rows with two bad lines) and the one-node reference run."""
+    base = tmp_path_factory.mktemp("multinode")
+    lines = (builtin_dataset_dir("news_summaries") / "train.jsonl").read_text().splitlines()[:32]
+    lines[4:4] = BAD_ROWS[:1]
+    lines[10:10] = BAD_ROWS[1:]
+    source = base / "news.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    home, tmp, cwd = (base / d for d in ("home", "tmp", "cwd"))
+    for d in (home, tmp, cwd):
+        d.mkdir()
+    reference = base / "one-node"
+    env = _env(
+        HOME=str(home),
+        TMPDIR=str(tmp),
+        # DeepSpeed's compiled CPU communication kernel: a per-machine cache of every torch program, kept
+        # where it is (pointing it into data.cache_dir would recompile it for every cache).
+        TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR")
+        or str(Path("~/.cache/torch_extensions").expanduser()),
+    )
+    for var in ("HF_HOME", "HF_DATASETS_CACHE", "XDG_CACHE_HOME", "TRITON_CACHE_DIR"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "lorakit.run", str(RECIPES / "quickstart_causal.yaml")]
+    (proc,) = _run_together([cmd + _overrides(source, cache_dir, reference)], env, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return {"source": source, "reference": reference, "proc": proc, "roots": (home, tmp, cwd)}
+
+
+def test_one_node_run_writes_only_into_its_directories_and_counts_bad_rows(job):
+    # Empty directories are allowed: torchrun makes its log directories under TMPDIR (torchelastic_*) and
+    # torch an inductor cache directory there, and leave them empty. Hub downloads would go to the
+    # Hugging Face cache (HF_HOME) as usual; this run has none.
+    for root in job["roots"]:
+        assert [str(p) for p in root.rglob("*") if not p.is_dir()] == [], root
+    summary = rundir.read_summary(job["reference"])
+    assert summary["world_size"] == 2 and summary["zero_stage"] == 3
+    bad = summary["data"]["bad_rows"]
+    assert bad["policy"] == "skip" and bad["skipped"] == 2
+    assert [line.split(": ", 1)[0] for line in bad["first"]] == [f"{job['source']} line {n}" for n in (5, 11)]
+    assert "bad rows left out (data.on_bad_rows skip): train 2" in job["proc"].stdout
+    # The weights lorakit writes are safetensors. DeepSpeed's resumable checkpoints (checkpoints/) are its
+    # own torch.save files, read back only by lorakit's resume from the run's own directory.
+    assert (job["reference"] / "adapter" / "adapter_model.safetensors").is_file()
+    pickles = {".bin", ".pt", ".pkl", ".pth"}
+    found = [p for p in job["reference"].rglob("*") if p.suffix in pickles and "checkpoints" not in p.parts]
+    assert found == []
+
+
+def test_two_torchrun_nodes_match_one_node_without_a_shared_data_cache(job, cache_dir, tmp_path):
+    """Two torchrun launchers, --nnodes 2 --nproc_per_node 1, meeting at a c10d rendezvous on 127.0.0.1.
+    Each "node" has its own data.cache_dir (the tiny model copied in; the tokenized data not), so the
+    second node prepares the data for itself."""
+    own_cache = tmp_path / "node1-cache"
+    shutil.copytree(cache_dir / "models", own_cache / "models")
+    out = tmp_path / "two-nodes"
+    endpoint = f"127.0.0.1:{free_port()}"
+    commands = [
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={endpoint}",
+            "--rdzv_id=lorakit-test",
+            "-m",
+            "lorakit.run",
+            str(RECIPES / "quickstart_causal.yaml"),
+            *_overrides(job["source"], cache, out),
+        ]
+        for cache in (cache_dir, own_cache)
+    ]
+    for proc in _run_together(commands, _env()):
+        assert proc.returncode == 0, proc.stdout[-4000:]
+    _assert_same_run(out, job["reference"])
+    key = Path(rundir.read_summary(job["reference"])["data"]["cache_dir"]).name
+    assert (own_cache / "datasets" / key / "meta.json").is_file()
+
+
+def test_deepspeed_launcher_hostfile_nodes_match_one_node(job, cache_dir, tmp_path):
+    """The deepspeed launcher with a hostfile of two hosts, one slot each, started once per node with
+    --no_ssh --node_rank (its default mode, where node 0 starts the others through pdsh, needs ssh between
+    machines). Both nodes share the data cache here. lorakit.run takes the --local_rank argument this
+    launcher passes to its processes."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    out = tmp_path / "deepspeed"
+    port = free_port()
+    commands = [
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            f"--hostfile={hostfile}",
+            "--no_ssh",
+            f"--node_rank={rank}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            "--module",
+            "lorakit.run",
+            str(RECIPES / "quickstart_causal.yaml"),
+            *_overrides(job["source"], cache_dir, out),
+        ]
+        for rank in (0, 1)
+    ]
+    procs = _run_together(commands, _env(DS_ACCELERATOR="cpu"))
+    for proc in procs:
+        assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "'--local_rank=0'" in procs[1].stdout  # the launcher's own log of the command it started
+    _assert_same_run(out, job["reference"])
