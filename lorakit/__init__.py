@@ -26,6 +26,24 @@ def merge(source, output, **options):
     return _merge(source, output, **options)
 
 
+def plan(recipe, **options):
+    """Plan a recipe's memory before renting GPUs: per-GPU and per-node CPU bytes, a fits verdict and the
+    best setup that fits; returns a MemoryPlan. Options: gpus (default: the recipe's num_processes),
+    gpu_memory, nodes, cpu_memory, config, seq_len, target_len, device. See lorakit.planner.plan and
+    docs/planning.md."""
+    from lorakit.planner import plan as _plan
+
+    return _plan(recipe, **options)
+
+
+def compare(run_dirs, **options):
+    """Put runs side by side: report.md with a table and PNG plots; returns the Comparison. Options:
+    output, gpu_hour_price. See lorakit.report.compare and docs/compare.md."""
+    from lorakit.report import compare as _compare
+
+    return _compare(run_dirs, **options)
+
+
 def prepare(recipe):
     """Tokenize and cache a recipe's data without training. See lorakit.api.prepare."""
     from lorakit.api import prepare as _prepare
@@ -39,8 +57,10 @@ __all__ = [
     "Recipe",
     "RecipeError",
     "__version__",
+    "compare",
     "load_recipe",
     "merge",
+    "plan",
     "prepare",
     "train",
 ]

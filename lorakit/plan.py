@@ -1,0 +1,91 @@
+"""python -m lorakit.plan RECIPE --gpus N --gpu-memory 40GB [--nodes M] [--cpu-memory 1100GB] [--json]:
+will the recipe fit, per GPU and in each node's CPU RAM, and what is the best setup that fits. Reads the
+model's config only, never its weights. See docs/planning.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+
+from lorakit.cli import run_cli
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command's arguments."""
+    p = argparse.ArgumentParser(prog="python -m lorakit.plan", description=__doc__)
+    p.add_argument("recipe", help="path to a recipe YAML file")
+    p.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. train.micro_batch_size=4")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="GPUs per node (default: the recipe's distributed.num_processes)")  # fmt: skip
+    p.add_argument("--gpu-memory", default=None,
+                   help="memory of one GPU, e.g. 40GB, 80GiB (default: this machine's GPU, if it has one)")  # fmt: skip
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument(
+        "--cpu-memory", default=None, help="CPU RAM of one node, e.g. 1100GB (default: no verdict)"
+    )
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="length to plan for where the recipe says auto: data.max_length, or "
+                   "data.max_source_length for encoder-decoders (default: the model's maximum)")  # fmt: skip
+    p.add_argument("--target-len", type=int, default=None,
+                   help="encoder-decoders: length to plan for where data.max_target_length is auto")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    return p
+
+
+def _local_gpu_memory() -> int | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    except (ImportError, RuntimeError):
+        pass
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m lorakit.plan`: exit 0 when the recipe fits (or no verdict was asked
+    for), 1 when it does not, 2 on bad input."""
+    args = parser().parse_args(argv)
+
+    def body() -> int:
+        from lorakit.planner import PlanError, plan
+        from lorakit.recipe import load_recipe
+
+        recipe = load_recipe(args.recipe, args.overrides)
+        gpu_memory = args.gpu_memory if args.gpu_memory is not None else _local_gpu_memory()
+        if gpu_memory is None:
+            raise PlanError(
+                "--gpu-memory: no GPU on this machine to read it from; give the GPU's memory, e.g. 40GB"
+            )
+        result = plan(
+            recipe,
+            gpus=args.gpus,
+            gpu_memory=gpu_memory,
+            nodes=args.nodes,
+            cpu_memory=args.cpu_memory,
+            seq_len=args.seq_len,
+            target_len=args.target_len,
+        )
+        print(json.dumps(result.to_dict(), indent=2) if args.json else result.describe())
+        return 0 if result.fits else 1
+
+    return run_cli(body)
+
+
+class _CallableModule(types.ModuleType):
+    """`lorakit.plan` is both the function and this module's name: importing the module rebinds the
+    package attribute to the module, so the module forwards calls to lorakit.planner.plan."""
+
+    def __call__(self, *args, **kwargs):
+        from lorakit.planner import plan
+
+        return plan(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""What the planner knows about a model: its shape (from the config) and an exact parameter census.
+
+The census instantiates the model on the meta device (no memory, no weights read), so parameter counts,
+the linear layers LoRA and 4-bit quantization act on, and the largest layer are exact for any architecture
+transformers can build from the config. Configs come from the caller (the training job has one), from a
+local directory's config.json, from lorakit's tiny models, or from a small built-in table of known hub
+models, so planning never needs the network.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lorakit.planner.units import PlanError
+
+# Configs of the hub models lorakit's recipes name, as published in their config.json files (only the keys
+# that shape memory). Planning a gated or unreachable hub model needs no download.
+_FLAN_T5 = {"model_type": "t5", "vocab_size": 32128, "d_kv": 64, "feed_forward_proj": "gated-gelu",
+            "dropout_rate": 0.1, "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
+            "tie_word_embeddings": False, "n_positions": 512, "decoder_start_token_id": 0, "pad_token_id": 0,
+            "eos_token_id": 1}  # fmt: skip
+_LLAMA3 = {"model_type": "llama", "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+           "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+           "bos_token_id": 128000, "eos_token_id": 128001}  # fmt: skip
+_LLAMA3_8B = {**_LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 8}  # fmt: skip
+_LLAMA3_70B = {**_LLAMA3, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+               "num_attention_heads": 64, "num_key_value_heads": 8}  # fmt: skip
+KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
+    "google/flan-t5-xl": {
+        **_FLAN_T5,
+        "d_model": 2048,
+        "d_ff": 5120,
+        "num_heads": 32,
+        "num_layers": 24,
+        "num_decoder_layers": 24,
+    },  # fmt: skip
+    "google/flan-t5-xxl": {
+        **_FLAN_T5,
+        "d_model": 4096,
+        "d_ff": 10240,
+        "num_heads": 64,
+        "num_layers": 24,
+        "num_decoder_layers": 24,
+    },  # fmt: skip
+}
+for _name in ("Meta-Llama-3-8B", "Meta-Llama-3-8B-Instruct"):
+    KNOWN_CONFIGS[f"meta-llama/{_name}"] = {**_LLAMA3_8B, "max_position_embeddings": 8192}
+for _name in ("Meta-Llama-3-70B", "Meta-Llama-3-70B-Instruct"):
+    KNOWN_CONFIGS[f"meta-llama/{_name}"] = {**_LLAMA3_70B, "max_position_embeddings": 8192}
+for _name in ("Llama-3.1-8B", "Llama-3.1-8B-Instruct", "Meta-Llama-3.1-8B", "Meta-Llama-3.1-8B-Instruct"):
+    KNOWN_CONFIGS[f"meta-llama/{_name}"] = {**_LLAMA3_8B, "max_position_embeddings": 131072}
+for _name in ("Llama-3.1-70B", "Llama-3.1-70B-Instruct", "Meta-Llama-3.1-70B", "Meta-Llama-3.1-70B-Instruct"):
+    KNOWN_CONFIGS[f"meta-llama/{_name}"] = {**_LLAMA3_70B, "max_position_embeddings": 131072}
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One nn.Linear of the model: its dotted name and shape."""
+
+    name: str
+    in_features: int
+    out_features: int
+    bias: bool
+
+    @property
+    def numel(self) -> int:
+        return self.in_features * self.out_features + (self.out_features if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A model's shape (what activations depend on) and its parameter census (what model states depend on).
+
+    Encoder-decoders: `layers` counts encoder blocks and `decoder_layers` decoder blocks; causal LMs have
+    decoder_layers == 0.
+    """
+
+    model_type: str
+    is_encoder_decoder: bool
+    vocab: int
+    hidden: int
+    ffn: int
+    gated_mlp: bool
+    layers: int
+    decoder_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    max_length: int | None
+    # Dropout on hidden states and attention probabilities while training (T5: dropout_rate).
+    dropout: float
+    attention_dropout: float
+    # T5's gelu_new is written in Python (tanh approximation): it keeps four activations, not one.
+    python_gelu: bool
+    total_params: int
+    # DeepSpeed's "largest layer": the most parameters held directly by one module (ZeRO-3 gathers one
+    # module's weights, and its gradients, at a time).
+    largest_module_params: int
+    linears: tuple[Linear, ...]
+    head: str
+    tied_head: bool
+    keep_fp32: tuple[str, ...]
+    # Every parameter's element count (ZeRO-3 keeps the small ones whole on every rank).
+    param_numels: tuple[int, ...]
+
+    @property
+    def attention_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def lora_targets(self, target_modules) -> list[Linear]:
+        """The linear layers peft gives a LoRA adapter: `all-linear` is every linear layer but the output
+        head; a list matches module names equal to an entry or ending in "." + entry (peft's rule)."""
+        out = []
+        for lin in self.linears:
+            if target_modules == "all-linear":
+                if lin.name != self.head:
+                    out.append(lin)
+            elif any(lin.name == t or lin.name.endswith("." + t) for t in target_modules):
+                out.append(lin)
+        return out
+
+    def quantized_linears(self) -> list[Linear]:
+        """The linear layers bitsandbytes turns into 4-bit weights: all but the output head and the model's
+        _keep_in_fp32_modules (T5's `wo`), which transformers leaves in the compute dtype."""
+        return [
+            lin
+            for lin in self.linears
+            if lin.name != self.head and not set(lin.name.split(".")) & set(self.keep_fp32)
+        ]
+
+
+def _build_config(raw: dict[str, Any]):
+    from transformers import AutoConfig
+
+    raw = dict(raw)
+    return AutoConfig.for_model(raw.pop("model_type"), **raw)
+
+
+def known_config(name: str):
+    """The transformers config of a model in the built-in table, or None."""
+    raw = KNOWN_CONFIGS.get(name)
+    return _build_config(raw) if raw is not None else None
+
+
+def resolve_config(recipe, config=None):
+    """The recipe's model config without loading weights: `config` as given, a tiny model through
+    lorakit.model.load_config, a local directory's config.json, or the built-in table."""
+    if config is not None:
+        return config
+    name = recipe.model.name_or_path
+    if name.startswith("tiny:"):
+        from lorakit.model import load_config
+
+        return load_config(recipe)[1]
+    local = Path(name).expanduser()
+    if local.is_dir():
+        path = local / "config.json"
+        if not path.is_file():
+            raise PlanError(f"model.name_or_path {name!r}: no config.json in that directory")
+        try:
+            return _build_config(json.loads(path.read_text()))
+        except (ValueError, KeyError) as e:
+            raise PlanError(f"model.name_or_path {name!r}: cannot read {path}: {e}") from e
+    cfg = known_config(name)
+    if cfg is None:
+        known = ", ".join(sorted(KNOWN_CONFIGS))
+        raise PlanError(
+            f"model.name_or_path {name!r}: the planner reads configs offline and does not know this model; "
+            f"point model.name_or_path at a local directory holding its config.json (huggingface-cli "
+            f"download {name} config.json --local-dir DIR), or use a known one: {known}"
+        )
+    return cfg
+
+
+def arch_from_config(config, trust_remote_code: bool = False) -> Arch:
+    """The Arch of a transformers config (parameter census on the meta device, cached per config)."""
+    return _arch(config.to_json_string(use_diff=False), type(config), trust_remote_code)
+
+
+@functools.lru_cache(maxsize=32)
+def _arch(config_json: str, config_cls, trust_remote_code: bool) -> Arch:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    config = config_cls.from_dict(json.loads(config_json))
+    is_enc_dec = bool(getattr(config, "is_encoder_decoder", False))
+    auto_cls = AutoModelForSeq2SeqLM if is_enc_dec else AutoModelForCausalLM
+    try:
+        with torch.device("meta"):
+            model_cls = auto_cls._model_mapping.get(type(config), None)
+            # The class itself, not from_config: inside a ZeRO-3 run (the training job plans at its end)
+            # from_config would build under deepspeed.zero.Init, partitioning and communicating.
+            model = (
+                model_cls(config)
+                if model_cls is not None
+                else auto_cls.from_config(config, trust_remote_code=trust_remote_code)
+            )
+    except (ValueError, KeyError) as e:
+        raise PlanError(f"the planner cannot build a {config.model_type!r} model from its config: {e}") from e
+    head_module = model.get_output_embeddings()
+    head = next(n for n, m in model.named_modules() if m is head_module)
+    tied = head_module.weight is model.get_input_embeddings().weight
+    if is_enc_dec and getattr(config, "scale_decoder_outputs", True) is False:
+        # FLAN-T5 / T5 v1.1 keep a separate head; transformers 5 ties it on the meta model anyway, and
+        # lorakit's loading (model/untie.py) gives it back its own weights.
+        tied = False
+    numels = [p.numel() for p in model.parameters()]
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    if not tied and head_module.weight is model.get_input_embeddings().weight:
+        numels.append(head_module.weight.numel())
+    linears = tuple(
+        Linear(name, m.in_features, m.out_features, m.bias is not None)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    )
+    return Arch(
+        model_type=config.model_type,
+        is_encoder_decoder=is_enc_dec,
+        vocab=int(config.vocab_size),
+        **_shape(config, is_enc_dec, [lin.name for lin in linears]),
+        total_params=sum(numels),
+        largest_module_params=largest,
+        linears=linears,
+        head=head,
+        tied_head=tied,
+        keep_fp32=tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())),
+        param_numels=tuple(numels),
+    )
+
+
+def _shape(config, is_enc_dec: bool, linear_names: list[str]) -> dict[str, Any]:
+    from lorakit.data.tokenize import model_max_length
+
+    max_length = model_max_length(None, config)
+    if is_enc_dec:
+        # T5 family names (d_model, d_ff, d_kv, num_heads); max length from n_positions (512 for FLAN-T5).
+        act = getattr(config, "dense_act_fn", "relu")
+        rate = float(getattr(config, "dropout_rate", 0.0))
+        return {
+            "hidden": config.d_model,
+            "ffn": config.d_ff,
+            "gated_mlp": bool(getattr(config, "is_gated_act", False)),
+            "layers": config.num_layers,
+            "decoder_layers": getattr(config, "num_decoder_layers", None) or config.num_layers,
+            "heads": config.num_heads,
+            "kv_heads": config.num_heads,
+            "head_dim": config.d_kv,
+            "max_length": max_length,
+            "dropout": rate,
+            "attention_dropout": rate,
+            "python_gelu": act in ("gelu_new", "gelu_pytorch_tanh_python"),
+        }
+    heads = config.num_attention_heads
+    return {
+        "hidden": config.hidden_size,
+        "ffn": getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+        # Llama, Mistral, Qwen2 and their kin: SwiGLU (gate, up, down); GPT-style MLPs have no gate.
+        "gated_mlp": any(n.endswith(("gate_proj", "gate_up_proj")) for n in linear_names),
+        "layers": config.num_hidden_layers,
+        "decoder_layers": 0,
+        "heads": heads,
+        "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "max_length": max_length,
+        "dropout": 0.0,
+        "attention_dropout": float(getattr(config, "attention_dropout", 0.0) or 0.0),
+        "python_gelu": False,
+    }

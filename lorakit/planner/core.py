@@ -1,0 +1,385 @@
+"""lorakit.plan: will a recipe fit, per GPU and per node's CPU RAM, and what is the best setup that does.
+
+Reads the model's config only (never weights), applies the byte model of states.py and activations.py to
+the recipe's setup and to the alternatives search.py lists, and returns a MemoryPlan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from lorakit.planner.activations import Activations, Kernels, Shape, activations
+from lorakit.planner.arch import Arch, arch_from_config, resolve_config
+from lorakit.planner.search import candidates, overrides, recipe_setup, slowdown
+from lorakit.planner.states import Item, Setup, counts, model_states
+from lorakit.planner.units import HEADROOM, PlanError, parse_bytes
+
+GiB = 2**30
+# Framework overhead, stated as assumptions (docs/planning.md): what a GPU process holds besides the tensors
+# torch.cuda.max_memory_allocated counts (CUDA context, cuBLAS workspaces, NCCL buffers), the allocator's
+# fragmentation on top of the allocated peak, and a training process's resident CPU memory (Python, torch,
+# CUDA libraries, DeepSpeed, transformers, the data loader).
+CUDA_CONTEXT_BYTES = 1 * GiB
+FRAGMENTATION = 0.05
+PROCESS_CPU_BYTES = 3 * GiB
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The memory of one setup, per GPU (allocated peak + framework overhead) and per node (CPU RAM)."""
+
+    setup: Setup
+    items: tuple[Item, ...]
+    activations: Activations
+    shape: Shape
+    # Peak of the tensors torch allocates on one GPU: the number torch.cuda.max_memory_allocated reports.
+    gpu_allocated: int
+    gpu_overhead: int
+    per_gpu_bytes: int
+    per_node_cpu_bytes: int
+    nvme_bytes: int
+    fits_gpu: bool | None
+    fits_cpu: bool | None
+    slowdown: float
+
+    @property
+    def fits(self) -> bool | None:
+        """GPU and CPU verdicts combined; None when the GPU memory is unknown."""
+        if self.fits_gpu is None:
+            return None
+        return self.fits_gpu and self.fits_cpu is not False
+
+    def model_state_bytes(self, where: str = "gpu") -> int:
+        """Per rank: weights, gradients, optimizer state and the layer ZeRO-3 gathers, on `where` ("gpu",
+        "cpu", "nvme"), all counted at once (what DeepSpeed's estimators count; no activations, buckets or
+        loading)."""
+        return sum(i.bytes for i in self.items if i.where == where and i.kind == "state")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able summary of this estimate."""
+        s = self.setup
+        a = self.activations
+        return {
+            "setup": {
+                "zero_stage": s.zero_stage,
+                "offload_optimizer": s.offload_optimizer,
+                "offload_params": s.offload_params,
+                "micro_batch_size": s.micro_batch_size,
+                "max_tokens": s.max_tokens,
+                "gradient_checkpointing": s.gradient_checkpointing,
+            },
+            "fits": self.fits,
+            "fits_gpu": self.fits_gpu,
+            "fits_cpu": self.fits_cpu,
+            "per_gpu_bytes": self.per_gpu_bytes,
+            "gpu_allocated_bytes": self.gpu_allocated,
+            "gpu_overhead_bytes": self.gpu_overhead,
+            "per_node_cpu_bytes": self.per_node_cpu_bytes,
+            "nvme_bytes": self.nvme_bytes,
+            "slowdown": round(self.slowdown, 3),
+            "shape": {
+                "rows": self.shape.rows,
+                "seq_len": self.shape.seq_len,
+                "target_len": self.shape.target_len,
+            },
+            "activations": {
+                "kept": a.kept,
+                "head": a.head,
+                "logits": a.logits,
+                "recompute": a.recompute,
+                "peak": a.peak,
+                "at_loss": a.at_loss,
+                "in_layers": a.in_layers,
+                "quadratic_per_layer": a.quadratic_per_layer,
+            },  # fmt: skip
+            "items": [
+                {
+                    "name": i.name,
+                    "bytes": i.bytes,
+                    "where": i.where,
+                    "when": i.when,
+                    "kind": i.kind,
+                    "note": i.note,
+                }
+                for i in self.items
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The plan for one recipe on given hardware: the recipe's own setup and the best setup that fits."""
+
+    model: str
+    method: str
+    dtype: str
+    gpus: int
+    nodes: int
+    gpu_memory: int | None
+    cpu_memory: int | None
+    device: str
+    attention: str
+    total_params: int
+    trainable_params: int
+    estimate: Estimate
+    recommendation: Estimate | None
+    recommended_overrides: tuple[str, ...]
+    assumptions: tuple[str, ...] = field(default=())
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the recipe as written fits (GPU and CPU RAM); None when the GPU memory is unknown."""
+        return self.estimate.fits
+
+    @property
+    def per_gpu_bytes(self) -> int:
+        """Peak bytes on each GPU for the recipe as written, framework overhead included."""
+        return self.estimate.per_gpu_bytes
+
+    @property
+    def per_node_cpu_bytes(self) -> int:
+        """Peak CPU RAM per node for the recipe as written (offloaded states, loading, processes)."""
+        return self.estimate.per_node_cpu_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """The machine-readable plan (`--json`)."""
+        rec = self.recommendation
+        return {
+            "model": self.model,
+            "method": self.method,
+            "dtype": self.dtype,
+            "gpus_per_node": self.gpus,
+            "nodes": self.nodes,
+            "gpu_memory": self.gpu_memory,
+            "cpu_memory": self.cpu_memory,
+            "device": self.device,
+            "attention": self.attention,
+            "total_params": self.total_params,
+            "trainable_params": self.trainable_params,
+            "fits": self.fits,
+            "per_gpu_bytes": self.per_gpu_bytes,
+            "per_node_cpu_bytes": self.per_node_cpu_bytes,
+            # Fits, but with less free memory than the planner's tolerance: may OOM after all.
+            "tight": None
+            if self.gpu_memory is None
+            else bool(self.fits and self.per_gpu_bytes > HEADROOM * self.gpu_memory),
+            "recipe": self.estimate.to_dict(),
+            "recommended": None
+            if rec is None
+            else {**rec.to_dict(), "overrides": list(self.recommended_overrides)},
+            "assumptions": list(self.assumptions),
+        }
+
+    def describe(self) -> str:
+        """The terminal report: breakdown, verdict and recommendation."""
+        from lorakit.planner.report import describe
+
+        return describe(self)
+
+
+def _recipe(recipe):
+    from lorakit.recipe import Recipe, load_recipe
+
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, str | Path):
+        return load_recipe(recipe)
+    raise PlanError(f"plan: expected a Recipe or the path of a recipe YAML file, got {type(recipe).__name__}")
+
+
+def _positive(value, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{field}: expected a whole number >= 1, got {value!r}")
+    return value
+
+
+def plan(
+    recipe,
+    *,
+    gpus: int | None = None,
+    gpu_memory: int | str | None = None,
+    nodes: int = 1,
+    cpu_memory: int | str | None = None,
+    config=None,
+    seq_len: int | None = None,
+    target_len: int | None = None,
+    device: str = "cuda",
+) -> MemoryPlan:
+    """Plan `recipe` (a Recipe or a YAML path) on `nodes` nodes of `gpus` GPUs (default: the recipe's
+    distributed.num_processes) with `gpu_memory` bytes each ("40GB", "80GiB") and `cpu_memory` bytes of RAM
+    per node. `config`: the model's transformers config, when the caller has it. `seq_len` / `target_len`
+    stand in for `auto` data lengths (default: the model's maximum). `device`: "cuda" plans for GPUs;
+    "cpu" models PyTorch's CPU kernels and no CUDA overhead (for checking the plan against CPU runs)."""
+    recipe = _recipe(recipe)
+    gpus = _positive(recipe.distributed.num_processes if gpus is None else gpus, "gpus")
+    nodes = _positive(nodes, "nodes")
+    if device not in ("cuda", "cpu"):
+        raise PlanError(f"device: expected 'cuda' or 'cpu', got {device!r}")
+    gpu_cap = parse_bytes(gpu_memory, "gpu_memory")
+    cpu_cap = parse_bytes(cpu_memory, "cpu_memory")
+    config = resolve_config(recipe, config)
+    arch = arch_from_config(config, recipe.model.trust_remote_code)
+    a = _DTYPE_BYTES[recipe.model.dtype]
+    notes: list[str] = []
+    shape, kernels, min_tokens = _shape(recipe, arch, seq_len, target_len, device, notes)
+    world = gpus * nodes
+    base = recipe_setup(recipe)
+    if kernels.packed:
+        base = replace(base, max_tokens=shape.seq_len)
+
+    def estimate(setup: Setup) -> Estimate:
+        return _estimate(recipe, arch, a, setup, shape, kernels, world, gpus, gpu_cap, cpu_cap, base, nodes)
+
+    own = estimate(base)
+    best = None
+    if gpu_cap is not None:
+        # Recommend only setups with headroom for the model's error; the recipe's own setup first on ties.
+        tried = [own] + [e for e in map(estimate, candidates(base, min_tokens=min_tokens)) if e.setup != base]
+        fitting = [e for e in tried if e.fits and e.per_gpu_bytes <= HEADROOM * gpu_cap]
+        if fitting:
+            best = min(fitting, key=lambda e: round(e.slowdown, 6))
+    c = counts(arch, recipe.method, a, None)
+    return MemoryPlan(
+        model=recipe.model.name_or_path,
+        method=recipe.method.kind,
+        dtype=recipe.model.dtype,
+        gpus=gpus,
+        nodes=nodes,
+        gpu_memory=gpu_cap,
+        cpu_memory=cpu_cap,
+        device=device,
+        attention=kernels.attention + (", packed rows" if kernels.packed else ""),
+        total_params=c.total,
+        trainable_params=c.trainable,
+        estimate=own,
+        recommendation=best,
+        recommended_overrides=tuple(overrides(best.setup, recipe, base)) if best else (),
+        assumptions=tuple(notes),
+    )
+
+
+def _length(
+    value, option: int | None, model_max: int | None, field: str, option_name: str, notes: list
+) -> int:
+    if isinstance(value, int):
+        return value
+    if option is not None:
+        notes.append(f"{field} is auto: planned with {option_name}={option}")
+        return _positive(option, option_name)
+    if model_max is None:
+        raise PlanError(f"{field} is auto and the model's maximum length is unknown: pass {option_name}")
+    notes.append(f"{field} is auto: planned with the model's maximum, {model_max} tokens (pass {option_name} "
+                 "for the data's real length)")  # fmt: skip
+    return model_max
+
+
+def _shape(
+    recipe, arch: Arch, seq_len, target_len, device: str, notes: list
+) -> tuple[Shape, Kernels, int | None]:
+    """Token counts of one micro-batch, the attention kernels, and the smallest packed row allowed."""
+    from lorakit.model.attention import packing_enabled
+
+    d, t = recipe.data, recipe.train
+    requested = recipe.model.attention
+    # auto: flash_attention_2 or SDPA on GPUs; both keep no attention scores, so they plan alike.
+    attention = "sdpa" if requested == "auto" else requested
+    packed = packing_enabled(d.packing, attention, arch.is_encoder_decoder)
+    if attention == "flash_attention_2" and device == "cpu":
+        raise PlanError("model.attention flash_attention_2 runs on GPUs only; plan with device='cuda'")
+    kernels = Kernels(attention=attention, device=device, packed=packed)
+    if arch.is_encoder_decoder:
+        src = _length(
+            d.max_source_length, seq_len, arch.max_length, "data.max_source_length", "--seq-len", notes
+        )
+        tgt = _length(d.max_target_length, target_len, arch.max_length, "data.max_target_length", "--target-len",
+                      notes)  # fmt: skip
+        if packed:
+            rows_src = t.max_tokens or t.micro_batch_size * src
+            rows_tgt = t.max_target_tokens or max(tgt, round(rows_src * tgt / src))
+            if not t.max_target_tokens:
+                notes.append(f"train.max_target_tokens unset: planned decoder rows of {rows_tgt} tokens")
+            return Shape(1, rows_src, rows_tgt, example_len=src), kernels, src
+        return Shape(t.micro_batch_size, src, tgt), kernels, None
+    length = _length(d.max_length, seq_len, arch.max_length, "data.max_length", "--seq-len", notes)
+    if packed:
+        row = t.max_tokens or t.micro_batch_size * length
+        return Shape(1, row, None, example_len=min(length, row)), kernels, min(length, row)
+    notes.append("padded batches: planned every row at the full length (the longest row of a batch sets it)")
+    return Shape(t.micro_batch_size, length, None), kernels, None
+
+
+def _variant(recipe, setup: Setup):
+    """The recipe with `setup` applied (for DeepSpeed's config: bucket sizes, offload)."""
+    return recipe.model_copy(
+        update={
+            "distributed": recipe.distributed.model_copy(
+                update={
+                    "zero_stage": setup.zero_stage,
+                    "offload_optimizer": setup.offload_optimizer,
+                    "offload_params": setup.offload_params,
+                }  # fmt: skip
+            ),
+            "train": recipe.train.model_copy(update={"micro_batch_size": setup.micro_batch_size}),
+        }
+    )
+
+
+def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: Kernels, world: int, gpus: int,
+              gpu_cap, cpu_cap, reference: Setup, nodes: int) -> Estimate:  # fmt: skip
+    from lorakit.engine.deepspeed_config import build_ds_config
+
+    ds_config = build_ds_config(
+        _variant(recipe, setup), world, accelerator=kernels.device, hidden_size=arch.hidden
+    )
+    zero = ds_config["zero_optimization"]
+    threshold = int(zero.get("stage3_param_persistence_threshold", 1e5)) if setup.zero_stage == 3 else None
+    c = counts(arch, recipe.method, a, threshold)
+    partitioned_init = setup.zero_stage == 3 and recipe.method.kind != "qlora"
+    items = model_states(
+        c, setup, world=world, dtype_bytes=a, ds_config=ds_config, partitioned_init=partitioned_init
+    )
+    if setup.max_tokens:
+        scale = setup.max_tokens / shape.seq_len
+        this = Shape(1, setup.max_tokens, round(shape.target_len * scale) if shape.target_len else None,
+                     shape.example_len)  # fmt: skip
+    else:
+        this = Shape(setup.micro_batch_size, shape.seq_len, shape.target_len, shape.example_len)
+    act = activations(arch, recipe.method, a, kernels, this, setup.gradient_checkpointing)
+
+    def total(where: str, when: str) -> int:
+        return sum(i.bytes for i in items if i.where == where and i.when == when)
+
+    # Three moments: the start of the backward (the output head's gradients), the backward through the
+    # layers (gradients, buckets, a recomputed layer), the optimizer step (fp32 gradients).
+    gpu = {when: total("gpu", when) for when in ("resident", "forward", "backward", "gradients", "step")}
+    train = gpu["resident"] + max(
+        gpu["forward"] + act.at_loss,
+        gpu["forward"] + gpu["backward"] + gpu["gradients"] + act.in_layers,
+        gpu["gradients"] + gpu["step"],
+    )
+    allocated = max(train, total("gpu", "load"))
+    overhead = int(CUDA_CONTEXT_BYTES + FRAGMENTATION * allocated) if kernels.device == "cuda" else 0
+    per_gpu = allocated + overhead
+    cpu_train = total("cpu", "resident") + total("cpu", "gradients") + total("cpu", "step")
+    cpu = gpus * (PROCESS_CPU_BYTES + max(cpu_train, total("cpu", "load")))
+    if kernels.device == "cpu":
+        # Without a GPU, the "GPU" tensors live in the same RAM.
+        cpu += gpus * allocated
+    nvme = sum(i.bytes for i in items if i.where == "nvme")
+    return Estimate(
+        setup=setup,
+        items=tuple(items),
+        activations=act,
+        shape=this,
+        gpu_allocated=allocated,
+        gpu_overhead=overhead,
+        per_gpu_bytes=per_gpu,
+        per_node_cpu_bytes=cpu,
+        nvme_bytes=nvme,
+        fits_gpu=None if gpu_cap is None else per_gpu <= gpu_cap,
+        fits_cpu=None if cpu_cap is None else cpu <= cpu_cap,
+        slowdown=slowdown(setup, reference, adapter=recipe.method.adapter(), nodes=nodes),
+    )

@@ -1,0 +1,115 @@
+"""The setups the planner tries, what each is expected to cost in speed, and the best one that fits.
+
+Speed costs are coarse multipliers on step time, stated so a user can weigh them, not measurements:
+
+- gradient checkpointing repeats each layer's forward in the backward: +1/3 of the step for full
+  fine-tuning (forward 1 + backward 2, plus 1), +1/2 for LoRA (a frozen base needs no weight gradients, so
+  the backward costs about one forward);
+- ZeRO-3 gathers every layer's weights in the forward and again in the backward: x1.15 within a node,
+  x1.5 across nodes (inter-node links are 10x slower than NVLink);
+- offloading the optimizer runs Adam on the CPU and moves gradients and weights over PCIe: x1.5 for full
+  fine-tuning, x1.05 for adapters (few trainable parameters);
+- offloading parameters moves every layer's weights over PCIe twice per step: x2;
+- each halving of the micro-batch (gradient accumulation doubled, so the optimizer batch is unchanged)
+  leaves the GPU less work per kernel: x1.1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from lorakit.planner.states import Setup
+
+
+def recipe_setup(recipe) -> Setup:
+    """The setup a recipe asks for."""
+    d = recipe.distributed
+    return Setup(
+        zero_stage=d.zero_stage,
+        offload_optimizer=d.offload_optimizer,
+        offload_params=d.offload_params,
+        micro_batch_size=recipe.train.micro_batch_size,
+        max_tokens=None,
+        gradient_checkpointing=recipe.model.gradient_checkpointing,
+    )
+
+
+def slowdown(setup: Setup, reference: Setup, *, adapter: bool, nodes: int) -> float:
+    """Expected step time of `setup` relative to the fastest one (ZeRO-2, nothing offloaded, no
+    checkpointing, the reference micro-batch or packed row); see the module docstring."""
+    factor = 1.0
+    if setup.gradient_checkpointing:
+        factor *= 1.5 if adapter else 4 / 3
+    if setup.zero_stage == 3:
+        factor *= 1.5 if nodes > 1 else 1.15
+    if setup.offload_optimizer != "none":
+        factor *= 1.05 if adapter else 1.5
+    if setup.offload_params != "none":
+        factor *= 2.0
+    size, ref = (setup.max_tokens, reference.max_tokens) if reference.max_tokens else (
+        setup.micro_batch_size, reference.micro_batch_size)  # fmt: skip
+    if size < ref:
+        factor *= 1.1 ** math.log2(ref / size)
+    return factor
+
+
+def candidates(base: Setup, *, min_tokens: int | None, offload_device: str = "cpu") -> list[Setup]:
+    """Every setup the planner tries: ZeRO-2 and 3, each offload level, with and without checkpointing,
+    and micro-batches (or packed rows) halved down to 1 (or to the longest example)."""
+    sizes: list[tuple[int, int | None]] = []
+    if base.max_tokens:
+        n = base.max_tokens
+        while n >= (min_tokens or 1):
+            sizes.append((base.micro_batch_size, n))
+            n //= 2
+        if not sizes:
+            sizes.append((base.micro_batch_size, base.max_tokens))
+    else:
+        n = base.micro_batch_size
+        while n >= 1:
+            sizes.append((n, None))
+            n //= 2
+    offloads = {2: [("none", "none"), (offload_device, "none")],
+                3: [("none", "none"), (offload_device, "none"), (offload_device, offload_device)]}  # fmt: skip
+    out = []
+    for stage in (2, 3):
+        for opt, par in offloads[stage]:
+            for ckpt in (False, True):
+                for mb, tokens in sizes:
+                    out.append(
+                        replace(base, zero_stage=stage, offload_optimizer=opt, offload_params=par,
+                                micro_batch_size=mb, max_tokens=tokens, gradient_checkpointing=ckpt)
+                    )  # fmt: skip
+    return out
+
+
+def overrides(setup: Setup, recipe, base: Setup) -> list[str]:
+    """The dotted recipe overrides that turn `recipe` (whose own setup is `base`) into `setup` (empty when
+    nothing changes), keeping the optimizer batch: a smaller micro-batch or packed row gets proportionally
+    more accumulation steps."""
+    out = []
+    d, t = recipe.distributed, recipe.train
+    if setup.zero_stage != d.zero_stage:
+        out.append(f"distributed.zero_stage={setup.zero_stage}")
+    if setup.offload_optimizer != d.offload_optimizer:
+        out.append(f"distributed.offload_optimizer={setup.offload_optimizer}")
+    if setup.offload_params != d.offload_params:
+        out.append(f"distributed.offload_params={setup.offload_params}")
+    if setup.gradient_checkpointing != recipe.model.gradient_checkpointing:
+        out.append(f"model.gradient_checkpointing={str(setup.gradient_checkpointing).lower()}")
+    shrink = 1
+    if setup.max_tokens is None and setup.micro_batch_size != base.micro_batch_size:
+        out.append(f"train.micro_batch_size={setup.micro_batch_size}")
+        shrink = base.micro_batch_size // setup.micro_batch_size
+    elif setup.max_tokens is not None and setup.max_tokens != base.max_tokens:
+        out.append(f"train.max_tokens={setup.max_tokens}")
+        shrink = base.max_tokens // setup.max_tokens
+        if t.max_target_tokens is not None:
+            # Packed encoder-decoder rows: the decoder row shrinks with the encoder row (as planned).
+            out.append(
+                f"train.max_target_tokens={max(1, t.max_target_tokens * setup.max_tokens // base.max_tokens)}"
+            )
+    if shrink > 1:
+        out.append(f"train.gradient_accumulation_steps={t.gradient_accumulation_steps * shrink}")
+    return out

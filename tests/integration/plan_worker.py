@@ -1,0 +1,90 @@
+"""Measures tensor memory of real lorakit training steps and plans the same setups; one JSON per setup.
+
+    python -m torch.distributed.run --nproc_per_node=2 -m tests.integration.plan_worker OUT RECIPE.yaml ...
+
+Launched by test_plan_measured.py. For each recipe: the model is built as lorakit.engine.job.run_job
+builds it (build_ds_config, build_model, deepspeed.initialize, make_batching), then two optimizer steps
+run on the micro-batch with the most token slots, inside a TensorMemoryTracker (CPU has no allocator
+statistics). Written per rank: the tensor bytes alive after the second step (model states) and the peak
+during it, both above what was alive before the model was built, and rank 0 adds the plan.
+"""
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+
+def measure(path: str, out: Path) -> None:
+    import deepspeed
+    from torch.utils.data import DataLoader
+
+    import lorakit
+    from lorakit.data import prepare_data
+    from lorakit.engine import dist
+    from lorakit.engine.deepspeed_config import build_ds_config
+    from lorakit.engine.job import accelerator_name, make_batching, release
+    from lorakit.engine.loop import train_window
+    from lorakit.meter import TensorMemoryTracker, TokenMeter
+    from lorakit.model import build_model, load_config, load_tokenizer
+
+    recipe = lorakit.load_recipe(path)
+    source, config = load_config(recipe)
+    tokenizer = load_tokenizer(recipe, source)
+    data = prepare_data(recipe, tokenizer, config)  # the test prepared the cache: this only reads it
+    hidden = getattr(config, "d_model", None) or config.hidden_size
+    ds_config = build_ds_config(recipe, dist.world_size(), accelerator=accelerator_name(), hidden_size=hidden)
+    gc.collect()
+    with TensorMemoryTracker("cpu") as tracker:
+        built = build_model(recipe, ds_config)
+        tracker.rescan()  # weights read from safetensors files are made outside torch operators
+        batching = make_batching(recipe, data, tokenizer, config, built, dist.world_size(), dist.rank())
+        loader = DataLoader(data.train, batch_sampler=batching.sampler, collate_fn=batching.collator)
+        # The same, fullest micro-batch on every rank: the plan is a worst case over micro-batches.
+        batch = max(loader, key=lambda b: (int(b["num_token_slots"]), len(b["input_ids"])))
+        engine, *_ = deepspeed.initialize(
+            model=built.model,
+            model_parameters=[p for p in built.model.parameters() if p.requires_grad],
+            config=ds_config,
+        )
+        engine.train()  # as the training loop does: dropout on
+        for _ in range(2):
+            gc.collect()
+            tracker.rescan()
+            tracker.reset_peak()
+            train_window(engine, built.inputs, [batch], TokenMeter())
+        gc.collect()
+        rest, peak = tracker.current - tracker.baseline, tracker.peak - tracker.baseline
+    shape = {"rows": len(batch["input_ids"]), "seq_len": int(batch["input_ids"].shape[1])}
+    if built.is_encoder_decoder:
+        shape["target_len"] = int(batch["labels"].shape[1])
+    result = {"rank": dist.rank(), "rest": rest, "peak": peak, "shape": shape}
+    if dist.is_main():
+        if batching.packing and not built.is_encoder_decoder:
+            # A packed row holds what fitted, up to train.max_tokens: plan the row that was measured.
+            recipe = lorakit.load_recipe(path, [f"train.max_tokens={shape['seq_len']}"])
+        planned = lorakit.plan(
+            recipe, gpus=dist.world_size(), config=config, device="cpu",
+            seq_len=shape["seq_len"], target_len=shape.get("target_len"),
+        )  # fmt: skip
+        result["plan"] = planned.to_dict()
+    name = Path(path).stem
+    (out / f"{name}.rank{dist.rank()}.json").write_text(json.dumps(result))
+    dist.barrier()
+    release(engine, built)
+
+
+def main(out: str, paths: list[str]) -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    try:
+        for path in paths:
+            measure(path, Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,57 @@
+"""The CPU memory meters the planner is checked with: live tensor bytes and the tracked peak."""
+
+import gc
+import threading
+
+import torch
+
+from lorakit.meter import TensorMemoryTracker, live_tensor_bytes
+
+
+def test_tracker_counts_storages_once_and_forgets_freed_ones():
+    with TensorMemoryTracker("cpu") as t:
+        a = torch.zeros(1000)  # 4000 bytes
+        view = a[10:20]  # shares a's storage
+        b = a + 1  # 4000 more
+        assert t.current - t.baseline == 8000
+        del b
+        gc.collect()
+        assert t.current - t.baseline == 4000 and t.peak - t.baseline == 8000
+        t.reset_peak()
+        c = torch.ones(10, dtype=torch.bfloat16)
+        assert t.peak - t.baseline == 4020
+    del a, view, c
+
+
+def test_tracker_sees_autograd_saved_tensors_and_backward_temporaries():
+    w = torch.randn(64, 64, requires_grad=True)
+    x = torch.randn(32, 64)
+    gc.collect()
+    with TensorMemoryTracker("cpu") as t:
+        y = torch.tanh(x @ w)  # tanh keeps its output for the backward
+        kept = t.current - t.baseline
+        y.sum().backward()
+    assert kept >= 32 * 64 * 4  # the matmul output and the tanh output are alive after the forward
+    assert t.peak - t.baseline > kept  # the backward made gradients on top
+    assert w.grad is not None
+
+
+def test_rescan_picks_up_tensors_the_mode_did_not_see():
+    made = []
+    with TensorMemoryTracker("cpu") as t:
+        # Dispatch modes are per thread: a tensor made on another thread passes unseen, as weights read
+        # by a loader can.
+        worker = threading.Thread(target=lambda: made.append(torch.ones(500, dtype=torch.float64)))
+        worker.start()
+        worker.join()
+        before = t.current
+        t.rescan()
+        assert t.current - before == 4000
+
+
+def test_live_tensor_bytes_counts_a_new_parameter():
+    gc.collect()
+    before = live_tensor_bytes("cpu")
+    p = torch.nn.Parameter(torch.zeros(250_000))  # 1 MB
+    assert live_tensor_bytes("cpu") - before >= 1_000_000
+    del p
