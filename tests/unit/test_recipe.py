@@ -12,6 +12,7 @@ def test_every_shipped_recipe_validates():
     files = sorted(RECIPES.glob("*.yaml"))
     shipped = {"quickstart.yaml", "quickstart_causal.yaml", "llama3_8b_lora.yaml"}
     shipped |= {"llama3_70b_qlora.yaml", "llama3_70b_qlora_zero2.yaml", "flan_t5_xxl_qlora.yaml"}
+    shipped |= {"flan_t5_xxl_full.yaml"}
     assert shipped | {"flan_t5_xl_lora.yaml", "flan_t5_xxl_lora.yaml"} <= {f.name for f in files}
     for f in files:
         recipe = load_recipe(f)
@@ -151,3 +152,60 @@ def test_unreadable_recipe_files(tmp_path):
     with pytest.raises(RecipeError, match="KEY=VALUE"):
         load_recipe(RECIPES / "quickstart.yaml", ["train.lr"])
     assert Path(RECIPES / "quickstart.yaml").exists()
+
+
+def test_every_problem_is_reported_in_one_message():
+    with pytest.raises(RecipeError) as err:
+        load_recipe(
+            RECIPES / "quickstart.yaml",
+            [
+                "train.lr=fast",
+                "distributed.zero_stage=5",
+                "trian.lr=1",
+                "data.max_source_length=big",
+                "method.target_modules=5",
+                "oops",
+            ],
+        )
+    lines = str(err.value).splitlines()
+    assert lines[0] == "invalid recipe (6 problems):"
+    assert lines[1:] == [
+        "  override 'oops': expected KEY=VALUE, e.g. train.lr=2e-4",
+        "  method.target_modules: Input should be 'all-linear' or a valid list (got 5)",
+        # A union's alternatives are one line for the field, not one per alternative.
+        "  data.max_source_length: Input should be a valid integer or 'auto' (got 'big')",
+        "  train.lr: Input should be a valid number, unable to parse string as a number (got 'fast')",
+        "  distributed.zero_stage: Input should be 0, 1, 2 or 3 (got 5)",
+        "  trian: unknown key (check the spelling; see docs/recipes.md for every key)",
+    ]
+
+
+def test_cross_field_checks_of_several_sections_are_reported_together():
+    raw = tiny_recipe_dict(Path("c"), Path("o"))
+    raw["data"]["prompt_template"] = "no placeholder"
+    raw["distributed"] = {"zero_stage": 2, "offload_params": "cpu"}
+    raw["output"]["merge"], raw["output"]["save_adapter"] = True, False
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict(raw)
+    assert str(err.value).splitlines() == [
+        "invalid recipe (3 problems):",
+        "  data.prompt_template must contain the placeholder {input}",
+        "  distributed.offload_params needs zero_stage 3",
+        "  output.merge needs output.save_adapter: true (the merge reads the saved adapter or model)",
+    ]
+
+
+def test_bad_rows_policy_is_validated():
+    raw = tiny_recipe_dict(Path("c"), Path("o"), data={"on_bad_rows": "ignore"})
+    with pytest.raises(RecipeError, match=r"data\.on_bad_rows: Input should be 'error' or 'skip'"):
+        recipe_from_dict(raw)
+    assert recipe_from_dict(tiny_recipe_dict(Path("c"), Path("o"))).data.on_bad_rows == "error"
+
+
+def test_flan_t5_xxl_full_is_the_guide_setup_on_the_lora_recipe_data():
+    full = load_recipe(RECIPES / "flan_t5_xxl_full.yaml")
+    lora = load_recipe(RECIPES / "flan_t5_xxl_lora.yaml")
+    assert full.method.kind == "full" and full.model == lora.model and full.data == lora.data
+    assert full.model.dtype == "bfloat16"
+    assert (full.distributed.zero_stage, full.distributed.num_processes) == (3, 8)
+    assert (full.train.micro_batch_size, full.train.lr, full.train.epochs) == (8, 1e-4, 3)
