@@ -83,10 +83,14 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not weights.is_file():
         raise AdapterError(
             f"{path}: empty adapter, no {SAFETENSORS}: only the configuration was saved (a ZeRO-3 save that "
-            "never gathered the weights does this); nothing to merge"
+            "never gathered the weights does this); nothing to merge",
+            doc="docs/merge.md#what-is-checked",
         )
     if weights.stat().st_size == 0:
-        raise AdapterError(f"{weights}: empty adapter, the weights file is 0 bytes; nothing to merge")
+        raise AdapterError(
+            f"{weights}: empty adapter, the weights file is 0 bytes; nothing to merge",
+            doc="docs/merge.md#what-is-checked",
+        )
     try:
         if weights.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -94,7 +98,10 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
             return load_file(str(weights), device="cpu")
         return torch.load(weights, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any parse failure means the same thing to the user
-        raise AdapterError(f"{weights}: cannot read the adapter weights ({e}); the file is damaged") from e
+        raise AdapterError(
+            f"{weights}: cannot read the adapter weights ({e}); the file is damaged",
+            doc="docs/merge.md#what-is-checked",
+        ) from e
 
 
 def read_adapter(path: str | Path) -> Adapter:
@@ -102,19 +109,23 @@ def read_adapter(path: str | Path) -> Adapter:
     path = Path(path)
     cfg_file = path / CONFIG
     if not cfg_file.is_file():
-        raise AdapterError(f"{path}: no {CONFIG}; not a PEFT adapter directory")
+        raise AdapterError(f"{path}: no {CONFIG}; not a PEFT adapter directory", doc="docs/merge.md#options")
     try:
         config = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise AdapterError(f"{cfg_file}: not valid JSON ({e})") from e
     if config.get("peft_type") != "LORA":
-        raise AdapterError(f"{cfg_file}: peft_type {config.get('peft_type')!r}; only LoRA adapters merge")
+        raise AdapterError(
+            f"{cfg_file}: peft_type {config.get('peft_type')!r}; only LoRA adapters merge",
+            doc="docs/merge.md#options",
+        )
     tensors = _read_tensors(path)
     empty = sorted(k for k, t in tensors.items() if t.numel() == 0)
     if empty:
         raise AdapterError(
             f"{path}: empty adapter, {len(empty)} of {len(tensors)} tensors have no elements (e.g. "
-            f"{empty[0]}): a ZeRO-3 save that wrote each rank's empty partition; nothing to merge"
+            f"{empty[0]}): a ZeRO-3 save that wrote each rank's empty partition; nothing to merge",
+            doc="docs/merge.md#what-is-checked",
         )
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -125,19 +136,27 @@ def read_adapter(path: str | Path) -> Adapter:
     if not pairs:
         raise AdapterError(
             f"{path}: empty adapter, no LoRA tensors (lora_A/lora_B) among its {len(tensors)} tensors; "
-            "nothing to merge"
+            "nothing to merge",
+            doc="docs/merge.md#what-is-checked",
         )
     unpaired = sorted(set(halves) - set(pairs))
     if unpaired:
-        raise AdapterError(f"{path}: LoRA module {unpaired[0]} has only one of lora_A / lora_B; damaged save")
+        raise AdapterError(
+            f"{path}: LoRA module {unpaired[0]} has only one of lora_A / lora_B; damaged save",
+            doc="docs/merge.md#what-is-checked",
+        )
     bad = sorted(k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all())
     if bad:
-        raise AdapterError(f"{path}: {len(bad)} tensors hold NaN or inf (e.g. {bad[0]}); training diverged")
+        raise AdapterError(
+            f"{path}: {len(bad)} tensors hold NaN or inf (e.g. {bad[0]}); training diverged",
+            doc="docs/merge.md#what-is-checked",
+        )
     if not any(a.any() and b.any() for a, b in pairs.values()):
         raise AdapterError(
             f"{path}: the adapter has no effect: lora_B (or lora_A) is all zeros in every one of its "
             f"{len(pairs)} modules, so the merged model would be the base unchanged. It was saved before any "
-            "training step, or by a broken ZeRO-3 save"
+            "training step, or by a broken ZeRO-3 save",
+            doc="docs/merge.md#what-is-checked",
         )
     return Adapter(path, config, tensors, pairs)
 
@@ -156,7 +175,10 @@ def check_same_architecture(trained_on: dict[str, Any], base: dict[str, Any], wh
         if k in trained_on and k in base and trained_on[k] != base[k]
     ]
     if diff:
-        raise AdapterError(f"the adapter does not match the base {what}: " + "; ".join(diff))
+        raise AdapterError(
+            f"the adapter does not match the base {what}: " + "; ".join(diff),
+            doc="docs/merge.md#what-is-checked",
+        )
 
 
 def _module_shape(module: torch.nn.Module) -> tuple[str, int, int] | None:
@@ -180,7 +202,8 @@ def check_fits(adapter: Adapter, model: torch.nn.Module, base: str) -> None:
     if missing:
         raise AdapterError(
             f"the adapter does not match the base {base}: {len(missing)} of its {len(adapter.pairs)} modules "
-            f"are not in the base (e.g. {missing[0]}); it was trained on another model"
+            f"are not in the base (e.g. {missing[0]}); it was trained on another model",
+            doc="docs/merge.md#what-is-checked",
         )
     wrong = []
     for name, (a, b) in sorted(adapter.pairs.items()):
@@ -197,5 +220,6 @@ def check_fits(adapter: Adapter, model: torch.nn.Module, base: str) -> None:
     if wrong:
         raise AdapterError(
             f"the adapter does not match the base {base}: {len(wrong)} modules have other shapes "
-            f"(e.g. {wrong[0]}); it was trained on another model size"
+            f"(e.g. {wrong[0]}); it was trained on another model size",
+            doc="docs/merge.md#what-is-checked",
         )

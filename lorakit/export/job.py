@@ -75,13 +75,20 @@ def merge(
     src = locate(source, base)
     dtype = dtype or src.default_dtype
     if dtype not in RELATIVE_TOLERANCE:
-        raise MergeError(f"--dtype {dtype!r}: choose one of {', '.join(RELATIVE_TOLERANCE)}")
+        raise MergeError(
+            f"--dtype {dtype!r}: choose one of {', '.join(RELATIVE_TOLERANCE)}", doc="docs/merge.md#options"
+        )
     tol = RELATIVE_TOLERANCE[dtype] if tolerance is None else float(tolerance)
     if not tol > 0:
-        raise MergeError(f"--tolerance {tolerance!r}: must be a positive number")
+        raise MergeError(
+            f"--tolerance {tolerance!r}: must be a positive number", doc="docs/merge.md#tolerances"
+        )
     shard_bytes = parse_size(max_shard_size)
     if compare_quantized and src.method != "qlora":
-        raise MergeError(f"--compare-quantized: {src.path} is a {src.method} run, not QLoRA")
+        raise MergeError(
+            f"--compare-quantized: {src.path} is a {src.method} run, not QLoRA",
+            doc="docs/merge.md#qlora-runs",
+        )
     protect = [src.path] + ([Path(src.base_source)] if Path(src.base_source).is_dir() else [])
     out = check_output(Path(output), force, protect)
     adapter = read_adapter(src.path) if src.kind == "adapter" else None
@@ -163,7 +170,8 @@ def _require(check: Check) -> Check:
         raise VerificationError(
             f"merge refused, nothing written: {check.describe()}. The difference exceeds the tolerance: the "
             "export does not reproduce the model it came from. If it is rounding noise of a deep model in a "
-            "16-bit dtype, merge with --dtype float32 or raise --tolerance"
+            "16-bit dtype, merge with --dtype float32 or raise --tolerance",
+            doc="docs/merge.md#tolerances",
         )
     return check
 

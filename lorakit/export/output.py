@@ -24,10 +24,13 @@ def parse_size(text: str | int) -> int:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
         unit = m.group(2).upper() if m else None
         if m is None or unit not in _UNITS:
-            raise MergeError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 100KiB")
+            raise MergeError(
+                f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 100KiB",
+                doc="docs/merge.md#options",
+            )
         size = int(float(m.group(1)) * _UNITS[unit])
     if size < 1:
-        raise MergeError(f"--max-shard-size {text!r}: must be at least 1 byte")
+        raise MergeError(f"--max-shard-size {text!r}: must be at least 1 byte", doc="docs/merge.md#options")
     return size
 
 
@@ -40,11 +43,20 @@ def check_output(output: Path, force: bool, protect: list[Path]) -> Path:
     for p in protect:
         p = p.resolve()
         if output == p or output in p.parents:
-            raise MergeError(f"--output {output}: would overwrite {p}, which the merge reads; choose another")
+            raise MergeError(
+                f"--output {output}: would overwrite {p}, which the merge reads; choose another",
+                doc="docs/merge.md#atomic-output",
+            )
     if output.is_dir() and any(output.iterdir()) and not force:
-        raise MergeError(f"--output {output} exists and is not empty; choose another or pass --force")
+        raise MergeError(
+            f"--output {output} exists and is not empty; choose another or pass --force",
+            doc="docs/merge.md#atomic-output",
+        )
     if output.exists() and not output.is_dir() and not force:
-        raise MergeError(f"--output {output} exists and is a file; choose another or pass --force")
+        raise MergeError(
+            f"--output {output} exists and is a file; choose another or pass --force",
+            doc="docs/merge.md#atomic-output",
+        )
     return output
 
 

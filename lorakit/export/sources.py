@@ -78,7 +78,10 @@ def locate(path: str | Path, base: str | None = None) -> MergeSource:
     model.name_or_path, else the base_model_name_or_path peft recorded in adapter_config.json."""
     p = Path(path).expanduser().resolve()
     if not p.is_dir():
-        raise MergeError(f"{path}: no such directory (expected a run directory or an adapter directory)")
+        raise MergeError(
+            f"{path}: no such directory (expected a run directory or an adapter directory)",
+            doc="docs/merge.md#options",
+        )
     run_dir = p if (p / rundir.RECIPE).is_file() else None
     if run_dir is None and (p.parent / rundir.RECIPE).is_file():
         run_dir = p.parent  # RUN/adapter or RUN/model given directly
@@ -93,21 +96,24 @@ def locate(path: str | Path, base: str | None = None) -> MergeSource:
             what = "model" if full else "adapter"
             raise MergeError(
                 f"{p}: a {recipe.method.kind} run without its {artefact.name}/ directory: training did not "
-                f"finish, or output.save_adapter was false; there is no {what} to export"
+                f"finish, or output.save_adapter was false; there is no {what} to export",
+                doc="docs/merge.md#options",
             )
     elif (p / ADAPTER_CONFIG).is_file() or (p / "config.json").is_file():
         full, artefact = not (p / ADAPTER_CONFIG).is_file(), p
     else:
         raise MergeError(
             f"{p}: neither a run directory (no {rundir.RECIPE}), an adapter directory (no {ADAPTER_CONFIG}) "
-            "nor a model directory (no config.json)"
+            "nor a model directory (no config.json)",
+            doc="docs/merge.md#options",
         )
     cache_dir = recipe.data.cache_dir if recipe is not None else DataSection.model_fields["cache_dir"].default
     common = dict(path=artefact, run_dir=run_dir, recipe=recipe, recipe_text=recipe_text, summary=summary)
     if full:
         if base is not None:
             raise MergeError(
-                f"--base: {artefact} is a complete fine-tuned model; it has no base to merge into"
+                f"--base: {artefact} is a complete fine-tuned model; it has no base to merge into",
+                doc="docs/merge.md#full-fine-tuning-runs",
             )
         name = recipe.model.name_or_path if recipe is not None else str(artefact)
         trust = recipe.model.trust_remote_code if recipe is not None else False
@@ -132,7 +138,9 @@ def locate(path: str | Path, base: str | None = None) -> MergeSource:
     elif trained_on:
         name, revision = trained_on[0]
     else:
-        raise MergeError(f"{artefact / ADAPTER_CONFIG} names no base model; pass --base MODEL")
+        raise MergeError(
+            f"{artefact / ADAPTER_CONFIG} names no base model; pass --base MODEL", doc="docs/merge.md#options"
+        )
     source = _resolve(name, cache_dir, "--base" if base is not None else "base model")
     return MergeSource(
         "adapter",

@@ -34,7 +34,8 @@ def require_bitsandbytes():
     except ImportError as e:
         raise RecipeError(
             f"method.kind qlora needs bitsandbytes, which cannot be imported ({e}); install it with "
-            f"{INSTALL_HINT}, or use method.kind: lora"
+            f"{INSTALL_HINT}, or use method.kind: lora",
+            doc="docs/qlora.md#install",
         ) from e
     return bitsandbytes
 
@@ -64,7 +65,8 @@ def check_keep_in_fp32(model_cls, dtype: torch.dtype) -> None:
         raise RecipeError(
             f"model.dtype float16: {model_cls.__name__} keeps {keep} in float32 under fp16 because they "
             "overflow in fp16, but DeepSpeed's fp16 engine casts every parameter to fp16; use model.dtype: "
-            "bfloat16 (fp32's range, so those layers are safe in it) or float32"
+            "bfloat16 (fp32's range, so those layers are safe in it) or float32",
+            doc="docs/qlora.md#flan-t5-and-its-fp32-wo-layers",
         )
 
 
