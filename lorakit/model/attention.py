@@ -41,10 +41,10 @@ def choose_attention(requested: str, model_cls) -> str:
 
 def packing_enabled(setting: bool | str, attention: str, is_encoder_decoder: bool) -> bool:
     """data.packing resolved. `auto` packs causal LMs on every backend (varlen flash, per-example SDPA,
-    masks). Encoder-decoders pack only when asked (`true`, on sdpa or eager): T5 computes its relative
-    position bias over the whole packed row, quadratic in the row length, and the committed benchmark
-    (benchmarks/README.md, seq2seq_packing) measured packed T5 slower than length-grouped batches, so it is
-    not the default until that bias is computed per example."""
+    masks). Encoder-decoders pack only when asked (`true`, on sdpa or eager): packed T5 is exact and its
+    position bias is computed per example, but the committed benchmark (benchmarks/README.md,
+    seq2seq_packing) did not measure the speed-up over random and length-grouped padded batches, at an
+    eval loss as good, that would make it the default."""
     if setting != "auto":
         return bool(setting)
     return not is_encoder_decoder

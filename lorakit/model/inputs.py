@@ -17,14 +17,16 @@ attention is kept inside each example depends on the backend:
 Sliding-window models (Mistral) get the window inside each example; models whose layers mix full and
 sliding attention (`config.layer_types`) get one mask per layer type, the form their forward accepts.
 
-Encoder-decoder rows (T5) carry `source_segments` / `target_segments` instead, and get three 4-D masks:
-encoder self-attention within an example, decoder self-attention within an example and causal, and
-cross-attention from each decoder token to its own example's encoder tokens only. T5's relative position
-bias is computed from token distances in the row, which inside one (contiguous) example are the example's
-own distances; pairs across examples are masked. The encoder-self and cross masks have different shapes
-but T5ForConditionalGeneration takes one `attention_mask` for both, so `logits` runs the encoder first
-with its mask and hands the decoder the cross mask through `encoder_outputs` + `attention_mask`, using
-only the model's public forward arguments.
+Encoder-decoder rows (T5) carry `source_segments` / `target_segments` instead. With lorakit_varlen_sdpa
+they become segment boundaries (`lorakit_seq2seq_segments`) and `logits` makes sure the model's T5
+attention modules carry the hook that computes the relative position bias per example instead of over the
+whole row (lorakit.model.varlen). Otherwise they become three 4-D masks: encoder self-attention within an
+example, decoder self-attention within an example and causal, and cross-attention from each decoder token
+to its own example's encoder tokens only. T5's relative position bias is computed from token distances in
+the row, which inside one (contiguous) example are the example's own distances; pairs across examples are
+masked. The encoder-self and cross masks have different shapes but T5ForConditionalGeneration takes one
+`attention_mask` for both, so `logits` runs the encoder first with its mask and hands the decoder the cross
+mask through `encoder_outputs` + `attention_mask`, using only the model's public forward arguments.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 
-from lorakit.model.varlen import VARLEN_SDPA
+from lorakit.model.varlen import VARLEN_SDPA, attach_t5_position_bias
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "decoder_input_ids", "decoder_attention_mask")
 # Passed from __call__ to logits for packed encoder-decoder rows; not a model argument.
@@ -152,6 +154,9 @@ class ModelInputs:
         # No KV cache in training or eval loss: it is useless there and changes how transformers builds
         # attention masks (the packed-sequence trap described above).
         kwargs = self(batch, device)
+        if "lorakit_seq2seq_segments" in kwargs:
+            # T5's position bias per example, not over the whole row (idempotent; see lorakit.model.varlen).
+            attach_t5_position_bias(getattr(model, "module", model))
         cross = kwargs.pop(CROSS_MASK, None)
         if cross is not None:
             module = getattr(model, "module", model)  # a DeepSpeed engine wraps the (peft) model

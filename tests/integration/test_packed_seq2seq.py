@@ -9,10 +9,12 @@ import torch
 
 from lorakit.data.collate import PackedSeq2SeqCollator, Seq2SeqCollator
 from lorakit.engine.loss import token_loss_sum
-from tests.conftest import PACKING_BACKENDS, training_config_model
+from lorakit.model.varlen import _BUCKET_WASTE, _buckets
+from tests.conftest import PACKING_BACKENDS, tiny_recipe_dict, training_config_model
 
-# (source, target) lengths; sources longer than T5's relative-attention max distance (128) on purpose.
-PAIRS = ((37, 9), (150, 20), (5, 3), (71, 14))
+# (source, target) lengths; sources longer than T5's relative-attention max distance (128) on purpose, and
+# examples close enough in size that varlen SDPA attends to them in padded groups (see the test below).
+PAIRS = ((37, 9), (150, 20), (5, 3), (71, 14), (64, 12), (60, 12), (58, 10), (5, 3))
 TOL = 1e-4
 
 
@@ -50,6 +52,16 @@ def _alone_and_packed(built, rows):
         sliced.append((seg[0], token_loss_sum(seg, packed["labels"][:, start : start + n])))
         start += n
     return alone, sliced, packed
+
+
+def test_pairs_exercise_grouped_attention():
+    """Varlen SDPA pads groups of similar examples to one size (keys masked) and attends to each group in one
+    call; PAIRS must make groups in every attention kind, or the contract below would not cover them."""
+    sources, targets = [s for s, _ in PAIRS], [t for _, t in PAIRS]
+    for q, k in ((sources, sources), (targets, targets), (targets, sources)):
+        groups = _buckets(q, k, _BUCKET_WASTE)
+        assert any(len(g) > 1 and len({(q[i], k[i]) for i in g}) > 1 for g in groups), groups
+        assert sorted(i for g in groups for i in g) == list(range(len(PAIRS)))
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -91,3 +103,80 @@ def test_packed_seq2seq_loss_and_grads_equal_padded(cache_dir, tmp_path, backend
     assert padded_n == packed_n == sum(t for _, t in PAIRS)
     assert abs(padded_loss - packed_loss) < TOL
     assert max((padded_g[n] - packed_g[n]).abs().max().item() for n in padded_g) < TOL
+
+
+def _bias_sizes(model) -> list[tuple[int, ...]]:
+    """Records the (query, key) sizes T5's relative_attention_bias embeddings are asked for."""
+    sizes: list[tuple[int, ...]] = []
+    for name, module in model.named_modules():
+        if name.endswith("relative_attention_bias"):
+            module.register_forward_hook(lambda _m, args, _out: sizes.append(tuple(args[0].shape)))
+    return sizes
+
+
+def test_position_bias_is_computed_per_example_not_per_row(cache_dir, tmp_path):
+    """T5 computes its bias over the whole row (T x T, quadratic in the row); lorakit hands it the bias of
+    the longest example instead. Fails if transformers stops taking `position_bias` from the hook."""
+    built = _model(cache_dir, tmp_path, "varlen_sdpa")
+    sizes = _bias_sizes(built.model)
+    rows = _rows()
+    packed = PackedSeq2SeqCollator(512, 128, built.model.config.decoder_start_token_id)(rows)
+    logits = built.inputs.logits(built.model, packed, "cpu")
+    token_loss_sum(logits, packed["labels"]).backward()
+    longest_source, longest_target = max(s for s, _ in PAIRS), max(t for _, t in PAIRS)
+    # Encoder and decoder once each, and again in gradient checkpointing's recompute.
+    assert sorted(set(sizes)) == [(longest_target, longest_target), (longest_source, longest_source)]
+    assert len(sizes) == 4
+
+
+def test_whole_row_bias_is_exact_too(cache_dir, tmp_path):
+    """Without the hook (the model called directly with the segments), T5 computes the bias over the whole
+    row and the attention function takes each example's block of it: the same logits."""
+    built = _model(cache_dir, tmp_path, "varlen_sdpa")
+    sizes = _bias_sizes(built.model)
+    rows = _rows()
+    packed = PackedSeq2SeqCollator(512, 128, built.model.config.decoder_start_token_id)(rows)
+    # First, before ModelInputs.logits has attached the hook to this model.
+    logits = built.model(**built.inputs(packed, "cpu"), use_cache=False).logits
+    row = packed["input_ids"].shape[1]
+    assert (row, row) in sizes
+    alone, _, _ = _alone_and_packed(built, rows)
+    start = 0
+    for (expected, _), (_, t) in zip(alone, PAIRS, strict=True):
+        assert (logits[0, start : start + t] - expected).abs().max().item() < TOL
+        start += t
+
+
+def test_full_fine_tuning_position_bias_gradient_equals_padded(cache_dir, tmp_path):
+    """With full fine-tuning the relative_attention_bias weights train: their gradient through the
+    per-example bias equals the padded batch's, like every other weight's."""
+    from lorakit.model import build_model
+    from lorakit.recipe import recipe_from_dict
+
+    raw = tiny_recipe_dict(
+        cache_dir,
+        tmp_path / "full",
+        model={"gradient_checkpointing": True},
+        method={"kind": "full"},
+        data={"packing": True},
+    )
+    built = build_model(recipe_from_dict(raw))
+    for m in built.model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        elif isinstance(getattr(m, "dropout", None), float):
+            m.dropout = 0.0
+    built.model.train()
+    rows = _rows(seed=2)
+    start_id = built.model.config.decoder_start_token_id
+    grads = []
+    for collate in (Seq2SeqCollator(0, start_id), PackedSeq2SeqCollator(512, 128, start_id)):
+        built.model.zero_grad()
+        batch = collate(rows)
+        logits = built.inputs.logits(built.model, batch, "cpu")
+        token_loss_sum(logits, batch["labels"]).backward()
+        grads.append({n: p.grad.clone() for n, p in built.model.named_parameters() if p.grad is not None})
+    padded, packed = grads
+    bias = [n for n in padded if "relative_attention_bias" in n]
+    assert len(bias) == 2 and all(padded[n].abs().max() > 0 for n in bias)
+    assert max((padded[n] - packed[n]).abs().max().item() for n in padded) < TOL
