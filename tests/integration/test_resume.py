@@ -101,12 +101,14 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_the_relaunch_resumes(reference,
     assert stopped.returncode == 75, stopped.stderr[-5000:]
     assert "relaunch the same command to resume" in stopped.stderr.lower()
     ckpts = complete_checkpoints(tmp_path / "run")
-    # Step 3 finished, then every rank stopped at the same boundary and saved.
-    assert ckpts[-1].step == 3 and ckpts[-1].state["reason"] == "preempted"
+    # The signal travels launcher -> torchrun -> workers while step 3 ends, so the ranks stop together at
+    # the first boundary after it arrives: step 3, or a later one on a loaded machine, never the end.
+    stopped_at = ckpts[-1].step
+    assert 3 <= stopped_at < STEPS and ckpts[-1].state["reason"] == "preempted"
 
     resumed = _launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
-    assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == 3
+    assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == stopped_at
     _assert_same_run(tmp_path / "run", reference)
 
 
