@@ -9,6 +9,7 @@ from lorakit.errors import DataError
 # name -> directory (relative to this package) holding one {split}.jsonl per split.
 BUILTIN_DATASETS: dict[str, str] = {
     "news_summaries": "news_summaries",
+    "dialogue_summaries": "dialogue_summaries",
 }
 
 
