@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from lorakit.model.varlen import VARLEN_SDPA, attach_t5_position_bias
+from lorakit.model.varlen import VARLEN_SDPA, Seq2SeqSegments, attach_t5_position_bias
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "decoder_input_ids", "decoder_attention_mask")
 # Passed from __call__ to logits for packed encoder-decoder rows; not a model argument.
@@ -128,9 +128,8 @@ class ModelInputs:
     def __call__(self, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
         out: dict[str, Any] = {k: batch[k].to(device) for k in MODEL_KEYS if k in batch}
         if "source_segments" in batch and self.attention == VARLEN_SDPA:
-            out["lorakit_seq2seq_segments"] = (
-                _bounds(batch["source_segments"][0]),
-                _bounds(batch["target_segments"][0]),
+            out["lorakit_seq2seq_segments"] = Seq2SeqSegments(
+                _bounds(batch["source_segments"][0]), _bounds(batch["target_segments"][0])
             )
         elif "source_segments" in batch:
             encoder, decoder, cross = seq2seq_packed_masks(

@@ -74,6 +74,20 @@ def _buckets(q_lengths: list[int], k_lengths: list[int], waste: float) -> list[l
     return groups
 
 
+class Seq2SeqSegments(tuple):
+    """(encoder boundaries, decoder boundaries) of one packed T5 row pair, as `lorakit_seq2seq_segments`.
+
+    Every layer of a stack attends over the same examples with the same position bias, so what the
+    attention function derives from them (groups, gather indices, masks) is built once per forward and kept
+    in `cache`, which lives as long as the batch's forward arguments (gradient checkpointing's recompute
+    included)."""
+
+    def __new__(cls, source, target):
+        self = super().__new__(cls, (tuple(source), tuple(target)))
+        self.cache = {}
+        return self
+
+
 def _pad_stack(parts: list[torch.Tensor], length: int) -> torch.Tensor:
     """(1, H, L_i, D) parts -> (n, H, length, D), zero-padded at the end of each."""
     pad = torch.nn.functional.pad
@@ -89,26 +103,37 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
     else:
         # T5's cross-attention bias is zero (no relative positions between decoder and encoder tokens).
         q_bounds, k_bounds, kind, position_bias = target, source, "cross", None
+    cache = getattr(segments, "cache", None)
+    cache = {} if cache is None else cache
     q_lengths, k_lengths = _lengths(q_bounds), _lengths(k_bounds)
-    longest_q, longest_k = max(q_lengths), max(k_lengths)
+    if kind not in cache:
+        cache[kind] = {"groups": _buckets(q_lengths, k_lengths, _BUCKET_WASTE)}
+    plan = cache[kind]
+    min_value = torch.finfo(query.dtype).min
     bias = None
     if position_bias is not None:
         # Any example's bias is the top-left block: T5's bias depends on the distance k - q only.
-        bias = position_bias[:, :, :longest_q, :longest_k].to(query.dtype)
-    if kind == "decoder":
-        future = torch.ones(longest_q, longest_k, dtype=torch.bool, device=query.device).triu(1)
-        if bias is None:
-            bias = torch.zeros((1, 1, longest_q, longest_k), dtype=query.dtype, device=query.device)
-        # Also masks the padding of a shorter example's keys, which lies after all its queries.
-        bias = bias.masked_fill(future, torch.finfo(query.dtype).min)
+        bias = position_bias.to(query.dtype)
+        if kind == "decoder" and position_bias is not cache.get("causal_bias"):
+            # Not the hook's bias (already causal): mask the future here.
+            future = torch.ones(bias.shape[-2:], dtype=torch.bool, device=query.device).triu(1)
+            bias = bias.masked_fill(future, min_value)
+    # A group's mask depends only on the row and the bias, the same in every layer of the stack and in
+    # gradient checkpointing's recompute: built once per forward. Not when it carries a gradient (full
+    # fine-tuning trains the bias): sharing it across layers and recompute would tangle autograd graphs.
+    keep = bias is None or not bias.requires_grad
     qs, ks, vs = query.split(q_lengths, dim=2), key.split(k_lengths, dim=2), value.split(k_lengths, dim=2)
     outs: list[torch.Tensor | None] = [None] * len(q_lengths)
     # One SDPA call per group of similar-sized examples padded to a common size, not one per example: the
     # calls' fixed cost made per-example attention 13-24% slower on CPU than a padded batch of the same
     # (equal-length) examples.
-    for group in _buckets(q_lengths, k_lengths, _BUCKET_WASTE):
+    for g, group in enumerate(plan["groups"]):
         mq, mk = max(q_lengths[i] for i in group), max(k_lengths[i] for i in group)
-        mask = None if bias is None else bias[:, :, :mq, :mk]
+        mask = plan.get(g) if keep else None
+        if mask is None:
+            mask = _group_mask(kind, group, k_lengths, mq, mk, bias, query.device, min_value)
+            if keep:
+                plan[g] = mask
         if len(group) == 1:
             (i,) = group
             q, k, v = qs[i], ks[i], vs[i]
@@ -116,10 +141,6 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
             q = _pad_stack([qs[i] for i in group], mq)
             k = _pad_stack([ks[i] for i in group], mk)
             v = _pad_stack([vs[i] for i in group], mk)
-            if kind != "decoder":
-                lengths = torch.tensor([k_lengths[i] for i in group], device=query.device)
-                valid = (torch.arange(mk, device=query.device) < lengths[:, None])[:, None, None, :]
-                mask = valid if mask is None else mask.masked_fill(~valid, torch.finfo(query.dtype).min)
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling
         )
@@ -127,6 +148,23 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
             outs[i] = o[:, : q_lengths[i]]
     # (H, T, D) in row order -> (1, T, H, D)
     return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+def _group_mask(kind, group, k_lengths, mq, mk, bias, device, min_value):
+    """The attn_mask of one group: its block of the bias, with the padded keys of shorter members masked."""
+    if kind == "decoder":
+        if bias is None:
+            return torch.ones(mq, mk, dtype=torch.bool, device=device).tril()
+        # The bias is causal: that also masks a shorter example's padded keys, which lie after its queries.
+        return bias[:, :, :mq, :mk]
+    mask = None if bias is None else bias[:, :, :mq, :mk]
+    lengths = [k_lengths[i] for i in group]
+    if len(group) == 1 or min(lengths) == mk:
+        return mask
+    valid = (torch.arange(mk, device=device) < torch.tensor(lengths, device=device)[:, None])[
+        :, None, None, :
+    ]
+    return valid if mask is None else mask.masked_fill(~valid, min_value)
 
 
 def varlen_sdpa_attention(
@@ -202,6 +240,13 @@ def _t5_position_bias_hook(module, args, kwargs):
     else:
         longest = max(_lengths(segments[1] if module.is_decoder else segments[0]))
         bias = module.compute_bias(longest, longest, device=hidden.device)
+        cache = getattr(segments, "cache", None)
+        if module.is_decoder and cache is not None:
+            # Decoder self-attention is causal in every layer: mask the shared bias once, here, rather than
+            # in each layer (the top-left block of a causal bias is causal).
+            future = torch.ones(longest, longest, dtype=torch.bool, device=hidden.device).triu(1)
+            bias = bias.masked_fill(future, torch.finfo(bias.dtype).min)
+            cache["causal_bias"] = bias
     return args, {**kwargs, "position_bias": bias}
 
 
