@@ -1,32 +1,37 @@
 """Packed vs padded encoder-decoder (T5) training in lorakit: useful tokens per second over one epoch, and the
 eval loss after it.
 
-    python benchmarks/seq2seq_packing.py [--output benchmarks/results/seq2seq_packing.json]
-                                         [--max-samples N] [--repeats K] [--budgets 928,2048,4096]
-                                         [--sweep-repeats K] [--max-tokens N] [--max-eval-samples N]
-                                         [--cache-dir DIR] [--torch-threads T] [--note TEXT]
+    python benchmarks/seq2seq_packing.py [--dataset dialogues|news] [--output PATH] [--max-samples N]
+                                         [--repeats K] [--examples-per-step N] [--examples-per-row 8,16,32]
+                                         [--sweep-repeats K] [--max-eval-samples N] [--cache-dir DIR]
+                                         [--torch-threads T] [--note TEXT]
     python benchmarks/seq2seq_packing.py --plot-only benchmarks/results/seq2seq_packing.json
 
-Three ways to batch the same (article, summary) pairs, all trained with `lorakit.train` on the same tiny T5,
-data, LoRA, optimizer, schedule, seed, dtype (float32) and gradient checkpointing, one process, DeepSpeed
-without ZeRO:
+Three ways to batch the same (source, summary) pairs, all trained with `lorakit.train` on the same tiny T5,
+data, LoRA, optimizer, learning rate, schedule, dtype (float32) and gradient checkpointing, one process,
+DeepSpeed without ZeRO, and the same number of examples per optimizer step (--examples-per-step, 32 by
+default), so every side takes the same optimisation path in expectation:
 
-- padded_random: random micro-batches of 8 padded to their longest member (data.packing false,
-  data.group_by_length false): a shuffled DataLoader + DataCollatorForSeq2Seq, the usual Hugging Face setup;
-- padded_grouped: micro-batches of 8 examples of similar length, padded to their longest member
+- padded_random: random micro-batches of 8 padded to their longest member, 4 accumulated per step (data.packing
+  false, data.group_by_length false): a shuffled DataLoader + DataCollatorForSeq2Seq, the usual Hugging Face
+  setup;
+- padded_grouped: micro-batches of 8 examples of similar length, padded to their longest member, 4 per step
   (data.packing false, data.group_by_length true);
-- packed: one packed encoder row of at most train.max_tokens tokens and one decoder row of at most
-  train.max_target_tokens (lorakit's default: max_tokens x the data's target/source ratio) per micro-batch
-  (data.packing true, random example order), attention per example (lorakit_varlen_sdpa).
+- packed: packed micro-batches of one encoder row of at most train.max_tokens tokens and one decoder row of at
+  most train.max_target_tokens (lorakit's default: max_tokens x the data's target/source ratio), examples in
+  random order (data.packing true), attention per example (lorakit_varlen_sdpa), with as many rows accumulated
+  per step as keep the step at --examples-per-step examples.
 
-The packed side's encoder budget is chosen by measurement in the same invocation: a sweep phase trains one
-epoch at each budget of --budgets and picks the one with the highest median useful tokens per CPU second (one
-torch thread: what the run computed, whatever other jobs took from the machine); the comparison rounds that
-follow are new runs. A budget changes how many examples an optimizer step holds (about
-max_tokens / mean source length), so the comparison also runs `packed_matched`: the swept budget whose steps
-hold closest to 8 examples, the padded sides' batch, when it differs from the chosen one. The claims are judged
-on `packed` (`claims`) and, when it runs, on `packed_matched` (`claims_at_matched_budget`); speed claims on
-wall-clock useful tokens/s, with the ratio per CPU second recorded beside them.
+The packed row size is chosen by measurement in the same invocation: a sweep phase trains one epoch with rows
+of about 8, 16 and 32 examples (train.max_tokens = that many x the mean source length / 0.95, the fill the
+packer reaches; 4, 2 and 1 rows per step) and picks the one with the highest median useful tokens per CPU
+second (one torch thread: what the run computed, whatever other jobs took from the machine); the comparison
+rounds that follow are new runs. Round r trains every side with seed 42 + r, so the eval-loss claim is judged
+over several data orders, paired by seed.
+
+Datasets (--dataset): `dialogues` (default), builtin:dialogue_summaries, SAMSum-shaped chats whose source and
+target lengths are both long-tailed (random micro-batches of 8 about half full); `news`,
+builtin:news_summaries, articles with targets of almost one length (random micro-batches two thirds full).
 
 Every run evaluates once after its epoch (eval.generate false: the loss on the first --max-eval-samples
 validation rows); the evaluation is timed apart and excluded from the epoch's seconds.
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -62,15 +68,40 @@ from benchmarks.common import (  # noqa: E402
     versions,
 )
 
-DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "seq2seq_packing.json"
+RESULTS = ROOT / "benchmarks" / "results"
 
 MODEL = "tiny:t5"
-PROMPT = "Summarize the following news article:\n{input}\nSummary:\n"  # recipes/quickstart.yaml
+# The data each --dataset trains on, and where its result goes by default.
+DATASETS = {
+    "dialogues": {
+        "data": {
+            "source": "builtin:dialogue_summaries",
+            "input_column": "dialogue",
+            "target_column": "summary",
+            "prompt_template": "Summarize the following dialogue:\n{input}\nSummary:\n",
+        },
+        "output": RESULTS / "seq2seq_packing.json",
+    },
+    "news": {
+        "data": {
+            "source": "builtin:news_summaries",
+            "input_column": "article",
+            "target_column": "highlights",
+            "prompt_template": "Summarize the following news article:\n{input}\nSummary:\n",  # quickstart
+        },
+        "output": RESULTS / "seq2seq_packing_news.json",
+    },
+}
 MICRO_BATCH = 8
 DTYPE = "float32"
-# 928: rows of about 8 examples on this data (mean source 111 tokens, rows ~95% full), the padded sides'
-# micro-batch, so that one optimizer step holds as many examples on both; 2048 and 4096: 2x and 4x that.
-DEFAULT_BUDGETS = (928, 2048, 4096)
+BASE_SEED = 42
+# Examples per optimizer step on every side: the padded sides accumulate 4 micro-batches of 8.
+EXAMPLES_PER_STEP = 32
+# Packed rows swept, in examples per row; each row size gets the accumulation that keeps EXAMPLES_PER_STEP.
+DEFAULT_ROW_EXAMPLES = (8, 16, 32)
+# The share of a row the packer fills on these data (docs/packing.md: 0.94-0.97): a budget of
+# k x mean source / ROW_FILL holds about k examples.
+ROW_FILL = 0.95
 # The claims of issue #10, as (name, side, versus, what, threshold).
 CLAIMS = (
     {
@@ -101,7 +132,6 @@ SIDE_SPECS = {
     "padded_random": {"packing": False, "group_by_length": False},
     "padded_grouped": {"packing": False, "group_by_length": True},
     "packed": {"packing": True, "group_by_length": False},
-    "packed_matched": {"packing": True, "group_by_length": False},
 }
 BASE_SIDES = ("padded_random", "padded_grouped", "packed")
 COMPARISONS = (
@@ -109,17 +139,14 @@ COMPARISONS = (
     ("packed", "padded_grouped"),
     ("padded_grouped", "padded_random"),
 )
-MATCHED_COMPARISONS = (("packed_matched", "padded_random"), ("packed_matched", "padded_grouped"))
 TRAIN = {
     "epochs": 1,
     "lr": 3e-3,
     "micro_batch_size": MICRO_BATCH,
-    "gradient_accumulation_steps": 1,
     "warmup_ratio": 0.05,
     "lr_schedule": "linear",
     "weight_decay": 0.0,
     "max_grad_norm": 1.0,
-    "seed": 42,
 }
 LORA = {"kind": "lora", "r": 16, "alpha": 32, "dropout": 0.05, "target_modules": "all-linear"}
 TIMING = {
@@ -146,7 +173,7 @@ TIMING = {
 
 def recipe_dict(spec: dict) -> dict:
     """The lorakit recipe of one run; `spec` holds the side's batching and the shared settings."""
-    train = dict(TRAIN)
+    train = dict(TRAIN, gradient_accumulation_steps=spec["accumulation"], seed=spec["seed"])
     if spec["packing"]:
         train["max_tokens"] = spec["max_tokens"]
     return {
@@ -157,13 +184,10 @@ def recipe_dict(spec: dict) -> dict:
         },
         "method": dict(LORA),
         "data": {
-            "source": "builtin:news_summaries",
+            **DATASETS[spec["dataset"]]["data"],
             "split": "train",
             "eval_split": "validation",
             "format": "instruction",
-            "input_column": "article",
-            "target_column": "highlights",
-            "prompt_template": PROMPT,
             "max_samples": spec["max_samples"],
             "max_eval_samples": spec["max_eval_samples"],
             "max_source_length": "auto",
@@ -277,15 +301,23 @@ def worker(spec: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------ orchestration
 def run_side(
-    side: str, max_tokens: int | None, shared: dict, tmp: Path, log, label: str | None = None
+    side: str,
+    batching: dict,
+    shared: dict,
+    tmp: Path,
+    log,
+    seed: int = BASE_SEED,
+    label: str | None = None,
 ) -> dict:
-    """Train one side in a fresh interpreter; returns its measurements and the rates derived from them."""
+    """Train one side in a fresh interpreter; returns its measurements and the rates derived from them.
+
+    `batching`: {"max_tokens": packed budget or None, "accumulation": micro-batches per optimizer step}."""
     label = label or side
-    spec = dict(shared, **SIDE_SPECS[side], side=side)
-    spec["max_tokens"] = max_tokens if spec["packing"] else None
+    spec = dict(shared, **SIDE_SPECS[side], side=side, seed=seed, accumulation=batching["accumulation"])
+    spec["max_tokens"] = batching["max_tokens"] if spec["packing"] else None
     spec["work_dir"] = str(tmp / f"work-{label}-{time.monotonic_ns()}")
     r = run_worker(__file__, spec, tmp, label)
-    r.update(side=side, max_tokens=spec["max_tokens"])
+    r.update(side=side, max_tokens=spec["max_tokens"], accumulation=spec["accumulation"], seed=seed)
     r["padding_efficiency"] = r["useful_tokens"] / r["token_slots"]
     r["useful_tokens_per_second"] = r["useful_tokens"] / r["epoch_seconds"]
     r["useful_tokens_per_cpu_second"] = r["useful_tokens"] / r["epoch_cpu_seconds"]
@@ -298,7 +330,7 @@ def run_side(
     log(
         f"  {label:16s} epoch {r['epoch_seconds']:6.1f} s  {r['useful_tokens_per_second']:7.0f} useful tok/s  "
         f"eff. {r['padding_efficiency']:.3f}  {r['optimizer_steps']:4d} steps "
-        f"({r['examples_per_optimizer_step']:.1f} ex/step)  eval loss {r['eval_loss']:.4f}  "
+        f"({r['examples_per_optimizer_step']:.1f} ex/step)  seed {seed}  eval loss {r['eval_loss']:.4f}  "
         f"(eval {r['eval_seconds']:.1f} s, cpu/wall {r['cpu_seconds_per_wall_second']:.2f}, "
         f"load {r['load_avg_1min_before']:.2f})"
     )
@@ -367,10 +399,10 @@ def ratios_of(runs: list[dict], medians: dict, comparisons) -> dict:
 def claims_of(ratios: dict, medians: dict, valid: bool, side: str = "packed") -> list[dict]:
     """Each claim with the measured value it is judged on; claim_met comes from the recorded medians.
 
-    `side` is the packed side judged (the chosen budget by default; packed_matched for the batch-matched
-    verdicts). Speed claims are judged on wall-clock useful tokens/s; the ratio of useful tokens per CPU
-    second is recorded next to it (`cpu_ratio`, `cpu_claim_met`), since other jobs on a shared machine
-    take wall time from the runs unevenly.
+    Speed claims are judged on wall-clock useful tokens/s; the ratio of useful tokens per CPU second is
+    recorded next to it (`cpu_ratio`, `cpu_claim_met`), since other jobs on a shared machine take wall time
+    from the runs unevenly. The eval-loss claim compares the medians over the rounds' seeds; the paired
+    differences (same seed) are recorded next to it.
     """
     out = []
     for c in CLAIMS:
@@ -383,6 +415,7 @@ def claims_of(ratios: dict, medians: dict, valid: bool, side: str = "packed") ->
                     c,
                     side_eval_loss=side_loss,
                     versus_eval_loss=base_loss,
+                    paired_differences=ratios[key]["paired_eval_loss_differences"],
                     claim_met=bool(valid and side_loss <= base_loss),
                 )
             )
@@ -402,22 +435,33 @@ def claims_of(ratios: dict, medians: dict, valid: bool, side: str = "packed") ->
     return out
 
 
-def sweep(budgets: list[int], rounds: int, shared: dict, tmp: Path, log) -> dict:
-    """Packed epochs at every budget, interleaved; picks the budget with the highest median useful tokens per
+def packed_candidates(row_examples: list[int], examples_per_step: int, mean_source: float, max_source: int):
+    """(examples per row, train.max_tokens, rows per optimizer step) for each packed row size swept."""
+    out = []
+    for k in row_examples:
+        budget = max(max_source, 8 * math.ceil(k * mean_source / ROW_FILL / 8))
+        out.append({"examples_per_row": k, "max_tokens": budget, "accumulation": examples_per_step // k})
+    return out
+
+
+def sweep(candidates: list[dict], rounds: int, shared: dict, tmp: Path, log) -> dict:
+    """Packed epochs at every row size, interleaved; picks the one with the highest median useful tokens per
     CPU second (with one torch thread, what the run computed; wall seconds also hold what other jobs on a
     shared machine took, which moved a sweep run's wall time by up to 2x here)."""
     runs = []
+    budgets = [c["max_tokens"] for c in candidates]
     for rnd in range(rounds):
-        order = list(budgets) if rnd % 2 == 0 else list(reversed(budgets))
-        log(f"budget sweep {rnd + 1}/{rounds}: {' -> '.join(map(str, order))}")
-        for position, budget in enumerate(order):
-            r = run_side("packed", budget, shared, tmp, log, label=f"sweep_{budget}")
-            runs.append(dict(r, repeat=rnd, position=position))
+        order = list(candidates) if rnd % 2 == 0 else list(reversed(candidates))
+        log(f"budget sweep {rnd + 1}/{rounds}: {' -> '.join(str(c['max_tokens']) for c in order)}")
+        for position, c in enumerate(order):
+            r = run_side("packed", c, shared, tmp, log, label=f"sweep_{c['max_tokens']}")
+            runs.append(dict(r, repeat=rnd, position=position, examples_per_row=c["examples_per_row"]))
     per_budget = {}
-    for b in budgets:
-        mine = [r for r in runs if r["max_tokens"] == b]
-        per_budget[str(b)] = {
+    for c in candidates:
+        mine = [r for r in runs if r["max_tokens"] == c["max_tokens"]]
+        per_budget[str(c["max_tokens"])] = {
             **medians_of(mine),
+            **c,
             "useful_tokens_per_second_runs": [r["useful_tokens_per_second"] for r in mine],
             "eval_loss_runs": [r["eval_loss"] for r in mine],
             "optimizer_steps": mine[0]["optimizer_steps"],
@@ -428,12 +472,13 @@ def sweep(budgets: list[int], rounds: int, shared: dict, tmp: Path, log) -> dict
         }
     best = max(budgets, key=lambda b: per_budget[str(b)]["useful_tokens_per_cpu_second"])
     return {
-        "how": "one epoch of the packed side at each budget (train.max_tokens, the encoder row; the decoder "
-        "row is lorakit's default), interleaved in this invocation before the comparison rounds (order "
-        "reversed every other round); the budget with the highest median useful tokens per CPU second is "
-        "chosen; the "
+        "how": "one epoch of the packed side at each row size (train.max_tokens, the encoder row, with the "
+        "rows per optimizer step that keep its examples per step; the decoder row is lorakit's default), "
+        "interleaved in this invocation before the comparison rounds (order reversed every other round), "
+        f"seed {BASE_SEED}; the budget with the highest median useful tokens per CPU second is chosen; the "
         "comparison rounds are separate runs",
-        "budgets": list(budgets),
+        "budgets": budgets,
+        "candidates": candidates,
         "repeats": rounds,
         "per_budget": per_budget,
         "best": best,
@@ -460,7 +505,9 @@ def orchestrate(args) -> int:
 
     sides = list(BASE_SIDES)
     comparisons = COMPARISONS
+    dataset = DATASETS[args.dataset]
     shared = {
+        "dataset": args.dataset,
         "max_samples": args.max_samples,
         "max_eval_samples": args.max_eval_samples,
         "cache_dir": str(Path(args.cache_dir).expanduser().resolve()),
@@ -470,59 +517,40 @@ def orchestrate(args) -> int:
     scratch = str(Path(tempfile.gettempdir()) / "lorakit-bench-unused")
 
     def recipe_for(side: str, max_tokens: int | None):
-        spec = dict(shared, **SIDE_SPECS[side], work_dir=scratch)
+        spec = dict(shared, **SIDE_SPECS[side], work_dir=scratch, seed=BASE_SEED, accumulation=1)
         spec["max_tokens"] = max_tokens
         return recipe_from_dict(recipe_dict(spec))
 
     # Build the tiny model and tokenize once per distinct recipe here, so no timed run pays for it.
     data = lorakit.prepare(recipe_for("padded_random", None))
     log(data.describe())
-    max_source = data.lengths.max_source_length
-    budgets = sorted(set(args.budgets if args.max_tokens is None else [args.max_tokens]))
-    short = [b for b in budgets if b < max_source]
-    if short:
-        print(
-            f"error: budgets {short} are below the longest source ({max_source} tokens): packing would "
-            "truncate examples and the sides would not train on the same tokens",
-            file=sys.stderr,
-        )
-        return 2
-    for b in budgets:
-        lorakit.prepare(recipe_for("packed", b))
+    sources = [len(x) for x in data.train["input_ids"]]
+    mean_source = sum(sources) / len(sources)
+    candidates = packed_candidates(args.examples_per_row, args.examples_per_step, mean_source, max(sources))
+    for c in candidates:
+        lorakit.prepare(recipe_for("packed", c["max_tokens"]))
     _, config = load_config(recipe_for("padded_random", None))
+    padded = {"max_tokens": None, "accumulation": args.examples_per_step // MICRO_BATCH}
 
     runs: list[dict] = []
-    budget_sweep = None
+    seeds = [BASE_SEED + r for r in range(args.repeats)]
     with tempfile.TemporaryDirectory(prefix="lorakit-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        matched = None
-        if args.max_tokens is None:
-            budget_sweep = sweep(budgets, args.sweep_repeats, shared, tmp, log)
-            chosen = budget_sweep["best"]
-            log(f"chosen budget: {chosen} encoder tokens per packed micro-batch")
-            # The budget whose optimizer steps hold closest to a padded micro-batch's 8 examples: with it,
-            # packing is compared at (about) the same batch size and number of optimizer steps.
-            per = budget_sweep["per_budget"]
-            matched = min(
-                budgets, key=lambda b: abs(per[str(b)]["examples_per_optimizer_step"] - MICRO_BATCH)
-            )
-            budget_sweep["matched_to_padded_batch"] = {
-                "budget": matched,
-                "padded_examples_per_optimizer_step": MICRO_BATCH,
-                "packed_examples_per_optimizer_step": per[str(matched)]["examples_per_optimizer_step"],
-            }
-            if matched != chosen:
-                sides.insert(sides.index("packed") + 1, "packed_matched")
-                comparisons += MATCHED_COMPARISONS
-                log(f"packed_matched: budget {matched}, closest to {MICRO_BATCH} examples per optimizer step")
+        if len(candidates) > 1:
+            budget_sweep = sweep(candidates, args.sweep_repeats, shared, tmp, log)
+            chosen = next(c for c in candidates if c["max_tokens"] == budget_sweep["best"])
         else:
-            chosen = args.max_tokens
-        budget_of = {s: (matched if s == "packed_matched" else chosen) for s in sides}
-        for repeat in range(args.repeats):
+            budget_sweep, chosen = None, candidates[0]
+        log(
+            f"packed rows: train.max_tokens {chosen['max_tokens']} (about {chosen['examples_per_row']} "
+            f"examples), {chosen['accumulation']} per optimizer step"
+        )
+        batching_of = {s: (chosen if SIDE_SPECS[s]["packing"] else padded) for s in sides}
+        for repeat, seed in enumerate(seeds):
             order = sides if repeat % 2 == 0 else list(reversed(sides))
-            log(f"repeat {repeat + 1}/{args.repeats}: {' -> '.join(order)}")
+            log(f"repeat {repeat + 1}/{args.repeats} (seed {seed}): {' -> '.join(order)}")
             for position, side in enumerate(order):
-                r = run_side(side, budget_of[side], shared, tmp, log)
+                r = run_side(side, batching_of[side], shared, tmp, log, seed=seed)
                 runs.append(dict(r, repeat=repeat, position=position))
 
     every = runs + (budget_sweep["runs"] if budget_sweep else [])
@@ -538,23 +566,25 @@ def orchestrate(args) -> int:
     medians = {s: medians_of([r for r in runs if r["side"] == s]) for s in sides}
     ratios = ratios_of(runs, medians, comparisons)
     claims = claims_of(ratios, medians, valid)
-    matched_claims = (
-        claims_of(ratios, medians, valid, "packed_matched") if "packed_matched" in sides else None
-    )
     first = {s: next(r for r in runs if r["side"] == s) for s in sides}
     r0 = first["padded_random"]
     result = {
         "benchmark": "seq2seq_packing",
         "measured": "useful (non-pad source + target) tokens per second over one training epoch of a tiny T5 "
         "in lorakit, and the eval loss after it: packed encoder/decoder rows vs micro-batches of 8 padded to "
-        "their longest member (random, and grouped by length); same model, rows, LoRA, optimizer, schedule, "
-        "seed, dtype and checkpointing; interleaved in one invocation",
+        "their longest member (random, and grouped by length); same model, rows, LoRA, optimizer, learning "
+        "rate, schedule, examples per optimizer step, dtype and checkpointing; rounds paired by seed; "
+        "interleaved in one invocation",
+        "dataset": args.dataset,
         "claims": claims,
         "claims_met": {c["name"]: c["claim_met"] for c in claims},
-        "claims_at_matched_budget": matched_claims,
-        "chosen_max_tokens": chosen,
-        "matched_max_tokens": matched,
-        "max_tokens": {s: budget_of[s] if SIDE_SPECS[s]["packing"] else None for s in sides},
+        "chosen_max_tokens": chosen["max_tokens"],
+        "chosen_examples_per_row": chosen["examples_per_row"],
+        "max_tokens": {s: batching_of[s]["max_tokens"] for s in sides},
+        "accumulation": {s: batching_of[s]["accumulation"] for s in sides},
+        "examples_per_step": args.examples_per_step,
+        "seeds": seeds,
+        "mean_source_tokens": mean_source,
         "max_target_tokens": {s: first[s]["max_target_tokens"] for s in sides},
         "command": "python benchmarks/seq2seq_packing.py " + " ".join(args.argv),
         "date": started,
@@ -581,13 +611,10 @@ def orchestrate(args) -> int:
                 "trainable_params": r0["trainable_params"],
             },
             "data": {
-                "source": "builtin:news_summaries",
+                **dataset["data"],
                 "split": "train",
                 "rows": args.max_samples,
                 "format": "instruction",
-                "input_column": "article",
-                "target_column": "highlights",
-                "prompt_template": PROMPT,
                 "max_source_length": r0["max_source_length"],
                 "max_target_length": r0["max_target_length"],
                 "caps_from": "data.max_source_length / max_target_length auto, as lorakit resolves them",
@@ -609,28 +636,23 @@ def orchestrate(args) -> int:
             "torch_threads": sorted({r["torch_threads"] for r in every}),
         },
         "sides": {
-            "padded_random": "data.packing false, data.group_by_length false, micro_batch_size 8: random "
-            "micro-batches padded to their longest member (a shuffled DataLoader + DataCollatorForSeq2Seq)",
-            "padded_grouped": "data.packing false, data.group_by_length true, micro_batch_size 8: "
-            "micro-batches of similar lengths padded to their longest member",
-            "packed": f"data.packing true, train.max_tokens {chosen} (chosen by the budget sweep"
-            + (")" if budget_sweep else "; given with --max-tokens, no sweep)")
-            + ", train.max_target_tokens lorakit's default: one packed encoder row and one decoder row per "
-            "micro-batch, examples in random order, attention per example",
-            **(
-                {
-                    "packed_matched": f"packed with train.max_tokens {matched}: the swept budget whose "
-                    f"optimizer steps hold closest to {MICRO_BATCH} examples, as the padded sides' do"
-                }
-                if "packed_matched" in sides
-                else {}
-            ),
+            "padded_random": f"data.packing false, data.group_by_length false, micro_batch_size 8, "
+            f"gradient_accumulation_steps {padded['accumulation']}: random micro-batches padded to their longest "
+            "member (a shuffled DataLoader + DataCollatorForSeq2Seq)",
+            "padded_grouped": f"data.packing false, data.group_by_length true, micro_batch_size 8, "
+            f"gradient_accumulation_steps {padded['accumulation']}: micro-batches of similar lengths padded to "
+            "their longest member",
+            "packed": f"data.packing true, train.max_tokens {chosen['max_tokens']} (about "
+            f"{chosen['examples_per_row']} examples per row; "
+            + ("chosen by the sweep" if budget_sweep else "the only row size given, no sweep")
+            + f"), gradient_accumulation_steps {chosen['accumulation']}, train.max_target_tokens lorakit's "
+            "default: packed encoder and decoder rows, examples in random order, attention per example",
         },
-        "batch_size_matching": "the padded sides take 8 examples per optimizer step; a packed step holds about "
-        "max_tokens / mean source length examples, so the chosen budget also changes the number of optimizer "
-        "steps of the epoch (examples_per_optimizer_step records it per side). packed_matched runs the swept "
-        "budget closest to 8 examples per step when it is not the chosen one. lr and schedule are the same on "
-        "every side (not rescaled for the batch size).",
+        "batch_size_matching": f"every side takes about {args.examples_per_step} examples per optimizer step: "
+        f"the padded sides {padded['accumulation']} micro-batches of {MICRO_BATCH}, the packed side rows of "
+        "about max_tokens x 0.95 / mean source length examples, as many per step as keep that number "
+        "(examples_per_optimizer_step records what each side took). lr and schedule are the same on every "
+        "side; so is the number of optimizer steps, up to the packer's rounding.",
         "machine": machine(),
         "versions": versions(),
         "git_revision": revision,
@@ -689,7 +711,8 @@ def orchestrate(args) -> int:
         log(
             "budget sweep (median useful tok/s): "
             + ", ".join(
-                f"{b}: {budget_sweep['per_budget'][str(b)]['useful_tokens_per_second']:.0f}" for b in budgets
+                f"{b}: {budget_sweep['per_budget'][str(b)]['useful_tokens_per_second']:.0f}"
+                for b in budget_sweep["budgets"]
             )
         )
     for s in sides:
@@ -704,12 +727,9 @@ def orchestrate(args) -> int:
             f"{[round(x, 2) for x in r['paired_useful_tokens_per_second']]} (median x{r['paired_median']:.2f}); "
             f"eval loss {r['eval_loss_difference']:+.4f}"
         )
-    for label, judged in (("", claims), (" (batch-matched side)", matched_claims or [])):
-        for c in judged:
-            cpu = (
-                f", by CPU time {'met' if c['cpu_claim_met'] else 'NOT met'}" if "cpu_claim_met" in c else ""
-            )
-            log(f"claim {c['name']}{label}: {'met' if c['claim_met'] else 'NOT met'}{cpu}")
+    for c in claims:
+        cpu = f", by CPU time {'met' if c['cpu_claim_met'] else 'NOT met'}" if "cpu_claim_met" in c else ""
+        log(f"claim {c['name']}: {'met' if c['claim_met'] else 'NOT met'}{cpu}")
     log(f"wrote {output} in {result['benchmark_wall_seconds']:.0f} s")
     if plot(result, output.with_suffix(".png")):
         log(f"wrote {output.with_suffix('.png')}")
@@ -728,7 +748,6 @@ LABELS = {
     "padded_random": "padded\nrandom",
     "padded_grouped": "padded\ngrouped by length",
     "packed": "packed",
-    "packed_matched": "packed\n(~8 examples/step)",
 }
 
 
@@ -843,14 +862,14 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
-def _budgets(text: str) -> list[int]:
+def _row_examples(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive token budgets, got {text!r}")
-    return values
+        raise argparse.ArgumentTypeError(f"expected positive numbers of examples, got {text!r}")
+    return sorted(set(values))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -866,25 +885,40 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python benchmarks/seq2seq_packing.py", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--output", default=str(DEFAULT_OUTPUT), help="result JSON (default: %(default)s)")
     p.add_argument(
-        "--max-samples", type=int, default=512, help="first N training rows of 1000 (default: 512)"
+        "--dataset",
+        choices=sorted(DATASETS),
+        default="dialogues",
+        help="builtin:dialogue_summaries (default) or builtin:news_summaries",
+    )
+    p.add_argument(
+        "--output",
+        default=None,
+        help="result JSON (default: benchmarks/results/seq2seq_packing.json for dialogues, "
+        "seq2seq_packing_news.json for news)",
+    )
+    p.add_argument(
+        "--max-samples", type=int, default=1000, help="first N training rows of 1000 (default: all)"
     )
     p.add_argument(
         "--max-eval-samples", type=int, default=100, help="validation rows for the eval loss (default: 100)"
     )
     p.add_argument("--repeats", type=int, default=2, help="interleaved rounds of every side (default: 2)")
     p.add_argument(
-        "--budgets",
-        type=_budgets,
-        default=list(DEFAULT_BUDGETS),
-        help="packed encoder token budgets to sweep, comma-separated (default: 928,2048,4096)",
+        "--examples-per-step",
+        type=int,
+        default=EXAMPLES_PER_STEP,
+        help=f"examples per optimizer step on every side (default: {EXAMPLES_PER_STEP})",
+    )
+    p.add_argument(
+        "--examples-per-row",
+        type=_row_examples,
+        default=list(DEFAULT_ROW_EXAMPLES),
+        help="packed row sizes to sweep, in examples per row, comma-separated; each must divide "
+        "--examples-per-step; one value skips the sweep (default: 8,16,32)",
     )
     p.add_argument(
         "--sweep-repeats", type=int, default=1, help="interleaved rounds of the budget sweep (default: 1)"
-    )
-    p.add_argument(
-        "--max-tokens", type=int, default=None, help="packed budget to use; skips the sweep (default: sweep)"
     )
     p.add_argument(
         "--cache-dir", default="~/.cache/lorakit", help="lorakit cache: tiny model, tokenized data"
@@ -917,8 +951,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.repeats < 1 or args.sweep_repeats < 1 or args.max_eval_samples < 1:
         p.error("--repeats, --sweep-repeats and --max-eval-samples must be >= 1")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        p.error("--max-tokens must be >= 1")
+    if args.examples_per_step % MICRO_BATCH:
+        p.error(f"--examples-per-step must be a multiple of the micro batch size {MICRO_BATCH}")
+    bad = [k for k in args.examples_per_row if args.examples_per_step % k]
+    if bad:
+        p.error(f"--examples-per-row {bad} must divide --examples-per-step {args.examples_per_step}")
+    if args.output is None:
+        args.output = str(DATASETS[args.dataset]["output"])
     return orchestrate(args)
 
 

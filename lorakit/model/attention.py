@@ -39,12 +39,31 @@ def choose_attention(requested: str, model_cls) -> str:
     return requested
 
 
-def packing_enabled(setting: bool | str, attention: str, is_encoder_decoder: bool) -> bool:
+# Encoder-decoders whose packing is exact: relative position bias (distances inside an example are
+# unchanged in a packed row), attention modules lorakit.model.varlen knows. BART & co. add absolute
+# position embeddings that would run across the row.
+PACKABLE_ENCODER_DECODERS = ("t5", "mt5")
+
+
+def packing_enabled(
+    setting: bool | str, attention: str, is_encoder_decoder: bool, model_type: str | None = None
+) -> bool:
     """data.packing resolved. `auto` packs causal LMs on every backend (varlen flash, per-example SDPA,
-    masks). Encoder-decoders pack only when asked (`true`, on sdpa or eager): packed T5 is exact and its
-    position bias is computed per example, but the committed benchmark (benchmarks/README.md,
-    seq2seq_packing) did not measure the speed-up over random and length-grouped padded batches, at an
-    eval loss as good, that would make it the default."""
-    if setting != "auto":
-        return bool(setting)
-    return not is_encoder_decoder
+    masks) and T5-family encoder-decoders on sdpa or eager (per-example SDPA, or masks); other
+    encoder-decoders and backends train on length-grouped padded batches. `true` where packing is not
+    exact is a recipe error."""
+    if not is_encoder_decoder:
+        return True if setting == "auto" else bool(setting)
+    packable = model_type in PACKABLE_ENCODER_DECODERS and attention in ("sdpa", "eager")
+    if setting is True and not packable:
+        why = (
+            f"{model_type!r} models"
+            if model_type not in PACKABLE_ENCODER_DECODERS
+            else f"the {attention} backend"
+        )
+        raise RecipeError(
+            "data.packing: true packs encoder-decoders of the T5 family (relative position bias) on sdpa or "
+            f"eager attention only, not {why}; set data.packing: auto (length-grouped padded batches here)",
+            doc="docs/packing.md#encoder-decoder-packing-flan-t5",
+        )
+    return packable if setting == "auto" else bool(setting)

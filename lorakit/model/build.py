@@ -124,7 +124,7 @@ def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
     auto_cls = AutoModelForSeq2SeqLM if is_enc_dec else AutoModelForCausalLM
     model_cls = auto_cls._model_mapping[type(config)]
     attention = choose_attention(recipe.model.attention, model_cls)
-    packing = packing_enabled(recipe.data.packing, attention, is_enc_dec)
+    packing = packing_enabled(recipe.data.packing, attention, is_enc_dec, config.model_type)
     if attention == "sdpa" and packing:
         # Packed rows: SDPA per example (cost sum of L_i^2) instead of SDPA over the row with a T x T mask.
         from lorakit.model.varlen import register_varlen_sdpa

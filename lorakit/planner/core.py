@@ -286,7 +286,7 @@ def _shape(
     requested = recipe.model.attention
     # auto: flash_attention_2 or SDPA on GPUs; both keep no attention scores, so they plan alike.
     attention = "sdpa" if requested == "auto" else requested
-    packed = packing_enabled(d.packing, attention, arch.is_encoder_decoder)
+    packed = packing_enabled(d.packing, attention, arch.is_encoder_decoder, arch.model_type)
     if attention == "flash_attention_2" and device == "cpu":
         raise PlanError("model.attention flash_attention_2 runs on GPUs only; plan with device='cuda'")
     kernels = Kernels(attention=attention, device=device, packed=packed)
@@ -298,6 +298,10 @@ def _shape(
                       notes)  # fmt: skip
         if packed:
             rows_src = t.max_tokens or t.micro_batch_size * src
+            if not t.max_tokens:
+                # The default budget holds micro_batch_size examples on average (mean source length, known
+                # only from the data) and never more than this: plan for the most it can be.
+                notes.append(f"train.max_tokens unset: planned encoder rows of at most {rows_src} tokens")
             rows_tgt = t.max_target_tokens or max(tgt, round(rows_src * tgt / src))
             if not t.max_target_tokens:
                 notes.append(f"train.max_target_tokens unset: planned decoder rows of {rows_tgt} tokens")

@@ -172,10 +172,9 @@ class DataSection(_Section):
         description="Pack several examples into one row with a multipack sampler, so no compute goes to "
         "padding; attention never crosses examples. Causal LMs: rows of up to train.max_tokens tokens. "
         "Encoder-decoders: an encoder row of up to train.max_tokens and a decoder row of up to "
-        "train.max_target_tokens (sdpa or eager). auto: on for causal LMs, off for encoder-decoders (packed "
-        "T5 is exact, with its position bias computed per example, but on the committed benchmark it is not "
-        "the 2x over random padded batches the default asks for: see docs/packing.md); false: batches "
-        "grouped by length and padded to their longest member.",
+        "train.max_target_tokens; T5-family models on sdpa or eager. auto: on for causal LMs and for T5 on "
+        "sdpa or eager, off (length-grouped padded batches) for other encoder-decoders; false: batches "
+        "grouped by length and padded to their longest member. See docs/packing.md.",
     )
     group_by_length: bool = Field(
         True,
@@ -221,9 +220,12 @@ class TrainSection(_Section):
         None,
         ge=1,
         description="With packing: the token budget of one packed micro-batch (one row per process per "
-        "forward pass; the encoder row for encoder-decoders). Default: micro_batch_size x data.max_length "
-        "(x data.max_source_length for encoder-decoders), what a full padded micro-batch would hold. A "
-        "larger budget holds more examples per optimizer step; docs/packing.md has measured budgets.",
+        "forward pass; the encoder row for encoder-decoders). Default for causal LMs: micro_batch_size x "
+        "data.max_length, what a full padded micro-batch would hold. Default for encoder-decoders: "
+        "micro_batch_size x the mean source length / 0.95, rows of micro_batch_size examples on average, so "
+        "packing keeps the examples per optimizer step (at least the longest source, at most "
+        "micro_batch_size x data.max_source_length). A larger budget holds more examples per row: lower "
+        "gradient_accumulation_steps to keep the step; docs/packing.md has measured budgets.",
     )
     max_target_tokens: int | None = Field(
         None,

@@ -60,8 +60,13 @@ def test_quickstart_trains_evaluates_and_saves(quickstart):
     summary = rundir.read_summary(run_dir)
     assert SUMMARY_KEYS <= set(summary)
     assert summary["world_size"] == 2 and summary["zero_stage"] == 3 and summary["method"] == "lora"
-    # packing: auto leaves T5 unpacked (length-grouped batches); see docs/packing.md.
-    assert summary["batching"]["packing"] is False and summary["attention"] == "sdpa"
+    # packing: auto packs T5 on sdpa: encoder and decoder rows, attention per example (docs/packing.md).
+    batching = summary["batching"]
+    assert batching["packing"] is True and summary["attention"] == "lorakit_varlen_sdpa"
+    assert batching["source_efficiency"] >= 0.9 and batching["target_efficiency"] >= 0.9
+    # The default budget holds micro_batch_size examples per row on average: the optimizer steps of the
+    # unpacked recipe (512 rows / (8 x 2 accumulated x 2 ranks) = 16 per epoch), up to the packer's rounding.
+    assert 12 <= summary["steps"] / 2 <= 20, summary["steps"]
     assert 0 < summary["trainable_params"] < summary["total_params"]
     assert summary["loss"]["last"] < 0.8 * summary["loss"]["first"]
     assert summary["train_tokens"] <= summary["padded_tokens"]

@@ -1,6 +1,7 @@
 """benchmarks/seq2seq_packing.py: a smoke run of the script, and a check of the committed result."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -9,7 +10,8 @@ import pytest
 from tests.conftest import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "seq2seq_packing.py"
-COMMITTED = ROOT / "benchmarks" / "results" / "seq2seq_packing.json"
+COMMITTED = ROOT / "benchmarks" / "results" / "seq2seq_packing.json"  # dialogues
+COMMITTED_NEWS = ROOT / "benchmarks" / "results" / "seq2seq_packing_news.json"
 SIDES = ("padded_random", "padded_grouped", "packed")
 COMPARISONS = ("packed/padded_random", "packed/padded_grouped")
 CLAIMS = {
@@ -22,10 +24,14 @@ TOP_KEYS = {
     "measured",
     "claims",
     "claims_met",
-    "claims_at_matched_budget",
+    "dataset",
     "chosen_max_tokens",
-    "matched_max_tokens",
+    "chosen_examples_per_row",
     "max_tokens",
+    "accumulation",
+    "examples_per_step",
+    "seeds",
+    "mean_source_tokens",
     "max_target_tokens",
     "command",
     "date",
@@ -57,7 +63,9 @@ TOP_KEYS = {
 RUN_KEYS = {
     "side",
     "repeat",
+    "seed",
     "max_tokens",
+    "accumulation",
     "epoch_seconds",
     "eval_seconds",
     "step_seconds",
@@ -108,21 +116,28 @@ def check_result(result: dict, repeats: int, rows: int) -> None:
     assert len({r["loss_tokens"] for r in all_runs}) == 1
     assert len({r["eval_rows"] for r in all_runs}) == 1  # the same validation rows on every run
     assert len({r["torch_threads"] for r in all_runs}) == 1
+    per_step = result["examples_per_step"]
     for run in runs:
-        packed = run["side"].startswith("packed")
-        budget = (
-            result["matched_max_tokens"] if run["side"] == "packed_matched" else result["chosen_max_tokens"]
-        )
-        assert run["max_tokens"] == (budget if packed else None)
+        packed = run["side"] == "packed"
+        assert run["max_tokens"] == (result["chosen_max_tokens"] if packed else None)
         assert result["max_tokens"][run["side"]] == run["max_tokens"]
+        assert result["accumulation"][run["side"]] == run["accumulation"]
+        assert run["seed"] == result["seeds"][run["repeat"]]  # rounds paired by seed
         assert run["attention"] == ("lorakit_varlen_sdpa" if packed else "sdpa")
-        assert run["micro_batches"] == run["optimizer_steps"]  # no accumulation
+        # Windows of `accumulation` micro-batches; the epoch's last window may be short.
+        assert math.ceil(run["micro_batches"] / run["accumulation"]) == run["optimizer_steps"]
         if packed:
             assert 0 < run["source_efficiency"] <= 1 and 0 < run["target_efficiency"] <= 1
-    # Padded sides: micro-batches of 8 examples; packed: one row of several examples.
+            assert run["accumulation"] == per_step // result["chosen_examples_per_row"]
+        else:
+            assert run["accumulation"] * 8 == per_step
+    assert len(set(result["seeds"])) == repeats
+    # Every side takes about `examples_per_step` examples per optimizer step: padded sides exactly (micro
+    # batches of 8), packed up to the packer's rounding.
     steps = result["optimizer_steps"]
-    assert steps["padded_random"] == steps["padded_grouped"] == rows // 8
-    assert result["examples_per_optimizer_step"]["padded_random"] == 8
+    assert steps["padded_random"] == steps["padded_grouped"] == math.ceil(rows / per_step)
+    assert result["examples_per_optimizer_step"]["padded_random"] == rows / steps["padded_random"]
+    assert abs(steps["packed"] - steps["padded_random"]) <= max(2, 0.25 * steps["padded_random"])
     setup = result["setup"]
     assert setup["processes"] == 1 and setup["dtype"] == "float32" and setup["train"]["micro_batch_size"] == 8
     assert set(setup["zero_stage"].values()) == {0} and setup["gradient_checkpointing"] is True
@@ -146,6 +161,7 @@ def check_result(result: dict, repeats: int, rows: int) -> None:
             assert claim["side_eval_loss"] == med["packed"]["eval_loss"] == result["eval_loss"]["packed"]
             assert claim["versus_eval_loss"] == med["padded_random"]["eval_loss"]
             assert claim["claim_met"] == (claim["side_eval_loss"] <= claim["versus_eval_loss"])
+            assert len(claim["paired_differences"]) == repeats
         else:
             key, threshold = spec
             assert claim["ratio_at_least"] == threshold
@@ -153,22 +169,13 @@ def check_result(result: dict, repeats: int, rows: int) -> None:
             assert claim["claim_met"] == (claim["measured_ratio"] >= threshold)
             cpu = result["ratios"][key]["useful_tokens_per_cpu_second"]
             assert claim["cpu_ratio"] == cpu and claim["cpu_claim_met"] == (cpu >= threshold)
-    matched = result["claims_at_matched_budget"]
-    assert (matched is not None) == ("packed_matched" in sides)
-    for claim in matched or []:
-        assert claim["side"] == "packed_matched"
-        if "measured_ratio" in claim:
-            key = f"packed_matched/{claim['versus']}"
-            assert claim["measured_ratio"] == result["ratios"][key]["useful_tokens_per_second"]
-            assert claim["claim_met"] == (claim["measured_ratio"] >= claim["ratio_at_least"])
-        else:
-            assert claim["side_eval_loss"] == result["eval_loss"]["packed_matched"]
-            assert claim["claim_met"] == (claim["side_eval_loss"] <= claim["versus_eval_loss"])
     if sweep:
         assert result["chosen_max_tokens"] == sweep["best"]
-        assert result["matched_max_tokens"] == sweep["matched_to_padded_batch"]["budget"]
-        assert ("packed_matched" in sides) == (result["matched_max_tokens"] != result["chosen_max_tokens"])
         per = sweep["per_budget"]
+        for c in sweep["candidates"]:
+            assert c["accumulation"] * c["examples_per_row"] == per_step
+            # A budget of k x mean source / fill holds about k examples, and never less than one example.
+            assert c["max_tokens"] >= c["examples_per_row"] * result["mean_source_tokens"]
         assert set(per) == {str(b) for b in sweep["budgets"]}
         assert max(per, key=lambda b: per[b]["useful_tokens_per_cpu_second"]) == str(sweep["best"])
         assert len(sweep["runs"]) == sweep["repeats"] * len(sweep["budgets"])
@@ -192,8 +199,12 @@ def test_smoke_run_writes_a_complete_result(cache_dir, tmp_path):
             "16",
             "--repeats",
             "1",
-            "--budgets",
-            "1024",  # a sweep of one budget: the sweep phase runs, in one run (< 90 s on 2 cores)
+            "--examples-per-step",
+            "16",
+            "--examples-per-row",
+            "8,16",  # a sweep of two row sizes, then the three sides: five runs
+            "--dataset",
+            "news",
             "--cache-dir",
             str(cache_dir),
             "--output",
@@ -207,7 +218,10 @@ def test_smoke_run_writes_a_complete_result(cache_dir, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     check_result(result, repeats=1, rows=48)
-    assert result["chosen_max_tokens"] == 1024 and result["budget_sweep"]["budgets"] == [1024]
+    sweep = result["budget_sweep"]
+    assert [c["examples_per_row"] for c in sweep["candidates"]] == [8, 16]
+    assert [c["accumulation"] for c in sweep["candidates"]] == [2, 1]
+    assert result["dataset"] == "news" and result["setup"]["data"]["source"] == "builtin:news_summaries"
     assert result["setup"]["data"]["eval_rows"] == 16
     assert out.with_suffix(".png").is_file() or "matplotlib is not installed" in proc.stdout
     assert (COMMITTED.read_bytes() if COMMITTED.exists() else None) == before
@@ -217,7 +231,9 @@ def test_smoke_run_writes_a_complete_result(cache_dir, tmp_path):
     "args, message",
     [
         (["--max-samples", "20"], "multiple of the micro batch size"),
-        (["--budgets", "1024,x"], "comma-separated integers"),
+        (["--examples-per-row", "8,x"], "comma-separated integers"),
+        (["--examples-per-row", "8,12"], "must divide --examples-per-step"),
+        (["--dataset", "wiki"], "invalid choice"),
     ],
 )
 def test_bad_arguments_are_usage_errors(tmp_path, args, message):
@@ -232,12 +248,14 @@ def test_bad_arguments_are_usage_errors(tmp_path, args, message):
     assert not (tmp_path / "x.json").exists()
 
 
-def test_committed_result_records_its_setup_and_measurement():
-    result = json.loads(COMMITTED.read_text())
+@pytest.mark.parametrize("path, dataset", [(COMMITTED, "dialogues"), (COMMITTED_NEWS, "news")])
+def test_committed_result_records_its_setup_and_measurement(path, dataset):
+    result = json.loads(path.read_text())
+    assert result["dataset"] == dataset
     repeats = len({r["repeat"] for r in result["runs"]})
     rows = result["setup"]["data"]["rows"]
-    # Interleaved rounds on at least half the bundled data, in about 10 minutes on a shared 2-core machine.
-    assert repeats >= 2 and rows >= 512
+    # Interleaved rounds, paired by seed, on all the bundled rows.
+    assert repeats >= 2 and rows == 1000
     check_result(result, repeats=repeats, rows=rows)
     assert result["budget_sweep"] is not None, "the committed packed budget was chosen by a sweep"
     assert result["setup"]["data"]["eval_rows"] == 100

@@ -147,11 +147,21 @@ def test_checkpointing_and_micro_batch_drive_activations():
 
 
 def test_auto_lengths_use_the_model_maximum_or_the_options():
-    p = plan(load_recipe(RECIPES / "flan_t5_xl_lora.yaml"), gpus=8, gpu_memory="40GB")
-    assert (p.estimate.shape.seq_len, p.estimate.shape.target_len) == (512, 512)
+    recipe = load_recipe(RECIPES / "flan_t5_xl_lora.yaml")
+    p = plan(recipe, gpus=8, gpu_memory="40GB")
+    # packing: auto packs T5: one row of at most micro_batch_size examples of the longest length (512).
+    rows = recipe.train.micro_batch_size * 512
+    assert p.estimate.shape.example_len == 512 and p.estimate.shape.rows == 1
+    assert (p.estimate.shape.seq_len, p.estimate.shape.target_len) == (rows, rows)
     assert any("data.max_target_length is auto" in n for n in p.assumptions)
-    short = plan(load_recipe(RECIPES / "flan_t5_xl_lora.yaml"), gpus=8, gpu_memory="40GB", target_len=64)
-    assert short.estimate.shape.target_len == 64 and short.per_gpu_bytes < p.per_gpu_bytes
+    assert any("train.max_tokens unset" in n for n in p.assumptions)
+    short = plan(recipe, gpus=8, gpu_memory="40GB", target_len=64)
+    assert short.estimate.shape.target_len == recipe.train.micro_batch_size * 64
+    assert short.per_gpu_bytes < p.per_gpu_bytes
+    padded = plan(
+        load_recipe(RECIPES / "flan_t5_xl_lora.yaml", ["data.packing=false"]), gpus=8, gpu_memory="40GB"
+    )
+    assert (padded.estimate.shape.seq_len, padded.estimate.shape.target_len) == (512, 512)
 
 
 def test_packed_causal_rows_use_max_tokens():
@@ -174,9 +184,10 @@ def test_recommendation_is_the_fastest_setup_that_fits_with_headroom():
                    gpus=8, gpu_memory="40GiB", cpu_memory="1152GiB")  # fmt: skip
     assert applied.fits and applied.per_gpu_bytes == p.recommendation.per_gpu_bytes
     assert applied.estimate.setup == p.recommendation.setup
-    # Keeping the optimizer batch: micro-batch x accumulation is unchanged.
+    # Keeping the optimizer batch: the recipe packs T5 (rows planned at up to 8 x 512 tokens), so a smaller
+    # packed row gets proportionally more accumulation steps.
     t = _xxl(*p.recommended_overrides).train
-    assert t.micro_batch_size * t.gradient_accumulation_steps == 8
+    assert t.max_tokens * t.gradient_accumulation_steps == 8 * 512
     # A recipe that already fits is its own recommendation unless something faster fits.
     fits_plain = plan(_xxl(), gpus=8, gpu_memory="80GB")
     assert fits_plain.fits and fits_plain.recommendation.slowdown <= fits_plain.estimate.slowdown

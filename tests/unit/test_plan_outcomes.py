@@ -25,8 +25,9 @@ XL, XXL = "google/flan-t5-xl", "google/flan-t5-xxl"
 
 
 def published(model, *, dtype, gpus, micro_batch, offload=False, checkpointing=True, kind="full", extra=()):
-    """A [DS]-style run as a lorakit recipe: ZeRO-3, 500 -> 129 tokens, eager attention."""
+    """A [DS]-style run as a lorakit recipe: ZeRO-3, 500 -> 129 tokens, eager attention, padded batches."""
     overrides = [
+        "data.packing=false",
         f"model.name_or_path={model}",
         f"model.dtype={dtype}",
         "model.attention=eager",
@@ -98,6 +99,7 @@ def test_xxl_qlora_fits_one_a10g_where_int8_lora_did(micro_batch):
         RECIPES / "flan_t5_xxl_qlora.yaml",
         [
             "distributed.num_processes=1",
+            "data.packing=false",  # the published run padded its batches
             "method.target_modules=[q, v]",
             "data.max_source_length=255",
             "data.max_target_length=50",
