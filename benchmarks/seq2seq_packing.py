@@ -23,8 +23,9 @@ default), so every side takes the same optimisation path in expectation:
   per step as keep the step at --examples-per-step examples.
 
 The packed row size is chosen by measurement in the same invocation: a sweep phase trains one epoch with rows
-of about 8, 16 and 32 examples (train.max_tokens = that many x the mean source length / 0.95, the fill the
-packer reaches; 4, 2 and 1 rows per step) and picks the one with the highest median useful tokens per CPU
+of at most 8, 16 and 32 examples on average (train.max_tokens: the largest budget at which lorakit's packer
+still makes at least n / k rows of the epoch; 4, 2 and 1 rows per step, so no side takes fewer optimizer
+steps than the padded ones) and picks the one with the highest median useful tokens per CPU
 second (one torch thread: what the run computed, whatever other jobs took from the machine); the comparison
 rounds that follow are new runs. Round r trains every side with seed 42 + r, so the eval-loss claim is judged
 over several data orders, paired by seed.
@@ -99,8 +100,7 @@ BASE_SEED = 42
 EXAMPLES_PER_STEP = 32
 # Packed rows swept, in examples per row; each row size gets the accumulation that keeps EXAMPLES_PER_STEP.
 DEFAULT_ROW_EXAMPLES = (8, 16, 32)
-# The share of a row the packer fills on these data (docs/packing.md: 0.94-0.97): a budget of
-# k x mean source / ROW_FILL holds about k examples.
+# The share of a row the packer fills (docs/packing.md: 0.94-0.99): bounds the budget search from above.
 ROW_FILL = 0.95
 # The claims of issue #10, as (name, side, versus, what, threshold).
 CLAIMS = (
@@ -435,12 +435,43 @@ def claims_of(ratios: dict, medians: dict, valid: bool, side: str = "packed") ->
     return out
 
 
-def packed_candidates(row_examples: list[int], examples_per_step: int, mean_source: float, max_source: int):
-    """(examples per row, train.max_tokens, rows per optimizer step) for each packed row size swept."""
+def rows_at(budget: int, sources: list[int], targets: list[int]) -> int:
+    """Packed rows of one epoch at encoder budget `budget` (decoder budget: lorakit's default), as lorakit
+    packs them on one process."""
+    from lorakit.data.multipack_seq2seq import Seq2SeqMultipackBatchSampler, default_max_target_tokens
+
+    max_target = default_max_target_tokens(sources, targets, budget)
+    return len(Seq2SeqMultipackBatchSampler(sources, targets, budget, max_target, num_replicas=1))
+
+
+def packed_candidates(
+    row_examples: list[int], examples_per_step: int, sources: list[int], targets: list[int]
+):
+    """(examples per row, train.max_tokens, rows per optimizer step) for each packed row size swept.
+
+    The budget is the largest multiple of 8 at which the epoch still packs into at least n / k rows, so
+    rows hold at most k examples on average and, with examples_per_step / k rows per step, the epoch takes
+    at least the padded sides' optimizer steps (never fewer, larger steps)."""
     out = []
+    mean = sum(sources) / len(sources)
     for k in row_examples:
-        budget = max(max_source, 8 * math.ceil(k * mean_source / ROW_FILL / 8))
-        out.append({"examples_per_row": k, "max_tokens": budget, "accumulation": examples_per_step // k})
+        need = math.ceil(len(sources) / k)
+        lo = 8 * math.ceil(max(sources) / 8)  # any one example must fit
+        hi = max(lo, 8 * math.ceil(2 * k * mean / ROW_FILL / 8))
+        while lo < hi:  # rows_at falls as the budget grows
+            mid = 8 * ((lo + hi + 8) // 16)
+            if rows_at(mid, sources, targets) >= need:
+                lo = mid
+            else:
+                hi = mid - 8
+        out.append(
+            {
+                "examples_per_row": k,
+                "max_tokens": lo,
+                "accumulation": examples_per_step // k,
+                "rows_per_epoch": rows_at(lo, sources, targets),
+            }
+        )
     return out
 
 
@@ -525,8 +556,9 @@ def orchestrate(args) -> int:
     data = lorakit.prepare(recipe_for("padded_random", None))
     log(data.describe())
     sources = [len(x) for x in data.train["input_ids"]]
+    targets = [len(x) for x in data.train["labels"]]
     mean_source = sum(sources) / len(sources)
-    candidates = packed_candidates(args.examples_per_row, args.examples_per_step, mean_source, max(sources))
+    candidates = packed_candidates(args.examples_per_row, args.examples_per_step, sources, targets)
     for c in candidates:
         lorakit.prepare(recipe_for("packed", c["max_tokens"]))
     _, config = load_config(recipe_for("padded_random", None))
@@ -650,7 +682,8 @@ def orchestrate(args) -> int:
         },
         "batch_size_matching": f"every side takes about {args.examples_per_step} examples per optimizer step: "
         f"the padded sides {padded['accumulation']} micro-batches of {MICRO_BATCH}, the packed side rows of "
-        "about max_tokens x 0.95 / mean source length examples, as many per step as keep that number "
+        "at most k examples on average (the largest budget that still packs the epoch into n / k rows or "
+        "more), as many per step as keep that number "
         "(examples_per_optimizer_step records what each side took). lr and schedule are the same on every "
         "side; so is the number of optimizer steps, up to the packer's rounding.",
         "machine": machine(),
