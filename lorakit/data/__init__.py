@@ -14,6 +14,7 @@ _EXPORTS = {
     "PreparedData": "lorakit.data.pipeline",
     "prepare_data": "lorakit.data.pipeline",
     "LengthGroupedBatchSampler": "lorakit.data.sampler",
+    "TokenBudgetBatchSampler": "lorakit.data.sampler",
     "MultipackBatchSampler": "lorakit.data.multipack",
 }
 

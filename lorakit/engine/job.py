@@ -23,7 +23,7 @@ from lorakit.data import (
     prepare_data,
 )
 from lorakit.data.multipack_seq2seq import Seq2SeqMultipackBatchSampler, default_max_target_tokens
-from lorakit.data.sampler import ResumableBatchSampler
+from lorakit.data.sampler import ResumableBatchSampler, TokenBudgetBatchSampler, token_budget_for_rows
 from lorakit.engine import checkpoint, dist
 from lorakit.engine.checkpoint import LoopState
 from lorakit.engine.deepspeed_config import build_ds_config
@@ -306,6 +306,9 @@ class Batching:
     # Encoder-decoder packing: the decoder row's capacity and how full it is.
     max_target_tokens: int | None = None
     target_efficiency: float | None = None
+    # Padded micro-batches sized by token budgets (rows x longest <= max_tokens / max_target_tokens): the
+    # encoder-decoders that cannot pack.
+    token_budget: bool = False
 
     def summary(self, plan) -> dict[str, Any]:
         """The batching facts recorded in summary.json."""
@@ -315,9 +318,11 @@ class Batching:
             "steps_per_epoch": plan.steps_per_epoch,
             "examples_dropped_per_epoch": self.sampler.dropped,
         }
-        if self.packing:
+        if self.packing or self.token_budget:
             out["max_tokens"] = self.max_tokens
             out["sampler_efficiency_epoch0"] = self.efficiency
+        if self.token_budget:
+            out["token_budget"] = True
         if self.max_target_tokens is not None:
             out["max_target_tokens"] = self.max_target_tokens
             out["source_efficiency"] = self.efficiency
@@ -330,7 +335,13 @@ class Batching:
             f"batching: {plan.micro_batches_per_epoch} micro-batches per epoch on each of {world} rank(s) -> "
             f"{plan.steps_per_epoch} steps per epoch, {plan.total_steps} steps in all"
         )
-        if self.max_target_tokens is not None:
+        if self.token_budget:
+            line += (
+                f"; padded micro-batches of similar lengths, <= {self.max_tokens} source tokens "
+                f"({self.efficiency:.1%} real) and <= {self.max_target_tokens} target tokens "
+                f"({self.target_efficiency:.1%} real) as rows x longest"
+            )
+        elif self.max_target_tokens is not None:
             line += (
                 f"; packed encoder rows of <= {self.max_tokens} tokens ({self.efficiency:.1%} full) and decoder "
                 f"rows of <= {self.max_target_tokens} ({self.target_efficiency:.1%} full)"
@@ -369,15 +380,7 @@ def _seq2seq_packing(recipe: Recipe, data, config, eval_collator, world: int, ra
     tgt = [len(x) for x in data.train["labels"]]
     max_src = seq2seq_packing_max_tokens(recipe, src, data.lengths.max_source_length)
     max_tgt = recipe.train.max_target_tokens or default_max_target_tokens(src, tgt, max_src)
-    for name, lengths, cap, setting in (
-        ("source", src, max_src, "train.max_tokens"),
-        ("target", tgt, max_tgt, "train.max_target_tokens"),
-    ):
-        if max(lengths) > cap:
-            raise DataError(
-                f"{setting}={cap} is smaller than the longest {name} ({max(lengths)} tokens): a packed row "
-                f"must hold any one example; raise {setting} or lower data.max_{name}_length"
-            )
+    _check_fits(src, tgt, max_src, max_tgt, "a packed row")
     sampler = Seq2SeqMultipackBatchSampler(
         src, tgt, max_src, max_tgt, num_replicas=world, rank=rank, seed=recipe.train.seed
     )
@@ -394,6 +397,52 @@ def _seq2seq_packing(recipe: Recipe, data, config, eval_collator, world: int, ra
     )
 
 
+def _check_fits(src: list[int], tgt: list[int], max_src: int, max_tgt: int, what: str) -> None:
+    for name, lengths, cap, setting in (
+        ("source", src, max_src, "train.max_tokens"),
+        ("target", tgt, max_tgt, "train.max_target_tokens"),
+    ):
+        if max(lengths) > cap:
+            raise DataError(
+                f"{setting}={cap} is smaller than the longest {name} ({max(lengths)} tokens): {what} must hold "
+                f"any one example; raise {setting} or lower data.max_{name}_length"
+            )
+
+
+def _seq2seq_token_budget(recipe: Recipe, data, eval_collator, world: int, rank: int) -> Batching:
+    """Encoder-decoders that cannot pack: padded micro-batches of similar lengths, as many rows as the
+    budgets allow (rows x longest source <= max_tokens, rows x longest target <= max_target_tokens); by
+    default micro_batch_size examples on average, so the optimizer steps are those of fixed batches."""
+    t = recipe.train
+    src = [len(x) for x in data.train["input_ids"]]
+    tgt = [len(x) for x in data.train["labels"]]
+    max_src = t.max_tokens or token_budget_for_rows(
+        t.micro_batch_size, src, tgt, max_length=data.lengths.max_source_length
+    )
+    max_tgt = t.max_target_tokens or default_max_target_tokens(src, tgt, max_src)
+    _check_fits(src, tgt, max_src, max_tgt, "a micro-batch")
+    sampler = TokenBudgetBatchSampler(
+        src,
+        max_src,
+        target_lengths=tgt,
+        max_target_tokens=max_tgt,
+        num_replicas=world,
+        rank=rank,
+        seed=t.seed,
+    )
+    return Batching(
+        sampler,
+        eval_collator,
+        eval_collator,
+        False,
+        max_src,
+        sampler.efficiency(),
+        max_tgt,
+        sampler.target_efficiency(),
+        token_budget=True,
+    )
+
+
 def make_batching(recipe: Recipe, data, tokenizer, config, built, world: int, rank: int) -> Batching:
     """Sampler and collators for the model family and whether the built model packs."""
     t = recipe.train
@@ -401,6 +450,10 @@ def make_batching(recipe: Recipe, data, tokenizer, config, built, world: int, ra
         eval_collator = Seq2SeqCollator(tokenizer.pad_token_id, config.decoder_start_token_id)
         if built.packing:
             return _seq2seq_packing(recipe, data, config, eval_collator, world, rank)
+        if recipe.data.packing == "auto" and recipe.data.group_by_length:
+            # Packing is not exact for this model or backend: the fallback auto promises. An explicit
+            # data.packing: false keeps fixed micro-batches of micro_batch_size.
+            return _seq2seq_token_budget(recipe, data, eval_collator, world, rank)
     else:
         eval_collator = CausalCollator(tokenizer.pad_token_id)
         if built.packing:

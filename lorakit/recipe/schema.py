@@ -173,7 +173,8 @@ class DataSection(_Section):
         "padding; attention never crosses examples. Causal LMs: rows of up to train.max_tokens tokens. "
         "Encoder-decoders: an encoder row of up to train.max_tokens and a decoder row of up to "
         "train.max_target_tokens; T5-family models on sdpa or eager. auto: on for causal LMs and for T5 on "
-        "sdpa or eager, off (length-grouped padded batches) for other encoder-decoders; false: batches "
+        "sdpa or eager, off for other encoder-decoders (padded micro-batches of similar lengths sized by "
+        "train.max_tokens / max_target_tokens); false: fixed micro-batches of micro_batch_size "
         "grouped by length and padded to their longest member. See docs/packing.md.",
     )
     group_by_length: bool = Field(
@@ -225,12 +226,16 @@ class TrainSection(_Section):
         "micro_batch_size x the mean source length / 0.95, rows of micro_batch_size examples on average, so "
         "packing keeps the examples per optimizer step (at least the longest source, at most "
         "micro_batch_size x data.max_source_length). A larger budget holds more examples per row: lower "
-        "gradient_accumulation_steps to keep the step; docs/packing.md has measured budgets.",
+        "gradient_accumulation_steps to keep the step; docs/packing.md has measured budgets. "
+        "Encoder-decoders that cannot pack (data.packing: auto on BART and the like): the source budget of a "
+        "padded micro-batch of similar lengths (rows x longest), by default micro_batch_size examples on "
+        "average.",
     )
     max_target_tokens: int | None = Field(
         None,
         ge=1,
-        description="Encoder-decoder packing: the token budget of the decoder row. Default: max_tokens x "
+        description="Encoder-decoders: the token budget of the decoder row (packed), or of a padded "
+        "micro-batch's targets (rows x longest, when the model cannot pack). Default: max_tokens x "
         "the training data's target/source token ratio (at least its longest target), so both rows fill "
         "alike (the sampler packs under both budgets at once).",
     )
