@@ -5,8 +5,13 @@ so a bin must respect both capacities. This is two-dimensional bin packing (`pac
 on the bin count is opened first and the examples, largest first, are dealt to the bin with the most room
 where each needs it, so bins end with a mix of long and short examples that fills both rows; best fit
 decreasing is tried too and kept when it needs fewer bins (rows of only a few examples). Open bins that
-can no longer take even the smallest remaining example are retired from the search, which keeps it fast. Bins are packed once: `len()` is exact and the same every epoch;
-each epoch reshuffles the order of steps and which rank takes which bin, from (seed, epoch).
+can no longer take even the smallest remaining example are retired from the search, which keeps it fast.
+
+Bins are packed once, so `len()` is exact and the same every epoch. Which examples share a bin is not: each
+epoch, from (seed, epoch), examples of neighbouring sizes trade bins at random wherever both bins stay within
+both capacities (`_trade`), so every seed and every epoch trains on its own partition of the data into rows
+(a fixed partition would put the same examples in one optimizer step every epoch); then the order of steps
+and which rank takes which bin are shuffled.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ _COMPACT_EVERY = 256
 _CHUNK_BINS = 512
 # Best fit is tried only when spread-first used more bins than this times the lower bound.
 _NEAR_LOWER_BOUND = 1.02
+# Rounds of random trades between bins per epoch (see Seq2SeqMultipackBatchSampler._trade).
+_TRADE_ROUNDS = 8
+# Trading partners are drawn among this many neighbours in size order.
+_TRADE_BLOCK = 16
 
 
 def default_max_target_tokens(source_lengths, target_lengths, max_source_tokens: int) -> int:
@@ -199,16 +208,68 @@ class Seq2SeqMultipackBatchSampler:
         used = sum(int(self.target_lengths[b].sum()) for b in self._bins)
         return used / (self.max_target_tokens * len(self._bins))
 
+    def _trade(self, rng: np.random.Generator) -> list[list[int]]:
+        """The packed bins with their examples traded at random: this epoch's partition.
+
+        Each round pairs every example with a random one among its neighbours in size order (source, then
+        target) and, taking the pairs in random order, swaps the two between their bins whenever both bins
+        stay within both capacities. Bin count, fill and
+        capacities are those of the packing; only who shares a bin changes."""
+        sizes = np.array([len(x) for x in self._bins])
+        bin_of = np.repeat(np.arange(len(self._bins)), sizes)
+        members = np.concatenate([np.asarray(x, dtype=np.int64) for x in self._bins])
+        a, b = self.source_lengths[members], self.target_lengths[members]
+        room_a = (
+            (self.max_source_tokens - np.bincount(bin_of, weights=a, minlength=len(sizes)))
+            .astype(int)
+            .tolist()
+        )
+        room_b = (
+            (self.max_target_tokens - np.bincount(bin_of, weights=b, minlength=len(sizes)))
+            .astype(int)
+            .tolist()
+        )
+        for _ in range(_TRADE_ROUNDS):
+            # Size order, then shuffled within blocks of _TRADE_BLOCK neighbours (block edges at a random
+            # offset): partners are similar in size but not always the same two.
+            order = np.lexsort((rng.random(len(members)), b, a))
+            block = (np.arange(len(order)) + int(rng.integers(_TRADE_BLOCK))) // _TRADE_BLOCK
+            order = order[np.lexsort((rng.random(len(order)), block))]
+            pairs = order[: 2 * (len(order) // 2)].reshape(-1, 2)
+            pairs = pairs[rng.permutation(len(pairs))]
+            i, j = pairs[:, 0], pairs[:, 1]
+            x, y = bin_of[i], bin_of[j]
+            da, db = a[j] - a[i], b[j] - b[i]
+            keep = x != y
+            taken = []
+            # Sequential, so every swap is checked against the rooms the swaps before it left.
+            for k, bx, by, ka, kb in zip(
+                np.flatnonzero(keep).tolist(), x[keep].tolist(), y[keep].tolist(), da[keep].tolist(),
+                db[keep].tolist(), strict=True,
+            ):  # fmt: skip
+                if room_a[bx] >= ka and room_a[by] >= -ka and room_b[bx] >= kb and room_b[by] >= -kb:
+                    room_a[bx] -= ka
+                    room_a[by] += ka
+                    room_b[bx] -= kb
+                    room_b[by] += kb
+                    taken.append(k)
+            i, j = i[taken], j[taken]
+            for arr in (members, a, b):
+                arr[i], arr[j] = arr[j], arr[i].copy()
+        ends = np.cumsum(sizes)
+        return [members[e - n : e].tolist() for e, n in zip(ends.tolist(), sizes.tolist(), strict=True)]
+
     def all_batches(self) -> list[list[list[int]]]:
         """Every rank's batches for the current epoch: result[rank][i]."""
         rng = np.random.default_rng((self.seed, self.epoch))
+        bins = self._trade(rng)
         r = self.num_replicas
         steps = rng.permutation(len(self))
         deal = np.argsort(rng.random((len(self), r)), axis=1)
         out: list[list[list[int]]] = [[] for _ in range(r)]
         for step in steps.tolist():
             for rank in range(r):
-                b = self._bins[step * r + int(deal[step, rank])]
+                b = bins[step * r + int(deal[step, rank])]
                 # Within a micro-batch the order of examples changes nothing but is shuffled anyway.
                 out[rank].append([int(i) for i in rng.permutation(b)])
         return out

@@ -122,3 +122,37 @@ def test_refuses_overlong_and_impossible_splits():
         Seq2SeqMultipackBatchSampler([3, 4], [5, 50], 100, 40)
     with pytest.raises(ValueError, match="fewer than num_replicas"):
         Seq2SeqMultipackBatchSampler([3], [5], 100, 40, num_replicas=2)
+
+
+def _shared_pairs(a, b) -> float:
+    """Share of the example pairs that sit in one micro-batch in `a` and again in `b`."""
+
+    def pairs(batches):
+        return {(i, j) for batch in batches for i in batch for j in batch if i < j}
+
+    pa = pairs(a)
+    return len(pa & pairs(b)) / len(pa)
+
+
+@pytest.mark.parametrize("budget", [1024, 4096])
+def test_each_seed_and_epoch_trains_on_its_own_partition(budget):
+    """Bins are packed once (exact len), but which examples share one is traded at random per (seed, epoch):
+    a fixed partition would put the same examples in one optimizer step every epoch and for every seed."""
+    src, tgt = _pairs(2000)
+    ct = default_max_target_tokens(src, tgt, budget)
+    s = Seq2SeqMultipackBatchSampler(src, tgt, budget, ct, seed=1)
+    other_seed = Seq2SeqMultipackBatchSampler(src, tgt, budget, ct, seed=2)
+    epoch0 = s.all_batches()[0]
+    s.set_epoch(1)
+    epoch1 = s.all_batches()[0]
+    packed = [list(b) for b in s._bins]
+    for batches in (epoch0, epoch1, other_seed.all_batches()[0]):
+        assert len(batches) == len(s) == len(other_seed)
+        assert sorted(i for b in batches for i in b) == list(range(2000))
+        assert all(src[b].sum() <= budget and tgt[b].sum() <= ct for b in batches)
+    # Pairs of examples still together: far below the untouched packing's 1.0, near chance (1 / bins).
+    chance = 1 / len(s)
+    for a, b in ((epoch0, packed), (epoch0, epoch1), (epoch0, other_seed.all_batches()[0])):
+        assert _shared_pairs(a, b) < max(0.15, 5 * chance)
+    # Trading keeps the packing's fill: efficiency is that of the bins.
+    assert s.efficiency() >= 0.9 and s.target_efficiency() >= 0.9
