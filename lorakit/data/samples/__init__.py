@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from lorakit.errors import DataError
@@ -21,3 +22,18 @@ def builtin_dataset_dir(name: str) -> Path:
             + ", ".join(f"builtin:{n}" for n in sorted(BUILTIN_DATASETS))
         )
     return Path(__file__).resolve().parent / BUILTIN_DATASETS[name]
+
+
+def write_splits(splits: dict[str, list[dict[str, str]]], out_dir: Path) -> dict[str, Path]:
+    """Write each split's rows as {split}.jsonl into `out_dir` (what the generators next to this module
+    ship); returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, rows in splits.items():
+        path = out_dir / f"{split}.jsonl"
+        # newline="\n" so the files are byte-identical on Windows too.
+        with open(path, "w", encoding="utf-8", newline="\n") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        paths[split] = path
+    return paths

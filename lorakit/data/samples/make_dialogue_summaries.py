@@ -22,9 +22,10 @@ Shape of the data, and why:
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
+
+from lorakit.data.samples import write_splits
 
 SEED = 20240923
 NUM_TRAIN = 1000
@@ -357,16 +358,7 @@ def generate(seed: int = SEED) -> dict[str, list[dict[str, str]]]:
 
 def write(out_dir: Path, seed: int = SEED) -> dict[str, Path]:
     """Write {split}.jsonl files into `out_dir`; returns the paths written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, rows in generate(seed).items():
-        path = out_dir / f"{split}.jsonl"
-        # newline="\n" so the files are byte-identical on Windows too.
-        with open(path, "w", encoding="utf-8", newline="\n") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        paths[split] = path
-    return paths
+    return write_splits(generate(seed), out_dir)
 
 
 def main() -> None:
