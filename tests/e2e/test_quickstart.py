@@ -158,6 +158,7 @@ def test_second_run_reuses_the_tokenized_cache(quickstart, tmp_path):
         RECIPES / "quickstart.yaml",
         f"data.cache_dir={cache}",
         f"output.dir={tmp_path / 'again'}",
+        "distributed.num_processes=1",  # the cache is shared by any number of processes; one starts faster
         "train.max_steps=1",
         "eval.generate=false",
     )
