@@ -11,6 +11,7 @@ from tests.conftest import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "seq2seq_packing.py"
 COMMITTED = ROOT / "benchmarks" / "results" / "seq2seq_packing.json"  # dialogues
+COMMITTED_NEWS = ROOT / "benchmarks" / "results" / "seq2seq_packing_news.json"
 SIDES = ("padded_random", "padded_grouped", "packed")
 COMPARISONS = ("packed/padded_random", "packed/padded_grouped")
 CLAIMS = {
@@ -249,9 +250,10 @@ def test_bad_arguments_are_usage_errors(tmp_path, args, message):
     assert not (tmp_path / "x.json").exists()
 
 
-def test_committed_result_records_its_setup_and_measurement():
-    result = json.loads(COMMITTED.read_text())
-    assert result["dataset"] == "dialogues"
+@pytest.mark.parametrize("path, dataset", [(COMMITTED, "dialogues"), (COMMITTED_NEWS, "news")])
+def test_committed_result_records_its_setup_and_measurement(path, dataset):
+    result = json.loads(path.read_text())
+    assert result["dataset"] == dataset
     repeats = len({r["repeat"] for r in result["runs"]})
     rows = result["setup"]["data"]["rows"]
     # Interleaved rounds, paired by seed, on all the bundled rows.
