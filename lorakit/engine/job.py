@@ -375,12 +375,31 @@ def seq2seq_packing_max_tokens(recipe: Recipe, sources: list[int], max_source_le
     return max(max(sources, default=1), min(padded, 8 * math.ceil(per_row / 8)))
 
 
-def _seq2seq_packing(recipe: Recipe, data, config, eval_collator, world: int, rank: int) -> Batching:
-    src = [len(x) for x in data.train["input_ids"]]
-    tgt = [len(x) for x in data.train["labels"]]
-    max_src = seq2seq_packing_max_tokens(recipe, src, data.lengths.max_source_length)
+def _pair_lengths(data) -> tuple[list[int], list[int]]:
+    """Source and target token counts of the training rows."""
+    return [len(x) for x in data.train["input_ids"]], [len(x) for x in data.train["labels"]]
+
+
+def _target_budget(recipe: Recipe, src: list[int], tgt: list[int], max_src: int, what: str) -> int:
+    """The target budget that goes with `max_src` (train.max_target_tokens, else the data's target/source
+    ratio); refuses budgets that an example exceeds."""
     max_tgt = recipe.train.max_target_tokens or default_max_target_tokens(src, tgt, max_src)
-    _check_fits(src, tgt, max_src, max_tgt, "a packed row")
+    for name, lengths, cap, setting in (
+        ("source", src, max_src, "train.max_tokens"),
+        ("target", tgt, max_tgt, "train.max_target_tokens"),
+    ):
+        if max(lengths) > cap:
+            raise DataError(
+                f"{setting}={cap} is smaller than the longest {name} ({max(lengths)} tokens): {what} must hold "
+                f"any one example; raise {setting} or lower data.max_{name}_length"
+            )
+    return max_tgt
+
+
+def _seq2seq_packing(recipe: Recipe, data, config, eval_collator, world: int, rank: int) -> Batching:
+    src, tgt = _pair_lengths(data)
+    max_src = seq2seq_packing_max_tokens(recipe, src, data.lengths.max_source_length)
+    max_tgt = _target_budget(recipe, src, tgt, max_src, "a packed row")
     sampler = Seq2SeqMultipackBatchSampler(
         src, tgt, max_src, max_tgt, num_replicas=world, rank=rank, seed=recipe.train.seed
     )
@@ -397,30 +416,16 @@ def _seq2seq_packing(recipe: Recipe, data, config, eval_collator, world: int, ra
     )
 
 
-def _check_fits(src: list[int], tgt: list[int], max_src: int, max_tgt: int, what: str) -> None:
-    for name, lengths, cap, setting in (
-        ("source", src, max_src, "train.max_tokens"),
-        ("target", tgt, max_tgt, "train.max_target_tokens"),
-    ):
-        if max(lengths) > cap:
-            raise DataError(
-                f"{setting}={cap} is smaller than the longest {name} ({max(lengths)} tokens): {what} must hold "
-                f"any one example; raise {setting} or lower data.max_{name}_length"
-            )
-
-
 def _seq2seq_token_budget(recipe: Recipe, data, eval_collator, world: int, rank: int) -> Batching:
     """Encoder-decoders that cannot pack: padded micro-batches of similar lengths, as many rows as the
     budgets allow (rows x longest source <= max_tokens, rows x longest target <= max_target_tokens); by
     default micro_batch_size examples on average, so the optimizer steps are those of fixed batches."""
     t = recipe.train
-    src = [len(x) for x in data.train["input_ids"]]
-    tgt = [len(x) for x in data.train["labels"]]
+    src, tgt = _pair_lengths(data)
     max_src = t.max_tokens or token_budget_for_rows(
         t.micro_batch_size, src, tgt, max_length=data.lengths.max_source_length
     )
-    max_tgt = t.max_target_tokens or default_max_target_tokens(src, tgt, max_src)
-    _check_fits(src, tgt, max_src, max_tgt, "a micro-batch")
+    max_tgt = _target_budget(recipe, src, tgt, max_src, "a micro-batch")
     sampler = TokenBudgetBatchSampler(
         src,
         max_src,

@@ -52,9 +52,9 @@ def packing_enabled(
     masks) and T5-family encoder-decoders on sdpa or eager (per-example SDPA, or masks); other
     encoder-decoders and backends train on length-grouped padded batches. `true` where packing is not
     exact is a recipe error."""
-    if not is_encoder_decoder:
-        return True if setting == "auto" else bool(setting)
-    packable = model_type in PACKABLE_ENCODER_DECODERS and attention in ("sdpa", "eager")
+    packable = not is_encoder_decoder or (
+        model_type in PACKABLE_ENCODER_DECODERS and attention in ("sdpa", "eager")
+    )
     if setting is True and not packable:
         why = (
             f"{model_type!r} models"

@@ -88,6 +88,12 @@ class Seq2SeqSegments(tuple):
         return self
 
 
+def _causal(bias: torch.Tensor) -> torch.Tensor:
+    """`bias` (..., L, L) with every key after its query masked (the dtype's most negative value)."""
+    future = torch.ones(bias.shape[-2:], dtype=torch.bool, device=bias.device).triu(1)
+    return bias.masked_fill(future, torch.finfo(bias.dtype).min)
+
+
 def _pad_stack(parts: list[torch.Tensor], length: int) -> torch.Tensor:
     """(1, H, L_i, D) parts -> (n, H, length, D), zero-padded at the end of each."""
     pad = torch.nn.functional.pad
@@ -116,8 +122,7 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
         bias = position_bias.to(query.dtype)
         if kind == "decoder" and position_bias is not cache.get("causal_bias"):
             # Not the hook's bias (already causal): mask the future here.
-            future = torch.ones(bias.shape[-2:], dtype=torch.bool, device=query.device).triu(1)
-            bias = bias.masked_fill(future, min_value)
+            bias = _causal(bias)
     # A group's mask depends only on the row and the bias, the same in every layer of the stack and in
     # gradient checkpointing's recompute: built once per forward. Not when it carries a gradient (full
     # fine-tuning trains the bias): sharing it across layers and recompute would tangle autograd graphs.
@@ -244,9 +249,7 @@ def _t5_position_bias_hook(module, args, kwargs):
         if module.is_decoder and cache is not None:
             # Decoder self-attention is causal in every layer: mask the shared bias once, here, rather than
             # in each layer (the top-left block of a causal bias is causal).
-            future = torch.ones(longest, longest, dtype=torch.bool, device=hidden.device).triu(1)
-            bias = bias.masked_fill(future, torch.finfo(bias.dtype).min)
-            cache["causal_bias"] = bias
+            bias = cache["causal_bias"] = _causal(bias)
     return args, {**kwargs, "position_bias": bias}
 
 
