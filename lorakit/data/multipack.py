@@ -159,6 +159,8 @@ class MultipackBatchSampler:
         self._bin_items = bin_items
         self._bin_starts = np.cumsum(bin_items) - bin_items
         self._num_bins = len(bin_items)
+        step_tokens = np.add.reduceat(slot_len, self._bin_starts).reshape(-1, num_replicas).sum(axis=1)
+        self._lightest_step = int(step_tokens.argmin())
         # Small keys let numpy's stable sort use radix sort in the per-epoch shuffle.
         self._keys = self.lengths.astype(np.uint16 if len(counts) <= 2**16 else np.uint32)
         self._slot_by_len = np.argsort(slot_len, kind="stable")
@@ -306,9 +308,13 @@ class MultipackBatchSampler:
         slots[self._slot_by_len] = by_len
         steps = len(self)
         replicas = self.num_replicas
-        # Shuffle the steps; within a step (bins of similar cost), which rank takes which bin.
+        # Shuffle the steps; within a step (bins of similar cost), which rank takes which bin. The step of
+        # fewest tokens (best fit's partly filled bin) goes last, where a DataLoader puts its partial batch:
+        # mid-epoch it would be an update from a few examples at full learning rate.
         deal = np.argsort(rng.random((steps, replicas)), axis=1)
-        bins = rng.permutation(steps)[:, None] * replicas + deal
+        order = rng.permutation(steps)
+        order = np.append(order[order != self._lightest_step], self._lightest_step)
+        bins = order[:, None] * replicas + deal
         return slots, bins
 
     def _batches(self, slots: np.ndarray, bins: np.ndarray) -> list[list[int]]:

@@ -210,3 +210,17 @@ def test_a_million_lengths_pack_fast():
     elapsed = time.perf_counter() - start
     assert sum(len(b) for r in per_rank for b in r) == len(lengths)
     assert elapsed < 2.0, f"packing 1M lengths took {elapsed:.2f}s"
+
+
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_the_least_filled_step_comes_last(replicas):
+    """Best fit leaves a partly filled bin; its step ends the epoch, where a DataLoader puts its partial
+    batch, not somewhere mid-epoch as a step of a few examples at full learning rate."""
+    lengths = _long_tailed(10_000, seed=8)  # its partly filled bins are under half full
+    s = MultipackBatchSampler(lengths, MAX_TOKENS, num_replicas=replicas, seed=5)
+    for epoch in (0, 1):
+        s.set_epoch(epoch)
+        ranks = s.all_batches()
+        steps = np.array([sum(int(lengths[r[i]].sum()) for r in ranks) for i in range(len(s))])
+        assert steps.min() < 0.5 * np.median(steps)  # the case under test: a light step exists
+        assert steps[-1] == steps.min()
