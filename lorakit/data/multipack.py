@@ -86,6 +86,14 @@ def _pack_histogram(counts: np.ndarray, max_tokens: int) -> list[list]:
     return [g for room in rooms for g in by_room[room]]
 
 
+def steps_lightest_last(rng: np.random.Generator, steps: int, lightest: int) -> np.ndarray:
+    """A random order of `steps` steps with `lightest` moved to the end, where a DataLoader puts its partial
+    batch: mid-epoch, a step of a few examples is an update at full learning rate; at the end of a decaying
+    schedule it is not. Both multipack samplers order their steps this way."""
+    order = rng.permutation(steps)
+    return np.append(order[order != lightest], lightest)
+
+
 def _content(lengths: Sequence[int]) -> Content:
     return tuple(sorted(Counter(lengths).items(), reverse=True))
 
@@ -308,13 +316,10 @@ class MultipackBatchSampler:
         slots[self._slot_by_len] = by_len
         steps = len(self)
         replicas = self.num_replicas
-        # Shuffle the steps; within a step (bins of similar cost), which rank takes which bin. The step of
-        # fewest tokens (best fit's partly filled bin) goes last, where a DataLoader puts its partial batch:
-        # mid-epoch it would be an update from a few examples at full learning rate.
+        # Shuffle the steps, the one of fewest tokens (best fit's partly filled bin) last; within a step
+        # (bins of similar cost), which rank takes which bin.
         deal = np.argsort(rng.random((steps, replicas)), axis=1)
-        order = rng.permutation(steps)
-        order = np.append(order[order != self._lightest_step], self._lightest_step)
-        bins = order[:, None] * replicas + deal
+        bins = steps_lightest_last(rng, steps, self._lightest_step)[:, None] * replicas + deal
         return slots, bins
 
     def _batches(self, slots: np.ndarray, bins: np.ndarray) -> list[list[int]]:

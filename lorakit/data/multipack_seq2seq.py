@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from lorakit.data.multipack import steps_lightest_last
+
 # Retire full bins from the search every this many placements.
 _COMPACT_EVERY = 256
 # Spread-first packing works on chunks whose lower bound is about this many bins, so one placement scans
@@ -216,13 +218,14 @@ class Seq2SeqMultipackBatchSampler:
         used = sum(int(self.target_lengths[b].sum()) for b in self._bins)
         return used / (self.max_target_tokens * len(self._bins))
 
-    def _trade(self, rng: np.random.Generator) -> list[list[int]]:
-        """The packed bins with their examples traded at random: this epoch's partition.
+    def _trade(self, rng: np.random.Generator) -> tuple[list[list[int]], np.ndarray]:
+        """The packed bins with their examples traded at random (this epoch's partition), and how full each
+        bin is (source share + target share of its capacities).
 
         Each round pairs every example with a random one among its neighbours in size order (source, then
         target) and, taking the pairs in random order, swaps the two between their bins whenever both bins
-        stay within both capacities. Bin count, fill and
-        capacities are those of the packing; only who shares a bin changes."""
+        stay within both capacities. Bin count and capacities are those of the packing; only who shares a
+        bin changes."""
         sizes = np.array([len(x) for x in self._bins])
         bin_of = np.repeat(np.arange(len(self._bins)), sizes)
         members = np.concatenate([np.asarray(x, dtype=np.int64) for x in self._bins])
@@ -265,28 +268,20 @@ class Seq2SeqMultipackBatchSampler:
             for arr in (members, a, b):
                 arr[i], arr[j] = arr[j], arr[i].copy()
         ends = np.cumsum(sizes)
-        return [members[e - n : e].tolist() for e, n in zip(ends.tolist(), sizes.tolist(), strict=True)]
-
-    def _lightest_step(self, bins: list[list[int]]) -> int:
-        """The step (r consecutive bins) whose rows are least filled, source and target together."""
-        sizes = [len(x) for x in bins]
-        bin_of = np.repeat(np.arange(len(bins)), sizes)
-        members = np.concatenate([np.asarray(x, dtype=np.int64) for x in bins])
-        fill = np.bincount(bin_of, self.source_lengths[members], len(bins)) / self.max_source_tokens
-        fill += np.bincount(bin_of, self.target_lengths[members], len(bins)) / self.max_target_tokens
-        return int(fill.reshape(len(self), self.num_replicas).sum(axis=1).argmin())
+        bins = [members[e - n : e].tolist() for e, n in zip(ends.tolist(), sizes.tolist(), strict=True)]
+        fill = (self.max_source_tokens - np.array(room_a)) / self.max_source_tokens
+        fill += (self.max_target_tokens - np.array(room_b)) / self.max_target_tokens
+        return bins, fill
 
     def all_batches(self) -> list[list[list[int]]]:
         """Every rank's batches for the current epoch: result[rank][i]."""
         rng = np.random.default_rng((self.seed, self.epoch))
-        bins = self._trade(rng)
+        bins, fill = self._trade(rng)
         r = self.num_replicas
-        steps = rng.permutation(len(self))
-        # The lightest step (least filled rows) goes last, where a DataLoader puts its partial batch: a step
-        # of a few examples mid-epoch is a noisy update at full learning rate, one at the end of a decaying
-        # schedule is not. (One row per step of 32 examples with its runt mid-epoch: eval loss +0.02.)
-        light = self._lightest_step(bins)
-        steps = np.append(steps[steps != light], light)
+        # The step (r consecutive bins) of least filled rows goes last. (One row per step of 32 examples
+        # with its runt mid-epoch: eval loss +0.02.)
+        light = int(fill.reshape(len(self), r).sum(axis=1).argmin())
+        steps = steps_lightest_last(rng, len(self), light)
         deal = np.argsort(rng.random((len(self), r)), axis=1)
         out: list[list[list[int]]] = [[] for _ in range(r)]
         for step in steps.tolist():
