@@ -3,6 +3,7 @@ import time
 import numpy as np
 import pytest
 
+from benchmarks.seq2seq_packing import packed_candidates
 from lorakit.data.multipack_seq2seq import Seq2SeqMultipackBatchSampler, default_max_target_tokens, pack_pairs
 
 
@@ -162,27 +163,16 @@ def _fill(src, tgt, batch, cs, ct) -> float:
     return src[batch].sum() / cs + tgt[batch].sum() / ct
 
 
-def _tightest_budget(src, tgt, examples_per_row: int) -> int:
-    """The largest budget (multiple of 8) that still packs the data into n / examples_per_row rows: the
-    bin count is one more than the lower bound needs, the case where late bins got only leftovers."""
-    need = -(-len(src) // examples_per_row)
-    lo, hi = 8 * -(-int(src.max()) // 8), 8 * -(-int(3 * examples_per_row * src.mean()) // 8)
-    while lo < hi:
-        mid = 8 * ((lo + hi + 8) // 16)
-        if len(pack_pairs(src, tgt, mid, default_max_target_tokens(src, tgt, mid))) >= need:
-            lo = mid
-        else:
-            hi = mid - 8
-    return lo
-
-
 @pytest.mark.parametrize("data", [_pairs, _summaries])
 @pytest.mark.parametrize("examples_per_row", [8, 16, 32])
 def test_bins_are_about_equally_full(data, examples_per_row):
     """No row holds only the leftovers: with one row per optimizer step, a row a tenth full is a step of a
     few examples at full learning rate (it cost 0.02 of eval loss in benchmarks/seq2seq_packing.py)."""
     src, tgt = data(1000)
-    cs = _tightest_budget(src, tgt, examples_per_row)
+    # The largest budget that still packs the data into n / examples_per_row rows (the benchmark's row
+    # sizes): the bin count is one more than the lower bound needs, where late bins got only leftovers.
+    (row,) = packed_candidates([examples_per_row], 32, src.tolist(), tgt.tolist())
+    cs = row["max_tokens"]
     ct = default_max_target_tokens(src, tgt, cs)
     bins = pack_pairs(src, tgt, cs, ct)
     fills = np.array([_fill(src, tgt, b, cs, ct) for b in bins])
