@@ -7,7 +7,7 @@ eval loss after it.
                                          [--torch-threads T] [--note TEXT]
     python benchmarks/seq2seq_packing.py --plot-only benchmarks/results/seq2seq_packing.json
 
-Three ways to batch the same (source, summary) pairs, all trained with `lorakit.train` on the same tiny T5,
+Four ways to batch the same (source, summary) pairs, all trained with `lorakit.train` on the same tiny T5,
 data, LoRA, optimizer, learning rate, schedule, dtype (float32) and gradient checkpointing, one process,
 DeepSpeed without ZeRO, and the same number of examples per optimizer step (--examples-per-step, 32 by
 default), so every side takes the same optimisation path in expectation:
@@ -17,18 +17,20 @@ default), so every side takes the same optimisation path in expectation:
   setup;
 - padded_grouped: micro-batches of 8 examples of similar length, padded to their longest member, 4 per step
   (data.packing false, data.group_by_length true);
-- packed: packed micro-batches of one encoder row of at most train.max_tokens tokens and one decoder row of at
-  most train.max_target_tokens (lorakit's default: max_tokens x the data's target/source ratio), examples in
-  random order (data.packing true), attention per example (lorakit_varlen_sdpa), with as many rows accumulated
-  per step as keep the step at --examples-per-step examples.
+- packed: lorakit's default packing (data.packing true, train.max_tokens unset): micro-batches of k random
+  examples (train.micro_batch_size k) each packed, unpadded, into one encoder row and one decoder row,
+  attention per example (lorakit_varlen_sdpa), 32 / k rows per step, so every optimizer step holds 32 random
+  examples as on padded_random;
+- packed_budget: rows filled to token budgets by the two-capacity multipack sampler (train.max_tokens set:
+  the largest budget at which the epoch still packs into at least n / k rows, so rows of at most k examples
+  on average, and no fewer optimizer steps than the padded sides), in random order with random trades.
 
-The packed row size is chosen by measurement in the same invocation: a sweep phase trains one epoch with rows
-of at most 8, 16 and 32 examples on average (train.max_tokens: the largest budget at which lorakit's packer
-still makes at least n / k rows of the epoch; 4, 2 and 1 rows per step, so no side takes fewer optimizer
-steps than the padded ones) and picks the one with the highest median useful tokens per CPU
-second (one torch thread: what the run computed, whatever other jobs took from the machine); the comparison
-rounds that follow are new runs. Round r trains every side with seed 42 + r, so the eval-loss claim is judged
-over several data orders, paired by seed.
+The packed row size k is chosen by measurement in the same invocation: a sweep phase trains one epoch of the
+packed side with rows of 8, 16 and 32 random examples (4, 2 and 1 rows per step) and picks the one with the
+highest median useful tokens per CPU second (one torch thread: what the run computed, whatever other jobs
+took from the machine); packed_budget takes the same k. The comparison rounds that follow are new runs.
+Round r trains every side with seed 42 + r, so the eval-loss claim is judged over several data orders,
+paired by seed.
 
 Datasets (--dataset): `dialogues` (default), builtin:dialogue_summaries, SAMSum-shaped chats whose source and
 target lengths are both long-tailed (random micro-batches of 8 about half full); `news`,
@@ -132,11 +134,14 @@ SIDE_SPECS = {
     "padded_random": {"packing": False, "group_by_length": False},
     "padded_grouped": {"packing": False, "group_by_length": True},
     "packed": {"packing": True, "group_by_length": False},
+    "packed_budget": {"packing": True, "group_by_length": False},
 }
-BASE_SIDES = ("padded_random", "padded_grouped", "packed")
+BASE_SIDES = ("padded_random", "padded_grouped", "packed", "packed_budget")
 COMPARISONS = (
     ("packed", "padded_random"),
     ("packed", "padded_grouped"),
+    ("packed", "packed_budget"),
+    ("packed_budget", "padded_random"),
     ("padded_grouped", "padded_random"),
 )
 TRAIN = {
@@ -173,8 +178,13 @@ TIMING = {
 
 def recipe_dict(spec: dict) -> dict:
     """The lorakit recipe of one run; `spec` holds the side's batching and the shared settings."""
-    train = dict(TRAIN, gradient_accumulation_steps=spec["accumulation"], seed=spec["seed"])
-    if spec["packing"]:
+    train = dict(
+        TRAIN,
+        micro_batch_size=spec["micro_batch"],
+        gradient_accumulation_steps=spec["accumulation"],
+        seed=spec["seed"],
+    )
+    if spec["packing"] and spec.get("max_tokens"):
         train["max_tokens"] = spec["max_tokens"]
     return {
         "model": {
@@ -311,13 +321,21 @@ def run_side(
 ) -> dict:
     """Train one side in a fresh interpreter; returns its measurements and the rates derived from them.
 
-    `batching`: {"max_tokens": packed budget or None, "accumulation": micro-batches per optimizer step}."""
+    `batching`: {"micro_batch": examples per micro-batch (packed: per row, without a budget), "max_tokens":
+    the packed rows' token budget or None, "accumulation": micro-batches per optimizer step}."""
     label = label or side
     spec = dict(shared, **SIDE_SPECS[side], side=side, seed=seed, accumulation=batching["accumulation"])
+    spec["micro_batch"] = batching["micro_batch"]
     spec["max_tokens"] = batching["max_tokens"] if spec["packing"] else None
     spec["work_dir"] = str(tmp / f"work-{label}-{time.monotonic_ns()}")
     r = run_worker(__file__, spec, tmp, label)
-    r.update(side=side, max_tokens=spec["max_tokens"], accumulation=spec["accumulation"], seed=seed)
+    r.update(
+        side=side,
+        micro_batch=spec["micro_batch"],
+        max_tokens=spec["max_tokens"],
+        accumulation=spec["accumulation"],
+        seed=seed,
+    )
     r["padding_efficiency"] = r["useful_tokens"] / r["token_slots"]
     r["useful_tokens_per_second"] = r["useful_tokens"] / r["epoch_seconds"]
     r["useful_tokens_per_cpu_second"] = r["useful_tokens"] / r["epoch_cpu_seconds"]
@@ -475,45 +493,53 @@ def packed_candidates(
     return out
 
 
+def row_candidates(row_examples: list[int], examples_per_step: int) -> list[dict]:
+    """The packed side's row sizes swept: rows of k random examples (train.micro_batch_size k, no budget),
+    examples_per_step / k rows per optimizer step."""
+    return [
+        {"examples_per_row": k, "micro_batch": k, "max_tokens": None, "accumulation": examples_per_step // k}
+        for k in row_examples
+    ]
+
+
 def sweep(candidates: list[dict], rounds: int, shared: dict, tmp: Path, log) -> dict:
     """Packed epochs at every row size, interleaved; picks the one with the highest median useful tokens per
     CPU second (with one torch thread, what the run computed; wall seconds also hold what other jobs on a
     shared machine took, which moved a sweep run's wall time by up to 2x here)."""
     runs = []
-    budgets = [c["max_tokens"] for c in candidates]
+    sizes = [c["examples_per_row"] for c in candidates]
     for rnd in range(rounds):
         order = list(candidates) if rnd % 2 == 0 else list(reversed(candidates))
-        log(f"budget sweep {rnd + 1}/{rounds}: {' -> '.join(str(c['max_tokens']) for c in order)}")
+        log(f"row size sweep {rnd + 1}/{rounds}: {' -> '.join(str(c['examples_per_row']) for c in order)}")
         for position, c in enumerate(order):
-            r = run_side("packed", c, shared, tmp, log, label=f"sweep_{c['max_tokens']}")
+            r = run_side("packed", c, shared, tmp, log, label=f"sweep_{c['examples_per_row']}")
             runs.append(dict(r, repeat=rnd, position=position, examples_per_row=c["examples_per_row"]))
-    per_budget = {}
+    per_size = {}
     for c in candidates:
-        mine = [r for r in runs if r["max_tokens"] == c["max_tokens"]]
-        per_budget[str(c["max_tokens"])] = {
+        mine = [r for r in runs if r["examples_per_row"] == c["examples_per_row"]]
+        per_size[str(c["examples_per_row"])] = {
             **medians_of(mine),
             **c,
             "useful_tokens_per_second_runs": [r["useful_tokens_per_second"] for r in mine],
             "eval_loss_runs": [r["eval_loss"] for r in mine],
             "optimizer_steps": mine[0]["optimizer_steps"],
             "micro_batches": mine[0]["micro_batches"],
-            "max_target_tokens": mine[0]["max_target_tokens"],
             "useful_tokens_per_optimizer_step": mine[0]["useful_tokens_per_optimizer_step"],
             "examples_per_optimizer_step": mine[0]["examples_per_optimizer_step"],
         }
-    best = max(budgets, key=lambda b: per_budget[str(b)]["useful_tokens_per_cpu_second"])
+    best = max(sizes, key=lambda k: per_size[str(k)]["useful_tokens_per_cpu_second"])
     return {
-        "how": "one epoch of the packed side at each row size (train.max_tokens, the encoder row, with the "
-        "rows per optimizer step that keep its examples per step; the decoder row is lorakit's default), "
-        "interleaved in this invocation before the comparison rounds (order reversed every other round), "
-        f"seed {BASE_SEED}; the budget with the highest median useful tokens per CPU second is chosen; the "
-        "comparison rounds are separate runs",
-        "budgets": budgets,
+        "how": "one epoch of the packed side at each row size (train.micro_batch_size k: packed rows of k "
+        "random examples, with the rows per optimizer step that keep its examples per step), interleaved "
+        "in this invocation before the comparison rounds (order reversed every other round), "
+        f"seed {BASE_SEED}; the row size with the highest median useful tokens per CPU second is chosen; "
+        "the comparison rounds are separate runs",
+        "row_sizes": sizes,
         "candidates": candidates,
         "repeats": rounds,
-        "per_budget": per_budget,
+        "per_row_size": per_size,
         "best": best,
-        "best_by_wall_time": max(budgets, key=lambda b: per_budget[str(b)]["useful_tokens_per_second"]),
+        "best_by_wall_time": max(sizes, key=lambda k: per_size[str(k)]["useful_tokens_per_second"]),
         "runs": runs,
     }
 
@@ -549,7 +575,7 @@ def orchestrate(args) -> int:
 
     def recipe_for(side: str, max_tokens: int | None):
         spec = dict(shared, **SIDE_SPECS[side], work_dir=scratch, seed=BASE_SEED, accumulation=1)
-        spec["max_tokens"] = max_tokens
+        spec.update(max_tokens=max_tokens, micro_batch=MICRO_BATCH)
         return recipe_from_dict(recipe_dict(spec))
 
     # Build the tiny model and tokenize once per distinct recipe here, so no timed run pays for it.
@@ -558,26 +584,33 @@ def orchestrate(args) -> int:
     sources = [len(x) for x in data.train["input_ids"]]
     targets = [len(x) for x in data.train["labels"]]
     mean_source = sum(sources) / len(sources)
-    candidates = packed_candidates(args.examples_per_row, args.examples_per_step, sources, targets)
-    for c in candidates:
-        lorakit.prepare(recipe_for("packed", c["max_tokens"]))
+    candidates = row_candidates(args.examples_per_row, args.examples_per_step)
+    lorakit.prepare(recipe_for("packed", None))
     _, config = load_config(recipe_for("padded_random", None))
-    padded = {"max_tokens": None, "accumulation": args.examples_per_step // MICRO_BATCH}
+    padded = {
+        "micro_batch": MICRO_BATCH,
+        "max_tokens": None,
+        "accumulation": args.examples_per_step // MICRO_BATCH,
+    }
 
     runs: list[dict] = []
     seeds = [BASE_SEED + r for r in range(args.repeats)]
     with tempfile.TemporaryDirectory(prefix="lorakit-bench-") as tmp_name:
         tmp = Path(tmp_name)
         if len(candidates) > 1:
-            budget_sweep = sweep(candidates, args.sweep_repeats, shared, tmp, log)
-            chosen = next(c for c in candidates if c["max_tokens"] == budget_sweep["best"])
+            row_sweep = sweep(candidates, args.sweep_repeats, shared, tmp, log)
+            chosen = next(c for c in candidates if c["examples_per_row"] == row_sweep["best"])
         else:
-            budget_sweep, chosen = None, candidates[0]
+            row_sweep, chosen = None, candidates[0]
+        # Rows filled to a token budget, at the same examples per row on average (lorakit with max_tokens).
+        (budget,) = packed_candidates([chosen["examples_per_row"]], args.examples_per_step, sources, targets)
+        budget["micro_batch"] = MICRO_BATCH
+        lorakit.prepare(recipe_for("packed_budget", budget["max_tokens"]))
         log(
-            f"packed rows: train.max_tokens {chosen['max_tokens']} (about {chosen['examples_per_row']} "
-            f"examples), {chosen['accumulation']} per optimizer step"
+            f"packed rows: {chosen['examples_per_row']} random examples, {chosen['accumulation']} per optimizer "
+            f"step; budget-filled rows: train.max_tokens {budget['max_tokens']}"
         )
-        batching_of = {s: (chosen if SIDE_SPECS[s]["packing"] else padded) for s in sides}
+        batching_of = {s: {"packed": chosen, "packed_budget": budget}.get(s, padded) for s in sides}
         for repeat, seed in enumerate(seeds):
             order = sides if repeat % 2 == 0 else list(reversed(sides))
             log(f"repeat {repeat + 1}/{args.repeats} (seed {seed}): {' -> '.join(order)}")
@@ -585,7 +618,7 @@ def orchestrate(args) -> int:
                 r = run_side(side, batching_of[side], shared, tmp, log, seed=seed)
                 runs.append(dict(r, repeat=repeat, position=position))
 
-    every = runs + (budget_sweep["runs"] if budget_sweep else [])
+    every = runs + (row_sweep["runs"] if row_sweep else [])
     useful = {s: sorted({r["useful_tokens"] for r in runs if r["side"] == s}) for s in sides}
     all_useful = sorted({r["useful_tokens"] for r in every})
     loss_tokens = sorted({r["loss_tokens"] for r in every})
@@ -610,8 +643,10 @@ def orchestrate(args) -> int:
         "dataset": args.dataset,
         "claims": claims,
         "claims_met": {c["name"]: c["claim_met"] for c in claims},
-        "chosen_max_tokens": chosen["max_tokens"],
         "chosen_examples_per_row": chosen["examples_per_row"],
+        "chosen_max_tokens": budget["max_tokens"],
+        "budget_rows_per_epoch": budget["rows_per_epoch"],
+        "micro_batch": {s: batching_of[s]["micro_batch"] for s in sides},
         "max_tokens": {s: batching_of[s]["max_tokens"] for s in sides},
         "accumulation": {s: batching_of[s]["accumulation"] for s in sides},
         "examples_per_step": args.examples_per_step,
@@ -674,18 +709,22 @@ def orchestrate(args) -> int:
             "padded_grouped": f"data.packing false, data.group_by_length true, micro_batch_size 8, "
             f"gradient_accumulation_steps {padded['accumulation']}: micro-batches of similar lengths padded to "
             "their longest member",
-            "packed": f"data.packing true, train.max_tokens {chosen['max_tokens']} (about "
-            f"{chosen['examples_per_row']} examples per row; "
-            + ("chosen by the sweep" if budget_sweep else "the only row size given, no sweep")
-            + f"), gradient_accumulation_steps {chosen['accumulation']}, train.max_target_tokens lorakit's "
-            "default: packed encoder and decoder rows, examples in random order, attention per example",
+            "packed": f"data.packing true, train.micro_batch_size {chosen['examples_per_row']} ("
+            + ("chosen by the sweep" if row_sweep else "the only row size given, no sweep")
+            + f"), train.max_tokens unset, gradient_accumulation_steps {chosen['accumulation']}: lorakit's "
+            "default packing, encoder and decoder rows of that many random examples each (the optimizer steps "
+            "of random padded batches), unpadded, attention per example",
+            "packed_budget": f"data.packing true, train.max_tokens {budget['max_tokens']} (rows of about "
+            f"{budget['examples_per_row']} examples on average), train.max_target_tokens lorakit's default, "
+            f"gradient_accumulation_steps {budget['accumulation']}: rows filled to token budgets by the "
+            "two-capacity multipack sampler, attention per example",
         },
         "batch_size_matching": f"every side takes about {args.examples_per_step} examples per optimizer step: "
         f"the padded sides {padded['accumulation']} micro-batches of {MICRO_BATCH}, the packed side rows of "
-        "at most k examples on average (the largest budget that still packs the epoch into n / k rows or "
-        "more), as many per step as keep that number "
+        "exactly k random examples, packed_budget rows of at most k examples on average (the largest budget "
+        "that still packs the epoch into n / k rows or more), as many per step as keep that number "
         "(examples_per_optimizer_step records what each side took). lr and schedule are the same on every "
-        "side; so is the number of optimizer steps, up to the packer's rounding.",
+        "side; so is the number of optimizer steps, up to the budget packer's rounding.",
         "machine": machine(),
         "versions": versions(),
         "git_revision": revision,
@@ -698,7 +737,9 @@ def orchestrate(args) -> int:
             "every_run_evaluated": evaluated,
             "runs_checked": len(every),
             "runs_with_cpu_per_wall_below_0.9": [
-                f"{r['side']}@{r['max_tokens']}" if r["max_tokens"] else r["side"]
+                f"{r['side']}@{r['max_tokens'] or r['micro_batch']}"
+                if r["side"].startswith("packed")
+                else r["side"]
                 for r in every
                 if r["cpu_seconds_per_wall_second"] < 0.9
             ],
@@ -717,7 +758,7 @@ def orchestrate(args) -> int:
         "useful_tokens_per_optimizer_step": {s: first[s]["useful_tokens_per_optimizer_step"] for s in sides},
         "medians": medians,
         "ratios": ratios,
-        "budget_sweep": budget_sweep,
+        "row_sweep": row_sweep,
         "runs": runs,
         "notes": list(args.note or []),
     }
@@ -740,12 +781,12 @@ def orchestrate(args) -> int:
     log(
         f"useful tokens: {result['checks']['useful_tokens']} on every run (equal: {equal}); examples per run: {examples}"
     )
-    if budget_sweep:
+    if row_sweep:
         log(
-            "budget sweep (median useful tok/s): "
+            "row size sweep (median useful tok/s): "
             + ", ".join(
-                f"{b}: {budget_sweep['per_budget'][str(b)]['useful_tokens_per_second']:.0f}"
-                for b in budget_sweep["budgets"]
+                f"{k}: {row_sweep['per_row_size'][str(k)]['useful_tokens_per_second']:.0f}"
+                for k in row_sweep["row_sizes"]
             )
         )
     for s in sides:
@@ -780,7 +821,8 @@ def orchestrate(args) -> int:
 LABELS = {
     "padded_random": "padded\nrandom",
     "padded_grouped": "padded\ngrouped by length",
-    "packed": "packed",
+    "packed": "packed\nrandom rows",
+    "packed_budget": "packed\nbudget rows",
 }
 
 
@@ -794,8 +836,8 @@ def plot(result: dict, path: Path) -> bool:
     except ImportError:
         return False
     sides = list(result["medians"])
-    sweep_data = result.get("budget_sweep")
-    widths = [len(sides) + 1, len(sides) + 1] + ([len(sweep_data["budgets"]) + 1] if sweep_data else [])
+    sweep_data = result.get("row_sweep")
+    widths = [len(sides) + 1, len(sides) + 1] + ([len(sweep_data["row_sizes"]) + 1] if sweep_data else [])
     fig, axes = plt.subplots(
         1,
         len(widths),
@@ -804,7 +846,9 @@ def plot(result: dict, path: Path) -> bool:
         gridspec_kw={"width_ratios": widths},
     )
     labels = [
-        LABELS.get(s, s) + (f"\nmax_tokens {result['max_tokens'][s]}" if result["max_tokens"].get(s) else "")
+        LABELS.get(s, s)
+        + (f"\nmax_tokens {result['max_tokens'][s]}" if result["max_tokens"].get(s) else "")
+        + (f"\n{result['micro_batch'][s]} per row" if s == "packed" else "")
         for s in sides
     ]
     ax = axes[0][0]
@@ -853,13 +897,15 @@ def plot(result: dict, path: Path) -> bool:
     ax.set_title("eval loss after the epoch (lower is better)", fontsize=9)
     if sweep_data:
         ax2 = axes[0][2]
-        budgets = sweep_data["budgets"]
-        per = sweep_data["per_budget"]
+        budgets = sweep_data["row_sizes"]
+        per = sweep_data["per_row_size"]
         # The sweep chooses by useful tokens per CPU second (see sweep()).
         meds = [per[str(b)]["useful_tokens_per_cpu_second"] for b in budgets]
         ax2.bar(range(len(budgets)), meds, color="C2", alpha=0.6)
         for i, b in enumerate(budgets):
-            runs = [r["useful_tokens_per_cpu_second"] for r in sweep_data["runs"] if r["max_tokens"] == b]
+            runs = [
+                r["useful_tokens_per_cpu_second"] for r in sweep_data["runs"] if r["examples_per_row"] == b
+            ]
             ax2.scatter([i] * len(runs), runs, color="black", s=12, zorder=3)
             ax2.annotate(
                 f"eff. {per[str(b)]['padding_efficiency']:.2f}\n{per[str(b)]['optimizer_steps']} steps\n"
@@ -876,9 +922,9 @@ def plot(result: dict, path: Path) -> bool:
             [f"{b}{' (chosen)' if b == sweep_data['best'] else ''}" for b in budgets],
             fontsize=8,
         )
-        ax2.set_xlabel("train.max_tokens (encoder tokens per packed row)", fontsize=8)
+        ax2.set_xlabel("train.micro_batch_size (random examples per packed row)", fontsize=8)
         ax2.set_title(
-            f"budget sweep: packed useful tokens / CPU s ({sweep_data['repeats']} round(s))", fontsize=9
+            f"row size sweep: packed useful tokens / CPU s ({sweep_data['repeats']} round(s))", fontsize=9
         )
         ax2.margins(y=0.3)
     setup, v = result["setup"], result["versions"]
@@ -931,7 +977,10 @@ def main(argv: list[str] | None = None) -> int:
         "seq2seq_packing_news.json for news)",
     )
     p.add_argument(
-        "--max-samples", type=int, default=1000, help="first N training rows of 1000 (default: all)"
+        "--max-samples",
+        type=int,
+        default=992,
+        help="first N training rows of 1000 (default: 992, a multiple of every row size swept)",
     )
     p.add_argument(
         "--max-eval-samples", type=int, default=100, help="validation rows for the eval loss (default: 100)"
@@ -951,7 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
         "--examples-per-step; one value skips the sweep (default: 8,16,32)",
     )
     p.add_argument(
-        "--sweep-repeats", type=int, default=1, help="interleaved rounds of the budget sweep (default: 1)"
+        "--sweep-repeats", type=int, default=1, help="interleaved rounds of the row size sweep (default: 1)"
     )
     p.add_argument(
         "--cache-dir", default="~/.cache/lorakit", help="lorakit cache: tiny model, tokenized data"
@@ -989,6 +1038,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [k for k in args.examples_per_row if args.examples_per_step % k]
     if bad:
         p.error(f"--examples-per-row {bad} must divide --examples-per-step {args.examples_per_step}")
+    uneven = [k for k in args.examples_per_row if args.max_samples % k]
+    if uneven:
+        # A last row short of k random examples would be filled with repeats: counts would differ.
+        p.error(f"--max-samples {args.max_samples} must be a multiple of every --examples-per-row {uneven}")
     if args.output is None:
         args.output = str(DATASETS[args.dataset]["output"])
     return orchestrate(args)

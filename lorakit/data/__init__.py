@@ -13,6 +13,7 @@ _EXPORTS = {
     "Seq2SeqCollator": "lorakit.data.collate",
     "PreparedData": "lorakit.data.pipeline",
     "prepare_data": "lorakit.data.pipeline",
+    "BalancedRandomBatchSampler": "lorakit.data.sampler",
     "LengthGroupedBatchSampler": "lorakit.data.sampler",
     "TokenBudgetBatchSampler": "lorakit.data.sampler",
     "MultipackBatchSampler": "lorakit.data.multipack",

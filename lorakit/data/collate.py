@@ -125,10 +125,13 @@ class PackedSeq2SeqCollator:
     `target_segments` say which example (1, 2, ...) each token belongs to, from which lorakit.model.inputs
     builds the three masks (encoder: same example; decoder: same example and causal; cross: same example).
     Decoder inputs restart with the decoder start token at every example. Rows are not padded: their
-    capacities are what `num_token_slots` reports.
+    capacities are what `num_token_slots` reports, or with no capacities (rows of a fixed number of
+    examples, lorakit.data.sampler.BalancedRandomBatchSampler) the rows' own lengths.
     """
 
-    def __init__(self, max_source_tokens: int, max_target_tokens: int, decoder_start_token_id: int):
+    def __init__(
+        self, max_source_tokens: int | None, max_target_tokens: int | None, decoder_start_token_id: int
+    ):
         self.max_source_tokens, self.max_target_tokens = max_source_tokens, max_target_tokens
         self.decoder_start_token_id = decoder_start_token_id
 
@@ -145,7 +148,9 @@ class PackedSeq2SeqCollator:
             tgt.extend(labels)
             dec.extend([self.decoder_start_token_id, *labels[:-1]])
             tgt_seg.extend([k] * len(labels))
-        if len(src) > self.max_source_tokens or len(tgt) > self.max_target_tokens:
+        cap_src = len(src) if self.max_source_tokens is None else self.max_source_tokens
+        cap_tgt = len(tgt) if self.max_target_tokens is None else self.max_target_tokens
+        if len(src) > cap_src or len(tgt) > cap_tgt:
             raise ValueError(
                 f"packed rows of {len(src)} source / {len(tgt)} target tokens exceed the capacities "
                 f"{self.max_source_tokens} / {self.max_target_tokens}"
@@ -158,7 +163,7 @@ class PackedSeq2SeqCollator:
             "labels": torch.tensor([tgt], dtype=torch.long),
             "num_target_tokens": len(tgt),
             "num_real_tokens": len(src) + len(tgt),
-            "num_token_slots": self.max_source_tokens + self.max_target_tokens,
+            "num_token_slots": cap_src + cap_tgt,
             "num_examples": len(rows),
         }
 

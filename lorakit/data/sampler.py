@@ -89,6 +89,156 @@ class LengthGroupedBatchSampler:
         return iter(self.all_batches()[self.rank])
 
 
+class _SideFills:
+    """efficiency() and target_efficiency() for samplers that measure both sides per epoch
+    (`_measure_sides`, cached until the epoch changes)."""
+
+    _fills: tuple[int, float, float | None] | None = None
+
+    def _measure_sides(self) -> list[float | None]:
+        raise NotImplementedError
+
+    def _fill(self) -> tuple[float, float | None]:
+        if self._fills is None or self._fills[0] != self.epoch:
+            source, target = self._measure_sides()
+            self._fills = (self.epoch, source, target)
+        return self._fills[1], self._fills[2]
+
+    def efficiency(self) -> float:
+        """How much of the current epoch's source rows is real work (see `_measure_sides`)."""
+        return self._fill()[0]
+
+    def target_efficiency(self) -> float:
+        """As efficiency(), for the targets (the decoder side); only with target_lengths."""
+        fill = self._fill()[1]
+        if fill is None:
+            raise ValueError("target_efficiency() needs target_lengths")
+        return fill
+
+
+class BalancedRandomBatchSampler(_SideFills):
+    """Yields this rank's micro-batches of exactly `batch_size` random examples, for packed rows that keep
+    the optimizer steps of a plain shuffled DataLoader.
+
+    Each optimizer step (`accumulation` micro-batches on each of `num_replicas` ranks) holds exactly the
+    examples that LengthGroupedBatchSampler(group_by_length=False) with the same seed puts in that step: a
+    random set, drawn without regard to length, so every example weighs in the epoch as it does with random
+    padded batches. Packing to a token budget instead makes the examples per step depend on their lengths
+    (a step of long sources holds fewer of them; docs/packing.md). Inside a step, which micro-batch an
+    example goes to does not change the step's gradient (the loss is token-weighted over the whole step on
+    all ranks), so the step's examples are dealt again, largest first, each to the micro-batch with room
+    whose fuller side (source or target tokens) stays lowest: the step's rows come out about equally long on
+    both sides, and no rank waits on a longer row. Every micro-batch holds `batch_size` examples, so a row
+    is never longer than `batch_size` x the longest example.
+
+    Deterministic per (seed, epoch); `len()`, `dropped` and the repeats that fill the last batch are those of
+    LengthGroupedBatchSampler; the epoch's last accumulation window may be shorter, as there.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        batch_size: int,
+        *,
+        target_lengths: Sequence[int] | None = None,
+        accumulation: int = 1,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        drop_last: bool = False,
+    ):
+        self.accumulation = _positive_int(accumulation, "accumulation")
+        self.batch_size = _positive_int(batch_size, "batch_size")
+        self.random = LengthGroupedBatchSampler(
+            lengths,
+            self.batch_size,
+            num_replicas=num_replicas,
+            rank=rank,
+            seed=seed,
+            drop_last=drop_last,
+            group_by_length=False,
+        )
+        self.lengths = self.random.lengths
+        self.target_lengths = None
+        self._cost = self.lengths
+        if target_lengths is not None:
+            self.target_lengths = _length_array(target_lengths, "target_lengths")
+            if self.target_lengths.shape != self.lengths.shape:
+                raise ValueError(
+                    f"{len(self.target_lengths)} target lengths for {len(self.lengths)} examples"
+                )
+            self._cost = self.lengths + self.target_lengths
+        self.num_replicas, self.rank, self.seed = num_replicas, rank, seed
+        self.dropped = self.random.dropped
+
+    @property
+    def epoch(self) -> int:
+        return self.random.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle deterministically for `epoch`."""
+        self.random.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.random)
+
+    def _deal(self, items: list[int], rows: int) -> list[list[int]]:
+        """`items` in `rows` micro-batches of batch_size each: largest first, each to the micro-batch whose
+        fuller side (source or target tokens, as shares of the step's mean row) stays lowest with it."""
+        if rows == 1:
+            return [items]
+        idx = np.asarray(items, dtype=np.int64)
+        a = self.lengths[idx] * rows / max(int(self.lengths[idx].sum()), 1)
+        if self.target_lengths is None:
+            b = np.zeros(len(idx))
+        else:
+            b = self.target_lengths[idx] * rows / max(int(self.target_lengths[idx].sum()), 1)
+        load_a, load_b = np.zeros(rows), np.zeros(rows)
+        room = np.full(rows, self.batch_size)
+        out: list[list[int]] = [[] for _ in range(rows)]
+        for k in np.argsort(-(a + b), kind="stable").tolist():
+            score = np.maximum(load_a + a[k], load_b + b[k]) + 1e-3 * (load_a + load_b)
+            r = int(np.where(room > 0, score, np.inf).argmin())
+            load_a[r] += a[k]
+            load_b[r] += b[k]
+            room[r] -= 1
+            out[r].append(items[k])
+        return out
+
+    def all_batches(self) -> list[list[list[int]]]:
+        """Every rank's batches for the current epoch: result[rank][i]."""
+        base = self.random.all_batches()
+        world, n = self.num_replicas, len(self)
+        out: list[list[list[int]]] = [[] for _ in range(world)]
+        for start in range(0, n, self.accumulation):
+            stop = min(start + self.accumulation, n)
+            items = [i for r in range(world) for b in range(start, stop) for i in base[r][b]]
+            rows = self._deal(items, (stop - start) * world)
+            # Heaviest rows first, so the ranks of each micro-step take neighbours in size.
+            rows.sort(key=lambda row: -int(self._cost[row].sum()))
+            for k in range(stop - start):
+                for r in range(world):
+                    out[r].append(rows[k * world + r])
+        return out
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.all_batches()[self.rank])
+
+    def _measure_sides(self) -> list[float | None]:
+        """Tokens / (ranks x the longest row of each micro-step), this epoch, per side: the rows are not
+        padded, so this is the share of the ranks' row length not spent waiting for another rank's longer
+        row (1.0 on one process)."""
+        per_rank = self.all_batches()
+        fills: list[float | None] = []
+        for lengths in (self.lengths, self.target_lengths):
+            if lengths is None:
+                fills.append(None)
+                continue
+            tokens = np.array([[int(lengths[b].sum()) for b in rank] for rank in per_rank])
+            fills.append(float(tokens.sum() / (tokens.max(axis=0).sum() * len(per_rank))))
+        return fills
+
+
 # The share of its budget a token-budget micro-batch fills with real tokens on long-tailed lengths: 0.85 to
 # 0.96 at 6 to 64 examples per micro-batch (lognormal sources and targets, measured), higher with more.
 _BUDGET_FILL = 0.92
@@ -133,7 +283,7 @@ def _length_array(lengths: Sequence[int], name: str) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-class TokenBudgetBatchSampler:
+class TokenBudgetBatchSampler(_SideFills):
     """Yields this rank's micro-batches (lists of dataset indices) of similar-length examples, as many as a
     token budget allows: rows x longest length <= `max_tokens`, and with `target_lengths`, also rows x
     longest target <= `max_target_tokens` (fairseq's max_tokens batching). Short examples come many to a
@@ -215,7 +365,6 @@ class TokenBudgetBatchSampler:
         self._ends = np.cumsum(self._rows)
         self._starts = self._ends - self._rows
         self.dropped = 0
-        self._fills: tuple[int, float, float | None] | None = None
 
     def _plan(self) -> tuple[np.ndarray, np.ndarray]:
         """(largest cost allowed, rows) of every micro-batch: windows of a seed-determined shuffle, each
@@ -297,33 +446,21 @@ class TokenBudgetBatchSampler:
         slots, batches = self._deal()
         return iter(self._batches(slots, batches[:, self.rank]))
 
-    def _fill(self) -> tuple[float, float | None]:
-        if self._fills is None or self._fills[0] != self.epoch:
-            slots, _ = self._deal()
-            fills = []
-            for lengths in (self.lengths, self.target_lengths):
-                if lengths is None:
-                    fills.append(None)
-                    continue
-                x = lengths[slots]
-                padded = int((np.maximum.reduceat(x, self._starts) * self._rows).sum())
-                fills.append(int(x.sum()) / padded)
-            self._fills = (self.epoch, fills[0], fills[1])
-        return self._fills[1], self._fills[2]
-
-    def efficiency(self) -> float:
-        """Real (source) tokens / (rows x longest) summed over all ranks' micro-batches of the current
-        epoch: the share of the padded batches that is not padding. It moves a little from epoch to epoch
-        as examples trade places (without targets, never below the fill of the planned shapes, since no
+    def _measure_sides(self) -> list[float | None]:
+        """Real tokens / (rows x longest) summed over all ranks' micro-batches of the current epoch, per
+        side: the share of the padded batches that is not padding. It moves a little from epoch to epoch as
+        examples trade places (without targets, never below the fill of the planned shapes, since no
         micro-batch's longest example exceeds its planned one)."""
-        return self._fill()[0]
-
-    def target_efficiency(self) -> float:
-        """As efficiency(), for the targets (the decoder side); only with target_lengths."""
-        fill = self._fill()[1]
-        if fill is None:
-            raise ValueError("target_efficiency() needs target_lengths")
-        return fill
+        slots, _ = self._deal()
+        fills: list[float | None] = []
+        for lengths in (self.lengths, self.target_lengths):
+            if lengths is None:
+                fills.append(None)
+                continue
+            x = lengths[slots]
+            padded = int((np.maximum.reduceat(x, self._starts) * self._rows).sum())
+            fills.append(int(x.sum()) / padded)
+        return fills
 
 
 class ResumableBatchSampler:

@@ -23,7 +23,12 @@ from lorakit.data import (
     prepare_data,
 )
 from lorakit.data.multipack_seq2seq import Seq2SeqMultipackBatchSampler, default_max_target_tokens
-from lorakit.data.sampler import ResumableBatchSampler, TokenBudgetBatchSampler, token_budget_for_rows
+from lorakit.data.sampler import (
+    BalancedRandomBatchSampler,
+    ResumableBatchSampler,
+    TokenBudgetBatchSampler,
+    token_budget_for_rows,
+)
 from lorakit.engine import checkpoint, dist
 from lorakit.engine.checkpoint import LoopState
 from lorakit.engine.deepspeed_config import build_ds_config
@@ -309,6 +314,8 @@ class Batching:
     # Padded micro-batches sized by token budgets (rows x longest <= max_tokens / max_target_tokens): the
     # encoder-decoders that cannot pack.
     token_budget: bool = False
+    # Encoder-decoder packing without budgets: packed rows of exactly this many random examples.
+    row_examples: int | None = None
 
     def summary(self, plan) -> dict[str, Any]:
         """The batching facts recorded in summary.json."""
@@ -323,7 +330,9 @@ class Batching:
             out["sampler_efficiency_epoch0"] = self.efficiency
         if self.token_budget:
             out["token_budget"] = True
-        if self.max_target_tokens is not None:
+        if self.row_examples is not None:
+            out["row_examples"] = self.row_examples
+        if self.target_efficiency is not None:
             out["max_target_tokens"] = self.max_target_tokens
             out["source_efficiency"] = self.efficiency
             out["target_efficiency"] = self.target_efficiency
@@ -340,6 +349,12 @@ class Batching:
                 f"; padded micro-batches of similar lengths, <= {self.max_tokens} source tokens "
                 f"({self.efficiency:.1%} real) and <= {self.max_target_tokens} target tokens "
                 f"({self.target_efficiency:.1%} real) as rows x longest"
+            )
+        elif self.row_examples is not None:
+            line += (
+                f"; packed encoder and decoder rows of {self.row_examples} random examples each, unpadded "
+                f"(ranks' rows {self.efficiency:.1%} / {self.target_efficiency:.1%} as long as the longest "
+                "of their micro-step)"
             )
         elif self.max_target_tokens is not None:
             line += (
@@ -364,8 +379,8 @@ _SEQ2SEQ_ROW_FILL = 0.95
 
 
 def seq2seq_packing_max_tokens(recipe: Recipe, sources: list[int], max_source_length: int) -> int:
-    """The encoder row budget: train.max_tokens, else one that holds train.micro_batch_size examples on
-    average (micro_batch_size x mean source length / the packer's fill), so packing changes neither the
+    """The encoder row budget of budget-filled rows: train.max_tokens, else (only train.max_target_tokens
+    set) one that holds train.micro_batch_size examples on average (micro_batch_size x mean source length / the packer's fill), so packing changes neither the
     examples per optimizer step nor the number of steps of an unpacked recipe; never below the longest
     source, never above what a padded micro-batch holds (micro_batch_size x max_source_length)."""
     if recipe.train.max_tokens:
@@ -397,7 +412,30 @@ def _target_budget(recipe: Recipe, src: list[int], tgt: list[int], max_src: int,
 
 
 def _seq2seq_packing(recipe: Recipe, data, config, eval_collator, world: int, rank: int) -> Batching:
+    """Packed encoder and decoder rows: by default rows of micro_batch_size random examples (the optimizer
+    steps of random padded batches, without the padding); with train.max_tokens or max_target_tokens, rows
+    filled to those budgets by the two-capacity multipack sampler."""
+    t = recipe.train
     src, tgt = _pair_lengths(data)
+    if t.max_tokens is None and t.max_target_tokens is None:
+        sampler = BalancedRandomBatchSampler(
+            src,
+            t.micro_batch_size,
+            target_lengths=tgt,
+            accumulation=t.gradient_accumulation_steps,
+            num_replicas=world,
+            rank=rank,
+            seed=t.seed,
+        )
+        return Batching(
+            sampler,
+            PackedSeq2SeqCollator(None, None, config.decoder_start_token_id),
+            eval_collator,
+            True,
+            efficiency=sampler.efficiency(),
+            target_efficiency=sampler.target_efficiency(),
+            row_examples=t.micro_batch_size,
+        )
     max_src = seq2seq_packing_max_tokens(recipe, src, data.lengths.max_source_length)
     max_tgt = _target_budget(recipe, src, tgt, max_src, "a packed row")
     sampler = Seq2SeqMultipackBatchSampler(

@@ -299,9 +299,12 @@ def _shape(
         if packed:
             rows_src = t.max_tokens or t.micro_batch_size * src
             if not t.max_tokens:
-                # The default budget holds micro_batch_size examples on average (mean source length, known
-                # only from the data) and never more than this: plan for the most it can be.
-                notes.append(f"train.max_tokens unset: planned encoder rows of at most {rows_src} tokens")
+                # Rows of micro_batch_size examples (or, with only max_target_tokens, a budget holding that
+                # many on average): never more than this; plan for the most it can be.
+                notes.append(
+                    f"train.max_tokens unset: rows of {t.micro_batch_size} examples, planned at their most, "
+                    f"{rows_src} encoder tokens"
+                )
             rows_tgt = t.max_target_tokens or max(tgt, round(rows_src * tgt / src))
             if not t.max_target_tokens:
                 notes.append(f"train.max_target_tokens unset: planned decoder rows of {rows_tgt} tokens")

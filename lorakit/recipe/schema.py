@@ -169,10 +169,12 @@ class DataSection(_Section):
     )
     packing: bool | Literal["auto"] = Field(
         "auto",
-        description="Pack several examples into one row with a multipack sampler, so no compute goes to "
-        "padding; attention never crosses examples. Causal LMs: rows of up to train.max_tokens tokens. "
-        "Encoder-decoders: an encoder row of up to train.max_tokens and a decoder row of up to "
-        "train.max_target_tokens; T5-family models on sdpa or eager. auto: on for causal LMs and for T5 on "
+        description="Pack several examples into one row, so no compute goes to padding; attention never "
+        "crosses examples. Causal LMs: rows of up to train.max_tokens tokens (multipack sampler). "
+        "Encoder-decoders: an encoder row and a decoder row per micro-batch, of micro_batch_size random "
+        "examples (the optimizer steps of random padded batches), or with train.max_tokens / "
+        "max_target_tokens set, filled to those budgets by a two-capacity multipack sampler; T5-family "
+        "models on sdpa or eager. auto: on for causal LMs and for T5 on "
         "sdpa or eager, off for other encoder-decoders (padded micro-batches of similar lengths sized by "
         "train.max_tokens / max_target_tokens); false: fixed micro-batches of micro_batch_size "
         "grouped by length and padded to their longest member. See docs/packing.md.",
@@ -215,18 +217,22 @@ class TrainSection(_Section):
     lr_schedule: Literal["linear", "cosine", "constant"] = Field("linear", description="Decay after warmup.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping norm; 0 disables clipping.")
     micro_batch_size: int = Field(
-        8, ge=1, description="Examples per process per forward pass (without packing)."
+        8,
+        ge=1,
+        description="Examples per process per forward pass (without packing; packed encoder-decoders "
+        "without train.max_tokens: the examples packed into one row).",
     )
     max_tokens: int | None = Field(
         None,
         ge=1,
         description="With packing: the token budget of one packed micro-batch (one row per process per "
         "forward pass; the encoder row for encoder-decoders). Default for causal LMs: micro_batch_size x "
-        "data.max_length, what a full padded micro-batch would hold. Default for encoder-decoders: "
-        "micro_batch_size x the mean source length / 0.95, rows of micro_batch_size examples on average, so "
-        "packing keeps the examples per optimizer step (at least the longest source, at most "
-        "micro_batch_size x data.max_source_length). A larger budget holds more examples per row: lower "
-        "gradient_accumulation_steps to keep the step; docs/packing.md has measured budgets. "
+        "data.max_length, what a full padded micro-batch would hold. Encoder-decoders: unset, each row "
+        "holds micro_batch_size random examples; set, rows are filled to this budget (and "
+        "max_target_tokens) by a two-capacity multipack sampler, so which examples share an optimizer step "
+        "depends on their lengths (docs/packing.md; with only max_target_tokens set, the budget is "
+        "micro_batch_size x the mean source length / 0.95). A larger budget holds more examples per row: "
+        "lower gradient_accumulation_steps to keep the step; docs/packing.md has measured budgets. "
         "Encoder-decoders that cannot pack (data.packing: auto on BART and the like): the source budget of a "
         "padded micro-batch of similar lengths (rows x longest), by default micro_batch_size examples on "
         "average.",

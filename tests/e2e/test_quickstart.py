@@ -65,9 +65,9 @@ def test_quickstart_trains_evaluates_and_saves(quickstart):
     batching = summary["batching"]
     assert batching["packing"] is True and summary["attention"] == "lorakit_varlen_sdpa"
     assert batching["source_efficiency"] >= 0.9 and batching["target_efficiency"] >= 0.9
-    # The default budget holds micro_batch_size examples per row on average: the optimizer steps of the
-    # unpacked recipe (512 rows / (8 x 2 accumulated x 2 ranks) = 16 per epoch), up to the packer's rounding.
-    assert 12 <= summary["steps"] / 2 <= 20, summary["steps"]
+    # With train.max_tokens unset, a packed row holds micro_batch_size random examples: exactly the optimizer
+    # steps of the unpacked recipe (512 rows / (8 x 2 accumulated x 2 ranks) = 16 per epoch).
+    assert batching["row_examples"] == 8 and summary["steps"] == 32, summary["steps"]
     assert 0 < summary["trainable_params"] < summary["total_params"]
     assert summary["loss"]["last"] < 0.8 * summary["loss"]["first"]
     assert summary["train_tokens"] <= summary["padded_tokens"]

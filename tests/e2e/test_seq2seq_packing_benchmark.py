@@ -12,8 +12,13 @@ from tests.conftest import ROOT
 SCRIPT = ROOT / "benchmarks" / "seq2seq_packing.py"
 COMMITTED = ROOT / "benchmarks" / "results" / "seq2seq_packing.json"  # dialogues
 COMMITTED_NEWS = ROOT / "benchmarks" / "results" / "seq2seq_packing_news.json"
-SIDES = ("padded_random", "padded_grouped", "packed")
-COMPARISONS = ("packed/padded_random", "packed/padded_grouped")
+SIDES = ("padded_random", "padded_grouped", "packed", "packed_budget")
+COMPARISONS = (
+    "packed/padded_random",
+    "packed/padded_grouped",
+    "packed/packed_budget",
+    "packed_budget/padded_random",
+)
 CLAIMS = {
     "packed_vs_padded_random_speed": ("packed/padded_random", 2.0),
     "packed_vs_padded_grouped_speed": ("packed/padded_grouped", 1.0),
@@ -27,6 +32,8 @@ TOP_KEYS = {
     "dataset",
     "chosen_max_tokens",
     "chosen_examples_per_row",
+    "budget_rows_per_epoch",
+    "micro_batch",
     "max_tokens",
     "accumulation",
     "examples_per_step",
@@ -55,7 +62,7 @@ TOP_KEYS = {
     "examples_per_optimizer_step",
     "medians",
     "ratios",
-    "budget_sweep",
+    "row_sweep",
     "runs",
     "lorakit_source",
     "benchmark_wall_seconds",
@@ -64,6 +71,7 @@ RUN_KEYS = {
     "side",
     "repeat",
     "seed",
+    "micro_batch",
     "max_tokens",
     "accumulation",
     "epoch_seconds",
@@ -104,7 +112,7 @@ def check_result(result: dict, repeats: int, rows: int) -> None:
     assert result["useful_tokens"]["per_side"] == {s: useful for s in sides}
     runs = result["runs"]
     assert len(runs) == repeats * len(sides)
-    sweep = result["budget_sweep"]
+    sweep = result["row_sweep"]
     all_runs = runs + (sweep["runs"] if sweep else [])
     for run in all_runs:
         assert RUN_KEYS <= set(run), run
@@ -117,28 +125,38 @@ def check_result(result: dict, repeats: int, rows: int) -> None:
     assert len({r["eval_rows"] for r in all_runs}) == 1  # the same validation rows on every run
     assert len({r["torch_threads"] for r in all_runs}) == 1
     per_step = result["examples_per_step"]
+    k = result["chosen_examples_per_row"]
     for run in runs:
-        packed = run["side"] == "packed"
-        assert run["max_tokens"] == (result["chosen_max_tokens"] if packed else None)
+        packed = run["side"].startswith("packed")
+        assert run["max_tokens"] == (result["chosen_max_tokens"] if run["side"] == "packed_budget" else None)
         assert result["max_tokens"][run["side"]] == run["max_tokens"]
         assert result["accumulation"][run["side"]] == run["accumulation"]
+        assert result["micro_batch"][run["side"]] == run["micro_batch"]
         assert run["seed"] == result["seeds"][run["repeat"]]  # rounds paired by seed
         assert run["attention"] == ("lorakit_varlen_sdpa" if packed else "sdpa")
         # Windows of `accumulation` micro-batches; the epoch's last window may be short.
         assert math.ceil(run["micro_batches"] / run["accumulation"]) == run["optimizer_steps"]
         if packed:
             assert 0 < run["source_efficiency"] <= 1 and 0 < run["target_efficiency"] <= 1
-            assert run["accumulation"] == per_step // result["chosen_examples_per_row"]
+            assert run["accumulation"] == per_step // k
         else:
-            assert run["accumulation"] * 8 == per_step
+            assert run["accumulation"] * 8 == per_step and run["micro_batch"] == 8
+        if run["side"] == "packed":
+            # Rows of exactly k random examples, unpadded: one process waits on no other rank.
+            assert run["micro_batch"] == k and run["micro_batches"] == rows // k
+            assert run["source_efficiency"] == run["target_efficiency"] == 1.0
+            assert run["token_slots"] == run["useful_tokens"]
     assert len(set(result["seeds"])) == repeats
     # Every side takes about `examples_per_step` examples per optimizer step: padded sides exactly (micro
     # batches of 8), packed up to the packer's rounding.
     steps = result["optimizer_steps"]
     assert steps["padded_random"] == steps["padded_grouped"] == math.ceil(rows / per_step)
     assert result["examples_per_optimizer_step"]["padded_random"] == rows / steps["padded_random"]
-    # Packed rows hold at most k examples on average: never fewer (larger) optimizer steps than padded.
-    assert steps["padded_random"] <= steps["packed"] <= 1.25 * steps["padded_random"] + 1
+    # Random rows: exactly the padded sides' steps. Budget rows hold at most k examples on average: never
+    # fewer (larger) optimizer steps than padded.
+    assert steps["packed"] == steps["padded_random"]
+    assert result["examples_per_optimizer_step"]["packed"] == per_step
+    assert steps["padded_random"] <= steps["packed_budget"] <= 1.25 * steps["padded_random"] + 1
     setup = result["setup"]
     assert setup["processes"] == 1 and setup["dtype"] == "float32" and setup["train"]["micro_batch_size"] == 8
     assert set(setup["zero_stage"].values()) == {0} and setup["gradient_checkpointing"] is True
@@ -170,17 +188,22 @@ def check_result(result: dict, repeats: int, rows: int) -> None:
             assert claim["claim_met"] == (claim["measured_ratio"] >= threshold)
             cpu = result["ratios"][key]["useful_tokens_per_cpu_second"]
             assert claim["cpu_ratio"] == cpu and claim["cpu_claim_met"] == (cpu >= threshold)
+    # The budget side: the largest budget that still packs the epoch into n / k rows or more.
+    assert result["budget_rows_per_epoch"] >= math.ceil(rows / k)
+    assert (
+        next(r for r in runs if r["side"] == "packed_budget")["micro_batches"]
+        == result["budget_rows_per_epoch"]
+    )
     if sweep:
-        assert result["chosen_max_tokens"] == sweep["best"]
-        per = sweep["per_budget"]
+        assert k == sweep["best"]
+        per = sweep["per_row_size"]
         for c in sweep["candidates"]:
             assert c["accumulation"] * c["examples_per_row"] == per_step
-            # The largest budget that still packs the epoch into n / k rows or more.
-            assert c["rows_per_epoch"] >= math.ceil(rows / c["examples_per_row"])
-            assert per[str(c["max_tokens"])]["micro_batches"] == c["rows_per_epoch"]
-        assert set(per) == {str(b) for b in sweep["budgets"]}
+            assert c["micro_batch"] == c["examples_per_row"] and c["max_tokens"] is None
+            assert per[str(c["examples_per_row"])]["micro_batches"] == rows // c["examples_per_row"]
+        assert set(per) == {str(b) for b in sweep["row_sizes"]}
         assert max(per, key=lambda b: per[b]["useful_tokens_per_cpu_second"]) == str(sweep["best"])
-        assert len(sweep["runs"]) == sweep["repeats"] * len(sweep["budgets"])
+        assert len(sweep["runs"]) == sweep["repeats"] * len(sweep["row_sizes"])
     machine, versions = result["machine"], result["versions"]
     assert machine["platform"] and machine["cpu_count"] and "cpu_model" in machine
     for name in ("python", "torch", "transformers", "peft", "deepspeed", "lorakit"):
@@ -204,7 +227,7 @@ def test_smoke_run_writes_a_complete_result(cache_dir, tmp_path):
             "--examples-per-step",
             "16",
             "--examples-per-row",
-            "8,16",  # a sweep of two row sizes, then the three sides: five runs
+            "8,16",  # a sweep of two row sizes, then the four sides: six runs
             "--dataset",
             "news",
             "--cache-dir",
@@ -220,7 +243,7 @@ def test_smoke_run_writes_a_complete_result(cache_dir, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     check_result(result, repeats=1, rows=48)
-    sweep = result["budget_sweep"]
+    sweep = result["row_sweep"]
     assert [c["examples_per_row"] for c in sweep["candidates"]] == [8, 16]
     assert [c["accumulation"] for c in sweep["candidates"]] == [2, 1]
     assert result["dataset"] == "news" and result["setup"]["data"]["source"] == "builtin:news_summaries"
@@ -235,6 +258,7 @@ def test_smoke_run_writes_a_complete_result(cache_dir, tmp_path):
         (["--max-samples", "20"], "multiple of the micro batch size"),
         (["--examples-per-row", "8,x"], "comma-separated integers"),
         (["--examples-per-row", "8,12"], "must divide --examples-per-step"),
+        (["--max-samples", "1000"], "must be a multiple of every --examples-per-row [16, 32]"),
         (["--dataset", "wiki"], "invalid choice"),
     ],
 )
@@ -257,9 +281,9 @@ def test_committed_result_records_its_setup_and_measurement(path, dataset):
     repeats = len({r["repeat"] for r in result["runs"]})
     rows = result["setup"]["data"]["rows"]
     # Interleaved rounds, paired by seed, on all the bundled rows.
-    assert repeats >= 2 and rows == 1000
+    assert repeats >= 2 and rows == 992
     check_result(result, repeats=repeats, rows=rows)
-    assert result["budget_sweep"] is not None, "the committed packed budget was chosen by a sweep"
+    assert result["row_sweep"] is not None, "the committed packed row size was chosen by a sweep"
     assert result["setup"]["data"]["eval_rows"] == 100
     # Other work may touch lorakit while a long benchmark runs; the training path must not have changed.
     changed = result["lorakit_source"]["changed_during_run"]
