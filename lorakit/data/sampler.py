@@ -20,7 +20,8 @@ class LengthGroupedBatchSampler:
     """Yields this rank's micro-batches (lists of dataset indices) of examples with similar lengths.
 
     Padding to the longest member of a batch then wastes little (with group_by_length=False, batches are
-    random: what a plain shuffled DataLoader gives, kept for comparisons). Each epoch is a deterministic shuffle
+    consecutive slices of a random permutation: what a plain shuffled DataLoader gives, kept for comparisons
+    and as the steps of BalancedRandomBatchSampler). Each epoch is a deterministic shuffle
     from (seed, epoch). Every rank gets exactly `len(self)` batches: without drop_last the index list is
     padded with repeats from its start (like torch's DistributedSampler); with drop_last the remainder
     that does not fill a batch on every rank is dropped and reported by `dropped`.
@@ -77,7 +78,10 @@ class LengthGroupedBatchSampler:
                 # Stable sort, longest first, so batches of a window hold neighbours in length.
                 chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
             groups.extend(chunk[i : i + group] for i in range(0, len(chunk), group))
-        rng.shuffle(groups)
+        if self.group_by_length:
+            rng.shuffle(groups)
+        # Random batches are consecutive slices of the epoch's permutation, as a shuffled DataLoader takes
+        # them: an optimizer step then holds the same examples however it is split into micro-batches.
         per_rank: list[list[list[int]]] = [[] for _ in range(self.num_replicas)]
         for g in groups:
             # The ranks of one step share a group of similar lengths, so no rank waits on a longer batch.

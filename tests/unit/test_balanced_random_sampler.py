@@ -113,3 +113,20 @@ def test_bad_arguments_are_refused():
         BalancedRandomBatchSampler(src, 8, target_lengths=tgt[:10])
     with pytest.raises(ValueError, match="outside num_replicas"):
         BalancedRandomBatchSampler(src, 8, num_replicas=2, rank=2)
+
+
+def test_a_step_holds_the_same_examples_however_it_is_split():
+    # Random steps are slices of the epoch's permutation: 4 micro-batches of 8 and 1 of 32 (or 2 ranks x 2
+    # of 8) train on the same 32 examples per step, so packing rows of 32 changes no step of an 8 x 4 recipe.
+    src, tgt = _long_tailed(992, seed=4)
+    steps = []
+    for batch, accumulation, world in ((8, 4, 1), (32, 1, 1), (8, 2, 2), (16, 2, 1)):
+        s = BalancedRandomBatchSampler(
+            src, batch, target_lengths=tgt, accumulation=accumulation, num_replicas=world, seed=9
+        )
+        s.set_epoch(2)
+        steps.append(_steps(s.all_batches(), accumulation))
+        padded = LengthGroupedBatchSampler(src, batch, num_replicas=world, seed=9, group_by_length=False)
+        padded.set_epoch(2)
+        assert _steps(padded.all_batches(), accumulation) == steps[-1]
+    assert all(x == steps[0] for x in steps)
