@@ -165,8 +165,8 @@ TIMING = {
     "useful_tokens": "summary['train_tokens']: the non-pad source tokens plus the target tokens of every "
     "micro-batch trained on",
     "token_slots": "summary['padded_tokens']: padded sides: rows x (longest source + longest target) of every "
-    "micro-batch; packed sides: train.max_tokens + train.max_target_tokens per packed micro-batch (its "
-    "capacity)",
+    "micro-batch; packed_budget: train.max_tokens + train.max_target_tokens per packed micro-batch (its "
+    "capacity); packed (rows without a budget): the rows' own tokens",
     "epoch_cpu_seconds": "CPU time of the worker process over the epoch (time.process_time, evaluation "
     "excluded); with one torch thread, cpu/wall well below 1 means other jobs took the core away",
     "examples": "counted by the worker micro-batch by micro-batch (a packed micro-batch holds several "
@@ -827,7 +827,7 @@ LABELS = {
 
 
 def plot(result: dict, path: Path) -> bool:
-    """Useful tokens/s and eval loss per side, and the budget sweep; False without matplotlib."""
+    """Useful tokens/s and eval loss per side, and the row size sweep; False without matplotlib."""
     try:
         import matplotlib
 
@@ -897,12 +897,12 @@ def plot(result: dict, path: Path) -> bool:
     ax.set_title("eval loss after the epoch (lower is better)", fontsize=9)
     if sweep_data:
         ax2 = axes[0][2]
-        budgets = sweep_data["row_sizes"]
+        sizes = sweep_data["row_sizes"]
         per = sweep_data["per_row_size"]
         # The sweep chooses by useful tokens per CPU second (see sweep()).
-        meds = [per[str(b)]["useful_tokens_per_cpu_second"] for b in budgets]
-        ax2.bar(range(len(budgets)), meds, color="C2", alpha=0.6)
-        for i, b in enumerate(budgets):
+        meds = [per[str(b)]["useful_tokens_per_cpu_second"] for b in sizes]
+        ax2.bar(range(len(sizes)), meds, color="C2", alpha=0.6)
+        for i, b in enumerate(sizes):
             runs = [
                 r["useful_tokens_per_cpu_second"] for r in sweep_data["runs"] if r["examples_per_row"] == b
             ]
@@ -918,8 +918,8 @@ def plot(result: dict, path: Path) -> bool:
                 fontsize=7,
             )
         ax2.set_xticks(
-            range(len(budgets)),
-            [f"{b}{' (chosen)' if b == sweep_data['best'] else ''}" for b in budgets],
+            range(len(sizes)),
+            [f"{b}{' (chosen)' if b == sweep_data['best'] else ''}" for b in sizes],
             fontsize=8,
         )
         ax2.set_xlabel("train.micro_batch_size (random examples per packed row)", fontsize=8)

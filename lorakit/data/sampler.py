@@ -174,6 +174,8 @@ class BalancedRandomBatchSampler(_SideFills):
             self._cost = self.lengths + self.target_lengths
         self.num_replicas, self.rank, self.seed = num_replicas, rank, seed
         self.dropped = self.random.dropped
+        # (epoch, every rank's batches): the deal is computed once per epoch, for efficiency() and iteration.
+        self._dealt: tuple[int, list[list[list[int]]]] | None = None
 
     @property
     def epoch(self) -> int:
@@ -192,11 +194,13 @@ class BalancedRandomBatchSampler(_SideFills):
         if rows == 1:
             return [items]
         idx = np.asarray(items, dtype=np.int64)
-        a = self.lengths[idx] * rows / max(int(self.lengths[idx].sum()), 1)
-        if self.target_lengths is None:
-            b = np.zeros(len(idx))
-        else:
-            b = self.target_lengths[idx] * rows / max(int(self.target_lengths[idx].sum()), 1)
+
+        def shares(lengths: np.ndarray) -> np.ndarray:
+            x = lengths[idx]
+            return x * rows / max(int(x.sum()), 1)
+
+        a = shares(self.lengths)
+        b = np.zeros(len(idx)) if self.target_lengths is None else shares(self.target_lengths)
         load_a, load_b = np.zeros(rows), np.zeros(rows)
         room = np.full(rows, self.batch_size)
         out: list[list[int]] = [[] for _ in range(rows)]
@@ -210,7 +214,13 @@ class BalancedRandomBatchSampler(_SideFills):
         return out
 
     def all_batches(self) -> list[list[list[int]]]:
-        """Every rank's batches for the current epoch: result[rank][i]."""
+        """Every rank's batches for the current epoch: result[rank][i] (kept for the epoch: not to be
+        modified)."""
+        if self._dealt is None or self._dealt[0] != self.epoch:
+            self._dealt = (self.epoch, self._deal_epoch())
+        return self._dealt[1]
+
+    def _deal_epoch(self) -> list[list[list[int]]]:
         base = self.random.all_batches()
         world, n = self.num_replicas, len(self)
         out: list[list[list[int]]] = [[] for _ in range(world)]

@@ -380,9 +380,10 @@ _SEQ2SEQ_ROW_FILL = 0.95
 
 def seq2seq_packing_max_tokens(recipe: Recipe, sources: list[int], max_source_length: int) -> int:
     """The encoder row budget of budget-filled rows: train.max_tokens, else (only train.max_target_tokens
-    set) one that holds train.micro_batch_size examples on average (micro_batch_size x mean source length / the packer's fill), so packing changes neither the
-    examples per optimizer step nor the number of steps of an unpacked recipe; never below the longest
-    source, never above what a padded micro-batch holds (micro_batch_size x max_source_length)."""
+    set) one that holds train.micro_batch_size examples on average (micro_batch_size x mean source length /
+    the packer's fill), so packing changes neither the examples per optimizer step nor the number of steps
+    of an unpacked recipe; never below the longest source, never above what a padded micro-batch holds
+    (micro_batch_size x max_source_length)."""
     if recipe.train.max_tokens:
         return recipe.train.max_tokens
     per_row = recipe.train.micro_batch_size * sum(sources) / max(len(sources), 1) / _SEQ2SEQ_ROW_FILL
