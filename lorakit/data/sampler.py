@@ -166,11 +166,7 @@ class BalancedRandomBatchSampler(_SideFills):
         self.target_lengths = None
         self._cost = self.lengths
         if target_lengths is not None:
-            self.target_lengths = _length_array(target_lengths, "target_lengths")
-            if self.target_lengths.shape != self.lengths.shape:
-                raise ValueError(
-                    f"{len(self.target_lengths)} target lengths for {len(self.lengths)} examples"
-                )
+            self.target_lengths = _target_array(target_lengths, self.lengths)
             self._cost = self.lengths + self.target_lengths
         self.num_replicas, self.rank, self.seed = num_replicas, rank, seed
         self.dropped = self.random.dropped
@@ -297,6 +293,14 @@ def _length_array(lengths: Sequence[int], name: str) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+def _target_array(target_lengths: Sequence[int], lengths: np.ndarray) -> np.ndarray:
+    """`target_lengths` as an int array, one per example of `lengths`."""
+    targets = _length_array(target_lengths, "target_lengths")
+    if targets.shape != lengths.shape:
+        raise ValueError(f"{len(targets)} target lengths for {len(lengths)} examples")
+    return targets
+
+
 class TokenBudgetBatchSampler(_SideFills):
     """Yields this rank's micro-batches (lists of dataset indices) of similar-length examples, as many as a
     token budget allows: rows x longest length <= `max_tokens`, and with `target_lengths`, also rows x
@@ -345,11 +349,7 @@ class TokenBudgetBatchSampler(_SideFills):
         self.target_lengths = self.max_target_tokens = None
         if target_lengths is not None:
             self.max_target_tokens = _positive_int(max_target_tokens, "max_target_tokens")
-            self.target_lengths = _length_array(target_lengths, "target_lengths")
-            if self.target_lengths.shape != self.lengths.shape:
-                raise ValueError(
-                    f"{len(self.target_lengths)} target lengths for {len(self.lengths)} examples"
-                )
+            self.target_lengths = _target_array(target_lengths, self.lengths)
             sides = [
                 ("source length", self.lengths, self.max_tokens, "max_tokens"),
                 ("target length", self.target_lengths, self.max_target_tokens, "max_target_tokens"),
