@@ -248,11 +248,12 @@ def _adapter_on_4bit(src: MergeSource, auto_cls, batch) -> torch.Tensor:
     """Logits of the adapter on the 4-bit base, as trained (the recipe's quantization and dtype)."""
     from peft import PeftModel
 
-    from lorakit.model.quantize import bnb_config
+    from lorakit.model.quantize import bnb_config, keep_standard_4bit_layout
 
     train_dtype = getattr(torch, src.recipe.model.dtype)
     quant = bnb_config(src.recipe.method.quantization(), train_dtype)
     model = _load(auto_cls, src.base_source, train_dtype, src, quantization_config=quant)
+    keep_standard_4bit_layout(model)  # the layout it trained in (on AVX512-BF16 CPUs too)
     logits = probe_logits(PeftModel.from_pretrained(model, str(src.path)), batch)
     del model
     gc.collect()

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 from lorakit.errors import RecipeError
 from lorakit.model.attention import choose_attention, packing_enabled
 from lorakit.model.inputs import ModelInputs
-from lorakit.model.quantize import bnb_config, check_keep_in_fp32, logical_numel
+from lorakit.model.quantize import bnb_config, check_keep_in_fp32, keep_standard_4bit_layout, logical_numel
 from lorakit.recipe.schema import Recipe
 from lorakit.testing import resolve_model_source
 
@@ -159,6 +159,8 @@ def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
         if recipe.model.allow_pickle or "safetensors" not in str(e):
             raise
         raise _pickle_refused(recipe.model.name_or_path, f"no safetensors weights found ({e})") from e
+    if quantization is not None:
+        keep_standard_4bit_layout(model)
     if hf_ds_config is not None:
         from lorakit.model.untie import restore_untied_head
 
@@ -166,7 +168,7 @@ def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
     # The KV cache is for generation; in training it changes how packed/masked attention is built.
     model.config.use_cache = False
     if recipe.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if recipe.method.adapter():
         # peft freezes the base (4-bit weights included). No prepare_model_for_kbit_training for qlora:
         # see quantize.py for what it would do and why it is not needed here.
@@ -180,6 +182,17 @@ def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
     tokenizer = load_tokenizer(recipe, source)
     inputs = ModelInputs(config, attention, dtype)
     return BuiltModel(model, tokenizer, source, attention, is_enc_dec, inputs, packing, hf_ds_config)
+
+
+def enable_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing (what peft's LoRA needs: no input-grad hook), by transformers'
+    current name for it (`activation_checkpointing_enable`; `gradient_checkpointing_enable` is its deprecated
+    alias in 5.x, which warns)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

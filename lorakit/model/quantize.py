@@ -13,7 +13,9 @@ Choices (docs/qlora.md explains them):
   (a wasted peak of twice their size), and its input-grad hook is only needed for reentrant checkpointing.
   What it does that matters (freezing the base, non-reentrant checkpointing) build.py does anyway;
 - modules that transformers keeps out of quantization (the output head; `_keep_in_fp32_modules`, which
-  for T5 is every `wo`) stay unquantized in model.dtype and are listed in summary.json.
+  for T5 is every `wo`) stay unquantized in model.dtype and are listed in summary.json;
+- every 4-bit layer lorakit loads keeps bitsandbytes' standard layout, never its CPU inference layout
+  (`keep_standard_4bit_layout` says why).
 """
 
 from __future__ import annotations
@@ -68,6 +70,33 @@ def check_keep_in_fp32(model_cls, dtype: torch.dtype) -> None:
             "bfloat16 (fp32's range, so those layers are safe in it) or float32",
             doc="docs/qlora.md#flan-t5-and-its-fp32-wo-layers",
         )
+
+
+def keep_standard_4bit_layout(model: torch.nn.Module) -> int:
+    """Pin every bitsandbytes 4-bit linear layer of `model` to the standard 4-bit layout; returns how many.
+
+    Why: bitsandbytes (0.49+) on CPUs with AVX512-BF16 (`bitsandbytes.functional.has_avx512bf16()`, read
+    once per layer into `Linear4bit.support_avx512bf16_for_cpu`) rewrites a layer's weight in place into a
+    CPU inference layout ([N, K/2] uint8 tiles, bf16 scales) the first time the layer runs in eval mode
+    without grad, i.e. at lorakit's first evaluation. That layout is for inference only and breaks training:
+    - its kernel has no autograd formula: after the first eval no gradient flows back through any frozen
+      4-bit layer, so every layer below the last one trains on a wrong gradient, silently (ZeRO-2 and one
+      process too: tests/unit/test_quantize.py);
+    - under ZeRO-3 the weight's storage is DeepSpeed's: the rewrite lands in the gathered buffer, which is
+      then released, while the quantization state still says "CPU layout", so the next gather computes with
+      mislabelled weights, and `state_dict()` (every checkpoint) asserts on the flat partition
+      ("packed_weight should be [N, K/2]").
+    The flag is the switch bitsandbytes itself reads in `forward`; with it off a layer computes exactly as it
+    does on CPUs without AVX512-BF16 (dequantize, then matmul). GPUs never take the CPU layout. Layers of a
+    bitsandbytes without the flag (< 0.49) have no CPU layout, and setting it is harmless there.
+    """
+    linear4bit = require_bitsandbytes().nn.Linear4bit
+    pinned = 0
+    for m in model.modules():
+        if isinstance(m, linear4bit):
+            m.support_avx512bf16_for_cpu = False
+            pinned += 1
+    return pinned
 
 
 def is_4bit(p: torch.Tensor) -> bool:

@@ -1,10 +1,16 @@
-"""QLoRA on 2 processes, ZeRO-2 and ZeRO-3, for a tiny Llama and a tiny T5: training, summary, adapter.
+"""QLoRA on 2 processes, ZeRO-2 and ZeRO-3, for a tiny Llama and a tiny T5: training, summary, adapter,
+resume.
 
 One torchrun launch trains the four recipes (qlora_worker.py); the checks then load each adapter with
-PeftModel.from_pretrained onto the 4-bit base, in this process.
+PeftModel.from_pretrained onto the 4-bit base, in this process. Every launched process is told its CPU has
+AVX512-BF16 (tests/bnb_layout.py), so bitsandbytes' CPU inference layout is in play on any machine: the
+runs evaluate between training steps and checkpoints, where that layout broke ZeRO-3.
 """
 
+import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +18,14 @@ import torch
 import yaml
 
 from lorakit import rundir
+from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.engine.launch import torchrun_command
+from tests.bnb_layout import ENV as AVX512BF16_ENV
 from tests.conftest import ROOT, tiny_recipe_dict
+from tests.integration.test_resume import FAULTS
+
+# Every process these tests launch: bitsandbytes' AVX512-BF16 branch forced, whatever this CPU has.
+FORCED_ENV = {AVX512BF16_ENV: "1", "PYTHONPATH": os.pathsep.join([str(FAULTS), str(ROOT)])}
 
 RUNS = [(kind, stage) for kind in ("llama", "t5") for stage in (2, 3)]
 
@@ -21,7 +33,8 @@ RUNS = [(kind, stage) for kind in ("llama", "t5") for stage in (2, 3)]
 def qlora_recipe(cache: Path, out: Path, kind: str, stage: int) -> dict:
     """A few steps of QLoRA on tiny:KIND, 2 processes, ZeRO `stage`; generation only on ZeRO-3."""
     data = {"max_samples": 32, "max_eval_samples": 8}
-    train = {"max_steps": 6, "lr": 2e-2}
+    # Two epochs: the epoch-end evaluation runs between training steps and before a checkpoint.
+    train = {"max_steps": 6, "lr": 2e-2, "epochs": 2}
     if kind == "llama":
         # Packed rows with per-example attention: the causal path as users run it.
         data.update({"format": "instruction", "packing": True, "max_length": "auto"})
@@ -37,6 +50,7 @@ def qlora_recipe(cache: Path, out: Path, kind: str, stage: int) -> dict:
         train=train,
         distributed={"num_processes": 2, "zero_stage": stage},
         eval={"generate": stage == 3, "max_new_tokens": 4},
+        checkpoint={"every": 2},
     )
 
 
@@ -57,12 +71,13 @@ def qlora_runs(tmp_path_factory, cache_dir):
     proc = subprocess.run(
         torchrun_command(2, "tests.integration.qlora_worker", paths),
         cwd=ROOT,
+        env={**os.environ, **FORCED_ENV},
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc, {key: rundir.read_summary(d) for key, d in run_dirs.items()}
+    return proc, {key: rundir.read_summary(d) for key, d in run_dirs.items()}, run_dirs
 
 
 def plain_numel(source: str, kind: str) -> int:
@@ -75,7 +90,7 @@ def plain_numel(source: str, kind: str) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, stage", RUNS)
 def test_qlora_trains_and_reports_the_quantization(qlora_runs, kind, stage):
-    proc, summaries = qlora_runs
+    proc, summaries, _ = qlora_runs
     s = summaries[kind, stage]
     assert s["method"] == "qlora" and s["world_size"] == 2 and s["zero_stage"] == stage
     assert s["loss"]["last"] < 0.9 * s["loss"]["first"], s["loss"]
@@ -104,7 +119,7 @@ def test_qlora_trains_and_reports_the_quantization(qlora_runs, kind, stage):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "t5"])
 def test_zero3_counts_the_partitioned_base_like_zero2(qlora_runs, kind):
-    _, summaries = qlora_runs
+    _, summaries, _ = qlora_runs
     z2, z3 = summaries[kind, 2], summaries[kind, 3]
     assert z3["quantization"] == z2["quantization"]
     assert (z3["total_params"], z3["trainable_params"]) == (z2["total_params"], z2["trainable_params"])
@@ -139,7 +154,7 @@ def test_adapter_loads_onto_the_4bit_base(qlora_runs, kind, stage):
     from lorakit.data.cache import load_cached
     from lorakit.model.quantize import bnb_config
 
-    _, summaries = qlora_runs
+    _, summaries, _ = qlora_runs
     s = summaries[kind, stage]
     adapter = Path(s["adapter_dir"])
     weights = load_file(adapter / "adapter_model.safetensors")
@@ -157,3 +172,45 @@ def test_adapter_loads_onto_the_4bit_base(qlora_runs, kind, stage):
     loss = _eval_loss(model, kind, splits["eval"])
     assert loss == pytest.approx(s["eval"]["loss"], rel=0.02)
     assert base_loss - loss > 0.05 * base_loss  # the adapter changes (improves) the 4-bit model
+
+
+@pytest.mark.slow
+def test_zero3_qlora_killed_after_an_evaluation_resumes_like_uninterrupted(qlora_runs, cache_dir, tmp_path):
+    """Epoch 1 ends with an evaluation and a checkpoint (step 5); the node dies after step 6; the relaunch
+    resumes the 4-bit ZeRO-3 run from step 5 and ends exactly where the uninterrupted run did."""
+    from safetensors.torch import load_file
+
+    _, _, run_dirs = qlora_runs
+    reference = run_dirs["llama", 3]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(qlora_recipe(cache_dir, tmp_path / "run", "llama", 3)))
+
+    def launch(fault: str | None = None) -> subprocess.CompletedProcess:
+        env = {**os.environ, **FORCED_ENV}
+        env.pop("LORAKIT_FAULT", None)
+        env.update({"LORAKIT_FAULT": fault} if fault else {})
+        return subprocess.run(
+            [sys.executable, "-m", "lorakit.run", str(recipe)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            start_new_session=True,
+        )
+
+    killed = launch("kill:6")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-5000:]
+    assert 5 in [c.step for c in complete_checkpoints(tmp_path / "run")]
+    resumed = launch()
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    summary = rundir.read_summary(tmp_path / "run")
+    assert summary["resumed_from"]["step"] == 5
+
+    def losses(d: Path) -> dict:
+        return {(r["kind"], r["step"]): r["loss"] for r in rundir.read_metrics(d)}
+
+    assert losses(tmp_path / "run") == pytest.approx(losses(reference), abs=1e-6)
+    a = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(reference / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

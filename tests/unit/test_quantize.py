@@ -133,3 +133,46 @@ def test_peft_kbit_preparation_still_upcasts_what_deepspeed_casts_back(cache_dir
     model = prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": False})
     upcast = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
     assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= upcast
+
+
+def _lora_grads(model, kind: str, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # the same dropout masks each time
+    labels = ids[:, :6].contiguous() if kind == "t5" else ids
+    model(input_ids=ids, labels=labels).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("avx512bf16", [True, False], ids=["avx512bf16", "no-avx512bf16"])
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_an_evaluation_leaves_the_4bit_base_as_it_trains(cache_dir, tmp_path, monkeypatch, kind, avx512bf16):
+    """bitsandbytes, on CPUs with AVX512-BF16, rewrites a 4-bit layer into an inference-only layout at its first
+    no-grad eval forward; training after lorakit's first evaluation then lost the gradient through every
+    frozen 4-bit layer (and ZeRO-3 checkpoints crashed). Both CPU branches are forced, whatever this CPU is."""
+    from bitsandbytes.cextension import lib
+    from bitsandbytes.nn import Linear4bit
+
+    monkeypatch.setattr(lib, "has_avx512bf16_cpu", lambda: avx512bf16)
+    model = build_model(
+        recipe_from_dict(qlora_dict(cache_dir, tmp_path / "run", kind=kind, r=4, alpha=8))
+    ).model
+    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
+    assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.1)
+    ids = torch.randint(5, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    before = _lora_grads(model, kind, ids)
+    assert len(before) == sum(p.requires_grad for p in model.parameters())
+
+    model.eval()
+    with torch.no_grad():  # what an evaluation does
+        model(input_ids=ids, **({"decoder_input_ids": ids[:, :6]} if kind == "t5" else {}))
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
+
+    after = _lora_grads(model, kind, ids)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    model.state_dict()  # what every checkpoint calls

@@ -9,9 +9,16 @@ sets RANK), or a 1-process run (no RANK; a launcher that starts torchrun never t
 - nan:N       make micro-batch N's loss NaN (with accumulation 1: step N's).
 - crash-save:N  die (os._exit) while writing step N's checkpoint, after its files are written and before the
               directory is published.
+
+LORAKIT_BNB_AVX512BF16=0|1 (every process): force bitsandbytes' AVX512-BF16 answer (tests/bnb_layout.py).
 """
 
 import os
+
+if os.environ.get("LORAKIT_BNB_AVX512BF16") in ("0", "1"):
+    from tests.bnb_layout import force_avx512bf16
+
+    force_avx512bf16(os.environ["LORAKIT_BNB_AVX512BF16"] == "1")
 
 _spec = os.environ.get("LORAKIT_FAULT")
 if _spec and os.environ.get("RANK", "0") == "0":
