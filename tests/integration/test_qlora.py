@@ -10,7 +10,6 @@ runs evaluate between training steps and checkpoints, where that layout broke Ze
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.engine.launch import torchrun_command
 from tests.bnb_layout import ENV as AVX512BF16_ENV
 from tests.conftest import ROOT, tiny_recipe_dict
-from tests.integration.test_resume import FAULTS
+from tests.integration.test_resume import FAULTS, _launch
 
 # Every process these tests launch: bitsandbytes' AVX512-BF16 branch forced, whatever this CPU has.
 FORCED_ENV = {AVX512BF16_ENV: "1", "PYTHONPATH": os.pathsep.join([str(FAULTS), str(ROOT)])}
@@ -185,24 +184,10 @@ def test_zero3_qlora_killed_after_an_evaluation_resumes_like_uninterrupted(qlora
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(qlora_recipe(cache_dir, tmp_path / "run", "llama", 3)))
 
-    def launch(fault: str | None = None) -> subprocess.CompletedProcess:
-        env = {**os.environ, **FORCED_ENV}
-        env.pop("LORAKIT_FAULT", None)
-        env.update({"LORAKIT_FAULT": fault} if fault else {})
-        return subprocess.run(
-            [sys.executable, "-m", "lorakit.run", str(recipe)],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            start_new_session=True,
-        )
-
-    killed = launch("kill:6")
+    killed = _launch(recipe, "kill:6", **{AVX512BF16_ENV: "1"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-5000:]
     assert 5 in [c.step for c in complete_checkpoints(tmp_path / "run")]
-    resumed = launch()
+    resumed = _launch(recipe, **{AVX512BF16_ENV: "1"})
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     summary = rundir.read_summary(tmp_path / "run")
     assert summary["resumed_from"]["step"] == 5

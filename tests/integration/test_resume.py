@@ -36,10 +36,12 @@ def _recipe(cache_dir: Path, out: Path, path: Path) -> Path:
     return path
 
 
-def _launch(recipe: Path, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "LORAKIT_FAULT"}
+def _launch(recipe: Path, fault: str | None = None, **extra_env: str) -> subprocess.CompletedProcess:
+    """`python -m lorakit.run RECIPE`; `fault` and `extra_env` reach every process through faults/sitecustomize.py."""
+    env = {k: v for k, v in os.environ.items() if k != "LORAKIT_FAULT"} | extra_env
     if fault:
         env["LORAKIT_FAULT"] = fault
+    if fault or extra_env:
         env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), str(ROOT), env.get("PYTHONPATH", "")])
     # Its own process group, so a fault can kill "the node" (launcher, torchrun, workers) and not pytest.
     return subprocess.run(
