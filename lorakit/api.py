@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import tempfile
@@ -16,7 +15,7 @@ from lorakit import rundir
 from lorakit.data import PreparedData, prepare_data
 from lorakit.engine import dist
 from lorakit.engine.job import TrainResult
-from lorakit.engine.launch import launched_distributed, process_group, torchrun_command
+from lorakit.engine.launch import launch_env, launched_distributed, process_group, torchrun_command
 from lorakit.engine.signals import STOP_SIGNALS
 from lorakit.model import load_config, load_tokenizer
 from lorakit.recipe import Recipe, dump_recipe
@@ -90,7 +89,7 @@ def train(recipe: Recipe) -> TrainResult:
 def _run_forwarding_signals(cmd: list[str]) -> int:
     """Run torchrun, passing SIGTERM/SIGUSR1 sent to this process on to it (torchrun hands SIGTERM to the
     workers, which then save a checkpoint and stop), so stopping the launcher stops the run cleanly."""
-    proc = subprocess.Popen(cmd, env=os.environ.copy())
+    proc = subprocess.Popen(cmd, env=launch_env())
     previous = {}
 
     def forward(signum, frame):

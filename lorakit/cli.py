@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -17,16 +18,58 @@ def recipe_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+# LORAKIT_VERBOSE=1 keeps every library's own console output (what quiet_libraries would hide).
+VERBOSE_ENV = "LORAKIT_VERBOSE"
+
+# Messages other libraries print on every run that say nothing the user can act on, with who prints them.
+_NOISE = {
+    # DeepSpeed guesses the accelerator at import and warns on machines without a GPU (CPU training is a
+    # choice here: the recipe's backend and lorakit's own lines say where the run goes).
+    "DeepSpeed": ("Setting accelerator to CPU",),
+    # bitsandbytes (imported by `import peft` whenever it is installed, LoRA runs included) on AVX512-BF16
+    # CPUs looks for an optional inference kernel; lorakit keeps the standard 4-bit layout, which never uses
+    # it (lorakit.model.quantize.keep_standard_4bit_layout).
+    "bitsandbytes.backends.cpu.ops": ("kernels-community",),
+}
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, needles: tuple[str, ...]):
+        super().__init__()
+        self.needles = needles
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(n in message for n in self.needles)
+
+
+def verbose() -> bool:
+    """Whether LORAKIT_VERBOSE asks for every library's own output."""
+    return os.environ.get(VERBOSE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
 def quiet_libraries() -> None:
-    """Keep DeepSpeed's and datasets' INFO chatter out of the user's terminal."""
+    """Keep other libraries' chatter out of the user's terminal: DeepSpeed's and datasets' INFO lines,
+    weight-loading progress bars, and the known messages in _NOISE. Their warnings about real problems and
+    every error still show. Called by each CLI before it imports them; LORAKIT_VERBOSE=1 turns it off."""
+    if verbose():
+        return
     for name in ("DeepSpeed", "deepspeed", "datasets", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name, needles in _NOISE.items():
+        # A filter on the named logger outlives the library's own setup of it (DeepSpeed sets its level and
+        # handler when it is imported, after this).
+        logging.getLogger(name).addFilter(_DropMessages(needles))
     try:
         import datasets
 
         datasets.disable_progress_bars()
     except ImportError:
         pass
+    from transformers.utils import logging as hf_logging
+
+    # "Loading weights" / "Writing model shards" bars, one per process: lorakit prints what it loaded.
+    hf_logging.disable_progress_bar()
 
 
 def run_cli(body: Callable[[], int | None]) -> int:

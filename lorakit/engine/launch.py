@@ -4,6 +4,7 @@ start torchrun when the recipe asks for more processes than there are."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import socket
 import sys
@@ -59,7 +60,7 @@ def process_group(backend: str = "auto") -> Iterator[None]:
         )
     try:
         if created:
-            deepspeed.init_distributed(dist_backend=backend)
+            _init_deepspeed_distributed(backend)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         yield
@@ -75,6 +76,30 @@ def process_group(backend: str = "auto") -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _init_deepspeed_distributed(backend: str) -> None:
+    import deepspeed
+
+    # DeepSpeed 0.19 print()s "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" from
+    # every CPU process as it sets up its shared-memory collectives (deepspeed/comm/torch.py build_shm_op);
+    # a failed build raises, so the line carries nothing. Anything else printed there is passed on.
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            deepspeed.init_distributed(dist_backend=backend)
+    finally:
+        kept = [line for line in captured.getvalue().splitlines(True) if "built successfully" not in line]
+        sys.stdout.write("".join(kept))
+
+
+def launch_env() -> dict[str, str]:
+    """The environment for torchrun: this one, with OMP_NUM_THREADS=1 when it is unset. torchrun sets exactly
+    that for each worker then, and prints a four-line banner saying so; setting it here keeps the behaviour
+    and drops the banner. A value the user set is kept."""
+    env = os.environ.copy()
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
 
 
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,7 +175,11 @@ def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
         # see quantize.py for what it would do and why it is not needed here.
         from peft import get_peft_model
 
-        model = get_peft_model(model, lora_config(recipe, is_enc_dec))
+        with warnings.catch_warnings():
+            # peft 0.21 (peft_model.py, PeftModel.__init__) reads transformers' deprecated
+            # `is_gradient_checkpointing`, which warns on every rank.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            model = get_peft_model(model, lora_config(recipe, is_enc_dec))
         # peft may create LoRA weights in fp32; one dtype across the module is what DeepSpeed expects.
         for p in model.parameters():
             if p.requires_grad and p.dtype != dtype:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -32,20 +33,42 @@ SUMMARY_KEYS = {
 }
 
 
-def run_cli(module, *args, timeout=900):
+# What other libraries print when lorakit does not keep them quiet (lorakit.cli.quiet_libraries): log lines at
+# WARNING, Python warnings (FutureWarning, UserWarning, ...), bitsandbytes' kernel search, torchrun's
+# OMP_NUM_THREADS banner, DeepSpeed's op-build line, transformers' weight progress bars.
+NOISE = re.compile(
+    r"WARNING|\w+Warning\b|warnings\.warn|kernels-community|OMP_NUM_THREADS|built successfully|Loading weights"
+    r"|Writing model shards"
+)
+
+
+def noise_lines(proc) -> list[str]:
+    """The console lines of a finished command that come from other libraries' chatter."""
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if NOISE.search(line)]
+
+
+def run_cli(module, *args, timeout=900, env=None):
     return subprocess.run(
         [sys.executable, "-m", module, *map(str, args)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
 
 
-def run_recipe(base, recipe: str):
+def run_recipe(base, recipe: str, *overrides: str, env=None):
     """python -m lorakit.run recipes/RECIPE with a private cache and run dir under `base`; must exit 0."""
     cache, run_dir = base / "cache", base / "run"
-    proc = run_cli("lorakit.run", RECIPES / recipe, f"data.cache_dir={cache}", f"output.dir={run_dir}")
+    proc = run_cli(
+        "lorakit.run",
+        RECIPES / recipe,
+        *overrides,
+        f"data.cache_dir={cache}",
+        f"output.dir={run_dir}",
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc, cache, run_dir
 
@@ -58,6 +81,7 @@ def quickstart(tmp_path_factory):
 @pytest.mark.slow
 def test_quickstart_trains_evaluates_and_saves(quickstart):
     proc, _, run_dir = quickstart
+    assert noise_lines(proc) == []  # lorakit's own lines, the progress bar and real problems only
     summary = rundir.read_summary(run_dir)
     assert SUMMARY_KEYS <= set(summary)
     assert summary["world_size"] == 2 and summary["zero_stage"] == 3 and summary["method"] == "lora"

@@ -1,10 +1,16 @@
-"""python -m lorakit.run recipes/quickstart_causal.yaml: a packed causal-LM run on 2 processes, ZeRO-3."""
+"""python -m lorakit.run recipes/quickstart_causal.yaml: a packed causal-LM run on 2 processes, ZeRO-3; and
+the same with a 4-bit base (method.kind=qlora)."""
+
+import os
 
 import pytest
 import torch
 
 from lorakit import rundir
-from tests.e2e.test_quickstart import SUMMARY_KEYS, run_recipe
+from tests.bnb_layout import ENV as AVX512BF16_ENV
+from tests.conftest import ROOT
+from tests.e2e.test_quickstart import SUMMARY_KEYS, noise_lines, run_recipe
+from tests.integration.test_resume import FAULTS
 
 
 @pytest.fixture(scope="module")
@@ -15,6 +21,7 @@ def quickstart_causal(tmp_path_factory):
 @pytest.mark.slow
 def test_packed_causal_run_trains_and_reports_packing(quickstart_causal):
     proc, _, run_dir = quickstart_causal
+    assert noise_lines(proc) == []
     summary = rundir.read_summary(run_dir)
     assert SUMMARY_KEYS <= set(summary)
     assert summary["world_size"] == 2 and summary["zero_stage"] == 3
@@ -60,3 +67,32 @@ def test_causal_adapter_loads_with_peft_and_matches_eval_loss(quickstart_causal)
             loss += float(token_loss_sum(logits, batch["labels"]))
             tokens += batch["num_target_tokens"]
     assert loss / tokens == pytest.approx(summary["eval"]["loss"], rel=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verbose", ["0", "1"], ids=["quiet", "LORAKIT_VERBOSE"])
+def test_qlora_quickstart_on_zero3_with_a_quiet_console(tmp_path, verbose):
+    """The causal quickstart with a 4-bit base, as the user types it, bitsandbytes' AVX512-BF16 branch forced
+    on (its CPU inference layout once broke this): trains, evaluates and saves on 2 processes with ZeRO-3,
+    and the console holds no other library's chatter unless LORAKIT_VERBOSE=1 asks for it."""
+    env = {
+        **os.environ,
+        AVX512BF16_ENV: "1",
+        "LORAKIT_VERBOSE": verbose,
+        "PYTHONPATH": os.pathsep.join([str(FAULTS), str(ROOT)]),
+    }
+    env.pop("OMP_NUM_THREADS", None)  # torchrun's banner about it is part of what is checked
+    overrides = ["method.kind=qlora"] + (
+        ["train.max_steps=2", "eval.generate=false"] if verbose == "1" else []
+    )
+    proc, _, run_dir = run_recipe(tmp_path, "quickstart_causal.yaml", *overrides, env=env)
+    if verbose == "1":
+        noise = "\n".join(noise_lines(proc))
+        assert "Setting accelerator to CPU" in noise and "OMP_NUM_THREADS" not in noise  # lorakit sets it
+        return
+    assert noise_lines(proc) == []
+    summary = rundir.read_summary(run_dir)
+    assert summary["method"] == "qlora" and summary["world_size"] == 2 and summary["zero_stage"] == 3
+    assert summary["loss"]["last"] < 0.8 * summary["loss"]["first"]
+    assert {"loss", "rouge1"} <= set(summary["eval"]) and (run_dir / "adapter").is_dir()
+    assert "quantization: bitsandbytes-nf4" in proc.stdout

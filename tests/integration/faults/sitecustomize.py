@@ -16,9 +16,9 @@ LORAKIT_BNB_AVX512BF16=0|1 (every process): force bitsandbytes' AVX512-BF16 answ
 import os
 
 if os.environ.get("LORAKIT_BNB_AVX512BF16") in ("0", "1"):
-    from tests.bnb_layout import force_avx512bf16
+    from tests.bnb_layout import force_avx512bf16_when_imported
 
-    force_avx512bf16(os.environ["LORAKIT_BNB_AVX512BF16"] == "1")
+    force_avx512bf16_when_imported(os.environ["LORAKIT_BNB_AVX512BF16"] == "1")
 
 _spec = os.environ.get("LORAKIT_FAULT")
 if _spec and os.environ.get("RANK", "0") == "0":
