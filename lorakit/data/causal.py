@@ -19,6 +19,10 @@ from lorakit.data.tokenize import Lengths
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection, Recipe
 
+# Tokenizer calls pass verbose=False: sequences are tokenized whole on purpose and then capped by the
+# data.overlong policy (counted, reported); transformers' "Token indices sequence length is longer than the
+# specified maximum" line would only alarm the user about what lorakit handles (see data/tokenize.py).
+
 # Same value as lorakit.data.collate.IGNORE_INDEX (not imported: that module pulls in torch).
 IGNORE_INDEX = -100
 
@@ -76,7 +80,7 @@ class _Chat:
             raise TemplateFailed(f"{self.where}: the chat template failed: {e}") from e
 
     def encode(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+        return self.tok(text, add_special_tokens=False, verbose=False)["input_ids"]
 
     def not_prefix_stable(self, turn: int) -> DataError:
         return DataError(
@@ -91,9 +95,9 @@ class _Chat:
         """(input_ids, labels) of the conversation, labels set on assistant turns only (or everywhere)."""
         full = self.render(messages, generation_prompt=False)
         if getattr(self.tok, "is_fast", False):
-            enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+            enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         else:  # a Python (slow) tokenizer has no character offsets: compare token prefixes instead
-            enc = self.tok(full, add_special_tokens=False)
+            enc = self.tok(full, add_special_tokens=False, verbose=False)
         offsets = enc.get("offset_mapping")
         ids = list(enc["input_ids"])
         if train_on_inputs:
@@ -140,10 +144,12 @@ def tokenize_causal(
 
     def instruction(batch, first: int) -> dict[str, list]:
         inputs, targets = batch[data.input_column], batch[data.target_column]
-        prompts = tokenizer([data.prompt_template.format(input=x) for x in inputs])["input_ids"]
+        templated = [data.prompt_template.format(input=x) for x in inputs]
+        prompts = tokenizer(templated, verbose=False)["input_ids"]
         if adds_eos:  # the EOS belongs after the response, not inside the sequence
             prompts = [p[:-1] if p[-1:] == [eos] else p for p in prompts]
-        responses = [with_eos(r) for r in tokenizer(targets, add_special_tokens=False)["input_ids"]]
+        encoded = tokenizer(targets, add_special_tokens=False, verbose=False)["input_ids"]
+        responses = [with_eos(r) for r in encoded]
         ids = [p + r for p, r in zip(prompts, responses, strict=True)]
         if data.train_on_inputs:
             labels = [list(x) for x in ids]
@@ -153,7 +159,7 @@ def tokenize_causal(
 
     def completion(batch, first: int) -> dict[str, list]:
         texts = batch[data.text_column]
-        ids = [with_eos(x) for x in tokenizer(texts)["input_ids"]]
+        ids = [with_eos(x) for x in tokenizer(texts, verbose=False)["input_ids"]]
         return {
             "input_ids": ids,
             "labels": ids,

@@ -14,6 +14,11 @@ from lorakit.data.sources import OVERLONG_DOC, SourceRows
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
 
+# Every tokenizer call below passes verbose=False: rows are tokenized untruncated on purpose, then capped,
+# truncated or dropped by data.overlong, and the counts reported. Without it transformers logs "Token indices
+# sequence length is longer than the specified maximum sequence length" for the first long row, which is
+# lorakit's business, not a problem the user has to act on.
+
 # Tokenizers report "no limit" as a huge sentinel (int(1e30)); anything above this is not a real cap.
 _NO_LIMIT = 1_000_000
 
@@ -70,8 +75,8 @@ def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: 
         inputs, targets = batch[data.input_column], batch[data.target_column]
         texts = [data.prompt_template.format(input=x) for x in inputs]
         return {
-            "input_ids": tokenizer(texts)["input_ids"],
-            "labels": tokenizer(targets)["input_ids"],
+            "input_ids": tokenizer(texts, verbose=False)["input_ids"],
+            "labels": tokenizer(targets, verbose=False)["input_ids"],
             "reference": targets,
             # Kept until truncation, which re-tokenizes the rare over-long inputs from their text.
             "_input": inputs,
@@ -108,9 +113,9 @@ def truncate_rows(ds: datasets.Dataset, data: DataSection, tokenizer, lengths: L
         for ids, text_in in zip(batch["input_ids"], batch["_input"], strict=True):
             if len(ids) > lengths.max_source_length:
                 # Cut the input text, not the templated sequence, so a suffix like "Summary:" survives.
-                raw = tokenizer(text_in, add_special_tokens=False)["input_ids"][:budget]
+                raw = tokenizer(text_in, add_special_tokens=False, verbose=False)["input_ids"][:budget]
                 text = data.prompt_template.format(input=tokenizer.decode(raw, skip_special_tokens=True))
-                ids = cut(tokenizer(text)["input_ids"], lengths.max_source_length)
+                ids = cut(tokenizer(text, verbose=False)["input_ids"], lengths.max_source_length)
             sources.append(ids)
         labels = [cut(t, lengths.max_target_length) for t in batch["labels"]]
         length = [len(s) + len(t) for s, t in zip(sources, labels, strict=True)]
