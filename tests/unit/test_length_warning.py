@@ -59,8 +59,7 @@ def test_overlong_rows_are_counted_without_the_tokenizer_warning(model, fmt, tmp
     recipe = recipe_from_dict(tiny_recipe_dict(tmp_path / "cache", tmp_path / "run", **sections))
     source, config = load_config(recipe)
     tok = load_tokenizer(recipe, source)
-    # The tiny causal tokenizer declares no limit; real ones do (Llama 3's: 131072), as the tiny T5's does.
-    tok.model_max_length = 512
+    assert tok.model_max_length == 512  # the tiny tokenizers' limit, which the long rows exceed
     prepared = prepare_data(recipe, tok, config)
     assert WARNING not in transformers_log()
     # The long row was handled by the overlong policy (truncate) and counted.
