@@ -11,18 +11,20 @@ import threading
 import warnings
 from pathlib import Path
 
-from lorakit import rundir
+from lorakit import preflight, rundir, runlock
 from lorakit.data import PreparedData, prepare_data
 from lorakit.engine import dist
 from lorakit.engine.job import TrainResult
 from lorakit.engine.launch import launch_env, launched_distributed, process_group, torchrun_command
 from lorakit.engine.signals import STOP_SIGNALS
+from lorakit.errors import DiskFullError, RunDirError, RunLockedError
 from lorakit.model import load_config, load_tokenizer
 from lorakit.recipe import Recipe, dump_recipe
 
 
 def prepare(recipe: Recipe) -> PreparedData:
     """Tokenize and cache the recipe's data (or find it cached); needs no GPU."""
+    preflight.check_cache_dir(recipe)
     source, config = load_config(recipe)
     return prepare_data(recipe, load_tokenizer(recipe, source), config)
 
@@ -48,21 +50,85 @@ def train(recipe: Recipe) -> TrainResult:
     Inside a launched group (torchrun, deepspeed) or for a 1-process recipe this trains in-process.
     A recipe asking for more processes than this one is validated here (its data included, so bad input
     fails before any run directory exists) and then run under torchrun.
-    """
-    from lorakit.engine.job import run_job
 
+    First, before any tokenizing or model loading: output.dir and data.cache_dir are checked (RunDirError)
+    and the run lock is taken (RunLockedError when another run holds it), by this process, or by rank 0
+    under a launcher that is not lorakit's; it is held until the job, merge included, is over. See
+    docs/resume.md#one-run-directory-one-writer.
+    """
     if recipe.method.quantization():
         from lorakit.model.quantize import require_bitsandbytes
 
         require_bitsandbytes()  # before any tokenizing, worker or run directory
 
-    if launched_distributed() or recipe.distributed.num_processes == 1:
+    if launched_distributed():
+        # Workers of `python -m lorakit.run` find their launcher's lock token in their environment; a job
+        # that torchrun or the deepspeed launcher started directly takes the lock on rank 0.
+        return _train_in_group(recipe, lock_on_rank0=not runlock.held_by_launcher())
+    with _guard_run_dir(recipe) as lock:
+        if recipe.distributed.num_processes == 1:
+            return _train_in_group(recipe, lock_on_rank0=False)
+        return _launch_workers(recipe, lock)
+
+
+def _guard_run_dir(recipe: Recipe) -> runlock.RunLock:
+    """Check output.dir and data.cache_dir, then take the run lock (a context manager that releases it)."""
+    preflight.check_run_paths(recipe)
+    return runlock.RunLock(recipe.output.dir)
+
+
+def _train_in_group(recipe: Recipe, *, lock_on_rank0: bool) -> TrainResult:
+    from lorakit.engine.job import run_job
+
+    run_dir = Path(recipe.output.dir).expanduser().resolve()
+    lock = None
+    try:
         with process_group(recipe.distributed.backend), warnings.catch_warnings():
             # DeepSpeed calls torch.distributed APIs that torch deprecated, and warns on every step.
             warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-            result = run_job(recipe)
+            if lock_on_rank0:
+                lock = _lock_on_rank0(recipe)
+            result = _recording_exit(run_dir, run_job, recipe)
             main = dist.is_main()
-        return merge_after_training(recipe, result) if recipe.output.merge and main else result
+        if recipe.output.merge and main:
+            result = _recording_exit(run_dir, merge_after_training, recipe, result)
+        return result
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_on_rank0(recipe: Recipe) -> runlock.RunLock | None:
+    """Under a launcher that is not lorakit's: rank 0 checks the paths and takes the lock (every rank raises
+    when it could not, so none waits for the others forever)."""
+    lock, error = None, None
+    if dist.is_main():
+        try:
+            lock = _guard_run_dir(recipe).acquire()
+        except (RunDirError, RunLockedError) as e:
+            error = (type(e).__name__, str(e))
+    error = dist.broadcast_object(error)
+    if error is not None:
+        raise {"RunDirError": RunDirError, "RunLockedError": RunLockedError}[error[0]](error[1])
+    return lock
+
+
+def _recording_exit(run_dir: Path, fn, *args):
+    """Run `fn(*args)`; a DiskFullError is recorded in run_dir/exit.json for the launcher to exit with its
+    code (any rank may hit it: each writes its own shards)."""
+    from lorakit.engine.job import EXIT
+
+    try:
+        return fn(*args)
+    except DiskFullError as e:
+        with contextlib.suppress(OSError, DiskFullError):
+            rundir.write_json(
+                run_dir / EXIT, {"code": e.exit_code, "error": type(e).__name__, "message": str(e)}
+            )
+        raise
+
+
+def _launch_workers(recipe: Recipe, lock: runlock.RunLock) -> TrainResult:
     print(prepare(recipe).describe(), flush=True)
     run_dir = Path(recipe.output.dir).expanduser().resolve()
     from lorakit.engine.checkpoint import find_resume
@@ -78,18 +144,23 @@ def train(recipe: Recipe) -> TrainResult:
         resolved = Path(tmp) / "recipe.yaml"
         resolved.write_text(dump_recipe(recipe))
         cmd = torchrun_command(recipe.distributed.num_processes, "lorakit.run", [str(resolved), "--worker"])
-        # Child processes pick the work up from the cache this process just wrote.
-        returncode = _run_forwarding_signals(cmd)
+        # Child processes pick the work up from the cache this process just wrote; the lock token tells them
+        # this process holds the run lock for them.
+        returncode = _run_forwarding_signals(cmd, {**launch_env(), **lock.environment()}, lock.add_child)
     if returncode != 0:
         _raise_worker_exit(run_dir)
         raise RuntimeError(f"training failed in a worker process (exit code {returncode}); see the log above")
     return TrainResult(run_dir, rundir.read_summary(run_dir))
 
 
-def _run_forwarding_signals(cmd: list[str]) -> int:
+def _run_forwarding_signals(cmd: list[str], env: dict[str, str], started=None) -> int:
     """Run torchrun, passing SIGTERM/SIGUSR1 sent to this process on to it (torchrun hands SIGTERM to the
-    workers, which then save a checkpoint and stop), so stopping the launcher stops the run cleanly."""
-    proc = subprocess.Popen(cmd, env=launch_env())
+    workers, which then save a checkpoint and stop), so stopping the launcher stops the run cleanly.
+    `started(pid)` is called once torchrun runs. If this process is interrupted (Ctrl-C), torchrun is
+    stopped and waited for, so the run lock is not released while workers still write."""
+    proc = subprocess.Popen(cmd, env=env)
+    if started is not None:
+        started(proc.pid)
     previous = {}
 
     def forward(signum, frame):
@@ -101,13 +172,18 @@ def _run_forwarding_signals(cmd: list[str]) -> int:
         previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     try:
         return proc.wait()
+    except BaseException:
+        forward(signal.SIGTERM, None)
+        proc.wait()
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
 def _raise_worker_exit(run_dir: Path) -> None:
-    """Re-raise, in the launching process, a worker's preemption or divergence with its exit code."""
+    """Re-raise, in the launching process, a worker's preemption, divergence or full disk with its exit
+    code."""
     from lorakit.engine.job import EXIT
     from lorakit.engine.loop import Preempted, TrainingDiverged
 
@@ -115,6 +191,6 @@ def _raise_worker_exit(run_dir: Path) -> None:
     if not path.is_file():
         return
     info = json.loads(path.read_text())
-    kinds = {"Preempted": Preempted, "TrainingDiverged": TrainingDiverged}
+    kinds = {"Preempted": Preempted, "TrainingDiverged": TrainingDiverged, "DiskFullError": DiskFullError}
     if info.get("error") in kinds:
         raise kinds[info["error"]](info["message"])

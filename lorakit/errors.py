@@ -3,6 +3,11 @@
 An error may name the documentation page that explains the fix:
 `AdapterError("...", doc="docs/merge.md#what-is-checked")`. The CLI prints it after the message as
 `see docs/merge.md#what-is-checked`; a test checks that every page and anchor the code names exists.
+
+Exit codes of the commands (docs/resume.md#exit-codes): 0 done; 2 bad input, a run directory that cannot
+take the run or is locked by another run (every LorakitError unless it says otherwise); 3 a merge whose
+check failed (VerificationError); 4 a non-finite loss (TrainingDiverged); 74 no space left while writing
+(DiskFullError); 75 preempted, relaunch to resume (Preempted); anything else is a crash.
 """
 
 from __future__ import annotations
@@ -79,3 +84,26 @@ class VerificationError(MergeError):
     Not bad input but a failed check, so it has its own exit code."""
 
     exit_code = 3
+
+
+class RunDirError(LorakitError):
+    """output.dir or data.cache_dir cannot take the run: a file is in the way, the directory cannot be
+    created or written, or its filesystem has too little free space. Found before any work is done."""
+
+    doc = "docs/resume.md#checks-before-the-run"
+
+
+class RunLockedError(LorakitError):
+    """Another process holds the run directory's lock: a run into the same output.dir is in progress."""
+
+    doc = "docs/resume.md#the-run-lock"
+
+
+class DiskFullError(LorakitError):
+    """No space left on the device (or the disk quota is used up) while writing a checkpoint, the adapter or
+    model, summary.json or a merged export. Nothing was published under a final name and what was complete
+    before is intact, so it is neither bad input (2) nor a crash: its own exit code, EX_IOERR of
+    sysexits.h. Free some space and relaunch the same command to resume from the last checkpoint."""
+
+    exit_code = 74
+    doc = "docs/resume.md#a-full-disk"

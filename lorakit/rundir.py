@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -10,6 +11,8 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from lorakit import storage
 
 RECIPE = "recipe.yaml"
 DS_CONFIG = "ds_config.json"
@@ -61,13 +64,19 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write text atomically."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    # mkstemp makes the file private (0600); a run directory is meant to be read by others too.
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    """Write text atomically; on a full disk, a DiskFullError naming the file and no temp file left."""
+    with storage.writing(path.name, path):
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            # mkstemp makes the file private (0600); a run directory is meant to be read by others too.
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 class MetricsLog:
@@ -87,8 +96,11 @@ class MetricsLog:
         self._f = open(path, "a" if keep is not None else "w")  # noqa: SIM115 - lives as long as the run
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record, default=float) + "\n")
-        self._f.flush()
+        # A line cut short by a full disk is dropped by the resume, which keeps only the lines written up
+        # to its checkpoint.
+        with storage.writing(self.path.name, self.path):
+            self._f.write(json.dumps(record, default=float) + "\n")
+            self._f.flush()
         self.count += 1
 
     def close(self) -> None:

@@ -171,6 +171,15 @@ def _causal_config(kind: str, vocab_size: int, bos: int):
     return LlamaConfig(**common, tie_word_embeddings=False)
 
 
+def tiny_config(kind: str):
+    """The config of a tiny model of a TINY_KINDS kind without building anything (the vocabulary at its
+    target size, which the trained tokenizer comes within a few tokens of): for size estimates."""
+    _check_kind(kind, field="model.name_or_path")
+    if kind == "t5":
+        return _t5_config(TINY_VOCAB_SIZE)
+    return _causal_config(kind, TINY_VOCAB_SIZE, bos=SPECIAL_TOKENS.index(BOS))
+
+
 def build_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0) -> PreTrainedModel:
     """Build a tiny random model of a TINY_KINDS kind (bit-identical for a given seed) and save it with its
     tokenizer and generation config into `path`; returns the model."""

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lorakit import rundir
+from lorakit import rundir, storage
 from lorakit.engine import dist
 from lorakit.errors import RecipeError
 
@@ -250,11 +250,22 @@ def save_checkpoint(
     reason: str,
 ) -> Path:
     """Write a complete checkpoint of the current step on every rank (collective); return its path."""
-    from safetensors.torch import save_file
-
     root = checkpoints_dir(run_dir)
     name = f"step-{loop.step:08d}"
     final, tmp = root / name, root / f"{_TMP_PREFIX}{name}"
+    # A full disk on any rank: its partial files go, the previous checkpoint stays the newest complete one.
+    # (The other ranks wait at the next barrier until the launcher stops them.)
+    with storage.writing(
+        f"the checkpoint of step {loop.step}", final, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)
+    ):
+        _write_checkpoint(engine, recipe, run_dir, loop, rank_counters, adapter, reason, final, tmp)
+    return final
+
+
+def _write_checkpoint(engine, recipe, run_dir, loop, rank_counters, adapter, reason, final, tmp) -> None:
+    from safetensors.torch import save_file
+
+    root = final.parent
     if dist.is_main():
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -286,7 +297,6 @@ def save_checkpoint(
         _fsync_dir(root)
         prune(run_dir, recipe.checkpoint.keep)
     dist.barrier()
-    return final
 
 
 def prune(run_dir: Path, keep: int) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lorakit import rundir
+from lorakit import rundir, storage
 from lorakit.engine import dist
 
 
@@ -54,16 +54,18 @@ def gather_adapter_state(model) -> dict[str, torch.Tensor]:
 
 def save_trained(engine, built, recipe, run_dir: Path) -> dict[str, Any]:
     """Save the adapter (lora, qlora) to run_dir/adapter or the full model to run_dir/model; return the
-    paths."""
+    paths. Each is written beside its final name and renamed into place, so a full disk or a crash never
+    leaves a partial adapter under the name merge and users read."""
     model = engine.module
     if recipe.method.adapter():
         state = gather_adapter_state(model)
         out = run_dir / rundir.ADAPTER
         if dist.is_main():
-            # peft maps parameter names to its adapter format; handing it the gathered tensors means it
-            # never reads the (partitioned, empty) ZeRO-3 parameters itself.
-            model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
-            built.tokenizer.save_pretrained(str(out))
+            with storage.writing("the adapter", out), storage.new_directory(out) as tmp:
+                # peft maps parameter names to its adapter format; handing it the gathered tensors means it
+                # never reads the (partitioned, empty) ZeRO-3 parameters itself.
+                model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+                built.tokenizer.save_pretrained(str(tmp))
         dist.barrier()
         return {"adapter_dir": str(out)}
     out = run_dir / rundir.MODEL
@@ -73,7 +75,8 @@ def save_trained(engine, built, recipe, run_dir: Path) -> dict[str, Any]:
         # public save_16bit_model writes a pickle whatever the file name; we want safetensors.
         state = engine._zero3_consolidated_16bit_state_dict()
     if dist.is_main():
-        model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
-        built.tokenizer.save_pretrained(str(out))
+        with storage.writing("the model", out), storage.new_directory(out) as tmp:
+            model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+            built.tokenizer.save_pretrained(str(tmp))
     dist.barrier()
     return {"model_dir": str(out)}

@@ -10,7 +10,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from lorakit.errors import MergeError
+from lorakit import storage
+from lorakit.errors import DiskFullError, MergeError
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
@@ -65,7 +66,7 @@ def atomic_directory(output: Path, force: bool) -> Iterator[Path]:
     """Yield a private sibling directory of `output`; when the block finishes, rename it to `output`.
 
     If the block raises (KeyboardInterrupt included), the sibling is deleted and `output` is untouched, as are
-    any parent directories this created. A process killed outright (SIGKILL) can leave a `.NAME.tmp-*`
+    any parent directories this created; a full disk is a DiskFullError (exit code 74). A process killed outright (SIGKILL) can leave a `.NAME.tmp-*`
     sibling, never a directory under the final name."""
     missing = [p for p in [output.parent, *output.parent.parents] if not p.exists()]
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -77,11 +78,20 @@ def atomic_directory(output: Path, force: bool) -> Iterator[Path]:
             # Readable by others, like a run directory (safetensors files are written private, 0600).
             os.chmod(f, 0o755 if f.is_dir() else 0o644)
         _publish(tmp, output, force)
-    except BaseException:
+    except BaseException as e:
+        # Judged before the partial export is deleted: that frees the space that ran out.
+        full = isinstance(e, Exception) and storage.disk_full(e, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         for p in missing:  # innermost first; only ones still empty
             with contextlib.suppress(OSError):
                 p.rmdir()
+        if full:
+            raise DiskFullError(
+                f"no space left on the device while writing the merged model to {output}: nothing was "
+                f"written there (the partial export was deleted). Free space on that filesystem, or choose "
+                "an --output on another one, and merge again",
+                doc="docs/merge.md#atomic-output",
+            ) from e
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

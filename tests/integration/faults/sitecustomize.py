@@ -9,6 +9,11 @@ sets RANK), or a 1-process run (no RANK; a launcher that starts torchrun never t
 - nan:N       make micro-batch N's loss NaN (with accumulation 1: step N's).
 - crash-save:N  die (os._exit) while writing step N's checkpoint, after its files are written and before the
               directory is published.
+- enospc:GLOB, disk-full:GLOB, readonly:GLOB  the disk faults of tests/disk_faults.py for paths matching GLOB:
+              writes that run out of space part-way, a filesystem reporting no free space, a read-only one.
+
+LORAKIT_HOLD_UNTIL=PATH (the process that trains rank 0): wait before the first step until PATH exists, so a
+test can act while a run is known to hold its run directory.
 
 LORAKIT_BNB_AVX512BF16=0|1 (every process): force bitsandbytes' AVX512-BF16 answer (tests/bnb_layout.py).
 """
@@ -24,10 +29,14 @@ _spec = os.environ.get("LORAKIT_FAULT")
 if _spec and os.environ.get("RANK", "0") == "0":
     import signal
 
-    _action, _step = _spec.split(":")
-    _step = int(_step)
+    _action, _arg = _spec.split(":", 1)
+    _step = int(_arg) if _action in ("kill", "term", "nan", "crash-save") else None
 
-    if _action in ("kill", "term"):
+    if _action in ("enospc", "disk-full", "readonly"):
+        from tests.disk_faults import DiskFaults
+
+        DiskFaults(_action, _arg).install()
+    elif _action in ("kill", "term"):
         import lorakit.engine.loop as _loop
 
         _train_window = _loop.train_window
@@ -85,3 +94,18 @@ if _spec and os.environ.get("RANK", "0") == "0":
         _ckpt._fsync_tree = _crash_before_publish
     else:
         raise ValueError(f"LORAKIT_FAULT: unknown action {_action!r}")
+
+_hold = os.environ.get("LORAKIT_HOLD_UNTIL")
+if _hold and os.environ.get("RANK", "0") == "0":
+    import time
+
+    import lorakit.engine.loop as _hold_loop
+
+    _held_window = _hold_loop.train_window
+
+    def _train_window_after_hold(*args, **kwargs):
+        while not os.path.exists(_hold):
+            time.sleep(0.2)
+        return _held_window(*args, **kwargs)
+
+    _hold_loop.train_window = _train_window_after_hold

@@ -1,0 +1,194 @@
+"""Checks before a run does any work: output.dir and data.cache_dir are directories (or can be created),
+can be written, and their filesystems have room for what the run will write there.
+
+The launching process (lorakit.train, `python -m lorakit.run`) calls `check_run_paths` before tokenizing,
+loading the model or starting torchrun, so a path mistake costs seconds, not a model load. Failures are
+RunDirError (exit code 2) naming the field, the path and the reason. The space needed is an estimate from
+the model's parameter census (the planner's, on the meta device; no weights are read): the adapter or
+model, one checkpoint, the merged export with output.merge, and a margin.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from lorakit.errors import RunDirError
+from lorakit.storage import existing_ancestor, free_bytes
+
+# Tokenized datasets are smaller than their text, but their size is unknown before tokenizing: a floor.
+CACHE_MIN_BYTES = 64 << 20
+# metrics.jsonl, summary.json, the resolved recipe, and the tokenizer files saved with the adapter (a
+# large vocabulary's tokenizer.json is ~10 MB, saved again with a merged export).
+MARGIN_BYTES = 32 << 20
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# A checkpoint holds, per trainable parameter: its weight in model.dtype, the fp32 master weight and Adam's
+# two fp32 moments (lorakit/planner/states.py). Frozen weights are not in it.
+_OPTIMIZER_BYTES = 4 + 8
+
+
+@dataclass(frozen=True)
+class SpaceNeed:
+    """Bytes a run writes into output.dir, estimated from its parameter counts."""
+
+    saved: int  # the adapter (lora, qlora) or the model (full)
+    checkpoint: int  # one resumable checkpoint
+    merged: int  # the merged export (output.merge), else 0
+    saved_name: str = "the adapter"
+
+    @property
+    def total(self) -> int:
+        return self.saved + self.checkpoint + self.merged + MARGIN_BYTES
+
+    def describe(self) -> str:
+        """`the adapter 2.0 MiB, one checkpoint 6.0 MiB, ...`."""
+        parts = [f"{self.saved_name} {_fmt(self.saved)}", f"one checkpoint {_fmt(self.checkpoint)}"]
+        if self.merged:
+            parts.append(f"the merged model {_fmt(self.merged)}")
+        parts.append(f"{_fmt(MARGIN_BYTES)} for logs and tokenizer files")
+        return ", ".join(parts)
+
+
+def check_run_paths(recipe) -> SpaceNeed | None:
+    """Refuse (RunDirError) an output.dir or data.cache_dir that is a file, cannot be created or written,
+    or whose filesystem lacks the space the run needs; return the estimate (None when the model's size
+    could not be known without loading it). Creates nothing: a test file is made and removed at once."""
+    out = Path(recipe.output.dir).expanduser().resolve()
+    cache = Path(recipe.data.cache_dir).expanduser().resolve()
+    check_directory(out, "output.dir")
+    check_directory(cache, "data.cache_dir")
+    need = estimate_space(recipe)
+    out_need = need.total if need is not None else MARGIN_BYTES
+    out_what = need.describe() if need is not None else f"{_fmt(MARGIN_BYTES)} (the model's size is unknown)"
+    _check_space([(out, "output.dir", out_need, out_what), (cache, "data.cache_dir", CACHE_MIN_BYTES, None)])
+    return need
+
+
+def check_cache_dir(recipe) -> None:
+    """The data.cache_dir part of check_run_paths (python -m lorakit.prepare writes nothing else)."""
+    cache = Path(recipe.data.cache_dir).expanduser().resolve()
+    check_directory(cache, "data.cache_dir")
+    _check_space([(cache, "data.cache_dir", CACHE_MIN_BYTES, None)])
+
+
+def check_directory(path: Path, field: str) -> None:
+    """`path` is a writable directory, or can be created as one (RunDirError naming `field` otherwise)."""
+    if path.exists():
+        if not path.is_dir():
+            raise RunDirError(
+                f"{field} {path} exists and is not a directory; point {field} at a directory (it is "
+                "created when missing), or move the file away"
+            )
+        _probe(path, field, path)
+        return
+    parent = existing_ancestor(path)
+    if not parent.is_dir():
+        raise RunDirError(f"{field} {path} cannot be created: {parent} is a file, not a directory")
+    _probe(parent, field, path)
+
+
+def _probe(directory: Path, field: str, path: Path) -> None:
+    # Writing is the only reliable test: os.access trusts mode bits that root ignores, NFS servers that
+    # squash root, and mounts that refuse every write (a read-only bind mount can say W_OK).
+    probe = directory / f".lorakit-write-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        reason = {
+            errno.EROFS: "it is on a read-only filesystem",
+            errno.EACCES: "permission denied",
+            errno.EPERM: "operation not permitted",
+            errno.ENOSPC: "no space left on the device",
+            errno.EDQUOT: "the disk quota is used up",
+        }.get(e.errno, e.strerror or str(e))
+        where = f"{path} cannot be created in {directory}" if directory != path else f"{path} is not writable"
+        raise RunDirError(
+            f"{field}: {where}: {reason}; point {field} at a directory this user can write"
+        ) from e
+
+
+def _check_space(needs: list[tuple[Path, str, int, str | None]]) -> None:
+    # Paths on one filesystem share its free space: output.dir and data.cache_dir are often on one disk.
+    by_fs: dict[int, list[tuple[Path, str, int, str | None]]] = {}
+    for need in needs:
+        by_fs.setdefault(os.stat(existing_ancestor(need[0])).st_dev, []).append(need)
+    for group in by_fs.values():
+        path = group[0][0]
+        free = free_bytes(path)
+        total = sum(n for _, _, n, _ in group)
+        if free >= total:
+            continue
+        wants = "; ".join(
+            f"{field} {p} needs about {_fmt(n)}" + (f" ({what})" if what else "")
+            for p, field, n, what in group
+        )
+        fields = " or ".join(field for _, field, _, _ in group)
+        where = "its filesystem" if len(group) == 1 else "the filesystem they share"
+        raise RunDirError(
+            f"not enough free space: {wants}, and {where} has {_fmt(free)} free. Free space there or point "
+            f"{fields} at another filesystem"
+        )
+
+
+def estimate_space(recipe) -> SpaceNeed | None:
+    """What the run writes into output.dir, from the model config's parameter census (no weights read);
+    None when the config cannot be had without loading the model (or running its remote code)."""
+    config = _config(recipe)
+    if config is None:
+        return None
+    try:
+        from lorakit.planner.arch import arch_from_config
+        from lorakit.planner.states import counts
+
+        weight = _DTYPE_BYTES[recipe.model.dtype]
+        arch = arch_from_config(config)
+        c = counts(arch, recipe.method, weight, None)
+    except Exception:  # an estimate must never stop a run the job itself could start
+        return None
+    adapter = recipe.method.adapter()
+    return SpaceNeed(
+        saved=(c.trainable if adapter else arch.total_params) * weight,
+        checkpoint=c.trainable * (weight + _OPTIMIZER_BYTES),
+        merged=arch.total_params * weight if recipe.output.merge else 0,
+        saved_name="the adapter" if adapter else "the model",
+    )
+
+
+def _config(recipe):
+    name = recipe.model.name_or_path
+    if name.startswith("tiny:"):
+        from lorakit.errors import RecipeError
+        from lorakit.testing import tiny_config
+
+        try:
+            # Not through resolve_model_source: that builds the model into data.cache_dir.
+            return tiny_config(name.removeprefix("tiny:"))
+        except RecipeError:
+            return None  # the job names the unknown kind
+    if recipe.model.trust_remote_code:
+        return None  # building its census would run the model's own code before the job decides to
+    from lorakit.planner.arch import resolve_config
+    from lorakit.planner.units import PlanError
+
+    try:
+        return resolve_config(recipe)  # a local directory's config.json, or the planner's built-in table
+    except PlanError:
+        pass
+    try:
+        from transformers import AutoConfig
+
+        # The hub cache only: the check must not wait on the network (the job downloads what it needs).
+        return AutoConfig.from_pretrained(name, revision=recipe.model.revision, local_files_only=True)
+    except Exception:
+        return None
+
+
+def _fmt(n: int) -> str:
+    from lorakit.planner.units import format_bytes
+
+    return format_bytes(n)

@@ -1,0 +1,375 @@
+"""One run directory, one writer: the run lock `OUTPUT_DIR/run.lock`.
+
+The process the user started (`python -m lorakit.run`, or `lorakit.train` from Python) takes the lock before
+any work and holds it until the job is over, merge included; the workers it starts through torchrun are
+told (LORAKIT_RUN_LOCK in their environment) that their launcher holds it and take nothing. A job that a
+foreign launcher started (torchrun, the deepspeed launcher: RANK set, no lorakit launcher above it) has no
+process above its ranks that lorakit runs in, so its rank 0, the process that writes the run directory,
+takes the lock for the job (lorakit.api).
+
+The lock is a JSON file naming its holder (host, pid, start time, command) with a heartbeat timestamp that
+a background thread renews. It is created whole and atomically: written to a private file, then hard-linked
+to `run.lock`, which fails if the name exists (on filesystems without hard links: O_CREAT|O_EXCL, and a
+reader waits for the content). A second run into a held directory stops with RunLockedError (exit code 2)
+naming the holder. A lock whose holder is gone is taken over with a message: on the same host (and PID
+namespace) when none of its processes is alive; from another host (a shared filesystem) when its heartbeat
+is older than `stale_after`. Every exit but SIGKILL (finishing, an error, preemption's exit 75) releases it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shlex
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from lorakit.errors import RunDirError, RunLockedError
+
+LOCK = "run.lock"
+# The token of the lock a lorakit launcher holds for the workers it starts (their environment only).
+ENV = "LORAKIT_RUN_LOCK"
+HEARTBEAT_SECONDS = 30.0
+# Ten missed heartbeats: generous for clocks that disagree between hosts and for a stalled filesystem.
+STALE_AFTER_SECONDS = 300.0
+# What link(2) says on filesystems that have no hard links (some FUSE and SMB mounts).
+_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS}
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a run lock: what the lock file says."""
+
+    token: str
+    host: str
+    pid: int
+    started: str  # ISO 8601, UTC
+    command: str
+    heartbeat: float  # seconds since the epoch, renewed every heartbeat_every seconds
+    heartbeat_every: float = HEARTBEAT_SECONDS
+    # Identifies the process beyond its pid (pids are reused): its start time in clock ticks since boot.
+    pid_start: int | None = None
+    # Same host name in another PID namespace (another container) means another machine for pids.
+    pid_namespace: str | None = None
+    # Processes the holder started that write the run directory (torchrun's agent): alive means held.
+    children: list[list[int | None]] = field(default_factory=list)
+
+    def describe(self, now: float | None = None) -> str:
+        """`pid 123 on host gpu-7 since 2026-... (python -m lorakit.run x.yaml), heartbeat 12 s ago`."""
+        age = (now if now is not None else time.time()) - self.heartbeat
+        return (
+            f"pid {self.pid} on host {self.host} since {self.started} ({self.command}), last heartbeat "
+            f"{age:.0f} s ago"
+        )
+
+
+def this_host() -> str:
+    """The host name lorakit records in locks."""
+    return socket.gethostname()
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> int | None:
+    """The process's start time in clock ticks after boot (Linux), or None where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name (field 2) may hold spaces and parentheses: count from the last ")".
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int | None, start: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    now_start = _process_start(pid)
+    return start is None or now_start is None or now_start == start
+
+
+def read_holder(path: Path, wait: float = 1.0) -> Holder | None:
+    """The holder recorded in lock file `path`; None when there is no such file. A file without readable
+    content (being written where hard links are not available, or damaged) is retried for `wait`
+    seconds, then described as an unknown holder whose heartbeat is the file's modification time."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            text = path.read_text()
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        try:
+            raw = json.loads(text)
+            return Holder(**{k: raw[k] for k in Holder.__dataclass_fields__ if k in raw})
+        except (ValueError, TypeError, KeyError):
+            if time.monotonic() >= deadline:
+                return Holder("", "unknown", 0, "unknown", f"(unreadable lock file {path})", mtime)
+            time.sleep(0.05)
+
+
+class RunLock:
+    """The lock of one run directory, held by this process (see the module docstring).
+
+    `acquire()` creates `run_dir` when needed (and `release()` removes what it created if the run left it
+    empty, so input refused later leaves no directory behind); a context manager does both."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        heartbeat: float = HEARTBEAT_SECONDS,
+        stale_after: float = STALE_AFTER_SECONDS,
+        command: str | None = None,
+        say=None,
+    ):
+        self.run_dir = Path(run_dir).expanduser().resolve()
+        self.path = self.run_dir / LOCK
+        self.heartbeat = heartbeat
+        self.stale_after = stale_after
+        self.token = uuid.uuid4().hex
+        # The command line that started this process, for whoever finds the directory locked.
+        self.command = command if command is not None else shlex.join(getattr(sys, "orig_argv", sys.argv))
+        self._say = say or (lambda line: print(line, flush=True))
+        self._holder: Holder | None = None
+        self._created: list[Path] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.lost: Holder | None = None
+
+    # --- taking and giving back ---------------------------------------------------------------------
+
+    def acquire(self) -> RunLock:
+        """Take the lock, taking over a stale one (with a message); RunLockedError when it is held."""
+        self._make_run_dir()
+        try:
+            for _ in range(10):
+                if self._create():
+                    self._start_heartbeat()
+                    return self
+                holder = read_holder(self.path)
+                if holder is None:
+                    continue  # released meanwhile: try again
+                stale = self.stale_reason(holder)
+                if stale is None:
+                    raise RunLockedError(
+                        f"output.dir {self.run_dir} is in use by another run: {holder.describe()}. Wait for it "
+                        f"to finish or stop it, or use another output.dir. (A run that was killed leaves the "
+                        f"lock behind; it is taken over once its process is gone, or from another host "
+                        f"{self.stale_after:.0f} s after its last heartbeat.)"
+                    )
+                if self._remove(holder):
+                    self._say(f"run lock: taking over {self.path} from {holder.describe()}: {stale}")
+            raise RunLockedError(
+                f"output.dir {self.run_dir}: could not take the run lock {self.path}: other processes keep "
+                "taking it at the same time"
+            )
+        except BaseException:
+            self._remove_created()
+            raise
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock if it is still this process's; idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            if self._holder is not None and self._owned():
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+            self._holder = None
+        self._remove_created()
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def add_child(self, pid: int) -> None:
+        """Record a process this one started that writes the run directory (torchrun): while it lives,
+        the lock is held even if this process was killed outright."""
+        with self._lock:
+            if self._holder is None:
+                return
+            children = [*self._holder.children, [pid, _process_start(pid)]]
+            self._holder = Holder(**{**asdict(self._holder), "children": children})
+            self._rewrite()
+
+    def environment(self) -> dict[str, str]:
+        """What the workers of this launcher get in their environment: they must not take the lock."""
+        return {ENV: self.token}
+
+    # --- who holds it ------------------------------------------------------------------------------
+
+    def stale_reason(self, holder: Holder, now: float | None = None) -> str | None:
+        """Why `holder`'s lock is stale (its processes are gone, its heartbeat stopped), or None if held."""
+        now = time.time() if now is None else now
+        same_machine = holder.host == this_host() and (
+            holder.pid_namespace is None
+            or _pid_namespace() is None
+            or holder.pid_namespace == _pid_namespace()
+        )
+        if same_machine and holder.pid:
+            processes = [[holder.pid, holder.pid_start], *holder.children]
+            if any(_alive(pid, start) for pid, start in processes):
+                return None
+            return f"its process {holder.pid} is gone"
+        age = now - holder.heartbeat
+        if age <= self.stale_after:
+            return None
+        return (
+            f"its heartbeat stopped {age:.0f} s ago (renewed every {holder.heartbeat_every:.0f} s while held)"
+        )
+
+    # --- the file ----------------------------------------------------------------------------------
+
+    def _make_run_dir(self) -> None:
+        missing = []
+        p = self.run_dir
+        while not p.exists() and p != p.parent:
+            missing.append(p)
+            p = p.parent
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunDirError(f"output.dir {self.run_dir} cannot be created: {e.strerror or e}") from e
+        self._created = missing  # innermost first
+
+    def _remove_created(self) -> None:
+        for p in self._created:
+            with contextlib.suppress(OSError):
+                p.rmdir()  # only when empty: a run that wrote anything keeps its directory
+        self._created = []
+
+    def _new_holder(self) -> Holder:
+        now = time.time()
+        return Holder(
+            token=self.token,
+            host=this_host(),
+            pid=os.getpid(),
+            started=datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            command=self.command,
+            heartbeat=now,
+            heartbeat_every=self.heartbeat,
+            pid_start=_process_start(os.getpid()),
+            pid_namespace=_pid_namespace(),
+        )
+
+    def _create(self) -> bool:
+        holder = self._new_holder()
+        text = json.dumps(asdict(holder), indent=2) + "\n"
+        tmp = self.run_dir / f".{LOCK}.{self.token}"
+        try:
+            tmp.write_text(text)
+            try:
+                # link(2) publishes the whole file under the name, or fails when the name exists.
+                os.link(tmp, self.path)
+            except FileExistsError:
+                return False
+            except OSError as e:
+                if e.errno not in _NO_HARD_LINKS:
+                    raise
+                if not self._create_exclusive(text):
+                    return False
+        except OSError as e:
+            raise RunDirError(f"output.dir {self.run_dir}: cannot write the run lock {self.path}: {e}") from e
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        self._holder = holder
+        return True
+
+    def _create_exclusive(self, text: str) -> bool:
+        # Filesystems without hard links: O_EXCL creates the name atomically, the content follows (readers
+        # wait for it, read_holder).
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def _owned(self) -> bool:
+        current = read_holder(self.path, wait=0.2)
+        return current is not None and self._holder is not None and current.token == self._holder.token
+
+    def _rewrite(self) -> None:
+        """Replace the lock's content (same token) in one rename, if the lock is still this process's."""
+        if self._holder is None or not self._owned():
+            if self._holder is not None and self.lost is None:
+                self.lost = read_holder(self.path, wait=0.2)
+                self._say(
+                    f"warning: the run lock {self.path} was taken over by "
+                    f"{self.lost.describe() if self.lost else 'nobody (it was removed)'}; another run may be "
+                    "writing this directory"
+                )
+            return
+        tmp = self.run_dir / f".{LOCK}.{self.token}.{uuid.uuid4().hex[:8]}"
+        try:
+            tmp.write_text(json.dumps(asdict(self._holder), indent=2) + "\n")
+            os.replace(tmp, self.path)
+        except OSError:
+            # A full or briefly unavailable filesystem: the next heartbeat tries again.
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+    def _remove(self, holder: Holder) -> bool:
+        """Remove `holder`'s stale lock, unless another process replaced it meanwhile."""
+        aside = self.run_dir / f".{LOCK}.stale-{uuid.uuid4().hex}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False  # someone else removed it first
+        moved = read_holder(aside, wait=0.2)
+        if moved is not None and moved.token != holder.token:
+            # A new holder took it between our read and the rename: give it back.
+            with contextlib.suppress(OSError):
+                os.link(aside, self.path)
+            with contextlib.suppress(OSError):
+                aside.unlink()
+            return False
+        aside.unlink()
+        return True
+
+    def _start_heartbeat(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name="lorakit-run-lock", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat):
+            with self._lock:
+                if self._holder is None or self.lost is not None:
+                    return
+                self._holder = Holder(**{**asdict(self._holder), "heartbeat": time.time()})
+                self._rewrite()
+
+
+def held_by_launcher(environ: dict[str, str] | None = None) -> bool:
+    """Whether this process is a worker of a lorakit launcher that holds the run lock for it."""
+    env = os.environ if environ is None else environ
+    return bool(env.get(ENV))
