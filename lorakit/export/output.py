@@ -87,9 +87,10 @@ def atomic_directory(output: Path, force: bool) -> Iterator[Path]:
                 p.rmdir()
         if full:
             raise DiskFullError(
-                f"no space left on the device while writing the merged model to {output}: nothing was "
-                f"written there (the partial export was deleted). Free space on that filesystem, or choose "
-                "an --output on another one, and merge again",
+                f"no space left on the device while writing the merged model ({output}): nothing was written "
+                "there (the partial export was deleted). Free space on that filesystem, or choose an --output "
+                "on another one, and merge again (with output.merge: relaunch the training command, which "
+                "resumes from its last checkpoint and merges)",
                 doc="docs/merge.md#atomic-output",
             ) from e
         raise

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from lorakit import rundir
 from lorakit.data.samples import builtin_dataset_dir
 from lorakit.engine.launch import free_port
+from lorakit.runlock import LOCK
 from tests.conftest import RECIPES, ROOT
 
 pytestmark = pytest.mark.slow
@@ -178,6 +179,8 @@ def test_two_torchrun_nodes_match_one_node_without_a_shared_data_cache(job, cach
     for proc in _run_together(commands, _env()):
         assert proc.returncode == 0, proc.stdout[-4000:]
     _assert_same_run(out, job["reference"])
+    # No lorakit launcher above the ranks: rank 0 held the run lock, and gave it back at the end.
+    assert not (out / LOCK).exists()
     key = Path(rundir.read_summary(job["reference"])["data"]["cache_dir"]).name
     assert (own_cache / "datasets" / key / "meta.json").is_file()
 
@@ -213,3 +216,4 @@ def test_deepspeed_launcher_hostfile_nodes_match_one_node(job, cache_dir, tmp_pa
         assert proc.returncode == 0, proc.stdout[-4000:]
     assert "'--local_rank=0'" in procs[1].stdout  # the launcher's own log of the command it started
     _assert_same_run(out, job["reference"])
+    assert not (out / LOCK).exists()

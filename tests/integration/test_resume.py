@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from safetensors.torch import load_file
 
 from lorakit import rundir
 from lorakit.engine.checkpoint import complete_checkpoints
+from lorakit.runlock import LOCK, read_holder
 from tests.conftest import ROOT, tiny_recipe_dict
 
 FAULTS = Path(__file__).parent / "faults"
@@ -36,23 +38,39 @@ def _recipe(cache_dir: Path, out: Path, path: Path) -> Path:
     return path
 
 
-def _launch(recipe: Path, fault: str | None = None, **extra_env: str) -> subprocess.CompletedProcess:
-    """`python -m lorakit.run RECIPE`; `fault` and `extra_env` reach every process through faults/sitecustomize.py."""
+def _start(recipe: Path, fault: str | None = None, **extra_env: str) -> subprocess.Popen:
+    """Start `python -m lorakit.run RECIPE`; `fault` and `extra_env` reach every process through
+    faults/sitecustomize.py."""
     env = {k: v for k, v in os.environ.items() if k != "LORAKIT_FAULT"} | extra_env
     if fault:
         env["LORAKIT_FAULT"] = fault
     if fault or extra_env:
         env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), str(ROOT), env.get("PYTHONPATH", "")])
     # Its own process group, so a fault can kill "the node" (launcher, torchrun, workers) and not pytest.
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-m", "lorakit.run", str(recipe)],
         cwd=ROOT,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
         start_new_session=True,
     )
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 600) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _launch(recipe: Path, fault: str | None = None, **extra_env: str) -> subprocess.CompletedProcess:
+    """`python -m lorakit.run RECIPE` to the end; see _start."""
+    return _finish(_start(recipe, fault, **extra_env))
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -102,6 +120,8 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_the_relaunch_resumes(reference,
     stopped = _launch(recipe, fault="term:3")
     assert stopped.returncode == 75, stopped.stderr[-5000:]
     assert "relaunch the same command to resume" in stopped.stderr.lower()
+    # Preemption released the run lock: a requeued job starts at once.
+    assert not (tmp_path / "run" / LOCK).exists()
     ckpts = complete_checkpoints(tmp_path / "run")
     # The signal travels launcher -> torchrun -> workers while step 3 ends, so the ranks stop together at
     # the first boundary after it arrives: step 3, or a later one on a loaded machine, never the end.
@@ -128,4 +148,71 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(reference, cach
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == 2
     assert not (root / ".tmp-step-00000004").exists()
+    _assert_same_run(tmp_path / "run", reference)
+
+
+@pytest.mark.slow
+def test_a_second_launch_is_refused_and_a_relaunch_takes_the_killed_runs_lock_over(
+    reference, cache_dir, tmp_path
+):
+    """Two launches of one recipe at once: exactly one trains, the other exits 2 within seconds naming it.
+    The first is then SIGKILLed mid-epoch (its lock stays behind); a relaunch takes the stale lock over and
+    resumes to the same run as an uninterrupted one."""
+    recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
+    go = tmp_path / "go"
+    first = _start(recipe, fault="kill:5", LORAKIT_HOLD_UNTIL=str(go))
+    try:
+        # The first launch is training (its rank 0 waits before step 1 until told to go on).
+        deadline = time.monotonic() + 600
+        while not Path(f"{go}.waiting").exists():
+            assert first.poll() is None and time.monotonic() < deadline, _finish(first, 1).stderr[-5000:]
+            time.sleep(0.5)
+        holder = read_holder(tmp_path / "run" / LOCK)
+        assert holder.pid == first.pid
+
+        start = time.monotonic()
+        second = _launch(recipe)
+        seconds = time.monotonic() - start
+        assert second.returncode == 2, second.stderr[-5000:]
+        assert f"is in use by another run: pid {first.pid} on host {holder.host}" in second.stderr
+        assert "Traceback" not in second.stderr and "batching:" not in second.stdout
+        assert seconds < 60, seconds
+        assert read_holder(tmp_path / "run" / LOCK).token == holder.token
+    finally:
+        go.touch()
+        killed = _finish(first)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-5000:]
+    assert [c.step for c in complete_checkpoints(tmp_path / "run")] == [2, 4]
+    assert read_holder(tmp_path / "run" / LOCK).token == holder.token  # SIGKILL left it behind
+
+    resumed = _launch(recipe)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    out = resumed.stdout + resumed.stderr
+    assert f"run lock: taking over {tmp_path / 'run' / LOCK} from pid {first.pid}" in out
+    assert f"its process {first.pid} is gone" in out
+    assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == 4
+    assert not (tmp_path / "run" / LOCK).exists()
+    _assert_same_run(tmp_path / "run", reference)
+
+
+@pytest.mark.slow
+def test_no_space_while_writing_a_checkpoint_exits_74_and_keeps_the_previous_one(
+    reference, cache_dir, tmp_path
+):
+    recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
+    root = tmp_path / "run" / "checkpoints"
+    full = _launch(recipe, fault="enospc:*/checkpoints/.tmp-step-00000004/*")
+    # Rank 0 ran out of space in DeepSpeed's torch.save; the launcher exits with its code and message.
+    assert full.returncode == 74, full.stderr[-5000:]
+    assert (
+        f"error: no space left on the device while writing the checkpoint of step 4 ({root / 'step-00000004'})"
+        in (full.stderr)
+    )
+    assert [c.step for c in complete_checkpoints(tmp_path / "run")] == [2]
+    assert not (root / "step-00000004").exists() and not (root / ".tmp-step-00000004").exists()
+    assert not (tmp_path / "run" / LOCK).exists()
+
+    resumed = _launch(recipe)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == 2
     _assert_same_run(tmp_path / "run", reference)

@@ -12,8 +12,8 @@ sets RANK), or a 1-process run (no RANK; a launcher that starts torchrun never t
 - enospc:GLOB, disk-full:GLOB, readonly:GLOB  the disk faults of tests/disk_faults.py for paths matching GLOB:
               writes that run out of space part-way, a filesystem reporting no free space, a read-only one.
 
-LORAKIT_HOLD_UNTIL=PATH (the process that trains rank 0): wait before the first step until PATH exists, so a
-test can act while a run is known to hold its run directory.
+LORAKIT_HOLD_UNTIL=PATH (the process that trains rank 0): before the first step, create PATH.waiting and wait
+until PATH exists, so a test can act while a run is known to be training.
 
 LORAKIT_BNB_AVX512BF16=0|1 (every process): force bitsandbytes' AVX512-BF16 answer (tests/bnb_layout.py).
 """
@@ -104,6 +104,8 @@ if _hold and os.environ.get("RANK", "0") == "0":
     _held_window = _hold_loop.train_window
 
     def _train_window_after_hold(*args, **kwargs):
+        if not os.path.exists(_hold):
+            open(_hold + ".waiting", "w").close()
         while not os.path.exists(_hold):
             time.sleep(0.2)
         return _held_window(*args, **kwargs)
