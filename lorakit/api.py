@@ -101,15 +101,20 @@ def _train_in_group(recipe: Recipe, *, lock_on_rank0: bool) -> TrainResult:
 def _lock_on_rank0(recipe: Recipe) -> runlock.RunLock | None:
     """Under a launcher that is not lorakit's: rank 0 checks the paths and takes the lock (every rank raises
     when it could not, so none waits for the others forever)."""
-    lock, error = None, None
+    lock, error, failure = None, None, None
     if dist.is_main():
         try:
             lock = _guard_run_dir(recipe).acquire()
         except (RunDirError, RunLockedError) as e:
             error = (type(e).__name__, str(e))
+        except Exception as e:  # not bad input, but the other ranks must still learn that rank 0 stopped
+            failure, error = e, ("RuntimeError", f"rank 0 could not check or lock output.dir: {e!r}")
     error = dist.broadcast_object(error)
+    if failure is not None:
+        raise failure
     if error is not None:
-        raise {"RunDirError": RunDirError, "RunLockedError": RunLockedError}[error[0]](error[1])
+        kinds = {"RunDirError": RunDirError, "RunLockedError": RunLockedError}
+        raise kinds.get(error[0], RuntimeError)(error[1])
     return lock
 
 
