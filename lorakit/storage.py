@@ -81,8 +81,8 @@ def writing(what: str, path: str | Path, cleanup: Callable[[], object] | None = 
         raise DiskFullError(
             f"no space left on the device while writing {what} ({path}): it was not written, and what was "
             "complete before (the previous checkpoint, outputs) is intact. Free space on that filesystem "
-            f"(now {_size(_free_or_none(path))} free) and relaunch the same command: it resumes from the last "
-            "complete checkpoint"
+            f"(now {_size(_free_or_none(path))} free) and run the same command again (a training run resumes "
+            "from its last complete checkpoint)"
         ) from (e.__cause__ if isinstance(e, DiskFullError) and e.__cause__ is not None else e)
 
 
