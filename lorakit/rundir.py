@@ -19,6 +19,9 @@ ADAPTER = "adapter"
 MODEL = "model"
 MERGED = "merged"
 CHECKPOINTS = "checkpoints"
+# Classification runs (label targets): the last evaluation's per-class counts and confusion matrix.
+CLASSIFICATION = "eval_classification.json"
+CONFUSION_MATRIX = "confusion_matrix.png"
 
 _PACKAGES = (
     "lorakit",
@@ -58,6 +61,14 @@ def write_json(path: Path, obj: Any) -> None:
     """Write JSON atomically (temp file + rename), so readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def read_json_if_exists(path: Path) -> Any:
+    """The JSON document at `path`, or None when there is no such file."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
 
 
 def write_text(path: Path, text: str) -> None:

@@ -15,6 +15,7 @@ import jinja2
 import numpy as np
 
 from lorakit.data.sources import BAD_ROWS_DOC, MAX_QUOTED, OVERLONG_DOC, RowLocator, SourceRows
+from lorakit.data.templates import render_prompt, render_target, rows_of
 from lorakit.data.tokenize import Lengths
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection, Recipe
@@ -139,8 +140,9 @@ def tokenize_causal(
         return ids if ids[-1:] == [eos] else ids + [eos]
 
     def instruction(batch, first: int) -> dict[str, list]:
-        inputs, targets = batch[data.input_column], batch[data.target_column]
-        prompts = tokenizer([data.prompt_template.format(input=x) for x in inputs])["input_ids"]
+        rows = rows_of(batch)
+        targets = [render_target(data, r) for r in rows]
+        prompts = tokenizer([render_prompt(data, r) for r in rows])["input_ids"]
         if adds_eos:  # the EOS belongs after the response, not inside the sequence
             prompts = [p[:-1] if p[-1:] == [eos] else p for p in prompts]
         responses = [with_eos(r) for r in tokenizer(targets, add_special_tokens=False)["input_ids"]]

@@ -15,10 +15,17 @@ import datasets
 
 from lorakit.data import cache
 from lorakit.data.causal import prepare_causal
-from lorakit.data.sources import MAX_QUOTED, SourceRows, load_split, source_fingerprint
+from lorakit.data.sources import (
+    MAX_QUOTED,
+    SourceRows,
+    eval_source,
+    load_split,
+    source_fingerprint,
+    split_holdout,
+)
 from lorakit.data.tokenize import Lengths, model_max_length, prepare_seq2seq
 from lorakit.errors import DataError
-from lorakit.recipe.schema import Recipe
+from lorakit.recipe.schema import DataSection, Recipe
 
 
 @dataclass
@@ -72,6 +79,15 @@ def bad_rows_stats(policy: str, loaded: dict[str, SourceRows]) -> dict[str, Any]
     return out
 
 
+def load_rows(data: DataSection, split_names: dict[str, str], held_out: bool) -> dict[str, SourceRows]:
+    """The checked rows of "train" (and "eval"): each its own split, or eval held out of train's."""
+    if not held_out:
+        limits = {"train": data.max_samples, "eval": data.max_eval_samples}
+        return {k: load_split(data, s, limits[k]) for k, s in split_names.items()}
+    train, held = split_holdout(data, load_split(data, data.split))
+    return {"train": train, "eval": held}
+
+
 def check_supported(recipe: Recipe, is_encoder_decoder: bool) -> None:
     """Reject data settings this model family cannot use (yet), naming the field."""
     if not is_encoder_decoder:
@@ -88,7 +104,7 @@ def prepare_data(recipe: Recipe, tokenizer, model_config) -> PreparedData:
     data = recipe.data
     enc_dec = bool(getattr(model_config, "is_encoder_decoder", False))
     check_supported(recipe, enc_dec)
-    eval_split = data.eval_split if recipe.eval_active() else None
+    eval_split, held_out = eval_source(data) if recipe.eval_active() else (None, False)
     split_names = {"train": data.split} | ({"eval": eval_split} if eval_split else {})
     model_max = model_max_length(tokenizer, model_config)
     key = cache.fingerprint(
@@ -113,12 +129,16 @@ def prepare_data(recipe: Recipe, tokenizer, model_config) -> PreparedData:
             splits["train"], splits.get("eval"), Lengths(**meta["lengths"]), path, True, meta["stats"]
         )
 
-    limits = {"train": data.max_samples, "eval": data.max_eval_samples}
-    raw = {k: load_split(data, s, limits[k]) for k, s in split_names.items()}
+    raw = load_rows(data, split_names, held_out)
     if enc_dec:
         splits, lengths, stats = prepare_seq2seq(raw, data, tokenizer, model_max)
     else:
         splits, lengths, stats = prepare_causal(raw, recipe, tokenizer, model_max)
     stats["bad_rows"] = bad_rows_stats(data.on_bad_rows, raw)
+    if eval_split:
+        stats["eval_source"] = {"split": eval_split, "held_out": held_out, "rows": len(raw["eval"].rows)}
+    labels = raw["train"].labels
+    if labels is not None:
+        stats["labels"] = labels
     cache.save_cached(path, splits, {"lengths": vars(lengths), "stats": stats, "key": key})
     return PreparedData(splits["train"], splits.get("eval"), lengths, path, False, stats)

@@ -11,9 +11,12 @@ import datasets
 import numpy as np
 
 from lorakit.data.sources import OVERLONG_DOC, SourceRows
+from lorakit.data.templates import fit_prompt, prompt_columns, render_prompt, render_target, rows_of
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
 
+# Prefix of the columns that carry a prompt's fields from tokenizing to truncation.
+_FIELD = "_in:"
 # Tokenizers report "no limit" as a huge sentinel (int(1e30)); anything above this is not a real cap.
 _NO_LIMIT = 1_000_000
 
@@ -66,15 +69,19 @@ def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: 
 
     The rows were checked when loaded (lorakit.data.sources): every input and target is non-empty text."""
 
+    fields = sorted(set(prompt_columns(data).values()))
+
     def fn(batch):
-        inputs, targets = batch[data.input_column], batch[data.target_column]
-        texts = [data.prompt_template.format(input=x) for x in inputs]
+        rows = rows_of(batch)
+        texts = [render_prompt(data, r) for r in rows]
+        targets = [render_target(data, r) for r in rows]
         return {
             "input_ids": tokenizer(texts)["input_ids"],
             "labels": tokenizer(targets)["input_ids"],
             "reference": targets,
-            # Kept until truncation, which re-tokenizes the rare over-long inputs from their text.
-            "_input": inputs,
+            # The prompt's columns, kept until truncation, which re-renders the rare over-long inputs from
+            # their text (prefixed: a dataset column may be called `labels`).
+            **{_FIELD + c: batch[c] for c in fields},
         }
 
     return ds.map(
@@ -90,8 +97,10 @@ def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: 
 def truncate_rows(ds: datasets.Dataset, data: DataSection, tokenizer, lengths: Lengths) -> datasets.Dataset:
     """Cut sources and targets to the resolved caps, keeping the template and the final EOS intact."""
     eos = tokenizer.eos_token_id
-    overhead = len(tokenizer(data.prompt_template.format(input=""))["input_ids"])
+    empty = {c: "" for c in prompt_columns(data).values()}
+    overhead = len(tokenizer(render_prompt(data, empty))["input_ids"])
     budget = lengths.max_source_length - overhead
+    kept_fields = [c for c in ds.column_names if c.startswith(_FIELD)]
     if budget < 1:
         raise DataError(
             f"data.max_source_length={lengths.max_source_length} leaves no room for the input: the prompt "
@@ -105,18 +114,18 @@ def truncate_rows(ds: datasets.Dataset, data: DataSection, tokenizer, lengths: L
 
     def fn(batch):
         sources = []
-        for ids, text_in in zip(batch["input_ids"], batch["_input"], strict=True):
+        for i, ids in enumerate(batch["input_ids"]):
             if len(ids) > lengths.max_source_length:
-                # Cut the input text, not the templated sequence, so a suffix like "Summary:" survives.
-                raw = tokenizer(text_in, add_special_tokens=False)["input_ids"][:budget]
-                text = data.prompt_template.format(input=tokenizer.decode(raw, skip_special_tokens=True))
+                # Cut the columns' text, not the templated sequence, so a suffix like "Summary:" survives.
+                row = {c.removeprefix(_FIELD): batch[c][i] for c in kept_fields}
+                text = fit_prompt(data, row, tokenizer, budget)
                 ids = cut(tokenizer(text)["input_ids"], lengths.max_source_length)
             sources.append(ids)
         labels = [cut(t, lengths.max_target_length) for t in batch["labels"]]
         length = [len(s) + len(t) for s, t in zip(sources, labels, strict=True)]
         return {"input_ids": sources, "labels": labels, "length": length}
 
-    return ds.map(fn, batched=True, remove_columns=["_input"], desc="truncating", load_from_cache_file=False)
+    return ds.map(fn, batched=True, remove_columns=kept_fields, desc="truncating", load_from_cache_file=False)
 
 
 def apply_overlong(

@@ -108,7 +108,8 @@ def run_job(recipe: Recipe) -> TrainResult:
         run_dir.mkdir(parents=True, exist_ok=True)
         for stale in (rundir.ADAPTER, rundir.MODEL, rundir.MERGED):
             shutil.rmtree(run_dir / stale, ignore_errors=True)
-        (run_dir / EXIT).unlink(missing_ok=True)
+        for stale in (EXIT, rundir.CLASSIFICATION, rundir.CONFUSION_MATRIX):
+            (run_dir / stale).unlink(missing_ok=True)
         rundir.write_text(run_dir / rundir.RECIPE, dump_recipe(recipe))
         rundir.write_json(run_dir / rundir.DS_CONFIG, ds_config)
         log.open(keep=resume_from.state["loop"]["metrics_records"] if resume_from else None)
@@ -170,6 +171,14 @@ def run_job(recipe: Recipe) -> TrainResult:
                 compute_metrics(list(ev.metrics), out["predictions"], list(data.eval["reference"]))
             )
             log.predictions(out["predictions"], data.eval["reference"])
+            if data.stats.get("labels"):
+                from lorakit.evaluation.classify import record_classification
+
+                report = record_classification(
+                    run_dir, out["predictions"], list(data.eval["reference"]), data.stats["labels"]
+                )
+                # Percent, like accuracy: predictions that are no label word at all.
+                metrics["invalid"] = round(100.0 * report["invalid"] / report["examples"], 4)
         log({"kind": "eval", "step": step, "epoch": epoch, **metrics})
         return metrics
 
@@ -275,6 +284,7 @@ def run_job(recipe: Recipe) -> TrainResult:
         else None,
         "last_checkpoint": str(trainer.last_checkpoint) if trainer.last_checkpoint else None,
         "eval": dict(state.eval) or None,
+        "classification": rundir.read_json_if_exists(run_dir / rundir.CLASSIFICATION),
         "adapter_dir": saved.get("adapter_dir"),
         "model_dir": saved.get("model_dir"),
         # Set by lorakit.train once output.merge has merged (api.merge_after_training).

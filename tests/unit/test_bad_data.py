@@ -20,7 +20,11 @@ BAD_LINES = [
     ('{"input": "no target here"}', "column 'target' is missing"),
     ('{"input": null, "target": "b"}', "column 'input' is null"),
     ('{"input": "   ", "target": "b"}', "column 'input' is empty"),
-    ('{"input": "a", "target": 4}', "column 'target' is int, not text: 4"),
+    (
+        '{"input": "a", "target": 4}',
+        "column 'target' is the class id 4, not text; give data.label_names to turn class ids into words",
+    ),
+    ('{"input": 4.5, "target": "b"}', "column 'input' is float, not text: 4.5"),
     ('["input", "target"]', "a JSON array, not an object of columns"),
 ]
 

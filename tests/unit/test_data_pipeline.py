@@ -91,7 +91,10 @@ def test_local_file_sources(cache_dir, tmp_path):
         prompt_template="Q: {input}\nA:",
     )
     with pytest.raises(DataError, match="single file.*'train' split"):
-        _prepare(cache_dir, tmp_path, **recipe_kw)
+        _prepare(cache_dir, tmp_path, eval_split="validation", **recipe_kw)
+    # eval_split auto (the default) holds a row out of the single file instead.
+    held, _, _ = _prepare(cache_dir, tmp_path, **recipe_kw)
+    assert len(held.train) == 1 and len(held.eval) == 1 and held.stats["eval_source"]["held_out"]
     data, _, _ = _prepare(cache_dir, tmp_path, eval_split=None, **recipe_kw)
     assert len(data.train) == 2 and data.eval is None
     with pytest.raises(DataError, match="no such file"):

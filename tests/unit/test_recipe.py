@@ -189,7 +189,7 @@ def test_cross_field_checks_of_several_sections_are_reported_together():
         recipe_from_dict(raw)
     assert str(err.value).splitlines() == [
         "invalid recipe (3 problems):",
-        "  data.prompt_template must contain the placeholder {input}",
+        "  data.prompt_template names no column: put one in braces, e.g. {input} or {premise}",
         "  distributed.offload_params needs zero_stage 3",
         "  output.merge needs output.save_adapter: true (the merge reads the saved adapter or model)",
     ]

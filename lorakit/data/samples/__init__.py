@@ -7,10 +7,12 @@ from pathlib import Path
 
 from lorakit.errors import DataError
 
-# name -> directory (relative to this package) holding one {split}.jsonl per split.
+# name -> directory (relative to this package) holding one {split}.jsonl (or .parquet) per split.
 BUILTIN_DATASETS: dict[str, str] = {
     "news_summaries": "news_summaries",
     "dialogue_summaries": "dialogue_summaries",
+    # {split}.parquet: GLUE MNLI's columns and split names (make_mnli_sample.py).
+    "mnli_sample": "mnli_sample",
 }
 
 
