@@ -7,9 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import types
 
-from lorakit.cli import run_cli
+from lorakit.cli import callable_module, run_cli
 
 
 def parser() -> argparse.ArgumentParser:
@@ -75,17 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(body)
 
 
-class _CallableModule(types.ModuleType):
-    """`lorakit.plan` is both the function and this module's name: importing the module rebinds the
-    package attribute to the module, so the module forwards calls to lorakit.planner.plan."""
-
-    def __call__(self, *args, **kwargs):
-        from lorakit.planner import plan
-
-        return plan(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+# `lorakit.plan` is the function as well as this module.
+callable_module(__name__, "lorakit.planner:plan")
 
 if __name__ == "__main__":
     sys.exit(main())
