@@ -58,6 +58,16 @@ def _adds_eos(tokenizer) -> bool:
     return tokenizer("a")["input_ids"][-1:] == [tokenizer.eos_token_id]
 
 
+def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of instruction prompts, as training saw them before the response: the tokenizer's special
+    tokens (BOS), but no EOS, which belongs after the response."""
+    prompts = tokenizer(texts)["input_ids"]
+    if _adds_eos(tokenizer):
+        eos = tokenizer.eos_token_id
+        prompts = [p[:-1] if p[-1:] == [eos] else p for p in prompts]
+    return prompts
+
+
 class TemplateFailed(DataError):
     """The chat template refused one conversation (e.g. roles that do not alternate): a bad row."""
 
@@ -120,9 +130,23 @@ class _Chat:
 
     def prompt(self, messages: list[dict]) -> tuple[list[int], str]:
         """(prompt_ids, reference): the conversation before its last assistant turn, and that turn."""
+        reference = messages[-1]["content"] if messages[-1]["role"] == "assistant" else ""
+        return self.encode(self.prompt_text(messages)), reference
+
+    def prompt_text(self, messages: list[dict]) -> str:
+        """What generation continues: the conversation before its last assistant turn, rendered with the
+        template's generation prompt."""
         if messages[-1]["role"] == "assistant":
-            return self.encode(self.render(messages[:-1], generation_prompt=True)), messages[-1]["content"]
-        return self.encode(self.render(messages, generation_prompt=True)), ""
+            messages = messages[:-1]
+        return self.render(messages, generation_prompt=True)
+
+
+def chat_prompt(tokenizer, messages: list[dict], where: str) -> tuple[str, list[int]]:
+    """(text, token ids) that generation continues for a conversation, as training's eval prompts are made
+    (lorakit.data.causal); TemplateFailed (a DataError naming `where`) when the template refuses it."""
+    chat = _Chat(tokenizer, where)
+    text = chat.prompt_text(messages)
+    return text, chat.encode(text)
 
 
 def tokenize_causal(
@@ -134,7 +158,6 @@ def tokenize_causal(
     under data.on_bad_rows error; under skip they come out empty, with the reason in a `_bad` column for
     drop_refused to remove and count."""
     eos = tokenizer.eos_token_id
-    adds_eos = data.format != "chat" and _adds_eos(tokenizer)
 
     def with_eos(ids: list[int]) -> list[int]:
         return ids if ids[-1:] == [eos] else ids + [eos]
@@ -142,9 +165,7 @@ def tokenize_causal(
     def instruction(batch, first: int) -> dict[str, list]:
         rows = rows_of(batch)
         targets = [render_target(data, r) for r in rows]
-        prompts = tokenizer([render_prompt(data, r) for r in rows])["input_ids"]
-        if adds_eos:  # the EOS belongs after the response, not inside the sequence
-            prompts = [p[:-1] if p[-1:] == [eos] else p for p in prompts]
+        prompts = encode_prompts(tokenizer, [render_prompt(data, r) for r in rows])
         responses = [with_eos(r) for r in tokenizer(targets, add_special_tokens=False)["input_ids"]]
         ids = [p + r for p, r in zip(prompts, responses, strict=True)]
         if data.train_on_inputs:

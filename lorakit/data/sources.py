@@ -152,7 +152,8 @@ def _json_type(value: Any) -> str:
     return "null" if value is None else _JSON_TYPES.get(type(value), type(value).__name__)
 
 
-def _text_problem(value: Any) -> str | None:
+def text_problem(value: Any) -> str | None:
+    """Why `value` cannot be a text field (null, not a string, empty), or None when it can."""
     if value is None:
         return "is null"
     if not isinstance(value, str):
@@ -162,7 +163,8 @@ def _text_problem(value: Any) -> str | None:
     return None
 
 
-def _messages_problem(messages: Any) -> str | None:
+def messages_problem(messages: Any) -> str | None:
+    """Why `messages` is not a non-empty list of {role, content} texts, or None when it is."""
     if not isinstance(messages, list) or not messages:
         return f"must be a non-empty list of {{role, content}} messages, got {type(messages).__name__}: {messages!r:.60}"
     for j, m in enumerate(messages):
@@ -217,7 +219,7 @@ class _Collector:
                 value = row[column] = self._label(value)
                 if isinstance(value, _BadLabel):
                     return f"column {column!r} {value}", None
-            issue = _messages_problem(value) if column == self.chat else _text_problem(value)
+            issue = messages_problem(value) if column == self.chat else text_problem(value)
             if issue:
                 return f"column {column!r} {issue}", None
         return None

@@ -21,6 +21,12 @@ def normalize_label(text: str) -> str:
     return _WHITESPACE.sub(" ", text).strip().casefold()
 
 
+def match_label(text: str, labels: Sequence[str]) -> str | None:
+    """The label word `text` is (compared as normalize_label does), or None when it is no label word."""
+    wanted = normalize_label(text)
+    return next((label for label in labels if normalize_label(label) == wanted), None)
+
+
 def classification_report(
     predictions: Sequence[str], references: Sequence[str], labels: Sequence[str]
 ) -> dict[str, Any]:
@@ -87,6 +93,14 @@ def plot_confusion_matrix(report: dict[str, Any], path: Path, title: str = "conf
     tmp.replace(path)
 
 
+def save_classification(report: dict[str, Any], path: Path, plot: Path) -> None:
+    """Write a classification report as JSON at `path` and its confusion matrix as a PNG at `plot`."""
+    from lorakit import rundir
+
+    rundir.write_json(path, report)
+    plot_confusion_matrix(report, plot)
+
+
 def record_classification(
     run_dir: Path, predictions: Sequence[str], references: Sequence[str], labels: Sequence[str]
 ) -> dict[str, Any]:
@@ -95,6 +109,5 @@ def record_classification(
     from lorakit import rundir
 
     report = classification_report(predictions, references, labels)
-    rundir.write_json(run_dir / rundir.CLASSIFICATION, report)
-    plot_confusion_matrix(report, run_dir / rundir.CONFUSION_MATRIX)
+    save_classification(report, run_dir / rundir.CLASSIFICATION, run_dir / rundir.CONFUSION_MATRIX)
     return report
