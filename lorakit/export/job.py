@@ -25,7 +25,7 @@ from lorakit.export.adapter import (
     config_signature,
     read_adapter,
 )
-from lorakit.export.card import QLORA_NOTE, model_card
+from lorakit.export.card import CARD, QLORA_NOTE, model_card
 from lorakit.export.output import atomic_directory, check_output, parse_size
 from lorakit.export.sources import MergeSource, locate
 from lorakit.export.verify import RELATIVE_TOLERANCE, Check, compare, probe_batch, probe_logits
@@ -93,7 +93,7 @@ def merge(
     out = check_output(Path(output), force, protect)
     adapter = read_adapter(src.path) if src.kind == "adapter" else None
     torch_dtype = getattr(torch, dtype)
-    auto_cls, config = _model_class(src)
+    auto_cls, config = auto_model_class(src)
     batch = probe_batch(config, config.vocab_size)
     notes: list[str] = []
     checks: list[Check] = []
@@ -101,7 +101,7 @@ def merge(
 
     if adapter is None:
         _say(f"exporting: the fully fine-tuned model {src.path} in {dtype}")
-        model = _load(auto_cls, src.base_source, torch_dtype, src)
+        model = load_pretrained(auto_cls, src.base_source, torch_dtype, src)
         reference = probe_logits(model, batch)
         against = "the run's model"
     else:
@@ -140,7 +140,7 @@ def merge(
         del model
         gc.collect()
         # What a user will load: the directory just written, read back by transformers.
-        reloaded = _load(auto_cls, str(tmp), torch_dtype, None)
+        reloaded = load_pretrained(auto_cls, str(tmp), torch_dtype, None)
         reloaded_logits = probe_logits(reloaded, batch)
         del reloaded
         checks.append(
@@ -156,7 +156,7 @@ def merge(
             checks=[*checks, *([quantized] if quantized else [])],
             notes=notes,
         )
-        (tmp / "README.md").write_text(card)
+        (tmp / CARD).write_text(card)
     plural = "s" if shards != 1 else ""
     _say(
         f"saved:    {out} ({shards} safetensors shard{plural}, {dtype}) + tokenizer, generation config, README.md"
@@ -176,7 +176,9 @@ def _require(check: Check) -> Check:
     return check
 
 
-def _model_class(src: MergeSource):
+def auto_model_class(src: MergeSource):
+    """(AutoModelForSeq2SeqLM or AutoModelForCausalLM, the config) of what `src` loads: its base, or the
+    full model."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     try:
@@ -189,8 +191,8 @@ def _model_class(src: MergeSource):
     return (AutoModelForSeq2SeqLM if enc_dec else AutoModelForCausalLM), config
 
 
-def _load(auto_cls, source: str, torch_dtype: torch.dtype, src: MergeSource | None, **kwargs):
-    """The model on CPU in `torch_dtype`, eval mode."""
+def load_pretrained(auto_cls, source: str, torch_dtype: torch.dtype | str, src: MergeSource | None, **kwargs):
+    """The model in `torch_dtype` (or "auto": as saved), eval mode; on CPU unless kwargs place it."""
     model = auto_cls.from_pretrained(
         source,
         revision=src.revision if src is not None else None,
@@ -229,7 +231,7 @@ def _merged_model(src: MergeSource, adapter: Adapter, auto_cls, torch_dtype, bat
     """(merged model, reference logits of the adapter model, logits of the base alone), one model copy."""
     from peft import PeftModel
 
-    model = _load(auto_cls, src.base_source, torch_dtype, src)
+    model = load_pretrained(auto_cls, src.base_source, torch_dtype, src)
     check_fits(adapter, model, src.base_name)
     peft_model = PeftModel.from_pretrained(model, str(src.path), is_trainable=False)
     reference = probe_logits(peft_model, batch)
@@ -252,7 +254,7 @@ def _adapter_on_4bit(src: MergeSource, auto_cls, batch) -> torch.Tensor:
 
     train_dtype = getattr(torch, src.recipe.model.dtype)
     quant = bnb_config(src.recipe.method.quantization(), train_dtype)
-    model = _load(auto_cls, src.base_source, train_dtype, src, quantization_config=quant)
+    model = load_pretrained(auto_cls, src.base_source, train_dtype, src, quantization_config=quant)
     keep_standard_4bit_layout(model)  # the layout it trained in (on AVX512-BF16 CPUs too)
     logits = probe_logits(PeftModel.from_pretrained(model, str(src.path)), batch)
     del model
