@@ -26,6 +26,16 @@ def merge(source, output, **options):
     return _merge(source, output, **options)
 
 
+def generate(source, inputs, **options):
+    """Run a trained model (run, adapter or merged model directory) on `inputs` (a JSONL or text file, "-",
+    or a list of rows and texts) with the run's prompt template; returns GenerateResult(records, ...).
+    Options: output, max_new_tokens, num_beams, batch_size, device, dtype. See lorakit.inference.generation
+    and docs/inference.md."""
+    from lorakit.inference import generate as _generate
+
+    return _generate(source, inputs, **options)
+
+
 def plan(recipe, **options):
     """Plan a recipe's memory before renting GPUs: per-GPU and per-node CPU bytes, a fits verdict and the
     best setup that fits; returns a MemoryPlan. Options: gpus (default: the recipe's num_processes),
@@ -58,6 +68,7 @@ __all__ = [
     "RecipeError",
     "__version__",
     "compare",
+    "generate",
     "load_recipe",
     "merge",
     "plan",

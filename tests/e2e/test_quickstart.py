@@ -47,10 +47,11 @@ def noise_lines(proc) -> list[str]:
     return [line for line in (proc.stdout + proc.stderr).splitlines() if NOISE.search(line)]
 
 
-def run_cli(module, *args, timeout=900, env=None):
+def run_cli(module, *args, timeout=900, env=None, stdin=None):
     return subprocess.run(
         [sys.executable, "-m", module, *map(str, args)],
         cwd=ROOT,
+        input=stdin,
         capture_output=True,
         text=True,
         timeout=timeout,
