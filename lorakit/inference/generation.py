@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lorakit.errors import InferenceError
-from lorakit.inference.model import SOURCES_DOC, Trained, find_trained, load_model
+from lorakit.inference.model import OPTIONS_DOC, Trained, find_trained, load_model
 from lorakit.inference.prompts import InputRow, Prompter
 
 # max_new_tokens when the run says nothing better (no recipe number, no target cap in summary.json).
@@ -51,7 +51,7 @@ def default_max_new_tokens(trained: Trained) -> int:
 def _positive(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InferenceError(
-            f"--{name.replace('_', '-')} {value!r}: must be a whole number >= 1", doc=SOURCES_DOC
+            f"--{name.replace('_', '-')} {value!r}: must be a whole number >= 1", doc=OPTIONS_DOC
         )
     return value
 
@@ -79,9 +79,9 @@ def generate(
     out = Path(output).expanduser().resolve() if output is not None else None
     if out is not None and isinstance(inputs, str | Path) and str(inputs) != "-":
         if Path(inputs).expanduser().resolve() == out:
-            raise InferenceError(f"--output {output}: is the --input file; choose another", doc=SOURCES_DOC)
+            raise InferenceError(f"--output {output}: is the --input file; choose another", doc=OPTIONS_DOC)
     if out is not None and out.is_dir():
-        raise InferenceError(f"--output {output}: is a directory; give a file name", doc=SOURCES_DOC)
+        raise InferenceError(f"--output {output}: is a directory; give a file name", doc=OPTIONS_DOC)
     max_new = _positive("max_new_tokens", max_new_tokens or default_max_new_tokens(trained))
     _positive("num_beams", num_beams)
     _positive("batch_size", batch_size)

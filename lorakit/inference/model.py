@@ -15,6 +15,7 @@ from lorakit.export.sources import MergeSource, locate
 from lorakit.recipe import Recipe, recipe_from_dict
 
 SOURCES_DOC = "docs/inference.md#sources"
+OPTIONS_DOC = "docs/inference.md#generate"
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,12 @@ def pick_device(device: str | None = None):
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        where = torch.device(device)
     except RuntimeError as e:
-        raise InferenceError(f"--device {device!r}: {e}", doc=SOURCES_DOC) from e
+        raise InferenceError(f"--device {device!r}: {e}", doc=OPTIONS_DOC) from e
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise InferenceError(f"--device {device!r}: this machine has no CUDA GPU", doc=OPTIONS_DOC)
+    return where
 
 
 class LoadedModel:
@@ -123,7 +127,7 @@ def load_model(
     recipe = recipe or trained.recipe
     dtype = dtype or (recipe.model.dtype if recipe is not None else None)
     if dtype not in (None, "bfloat16", "float16", "float32"):
-        raise InferenceError(f"--dtype {dtype!r}: choose bfloat16, float16 or float32", doc=SOURCES_DOC)
+        raise InferenceError(f"--dtype {dtype!r}: choose bfloat16, float16 or float32", doc=OPTIONS_DOC)
     torch_dtype = getattr(torch, dtype) if dtype else "auto"
     where = pick_device(device)
     auto_cls, config = auto_model_class(src)

@@ -7,6 +7,7 @@ import shutil
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import lorakit
 from lorakit import rundir
@@ -84,7 +85,6 @@ def test_a_model_without_recipe_takes_text_lines_as_given(mnli_run, mnli_merged,
 
 
 def test_causal_adapter_decodes_only_the_continuation(cache_dir, tmp_path):
-    import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -121,6 +121,11 @@ def test_bad_input_is_refused_before_loading_and_writes_nothing(mnli_run, tmp_pa
         lorakit.generate(tmp_path / "nowhere", eval_rows(1), output=out)
     with pytest.raises(DataError, match="not a JSON object, but the prompt template"):
         lorakit.generate(mnli_run, ["a plain line"], output=out)
+    with pytest.raises(InferenceError, match="--batch-size 0: must be a whole number >= 1"):
+        lorakit.generate(mnli_run, eval_rows(1), output=out, batch_size=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(InferenceError, match="--device 'cuda': this machine has no CUDA GPU"):
+            lorakit.generate(mnli_run, eval_rows(1), output=out, device="cuda")
     assert not out.exists()
 
 
