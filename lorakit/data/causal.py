@@ -14,7 +14,7 @@ import datasets
 import jinja2
 import numpy as np
 
-from lorakit.data.sources import BAD_ROWS_DOC, MAX_QUOTED, OVERLONG_DOC, RowLocator, SourceRows
+from lorakit.data.sources import BAD_ROWS_DOC, MAX_QUOTED, OVERLONG_DOC, SOURCE, RowLocator, SourceRows
 from lorakit.data.templates import render_prompt, render_target, rows_of
 from lorakit.data.tokenize import Lengths
 from lorakit.errors import DataError
@@ -190,12 +190,15 @@ def tokenize_causal(
         rows["length"] = [len(x) for x in rows["input_ids"]]
         return rows
 
+    features = CHAT_FEATURES if data.format == "chat" else FEATURES
+    if SOURCE in ds.column_names:  # a mixture's source names stay with their rows
+        features = datasets.Features({**features, SOURCE: datasets.Value("string")})
     return ds.map(
         fn,
         batched=True,
         with_indices=True,
-        remove_columns=ds.column_names,
-        features=CHAT_FEATURES if data.format == "chat" else FEATURES,
+        remove_columns=[c for c in ds.column_names if c != SOURCE],
+        features=features,
         num_proc=num_proc,
         desc="tokenizing",
         load_from_cache_file=False,

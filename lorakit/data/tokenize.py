@@ -10,7 +10,7 @@ from typing import Any
 import datasets
 import numpy as np
 
-from lorakit.data.sources import OVERLONG_DOC, SourceRows
+from lorakit.data.sources import OVERLONG_DOC, SOURCE, SourceRows
 from lorakit.data.templates import fit_prompt, prompt_columns, render_prompt, render_target, rows_of
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
@@ -87,7 +87,8 @@ def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: 
     return ds.map(
         fn,
         batched=True,
-        remove_columns=ds.column_names,
+        # A mixture's source names stay with their rows.
+        remove_columns=[c for c in ds.column_names if c != SOURCE],
         num_proc=num_proc,
         desc="tokenizing",
         load_from_cache_file=False,
