@@ -46,7 +46,9 @@ def _live_storages(device_type: str | None = None) -> dict[int, torch.UntypedSto
         # isinstance() on some deprecated torch.distributed objects warns; they are not tensors anyway.
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
-            if not isinstance(obj, torch.Tensor) or obj.is_meta:
+            # type(), not isinstance(): isinstance() reads __class__, and a weakref.proxy whose referent
+            # died raises ReferenceError on that.
+            if not issubclass(type(obj), torch.Tensor) or obj.is_meta:
                 continue
             try:
                 storage = obj.untyped_storage()
