@@ -21,6 +21,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from lorakit.data.sampler import check_rank, check_within, length_array, positive_int
+
 # A bin's content: (length, how many examples of that length), longest first.
 Content = tuple[tuple[int, int], ...]
 
@@ -127,29 +129,12 @@ class MultipackBatchSampler:
         drop_last: bool = False,
         quadratic_scale: float = 16384.0,
     ):
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is outside num_replicas {num_replicas}")
-        if int(max_tokens) != max_tokens or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        check_rank(rank, num_replicas)
+        max_tokens = positive_int(max_tokens, "max_tokens")
         if quadratic_scale <= 0:
             raise ValueError(f"quadratic_scale must be positive, got {quadratic_scale!r}")
-        max_tokens = int(max_tokens)
-        arr = np.asarray(lengths)
-        if arr.ndim != 1:
-            raise ValueError(f"lengths must be a flat sequence, got shape {arr.shape}")
-        if len(arr) == 0:
-            raise ValueError("no examples to pack")
-        if arr.dtype.kind not in "iu":
-            if arr.dtype.kind != "f" or not np.all(np.mod(arr, 1) == 0):
-                raise ValueError(f"lengths must be integers, got dtype {arr.dtype}")
-        self.lengths = arr.astype(np.int64)
-        bad = np.flatnonzero((self.lengths < 1) | (self.lengths > max_tokens))
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(
-                f"example {i} has length {int(self.lengths[i])}, outside [1, max_tokens={max_tokens}]; "
-                "truncate or drop over-long examples before packing"
-            )
+        self.lengths = length_array(lengths)
+        check_within(self.lengths, max_tokens, "length", "max_tokens")
         self.max_tokens, self.num_replicas, self.rank = max_tokens, num_replicas, rank
         self.seed, self.drop_last, self.epoch = seed, drop_last, 0
         self.quadratic_scale = float(quadratic_scale)

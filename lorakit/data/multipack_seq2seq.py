@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from lorakit.data.multipack import steps_lightest_last
+from lorakit.data.sampler import check_rank, check_within, length_array, target_array
 
 # Retire full bins from the search every this many placements.
 _COMPACT_EVERY = 256
@@ -149,20 +150,11 @@ class Seq2SeqMultipackBatchSampler:
         drop_last: bool = False,
         quadratic_scale: float = 16384.0,
     ):
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is outside num_replicas {num_replicas}")
-        a = np.asarray(source_lengths, dtype=np.int64)
-        b = np.asarray(target_lengths, dtype=np.int64)
-        if a.ndim != 1 or a.shape != b.shape or len(a) == 0:
-            raise ValueError("source and target lengths must be flat, non-empty and of equal length")
-        for name, x, cap in (("source", a, max_source_tokens), ("target", b, max_target_tokens)):
-            bad = np.flatnonzero((x < 1) | (x > cap))
-            if len(bad):
-                i = int(bad[0])
-                raise ValueError(
-                    f"example {i} has {name} length {int(x[i])}, outside [1, {cap}]; truncate or drop "
-                    "over-long examples before packing"
-                )
+        check_rank(rank, num_replicas)
+        a = length_array(source_lengths, "source_lengths")
+        b = target_array(target_lengths, a)
+        check_within(a, max_source_tokens, "source length", "max_source_tokens")
+        check_within(b, max_target_tokens, "target length", "max_target_tokens")
         self.source_lengths, self.target_lengths = a, b
         self.max_source_tokens, self.max_target_tokens = int(max_source_tokens), int(max_target_tokens)
         self.num_replicas, self.rank, self.seed, self.epoch = num_replicas, rank, seed, 0

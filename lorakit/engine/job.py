@@ -22,13 +22,10 @@ from lorakit.data import (
     Seq2SeqCollator,
     prepare_data,
 )
+from lorakit.data.balanced import BalancedRandomBatchSampler
 from lorakit.data.multipack_seq2seq import Seq2SeqMultipackBatchSampler, default_max_target_tokens
-from lorakit.data.sampler import (
-    BalancedRandomBatchSampler,
-    ResumableBatchSampler,
-    TokenBudgetBatchSampler,
-    token_budget_for_rows,
-)
+from lorakit.data.sampler import ResumableBatchSampler
+from lorakit.data.token_budget import TokenBudgetBatchSampler, token_budget_for_rows
 from lorakit.engine import checkpoint, dist
 from lorakit.engine.checkpoint import LoopState
 from lorakit.engine.deepspeed_config import build_ds_config

@@ -82,7 +82,7 @@ def _batching(recipe, world=1, rank=0):
 
 
 def test_packed_t5_rows_hold_micro_batch_size_random_examples_by_default(tmp_path):
-    from lorakit.data.sampler import BalancedRandomBatchSampler
+    from lorakit.data.balanced import BalancedRandomBatchSampler
 
     b = _batching(_recipe(tmp_path, micro_batch_size=8, gradient_accumulation_steps=2), world=2)
     assert isinstance(b.sampler, BalancedRandomBatchSampler)
