@@ -16,6 +16,8 @@ _EXPORTS = {
     "BalancedRandomBatchSampler": "lorakit.data.balanced",
     "LengthGroupedBatchSampler": "lorakit.data.sampler",
     "TokenBudgetBatchSampler": "lorakit.data.token_budget",
+    "Batching": "lorakit.data.batching",
+    "make_batching": "lorakit.data.batching",
     "MultipackBatchSampler": "lorakit.data.multipack",
 }
 

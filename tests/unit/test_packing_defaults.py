@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from lorakit.engine.job import seq2seq_packing_max_tokens
+from lorakit.data.batching import seq2seq_packing_max_tokens
 from lorakit.errors import RecipeError
 from lorakit.model.attention import packing_enabled
 from lorakit.recipe import recipe_from_dict
@@ -67,7 +67,7 @@ def test_explicit_max_tokens_wins(tmp_path):
 
 
 def _batching(recipe, world=1, rank=0):
-    from lorakit.engine.job import make_batching
+    from lorakit.data.batching import make_batching
 
     rng = np.random.default_rng(0)
     src, tgt = rng.integers(20, 140, 256), rng.integers(5, 30, 256)
@@ -77,7 +77,7 @@ def _batching(recipe, world=1, rank=0):
     )
     config = SimpleNamespace(is_encoder_decoder=True, decoder_start_token_id=0)
     return make_batching(
-        recipe, data, SimpleNamespace(pad_token_id=0), config, SimpleNamespace(packing=True), world, rank
+        recipe, data, SimpleNamespace(pad_token_id=0), config, packing=True, world=world, rank=rank
     )
 
 
