@@ -33,6 +33,7 @@ from lorakit.evaluation.generate import evaluate_model
 from lorakit.meter import live_tensor_bytes, peak_memory
 from lorakit.model import build_model, count_parameters, load_config, load_tokenizer
 from lorakit.model.quantize import describe_quantization, quantization_summary
+from lorakit.observe import MetricsLogger
 from lorakit.recipe import Recipe, dump_recipe
 
 # Written by rank 0 when training stops early with its own exit code (preempted, diverged).
@@ -88,7 +89,7 @@ def run_job(recipe: Recipe) -> TrainResult:
     built = build_model(recipe, ds_config)
     trainable, total = count_parameters(built.model)
 
-    log = _Logger(run_dir if main else None)
+    log = MetricsLogger()
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         for stale in (rundir.ADAPTER, rundir.MODEL, rundir.MERGED):
@@ -96,7 +97,9 @@ def run_job(recipe: Recipe) -> TrainResult:
         (run_dir / EXIT).unlink(missing_ok=True)
         rundir.write_text(run_dir / rundir.RECIPE, dump_recipe(recipe))
         rundir.write_json(run_dir / rundir.DS_CONFIG, ds_config)
-        log.open(keep=resume_from.state["loop"]["metrics_records"] if resume_from else None)
+        log = MetricsLogger.for_run(
+            run_dir, keep=resume_from.state["loop"]["metrics_records"] if resume_from else None
+        )
 
     t = recipe.train
     batching = make_batching(
@@ -156,12 +159,12 @@ def run_job(recipe: Recipe) -> TrainResult:
             metrics.update(
                 compute_metrics(list(ev.metrics), out["predictions"], list(data.eval["reference"]))
             )
-            log.predictions(out["predictions"], data.eval["reference"])
+            rundir.write_predictions(run_dir, out["predictions"], list(data.eval["reference"]))
         log({"kind": "eval", "step": step, "epoch": epoch, **metrics})
         return metrics
 
     def save(reason: str) -> Path:
-        state.metrics_records = log.count
+        state.metrics_records = log.records
         meter = trainer.meter
         return checkpoint.save_checkpoint(
             engine,
@@ -328,39 +331,3 @@ def release(engine, built) -> None:
     engine.destroy()
     built.hf_ds_config = None
     unset_hf_deepspeed_config()
-
-
-class _Logger:
-    """metrics.jsonl and eval predictions, written by rank 0 only."""
-
-    def __init__(self, run_dir: Path | None):
-        self.run_dir = run_dir
-        self._metrics: rundir.MetricsLog | None = None
-
-    @property
-    def count(self) -> int:
-        """Lines written to metrics.jsonl so far (0 on the ranks that write none)."""
-        return self._metrics.count if self._metrics is not None else 0
-
-    def open(self, keep: int | None = None) -> None:
-        self._metrics = rundir.MetricsLog(self.run_dir / rundir.METRICS, keep=keep)
-
-    def __call__(self, record: dict[str, Any]) -> None:
-        if self._metrics is not None:
-            self._metrics.write(record)
-
-    def predictions(self, predictions: list[str], references: list[str]) -> None:
-        if self.run_dir is None:
-            return
-        import json
-
-        lines = (
-            json.dumps({"prediction": p, "reference": r})
-            for p, r in zip(predictions, references, strict=True)
-        )
-        rundir.write_text(self.run_dir / "eval_predictions.jsonl", "\n".join(lines) + "\n")
-
-    def close(self) -> None:
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
