@@ -1,10 +1,15 @@
-"""One training job, run by every process of the group: build, train, evaluate, save, summarise."""
+"""One training job, run by every process of the group.
+
+`run_job` reads as the job runs: resume lookup -> model config and tokenizer -> data -> model -> run
+directory -> batching -> engine -> resume -> loop -> save -> summary. The steps after the engine share a
+`Job`, whose methods are the loop's evaluation and checkpoint callbacks.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,16 +17,17 @@ import torch
 from torch.utils.data import DataLoader
 
 from lorakit import rundir
-from lorakit.data import prepare_data
-from lorakit.data.batching import make_batching
+from lorakit.data import PreparedData, prepare_data
+from lorakit.data.batching import Batching, make_batching
 from lorakit.data.sampler import ResumableBatchSampler
 from lorakit.engine import checkpoint, dist
-from lorakit.engine.checkpoint import LoopState
+from lorakit.engine.checkpoint import Checkpoint, LoopState
 from lorakit.engine.deepspeed_config import build_ds_config
 from lorakit.engine.loop import (
     Checkpointing,
     NonFinitePolicy,
     Preempted,
+    StepPlan,
     Trainer,
     TrainingDiverged,
     plan_steps,
@@ -29,9 +35,10 @@ from lorakit.engine.loop import (
 from lorakit.engine.save import save_trained
 from lorakit.engine.schedule import lambda_lr_factory
 from lorakit.engine.signals import StopRequests
-from lorakit.evaluation.generate import evaluate_model
-from lorakit.meter import live_tensor_bytes, peak_memory
-from lorakit.model import build_model, count_parameters, load_config, load_tokenizer
+from lorakit.engine.summary import MemoryProbe, summarize
+from lorakit.evaluation.generate import auto_max_new_tokens, evaluate_model
+from lorakit.meter import TokenMeter
+from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
 from lorakit.model.quantize import describe_quantization, quantization_summary
 from lorakit.observe import MetricsLogger
 from lorakit.recipe import Recipe, dump_recipe
@@ -48,6 +55,46 @@ class TrainResult:
     summary: dict[str, Any]
 
 
+def run_job(recipe: Recipe) -> TrainResult:
+    """Train `recipe` in this process group (already initialised) and write the run directory on rank 0."""
+    run_dir = Path(recipe.output.dir).expanduser().resolve()
+    # Before any work: a checkpoint from another recipe or world size is refused here, not after loading.
+    resume_from = checkpoint.find_resume(recipe, run_dir)
+    source, config = load_config(recipe)
+    tokenizer = load_tokenizer(recipe, source)
+    data = prepare_everywhere(recipe, tokenizer, config)
+    ds_config = deepspeed_config(recipe, config)
+    memory = MemoryProbe(device_kind())
+    built = build_model(recipe, ds_config)
+    params = count_parameters(built.model)
+    log = open_run_dir(recipe, run_dir, ds_config, resume_from)
+    batching = make_batching(
+        recipe, data, tokenizer, config, packing=built.packing, world=dist.world_size(), rank=dist.rank()
+    )
+    loader = make_loader(data, batching, seed=recipe.train.seed)
+    t = recipe.train
+    plan = plan_steps(len(loader.batch_sampler), t.gradient_accumulation_steps, t.epochs, t.max_steps)
+    _say(batching.describe(plan, dist.world_size()))
+    engine, quantization = start_engine(recipe, built, ds_config, plan)
+    job = Job(
+        recipe, run_dir, config, tokenizer, data, built, params, batching, plan, engine, quantization, log
+    )
+    job.resume(resume_from)
+    trainer = job.trainer(loader)
+    job.train(trainer)
+    model_states = memory.model_states()
+    saved = save_trained(engine, built, recipe, run_dir) if recipe.output.save_adapter else {}
+    summary = summarize(job, trainer, memory.peak(model_states), saved, memory.device_kind).to_json()
+    job.finish(summary)
+    return TrainResult(run_dir, summary)
+
+
+def _say(line: str) -> None:
+    """Print a line for the user, once (rank 0)."""
+    if dist.is_main():
+        print(line, flush=True)
+
+
 def accelerator_name() -> str:
     """DeepSpeed's accelerator for this machine: `cuda`, or `cpu` where there is no GPU."""
     from deepspeed.accelerator import get_accelerator
@@ -55,7 +102,13 @@ def accelerator_name() -> str:
     return get_accelerator().device_name()
 
 
-def _prepare_everywhere(recipe: Recipe, tokenizer, config):
+def device_kind() -> str:
+    """Where the run's tensors live, as torch names the device type: `cpu` or `cuda`."""
+    return "cpu" if accelerator_name() == "cpu" else "cuda"
+
+
+def prepare_everywhere(recipe: Recipe, tokenizer, config) -> PreparedData:
+    """The recipe's PreparedData on every rank, tokenized once."""
     # Rank 0 tokenizes (or finds the cache); the others wait and then read its cache entry. Where nodes do
     # not share data.cache_dir, the first process of each other node then tokenizes once for its node.
     data = prepare_data(recipe, tokenizer, config) if dist.is_main() else None
@@ -63,60 +116,58 @@ def _prepare_everywhere(recipe: Recipe, tokenizer, config):
     if data is None and os.environ.get("LOCAL_RANK", "0") == "0":
         data = prepare_data(recipe, tokenizer, config)
     dist.barrier()
-    return data if data is not None else prepare_data(recipe, tokenizer, config)
-
-
-def run_job(recipe: Recipe) -> TrainResult:
-    """Train `recipe` in this process group (already initialised) and write the run directory on rank 0."""
-    import deepspeed
-
-    world, main = dist.world_size(), dist.is_main()
-    run_dir = Path(recipe.output.dir).expanduser().resolve()
-    # Before any work: a checkpoint from another recipe or world size is refused here, not after loading.
-    resume_from = checkpoint.find_resume(recipe, run_dir)
-    source, config = load_config(recipe)
-    tokenizer = load_tokenizer(recipe, source)
-    data = _prepare_everywhere(recipe, tokenizer, config)
-    if main and not (dist.world_size() > 1 and data.cache_hit):
+    data = data if data is not None else prepare_data(recipe, tokenizer, config)
+    if not (dist.world_size() > 1 and data.cache_hit):
         # Under a multi-process launch from lorakit.train, the launcher already reported the data step.
-        print(data.describe(), flush=True)
+        _say(data.describe())
+    return data
+
+
+def deepspeed_config(recipe: Recipe, config) -> dict[str, Any]:
+    """The recipe's DeepSpeed config for this group and accelerator (buckets sized by the hidden size)."""
     hidden = getattr(config, "d_model", None) or getattr(config, "hidden_size", None)
-    ds_config = build_ds_config(recipe, world, accelerator=accelerator_name(), hidden_size=hidden)
-    zero3 = recipe.distributed.zero_stage == 3
-    device_kind = "cpu" if accelerator_name() == "cpu" else "cuda"
-    # Tensors alive before the model exists, so model states are measured as what the run added.
-    tensors_before = live_tensor_bytes(device_kind)
-    built = build_model(recipe, ds_config)
-    trainable, total = count_parameters(built.model)
+    return build_ds_config(recipe, dist.world_size(), accelerator=accelerator_name(), hidden_size=hidden)
 
-    log = MetricsLogger()
-    if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (rundir.ADAPTER, rundir.MODEL, rundir.MERGED):
-            shutil.rmtree(run_dir / stale, ignore_errors=True)
-        (run_dir / EXIT).unlink(missing_ok=True)
-        rundir.write_text(run_dir / rundir.RECIPE, dump_recipe(recipe))
-        rundir.write_json(run_dir / rundir.DS_CONFIG, ds_config)
-        log = MetricsLogger.for_run(
-            run_dir, keep=resume_from.state["loop"]["metrics_records"] if resume_from else None
-        )
 
-    t = recipe.train
-    batching = make_batching(
-        recipe, data, tokenizer, config, packing=built.packing, world=world, rank=dist.rank()
+def open_run_dir(
+    recipe: Recipe, run_dir: Path, ds_config: dict, resume_from: Checkpoint | None
+) -> MetricsLogger:
+    """Rank 0 clears what an earlier run left for this one to write, writes the resolved recipe and the
+    DeepSpeed config, and opens the metrics (continuing them on resume); returns the MetricsLogger (one
+    without sinks on the other ranks)."""
+    if not dist.is_main():
+        return MetricsLogger()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (rundir.ADAPTER, rundir.MODEL, rundir.MERGED):
+        shutil.rmtree(run_dir / stale, ignore_errors=True)
+    (run_dir / EXIT).unlink(missing_ok=True)
+    rundir.write_text(run_dir / rundir.RECIPE, dump_recipe(recipe))
+    rundir.write_json(run_dir / rundir.DS_CONFIG, ds_config)
+    return MetricsLogger.for_run(
+        run_dir, keep=resume_from.state["loop"]["metrics_records"] if resume_from else None
     )
-    sampler = ResumableBatchSampler(batching.sampler)
+
+
+def make_loader(data: PreparedData, batching: Batching, seed: int) -> DataLoader:
+    """The training DataLoader; its batch_sampler is a ResumableBatchSampler around the batching's."""
     # Its own generator: a DataLoader draws a seed from the global torch RNG for every epoch's iterator,
     # which would shift dropout's random stream by one draw in a run resumed mid-epoch.
-    loader = DataLoader(
+    return DataLoader(
         data.train,
-        batch_sampler=sampler,
+        batch_sampler=ResumableBatchSampler(batching.sampler),
         collate_fn=batching.collator,
-        generator=torch.Generator().manual_seed(t.seed),
+        generator=torch.Generator().manual_seed(seed),
     )
-    plan = plan_steps(len(sampler), t.gradient_accumulation_steps, t.epochs, t.max_steps)
-    if main:
-        print(batching.describe(plan, world), flush=True)
+
+
+def start_engine(
+    recipe: Recipe, built: BuiltModel, ds_config: dict, plan: StepPlan
+) -> tuple[Any, dict | None]:
+    """deepspeed.initialize over the trainable parameters with the recipe's LR schedule; returns the engine
+    and, for QLoRA, the quantization summary (printed)."""
+    import deepspeed
+
+    t = recipe.train
     engine, *_ = deepspeed.initialize(
         model=built.model,
         model_parameters=[p for p in built.model.parameters() if p.requires_grad],
@@ -125,202 +176,9 @@ def run_job(recipe: Recipe) -> TrainResult:
     )
     # After deepspeed.initialize, so under ZeRO-3 it counts the partitioned base through ds_numel.
     quantization = quantization_summary(engine.module, recipe) if recipe.method.quantization() else None
-    if main and quantization:
-        print(describe_quantization(quantization), flush=True)
-    state, counters = LoopState(), None
-    if resume_from is not None:
-        state, counters = checkpoint.load_checkpoint(engine, resume_from, adapter=recipe.method.adapter())
-        if main:
-            print(
-                f"resuming from {resume_from.path} (step {state.step} of {plan.total_steps}, epoch "
-                f"{state.epoch + 1}, {state.micro_batches_done} micro-batches into it)",
-                flush=True,
-            )
-
-    def evaluate(epoch: int, step: int) -> dict[str, Any]:
-        from lorakit.evaluation import compute_metrics
-
-        ev = recipe.eval
-        max_new = auto_max_new_tokens(data) if ev.max_new_tokens == "auto" else ev.max_new_tokens
-        out = evaluate_model(
-            engine,
-            built.inputs,
-            data.eval,
-            batching.eval_collator,
-            tokenizer,
-            batch_size=ev.micro_batch_size or t.micro_batch_size,
-            generate=ev.generate,
-            max_new_tokens=max_new,
-            num_beams=ev.num_beams,
-            zero3=zero3,
-        )
-        metrics = {"loss": out["loss"]}
-        if ev.generate and main:
-            metrics.update(
-                compute_metrics(list(ev.metrics), out["predictions"], list(data.eval["reference"]))
-            )
-            rundir.write_predictions(run_dir, out["predictions"], list(data.eval["reference"]))
-        log({"kind": "eval", "step": step, "epoch": epoch, **metrics})
-        return metrics
-
-    def save(reason: str) -> Path:
-        state.metrics_records = log.records
-        meter = trainer.meter
-        return checkpoint.save_checkpoint(
-            engine,
-            recipe,
-            run_dir,
-            state,
-            {"samples": meter.samples, "real": meter.real, "slots": meter.slots},
-            adapter=recipe.method.adapter(),
-            reason=reason,
-        )
-
-    progress = None
-    if main:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(
-            total=plan.total_steps, initial=state.step, desc="training", unit="step", dynamic_ncols=True
-        )
-    ck = recipe.checkpoint
-    stops = StopRequests()
-    trainer = Trainer(
-        engine,
-        built.inputs,
-        loader,
-        sampler,
-        plan,
-        t.gradient_accumulation_steps,
-        log,
-        evaluate if recipe.eval_active() and data.eval is not None else None,
-        progress,
-        log_every=t.log_every,
-        state=state,
-        checkpointing=Checkpointing(save, ck.every, ck.at_epoch_end),
-        nonfinite=NonFinitePolicy(t.on_nonfinite, t.max_skipped_steps),
-        stop_requested=stops.requested,
-    )
-    if counters is not None:
-        trainer.meter.samples, trainer.meter.real, trainer.meter.slots = (
-            counters["samples"],
-            counters["real"],
-            counters["slots"],
-        )
-    try:
-        with stops:
-            trainer.run()
-    except (Preempted, TrainingDiverged) as e:
-        if main:
-            # The launching process (lorakit.train over torchrun) reads this to exit with the same code.
-            rundir.write_json(
-                run_dir / EXIT, {"code": e.exit_code, "error": type(e).__name__, "message": str(e)}
-            )
-        log.close()
-        release(engine, built)
-        raise
-    finally:
-        if progress is not None:
-            progress.close()
-
-    # Between steps: what stays resident (weights, gradients, optimizer state), the planner's model states.
-    (model_states,) = dist.all_reduce([live_tensor_bytes(device_kind) - tensors_before], op="max")
-    saved = save_trained(engine, built, recipe, run_dir) if recipe.output.save_adapter else {}
-    memory = peak_memory()
-    gpu_peak, rss_peak = dist.all_reduce([memory["gpu"] or 0, memory["cpu_rss"]], op="max")
-    summary = {
-        "method": recipe.method.kind,
-        "model": recipe.model.name_or_path,
-        "model_source": built.source,
-        "attention": built.attention,
-        "dtype": recipe.model.dtype,
-        "world_size": world,
-        "zero_stage": recipe.distributed.zero_stage,
-        "trainable_params": trainable,
-        "total_params": total,
-        "quantization": quantization,
-        "steps": trainer.step,
-        "epochs": plan.epochs,
-        "train_samples": int(dist.all_reduce([trainer.meter.samples])[0]),
-        "train_tokens": trainer.global_real_tokens,
-        "padded_tokens": trainer.global_token_slots,
-        "packing_efficiency": trainer.global_real_tokens / max(trainer.global_token_slots, 1),
-        "batching": batching.summary(plan),
-        "tokens_per_second": trainer.tokens_per_second(),
-        "train_seconds": trainer.train_seconds,
-        "peak_memory_bytes": {
-            "gpu": int(gpu_peak) if memory["gpu"] is not None else None,
-            "cpu_rss": int(rss_peak),
-            "model_states": int(model_states),
-        },
-        # The memory planner's answer for this recipe and launch, next to what was measured above.
-        "plan": _plan_of_run(recipe, config, data, world, device_kind),
-        "loss": {
-            "first": trainer.losses[0] if trainer.losses else None,
-            "last": trainer.losses[-1] if trainer.losses else None,
-        },
-        "skipped_steps": list(state.skipped_steps),
-        "resumed_from": {"checkpoint": str(resume_from.path), "step": resume_from.step}
-        if resume_from
-        else None,
-        "last_checkpoint": str(trainer.last_checkpoint) if trainer.last_checkpoint else None,
-        "eval": dict(state.eval) or None,
-        "adapter_dir": saved.get("adapter_dir"),
-        "model_dir": saved.get("model_dir"),
-        # Set by lorakit.train once output.merge has merged (api.merge_after_training).
-        "merged_dir": None,
-        "data": {
-            "cache_dir": str(data.path),
-            "max_source_length": data.lengths.max_source_length,
-            "max_target_length": data.lengths.max_target_length,
-            "max_length": data.lengths.max_length,
-            **data.stats,
-        },
-        "versions": rundir.versions(),
-        "git_revision": rundir.git_revision(),
-    }
-    if main:
-        rundir.write_json(run_dir / rundir.SUMMARY, summary)
-        log.close()
-    dist.barrier()
-    release(engine, built)
-    return TrainResult(run_dir, summary)
-
-
-def _plan_of_run(recipe: Recipe, config, data, world: int, device_kind: str) -> dict[str, Any]:
-    """lorakit.plan for this run (its launch shape, data lengths and device), recorded in summary.json so
-    every run checks the planner; a model the planner does not know gives {"error": ...}, never a crash."""
-    from lorakit.planner import plan
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    gpu_memory = torch.cuda.get_device_properties(0).total_memory if device_kind == "cuda" else None
-    try:
-        return plan(
-            recipe,
-            gpus=local,
-            nodes=max(world // local, 1),
-            config=config,
-            device=device_kind,
-            gpu_memory=gpu_memory,
-            seq_len=data.lengths.max_source_length or data.lengths.max_length,
-            target_len=data.lengths.max_target_length,
-        ).to_dict()
-    except Exception as e:  # noqa: BLE001 - the plan is a report; training already succeeded
-        return {"error": f"{type(e).__name__}: {e}"}
-
-
-def auto_max_new_tokens(data) -> int:
-    """Generation cap when eval.max_new_tokens is auto: the target cap (seq2seq), else the longest eval
-    response (causal: tokens after the prompt)."""
-    if data.lengths.max_target_length is not None:
-        return data.lengths.max_target_length
-    return max(
-        (
-            length - len(prompt)
-            for length, prompt in zip(data.eval["length"], data.eval["prompt_ids"], strict=True)
-        ),
-        default=1,
-    )
+    if quantization:
+        _say(describe_quantization(quantization))
+    return engine, quantization
 
 
 def release(engine, built) -> None:
@@ -331,3 +189,139 @@ def release(engine, built) -> None:
     engine.destroy()
     built.hf_ds_config = None
     unset_hf_deepspeed_config()
+
+
+@dataclass
+class Job:
+    """What the steps after deepspeed.initialize share (every rank): the engine, the data and the metrics,
+    the loop's state and this rank's token counts."""
+
+    recipe: Recipe
+    run_dir: Path
+    config: Any
+    tokenizer: Any
+    data: PreparedData
+    built: BuiltModel
+    # (trainable, total) parameters as built.
+    params: tuple[int, int]
+    batching: Batching
+    plan: StepPlan
+    engine: Any
+    # QLoRA's quantization summary (start_engine); None for other methods.
+    quantization: dict[str, Any] | None
+    log: MetricsLogger
+    resumed_from: Checkpoint | None = None
+    state: LoopState = field(default_factory=LoopState)
+    meter: TokenMeter = field(default_factory=TokenMeter)
+    stops: StopRequests = field(default_factory=StopRequests)
+
+    def resume(self, ckpt: Checkpoint | None) -> None:
+        """Restore engine, RNG states, loop state and this rank's counts from `ckpt` (collective)."""
+        if ckpt is None:
+            return
+        self.resumed_from = ckpt
+        self.state, counters = checkpoint.load_checkpoint(
+            self.engine, ckpt, adapter=self.recipe.method.adapter()
+        )
+        self.meter = TokenMeter.from_counters(counters)
+        st = self.state
+        _say(
+            f"resuming from {ckpt.path} (step {st.step} of {self.plan.total_steps}, epoch {st.epoch + 1}, "
+            f"{st.micro_batches_done} micro-batches into it)"
+        )
+
+    def evaluate(self, epoch: int, step: int) -> dict[str, Any]:
+        """Eval loss (and generation metrics) on every rank; rank 0 logs them and the predictions."""
+        from lorakit.evaluation import compute_metrics
+
+        ev, data = self.recipe.eval, self.data
+        out = evaluate_model(
+            self.engine,
+            self.built.inputs,
+            data.eval,
+            self.batching.eval_collator,
+            self.tokenizer,
+            batch_size=ev.micro_batch_size or self.recipe.train.micro_batch_size,
+            generate=ev.generate,
+            max_new_tokens=auto_max_new_tokens(data) if ev.max_new_tokens == "auto" else ev.max_new_tokens,
+            num_beams=ev.num_beams,
+            zero3=self.recipe.distributed.zero_stage == 3,
+        )
+        metrics = {"loss": out["loss"]}
+        if ev.generate and dist.is_main():
+            references = list(data.eval["reference"])
+            metrics.update(compute_metrics(list(ev.metrics), out["predictions"], references))
+            rundir.write_predictions(self.run_dir, out["predictions"], references)
+        self.log({"kind": "eval", "step": step, "epoch": epoch, **metrics})
+        return metrics
+
+    def save_checkpoint(self, reason: str) -> Path:
+        """A resumable checkpoint of the current step (collective); returns its path."""
+        self.state.metrics_records = self.log.records
+        return checkpoint.save_checkpoint(
+            self.engine,
+            self.recipe,
+            self.run_dir,
+            self.state,
+            self.meter.counters(),
+            adapter=self.recipe.method.adapter(),
+            reason=reason,
+        )
+
+    def trainer(self, loader: DataLoader) -> Trainer:
+        """The loop over `loader`, with this job's callbacks, policies and (on rank 0) a progress bar."""
+        t, ck = self.recipe.train, self.recipe.checkpoint
+        progress = None
+        if dist.is_main():
+            from tqdm.auto import tqdm
+
+            progress = tqdm(
+                total=self.plan.total_steps,
+                initial=self.state.step,
+                desc="training",
+                unit="step",
+                dynamic_ncols=True,
+            )
+        return Trainer(
+            self.engine,
+            self.built.inputs,
+            loader,
+            loader.batch_sampler,
+            self.plan,
+            t.gradient_accumulation_steps,
+            self.log,
+            self.evaluate if self.recipe.eval_active() and self.data.eval is not None else None,
+            progress,
+            log_every=t.log_every,
+            state=self.state,
+            checkpointing=Checkpointing(self.save_checkpoint, ck.every, ck.at_epoch_end),
+            nonfinite=NonFinitePolicy(t.on_nonfinite, t.max_skipped_steps),
+            stop_requested=self.stops.requested,
+            meter=self.meter,
+        )
+
+    def train(self, trainer: Trainer) -> None:
+        """Run the loop; a run stopped early (preempted, diverged) leaves exit.json, releases the engine and
+        re-raises."""
+        try:
+            with self.stops:
+                trainer.run()
+        except (Preempted, TrainingDiverged) as e:
+            if dist.is_main():
+                # The launching process (lorakit.train over torchrun) reads this to exit with the same code.
+                info = {"code": e.exit_code, "error": type(e).__name__, "message": str(e)}
+                rundir.write_json(self.run_dir / EXIT, info)
+            self.log.close()
+            release(self.engine, self.built)
+            raise
+        finally:
+            if trainer.progress is not None:
+                trainer.progress.close()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Rank 0 writes summary.json and closes the metrics; then every rank releases the engine."""
+        if dist.is_main():
+            rundir.write_json(self.run_dir / rundir.SUMMARY, summary)
+            self.log.close()
+        dist.barrier()
+        release(self.engine, self.built)

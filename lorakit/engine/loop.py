@@ -140,6 +140,7 @@ class Trainer:
         checkpointing: Checkpointing | None = None,
         nonfinite: NonFinitePolicy = NonFinitePolicy(),
         stop_requested: Callable[[], bool] | None = None,
+        meter: TokenMeter | None = None,
     ):
         self.engine, self.inputs, self.loader, self.sampler, self.plan = engine, inputs, loader, sampler, plan
         self.accumulation, self.log, self.evaluate, self.progress = accumulation, log, evaluate, progress
@@ -147,7 +148,8 @@ class Trainer:
         self.state = state or LoopState()
         self.checkpointing, self.nonfinite = checkpointing, nonfinite
         self.stop_requested = stop_requested or (lambda: False)
-        self.meter = TokenMeter()
+        # This rank's token counts; a resumed run passes the meter it continues.
+        self.meter = meter if meter is not None else TokenMeter()
         self.last_checkpoint = None
 
     # The summary reads these; they live in the state so a resumed run continues them.
