@@ -42,6 +42,13 @@ def tiny_recipe_dict(cache_dir: Path, out_dir: Path, **sections) -> dict:
     return raw
 
 
+def tiny_recipe(cache_dir: Path, out_dir: Path, **sections):
+    """tiny_recipe_dict validated into a frozen Recipe."""
+    from lorakit.recipe import recipe_from_dict
+
+    return recipe_from_dict(tiny_recipe_dict(cache_dir, out_dir, **sections))
+
+
 # How packed rows are isolated: per-example SDPA (what packed recipes load for sdpa), or explicit 4-D masks
 # (sdpa loaded without packing, and eager).
 PACKING_BACKENDS = {"varlen_sdpa": ("sdpa", True), "sdpa_mask": ("sdpa", False), "eager": ("eager", False)}

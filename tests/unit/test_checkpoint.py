@@ -15,12 +15,11 @@ from lorakit.data.sampler import LengthGroupedBatchSampler, ResumableBatchSample
 from lorakit.engine import checkpoint as ck
 from lorakit.errors import RecipeError
 from lorakit.observe import JsonlSink
-from lorakit.recipe import recipe_from_dict
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import tiny_recipe
 
 
 def _recipe(tmp_path, **sections):
-    return recipe_from_dict(tiny_recipe_dict(tmp_path / "cache", tmp_path / "run", **sections))
+    return tiny_recipe(tmp_path / "cache", tmp_path / "run", **sections)
 
 
 def _fake_checkpoint(run_dir, step, recipe, world=1, complete=True):

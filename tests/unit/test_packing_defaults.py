@@ -9,8 +9,7 @@ import pytest
 from lorakit.data.batching import seq2seq_packing_max_tokens
 from lorakit.errors import RecipeError
 from lorakit.model.attention import packing_enabled
-from lorakit.recipe import recipe_from_dict
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import tiny_recipe
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager", "flash_attention_2"])
@@ -40,7 +39,7 @@ def test_forcing_packing_where_it_is_not_exact_is_a_recipe_error():
 
 
 def _recipe(tmp_path, **train):
-    return recipe_from_dict(tiny_recipe_dict(tmp_path, tmp_path / "run", train=train))
+    return tiny_recipe(tmp_path, tmp_path / "run", train=train)
 
 
 def test_budget_from_max_target_tokens_alone_holds_micro_batch_size_examples_on_average(tmp_path):
