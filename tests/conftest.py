@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
+
+
+def run_cli(module: str, *args, timeout: float = 900, **options) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS...` from the repository root, output captured as text; `options` go to
+    subprocess.run (env, start_new_session)."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **options,
+    )
 
 
 @pytest.fixture(scope="session")

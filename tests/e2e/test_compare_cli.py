@@ -3,8 +3,7 @@
 import pytest
 
 import lorakit
-from tests.conftest import tiny_recipe
-from tests.e2e.test_quickstart import run_cli
+from tests.conftest import run_cli, tiny_recipe
 from tests.unit.test_compare import assert_png
 
 

@@ -2,14 +2,12 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from lorakit import rundir
-from tests.conftest import RECIPES, ROOT
+from tests.conftest import RECIPES, run_cli
 
 SUMMARY_KEYS = {
     "method",
@@ -30,16 +28,6 @@ SUMMARY_KEYS = {
     "eval",
     "adapter_dir",
 }
-
-
-def run_cli(module, *args, timeout=900):
-    return subprocess.run(
-        [sys.executable, "-m", module, *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def run_recipe(base, recipe: str):
