@@ -158,7 +158,7 @@ def summarize(
 ) -> RunSummary:
     """The summary of `job` trained by `trainer`, with its peak `memory`, what save_trained wrote and the
     `device` kind it ran on (collective: sums over ranks)."""
-    recipe, world, ckpt = job.recipe, dist.world_size(), job.resumed_from
+    recipe, world, ckpt, st = job.recipe, dist.world_size(), job.resumed_from, job.state
     return RunSummary(
         method=recipe.method.kind,
         model=recipe.model.name_or_path,
@@ -170,22 +170,22 @@ def summarize(
         trainable_params=job.params[0],
         total_params=job.params[1],
         quantization=job.quantization,
-        steps=trainer.step,
+        steps=st.step,
         epochs=job.plan.epochs,
         train_samples=int(dist.all_reduce([job.meter.samples])[0]),
-        train_tokens=trainer.global_real_tokens,
-        padded_tokens=trainer.global_token_slots,
-        packing_efficiency=trainer.global_real_tokens / max(trainer.global_token_slots, 1),
+        train_tokens=st.global_real_tokens,
+        padded_tokens=st.global_token_slots,
+        packing_efficiency=st.global_real_tokens / max(st.global_token_slots, 1),
         batching=job.batching.summary(job.plan),
-        tokens_per_second=trainer.tokens_per_second(),
-        train_seconds=trainer.train_seconds,
+        tokens_per_second=st.tokens_per_second(),
+        train_seconds=st.train_seconds,
         peak_memory_bytes=memory,
         plan=plan_of_run(recipe, job.config, job.data, world, device),
-        loss=LossEnds.of(trainer.losses),
-        skipped_steps=list(job.state.skipped_steps),
+        loss=LossEnds.of(st.losses),
+        skipped_steps=list(st.skipped_steps),
         resumed_from=ResumedFrom(str(ckpt.path), ckpt.step) if ckpt else None,
         last_checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else None,
-        eval=dict(job.state.eval) or None,
+        eval=dict(st.eval) or None,
         adapter_dir=saved.get("adapter_dir"),
         model_dir=saved.get("model_dir"),
         merged_dir=None,
