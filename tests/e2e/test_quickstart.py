@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,16 +39,31 @@ def run_recipe(base, recipe: str):
     return proc, cache, run_dir
 
 
-@pytest.fixture(scope="module")
-def quickstart(tmp_path_factory):
-    return run_recipe(tmp_path_factory.mktemp("quickstart"), "quickstart.yaml")
+def recipe_run(recipe: str):
+    """A module-scoped fixture named after recipes/RECIPE (quickstart.yaml: `quickstart`): the recipe run
+    once by run_recipe."""
+
+    @pytest.fixture(scope="module", name=Path(recipe).stem)
+    def run(tmp_path_factory):
+        return run_recipe(tmp_path_factory.mktemp(Path(recipe).stem), recipe)
+
+    return run
+
+
+def read_summary(run_dir) -> dict:
+    """The run's summary.json, which must hold every key in SUMMARY_KEYS."""
+    summary = rundir.read_summary(run_dir)
+    assert SUMMARY_KEYS <= set(summary), SUMMARY_KEYS - set(summary)
+    return summary
+
+
+quickstart = recipe_run("quickstart.yaml")
 
 
 @pytest.mark.slow
 def test_quickstart_trains_evaluates_and_saves(quickstart):
     proc, _, run_dir = quickstart
-    summary = rundir.read_summary(run_dir)
-    assert SUMMARY_KEYS <= set(summary)
+    summary = read_summary(run_dir)
     assert summary["world_size"] == 2 and summary["zero_stage"] == 3 and summary["method"] == "lora"
     # packing: auto packs T5 on sdpa: encoder and decoder rows, attention per example (docs/packing.md).
     batching = summary["batching"]

@@ -4,19 +4,15 @@ import pytest
 import torch
 
 from lorakit import rundir
-from tests.e2e.test_quickstart import SUMMARY_KEYS, run_recipe
+from tests.e2e.test_quickstart import read_summary, recipe_run
 
-
-@pytest.fixture(scope="module")
-def quickstart_causal(tmp_path_factory):
-    return run_recipe(tmp_path_factory.mktemp("quickstart_causal"), "quickstart_causal.yaml")
+quickstart_causal = recipe_run("quickstart_causal.yaml")
 
 
 @pytest.mark.slow
 def test_packed_causal_run_trains_and_reports_packing(quickstart_causal):
     proc, _, run_dir = quickstart_causal
-    summary = rundir.read_summary(run_dir)
-    assert SUMMARY_KEYS <= set(summary)
+    summary = read_summary(run_dir)
     assert summary["world_size"] == 2 and summary["zero_stage"] == 3
     assert summary["attention"] == "lorakit_varlen_sdpa"
     assert summary["loss"]["last"] < 0.8 * summary["loss"]["first"]
