@@ -68,7 +68,51 @@ def check_within(lengths: np.ndarray, cap: int, name: str, setting: str) -> None
         )
 
 
-class LengthGroupedBatchSampler:
+class Shard:
+    """What every sampler knows of its place: rank of num_replicas, seed and epoch. Each epoch's order is
+    a pure function of (seed, epoch), the same on every rank, which is what lets ranks agree without talking
+    and a resumed run skip by number."""
+
+    num_replicas: int
+    rank: int
+    seed: int
+    epoch: int
+
+    def _shard(self, num_replicas: int, rank: int, seed: int) -> None:
+        check_rank(rank, num_replicas)
+        self.num_replicas, self.rank, self.seed, self.epoch = num_replicas, rank, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle deterministically for `epoch`."""
+        self.epoch = epoch
+
+    def _rng(self) -> np.random.Generator:
+        """This epoch's random stream (the same on every rank)."""
+        return np.random.default_rng((self.seed, self.epoch))
+
+
+class SlotDeal(Shard):
+    """all_batches() and iteration for samplers that deal an epoch as `_slots()`: (the dataset index in every
+    slot, the micro-batch of step j on rank r as [j, r]), cut into micro-batches by `_batches`; a rank
+    builds only its own."""
+
+    def _slots(self) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def _batches(self, slots: np.ndarray, batches: np.ndarray) -> list[list[int]]:
+        raise NotImplementedError
+
+    def all_batches(self) -> list[list[list[int]]]:
+        """Every rank's batches for the current epoch: result[rank][i]."""
+        slots, batches = self._slots()
+        return [self._batches(slots, batches[:, r]) for r in range(self.num_replicas)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        slots, batches = self._slots()
+        return iter(self._batches(slots, batches[:, self.rank]))
+
+
+class LengthGroupedBatchSampler(Shard):
     """Yields this rank's micro-batches (lists of dataset indices) of examples with similar lengths.
 
     Padding to the longest member of a batch then wastes little (with group_by_length=False, batches are
@@ -90,10 +134,9 @@ class LengthGroupedBatchSampler:
         drop_last: bool = False,
         group_by_length: bool = True,
     ):
-        check_rank(rank, num_replicas)
+        self._shard(num_replicas, rank, seed)
         self.lengths = length_array(lengths)
-        self.batch_size, self.num_replicas, self.rank = batch_size, num_replicas, rank
-        self.seed, self.drop_last, self.epoch = seed, drop_last, 0
+        self.batch_size, self.drop_last = batch_size, drop_last
         self.group_by_length = group_by_length
         group = batch_size * num_replicas
         n = len(self.lengths)
@@ -104,16 +147,12 @@ class LengthGroupedBatchSampler:
             )
         self.dropped = max(n - self.total, 0)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Reshuffle deterministically for `epoch`."""
-        self.epoch = epoch
-
     def __len__(self) -> int:
         return self.total // (self.batch_size * self.num_replicas)
 
     def all_batches(self) -> list[list[list[int]]]:
         """Every rank's batches for the current epoch: result[rank][i]."""
-        rng = np.random.default_rng((self.seed, self.epoch))
+        rng = self._rng()
         order = rng.permutation(len(self.lengths))
         if self.total > len(order):
             order = np.concatenate([order, order[: self.total - len(order)]])

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from lorakit.data.sampler import (
     WINDOW_BATCHES,
     SideFills,
-    check_rank,
+    SlotDeal,
     check_within,
     length_array,
     positive_int,
@@ -48,7 +48,7 @@ def token_budget_for_rows(
     return max(int(src.max()), min(rows * max_length, budget))
 
 
-class TokenBudgetBatchSampler(SideFills):
+class TokenBudgetBatchSampler(SideFills, SlotDeal):
     """Yields this rank's micro-batches (lists of dataset indices) of similar-length examples, as many as a
     token budget allows: rows x longest length <= `max_tokens`, and with `target_lengths`, also rows x
     longest target <= `max_target_tokens` (fairseq's max_tokens batching). Short examples come many to a
@@ -84,7 +84,7 @@ class TokenBudgetBatchSampler(SideFills):
         rank: int = 0,
         seed: int = 0,
     ):
-        check_rank(rank, num_replicas)
+        self._shard(num_replicas, rank, seed)
         if (target_lengths is None) != (max_target_tokens is None):
             raise ValueError("target_lengths and max_target_tokens are given together or not at all")
         self.max_tokens = positive_int(max_tokens, "max_tokens")
@@ -100,7 +100,6 @@ class TokenBudgetBatchSampler(SideFills):
             ]
         for name, x, cap, setting in sides:
             check_within(x, cap, name, setting)
-        self.num_replicas, self.rank, self.seed, self.epoch = num_replicas, rank, seed, 0
         if self.target_lengths is None:
             self._cost, self._budget = self.lengths, self.max_tokens
         else:
@@ -157,14 +156,10 @@ class TokenBudgetBatchSampler(SideFills):
         rows += [1] * extra
         return np.asarray(caps, dtype=np.int64), np.asarray(rows, dtype=np.int64), extra
 
-    def set_epoch(self, epoch: int) -> None:
-        """Reshuffle deterministically for `epoch`."""
-        self.epoch = epoch
-
     def __len__(self) -> int:
         return len(self._rows) // self.num_replicas
 
-    def _deal(self) -> tuple[np.ndarray, np.ndarray]:
+    def _slots(self) -> tuple[np.ndarray, np.ndarray]:
         """(dataset index in every slot, micro-batch of step j on rank r as [j, r]) for this epoch.
 
         Slots are in ascending order of their micro-batch's cap; examples, in ascending cost with ties in
@@ -173,7 +168,7 @@ class TokenBudgetBatchSampler(SideFills):
         are filled in key order. The lo_i examples before lo_i have keys below lo_i, so example i lands in
         a slot at or after lo_i: one whose cap holds it. Examples move only towards slots they fit.
         """
-        rng = np.random.default_rng((self.seed, self.epoch))
+        rng = self._rng()
         perm = rng.permutation(len(self._cost))
         pool = np.concatenate([perm, perm[: self.repeated]])
         ranked = pool[np.argsort(self._cost[pool], kind="stable")]
@@ -189,21 +184,12 @@ class TokenBudgetBatchSampler(SideFills):
         starts, ends = self._starts.tolist(), self._ends.tolist()
         return [flat[starts[b] : ends[b]] for b in batches.tolist()]
 
-    def all_batches(self) -> list[list[list[int]]]:
-        """Every rank's batches for the current epoch: result[rank][i]."""
-        slots, batches = self._deal()
-        return [self._batches(slots, batches[:, r]) for r in range(self.num_replicas)]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        slots, batches = self._deal()
-        return iter(self._batches(slots, batches[:, self.rank]))
-
     def _measure_sides(self) -> list[float | None]:
         """Real tokens / (rows x longest) summed over all ranks' micro-batches of the current epoch, per
         side: the share of the padded batches that is not padding. It moves a little from epoch to epoch as
         examples trade places (without targets, never below the fill of the planned shapes, since no
         micro-batch's longest example exceeds its planned one)."""
-        slots, _ = self._deal()
+        slots, _ = self._slots()
         fills: list[float | None] = []
         for lengths in (self.lengths, self.target_lengths):
             if lengths is None:
