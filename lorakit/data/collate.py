@@ -126,7 +126,7 @@ class PackedSeq2SeqCollator:
     builds the three masks (encoder: same example; decoder: same example and causal; cross: same example).
     Decoder inputs restart with the decoder start token at every example. Rows are not padded: their
     capacities are what `num_token_slots` reports, or with no capacities (rows of a fixed number of
-    examples, lorakit.data.sampler.BalancedRandomBatchSampler) the rows' own lengths.
+    examples, lorakit.data.balanced.BalancedRandomBatchSampler) the rows' own lengths.
     """
 
     def __init__(

@@ -33,7 +33,7 @@ import torch
 from lorakit.data.collate import CausalCollator, PackedCausalCollator, PackedSeq2SeqCollator, Seq2SeqCollator
 from lorakit.engine.loss import token_loss_sum
 from lorakit.model.inputs import ModelInputs
-from tests.conftest import PACKING_BACKENDS, tiny_recipe_dict, training_config_model
+from tests.conftest import PACKING_BACKENDS, ready_for_contract, tiny_recipe_dict, training_config_model
 from tests.integration.test_packed_attention import CAUSAL_KINDS, LENGTHS
 from tests.integration.test_packed_attention import _rows as causal_rows
 from tests.integration.test_packed_seq2seq import _rows as seq2seq_rows
@@ -73,16 +73,7 @@ def _flash_model(cache_dir, out_dir, **model):
     )
     built = build_model(recipe_from_dict(raw))
     assert built.attention == "flash_attention_2"
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in built.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    for m in built.model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    built.model.train()
-    return built
+    return ready_for_contract(built)
 
 
 def _bf16_model(cache_dir, tmp_path, backend: str, **model):
