@@ -133,7 +133,7 @@ class Bench:
         self.provenance = Provenance()
         self.tmp = Path(tempfile.mkdtemp(prefix=f"lorakit-{self.spec['benchmark']}-"))
         default = getattr(module, "default_output", lambda a: self.spec["output"])(args)
-        if args.smoke:  # never over a committed result: a directory of its own that outlives the run
+        if args.smoke and not args.output:  # never over a committed result: a directory that outlives the run
             default = Path(tempfile.mkdtemp(prefix=f"lorakit-{self.spec['benchmark']}-smoke-")) / "smoke.json"
         self.output = Path(args.output or ROOT / default).expanduser().resolve()
         self.runner = Runner(module.__file__, self.tmp, self.tmp / "workers.log")
