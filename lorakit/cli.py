@@ -4,11 +4,9 @@ pointer to the documentation that explains the fix, where there is one)."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
-import types
 from collections.abc import Callable
 
 
@@ -91,17 +89,3 @@ def error_message(error: Exception) -> str:
     text = f"error: {error}"
     link = error.doc_link() if hasattr(error, "doc_link") else None
     return f"{text}\nsee {link}" if link else text
-
-
-def callable_module(module_name: str, target: str) -> None:
-    """Make module `module_name` callable as the function `target` ("package.module:function").
-
-    `lorakit.merge` is both a function of the package and a CLI module: importing the module rebinds the
-    package attribute to the module, so the module forwards calls to the function (imported on first call)."""
-    path, _, name = target.partition(":")
-
-    class _CallableModule(types.ModuleType):
-        def __call__(self, *args, **kwargs):
-            return getattr(importlib.import_module(path), name)(*args, **kwargs)
-
-    sys.modules[module_name].__class__ = _CallableModule

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lorakit.cli import callable_module, run_cli
+from lorakit.callable_module import forward_calls
+from lorakit.cli import run_cli
 from lorakit.report.comparison import DEFAULT_GPU_HOUR_PRICE, DEFAULT_OUTPUT
 
 
@@ -49,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(body)
 
 
-# `lorakit.compare` is the function as well as this module.
-callable_module(__name__, "lorakit.report:compare")
+forward_calls(__name__, "lorakit.report:compare")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lorakit.cli import callable_module, quiet_libraries, run_cli
+from lorakit.callable_module import forward_calls
+from lorakit.cli import quiet_libraries, run_cli
 
 
 def parser() -> argparse.ArgumentParser:
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # `lorakit.evaluate` is the function as well as this module.
-callable_module(__name__, "lorakit.inference:evaluate")
+forward_calls(__name__, "lorakit.inference:evaluate")
 
 if __name__ == "__main__":
     sys.exit(main())

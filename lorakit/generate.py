@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lorakit.cli import callable_module, quiet_libraries, run_cli
+from lorakit.callable_module import forward_calls
+from lorakit.cli import quiet_libraries, run_cli
 
 
 def parser() -> argparse.ArgumentParser:
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # `lorakit.generate` is the function as well as this module.
-callable_module(__name__, "lorakit.inference:generate")
+forward_calls(__name__, "lorakit.inference:generate")
 
 if __name__ == "__main__":
     sys.exit(main())

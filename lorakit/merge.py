@@ -8,7 +8,8 @@ import argparse
 import signal
 import sys
 
-from lorakit.cli import callable_module, quiet_libraries, run_cli
+from lorakit.callable_module import forward_calls
+from lorakit.cli import quiet_libraries, run_cli
 
 
 def parser() -> argparse.ArgumentParser:
@@ -78,8 +79,7 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-# `lorakit.merge` is the function as well as this module.
-callable_module(__name__, "lorakit.export:merge")
+forward_calls(__name__, "lorakit.export:merge")
 
 if __name__ == "__main__":
     sys.exit(main())

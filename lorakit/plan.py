@@ -8,7 +8,8 @@ import argparse
 import json
 import sys
 
-from lorakit.cli import callable_module, run_cli
+from lorakit.callable_module import forward_calls
+from lorakit.cli import run_cli
 
 
 def parser() -> argparse.ArgumentParser:
@@ -74,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(body)
 
 
-# `lorakit.plan` is the function as well as this module.
-callable_module(__name__, "lorakit.planner:plan")
+forward_calls(__name__, "lorakit.planner:plan")
 
 if __name__ == "__main__":
     sys.exit(main())

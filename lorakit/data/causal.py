@@ -14,9 +14,9 @@ import datasets
 import jinja2
 import numpy as np
 
-from lorakit.data.sources import BAD_ROWS_DOC, MAX_QUOTED, OVERLONG_DOC, RowLocator, SourceRows
+from lorakit.data.sources import BAD_ROWS_DOC, MAX_QUOTED, OVERLONG_DOC, SOURCE, RowLocator, SourceRows
 from lorakit.data.templates import render_prompt, render_target, rows_of
-from lorakit.data.tokenize import Lengths
+from lorakit.data.tokenize import Lengths, longest
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection, Recipe
 
@@ -211,12 +211,15 @@ def tokenize_causal(
         rows["length"] = [len(x) for x in rows["input_ids"]]
         return rows
 
+    features = CHAT_FEATURES if data.format == "chat" else FEATURES
+    if SOURCE in ds.column_names:  # a mixture's source names stay with their rows
+        features = datasets.Features({**features, SOURCE: datasets.Value("string")})
     return ds.map(
         fn,
         batched=True,
         with_indices=True,
-        remove_columns=ds.column_names,
-        features=CHAT_FEATURES if data.format == "chat" else FEATURES,
+        remove_columns=[c for c in ds.column_names if c != SOURCE],
+        features=features,
         num_proc=num_proc,
         desc="tokenizing",
         load_from_cache_file=False,
@@ -251,12 +254,7 @@ def resolve_max_length(recipe: Recipe, lengths: np.ndarray, model_max: int | Non
     """(cap, the recipe field it comes from): data.max_length (auto: the longest example, capped at the
     model's maximum), lowered to train.max_tokens when packing with a smaller budget."""
     data = recipe.data
-    if data.max_length == "auto":
-        cap = int(lengths.max())
-        if model_max is not None:
-            cap = min(cap, model_max)
-    else:
-        cap = data.max_length
+    cap = longest(lengths, model_max) if data.max_length == "auto" else data.max_length
     budget = recipe.train.max_tokens
     if data.packing and budget is not None and budget < cap:
         return budget, "train.max_tokens"

@@ -126,7 +126,7 @@ class PackedSeq2SeqCollator:
     builds the three masks (encoder: same example; decoder: same example and causal; cross: same example).
     Decoder inputs restart with the decoder start token at every example. Rows are not padded: their
     capacities are what `num_token_slots` reports, or with no capacities (rows of a fixed number of
-    examples, lorakit.data.sampler.BalancedRandomBatchSampler) the rows' own lengths.
+    examples, lorakit.data.balanced.BalancedRandomBatchSampler) the rows' own lengths.
     """
 
     def __init__(
@@ -187,3 +187,11 @@ def right_pad_sources(sources: Sequence[Sequence[int]], pad_token_id: int) -> di
         "input_ids": _pad(sources, pad_token_id),
         "attention_mask": _pad([[1] * len(s) for s in sources], 0),
     }
+
+
+def padded_collator(tokenizer, config):
+    """The collator of eval batches (and of unpacked training): padded, never packed, so the loss of a row
+    does not depend on which rows share its batch."""
+    if getattr(config, "is_encoder_decoder", False):
+        return Seq2SeqCollator(tokenizer.pad_token_id, config.decoder_start_token_id)
+    return CausalCollator(tokenizer.pad_token_id)

@@ -25,6 +25,8 @@ from lorakit.data.templates import prompt_columns, target_columns
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
 
+# The column that names each example's source in a dataset mixture (lorakit.data.mixture); tokenizing keeps it.
+SOURCE = "source"
 # Suffixes a local source may have, in the order a directory is searched for {split}{suffix}.
 _SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 # Bad rows quoted by name in the terminal and in summary.json; the rest are only counted.

@@ -10,7 +10,7 @@ from typing import Any
 import datasets
 import numpy as np
 
-from lorakit.data.sources import OVERLONG_DOC, SourceRows
+from lorakit.data.sources import OVERLONG_DOC, SOURCE, SourceRows
 from lorakit.data.templates import fit_prompt, prompt_columns, render_prompt, render_target, rows_of
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
@@ -45,23 +45,22 @@ def resolve_lengths(
 ) -> Lengths:
     """Turn `auto` caps into numbers: longest source (capped at the model max); for targets the p95 when
     over-long rows are truncated, else (drop, error) the longest target, capped at the model max."""
-    if data.max_source_length == "auto":
-        src = int(source_lengths.max())
-        if model_max is not None:
-            src = min(src, model_max)
-    else:
-        src = data.max_source_length
+    src = longest(source_lengths, model_max) if data.max_source_length == "auto" else data.max_source_length
     if data.max_target_length == "auto" and data.overlong == "truncate":
         # ceil so that at least 95% of targets fit whole.
         tgt = int(math.ceil(np.percentile(target_lengths, 95)))
     elif data.max_target_length == "auto":
         # A p95 cap would drop, or stop on, the 5% longest targets: auto means "fit the data" here.
-        tgt = int(target_lengths.max())
-        if model_max is not None:
-            tgt = min(tgt, model_max)
+        tgt = longest(target_lengths, model_max)
     else:
         tgt = data.max_target_length
     return Lengths(max(src, 2), max(tgt, 2))
+
+
+def longest(lengths: np.ndarray, model_max: int | None) -> int:
+    """The longest of `lengths`, capped at the model's maximum where it has one: what an `auto` cap fits."""
+    top = int(lengths.max())
+    return top if model_max is None else min(top, model_max)
 
 
 def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: int = 1) -> datasets.Dataset:
@@ -87,7 +86,8 @@ def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: 
     return ds.map(
         fn,
         batched=True,
-        remove_columns=ds.column_names,
+        # A mixture's source names stay with their rows.
+        remove_columns=[c for c in ds.column_names if c != SOURCE],
         num_proc=num_proc,
         desc="tokenizing",
         load_from_cache_file=False,

@@ -99,15 +99,3 @@ def save_classification(report: dict[str, Any], path: Path, plot: Path) -> None:
 
     rundir.write_json(path, report)
     plot_confusion_matrix(report, plot)
-
-
-def record_classification(
-    run_dir: Path, predictions: Sequence[str], references: Sequence[str], labels: Sequence[str]
-) -> dict[str, Any]:
-    """Write the report of an evaluation (run_dir/eval_classification.json, and its confusion matrix as
-    run_dir/confusion_matrix.png) and return it; each evaluation replaces the previous one's."""
-    from lorakit import rundir
-
-    report = classification_report(predictions, references, labels)
-    save_classification(report, run_dir / rundir.CLASSIFICATION, run_dir / rundir.CONFUSION_MATRIX)
-    return report

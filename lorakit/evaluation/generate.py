@@ -28,6 +28,20 @@ def eval_plan(num_rows: int, batch_size: int, num_replicas: int, rank: int) -> l
     return plan
 
 
+def auto_max_new_tokens(data) -> int:
+    """Generation cap when eval.max_new_tokens is auto: the target cap (seq2seq), else the longest eval
+    response (causal: tokens after the prompt)."""
+    if data.lengths.max_target_length is not None:
+        return data.lengths.max_target_length
+    return max(
+        (
+            length - len(prompt)
+            for length, prompt in zip(data.eval["length"], data.eval["prompt_ids"], strict=True)
+        ),
+        default=1,
+    )
+
+
 @torch.no_grad()
 def generate_texts(
     model,

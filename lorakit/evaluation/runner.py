@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lorakit.engine import dist
-from lorakit.evaluation.generate import evaluate_model
+from lorakit.evaluation.generate import auto_max_new_tokens, evaluate_model
 from lorakit.recipe.schema import Recipe
 
 
@@ -27,30 +27,6 @@ class EvalOutcome:
     references: list[str] | None = None
     # lorakit.evaluation.classify.classification_report, when the data has label words (rank 0).
     classification: dict[str, Any] | None = None
-
-
-def auto_max_new_tokens(data) -> int:
-    """Generation cap when eval.max_new_tokens is auto: the target cap (seq2seq), else the longest eval
-    response (causal: tokens after the prompt)."""
-    if data.lengths.max_target_length is not None:
-        return data.lengths.max_target_length
-    return max(
-        (
-            length - len(prompt)
-            for length, prompt in zip(data.eval["length"], data.eval["prompt_ids"], strict=True)
-        ),
-        default=1,
-    )
-
-
-def eval_collator(tokenizer, config):
-    """The collator of eval batches: padded (never packed), so the loss of a row does not depend on which
-    rows share its batch."""
-    from lorakit.data import CausalCollator, Seq2SeqCollator
-
-    if getattr(config, "is_encoder_decoder", False):
-        return Seq2SeqCollator(tokenizer.pad_token_id, config.decoder_start_token_id)
-    return CausalCollator(tokenizer.pad_token_id)
 
 
 def run_eval(engine, inputs, recipe: Recipe, data, tokenizer, collator, *, zero3: bool) -> EvalOutcome:

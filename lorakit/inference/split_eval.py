@@ -87,8 +87,9 @@ def evaluate(
     (...-predictions.jsonl) and, for classifier runs, its confusion matrix (...-confusion_matrix.png).
     Raises InferenceError / RecipeError / DataError for bad input, before any model is loaded."""
     from lorakit.data import prepare_data
+    from lorakit.data.collate import padded_collator
     from lorakit.data.sources import eval_source
-    from lorakit.evaluation.runner import eval_collator, run_eval
+    from lorakit.evaluation.runner import run_eval
     from lorakit.model import load_config, load_tokenizer
 
     trained = find_trained(source)
@@ -115,7 +116,7 @@ def evaluate(
     model = load_model(trained, recipe=recipe, device=device, tokenizer=tokenizer)
     _say(f"model:    {model.dtype} on {model.device}")
     outcome = run_eval(
-        model, model.inputs, recipe, data, tokenizer, eval_collator(tokenizer, config), zero3=False
+        model, model.inputs, recipe, data, tokenizer, padded_collator(tokenizer, config), zero3=False
     )
     report = {
         "source": str(trained.source.path),

@@ -124,13 +124,88 @@ class MethodSection(_Section):
         return self.quant_type or "nf4"
 
 
+def _check_templates(owner: str, prompt_template: str | None, target_template: str | None) -> None:
+    for name, template in (("prompt_template", prompt_template), ("target_template", target_template)):
+        if template is None:
+            continue
+        try:
+            fields = placeholders(template)
+        except ValueError as e:
+            raise ValueError(f"{owner}.{name} has a bad placeholder: {e}") from None
+        if not fields:
+            raise ValueError(
+                f"{owner}.{name} names no column: put one in braces, e.g. {{input}} or {{premise}}"
+            )
+
+
+class SourceSpec(_Section):
+    """One source of a dataset mixture (data.source given as a list). Keys left unset take the data
+    section's value; each source may name its own columns and templates."""
+
+    source: str = Field(description="As data.source: a hub id, a local file or directory, or builtin:NAME.")
+    name: str | None = Field(
+        None, description="Name in summary.json and per-source metrics; default: the source's last path part."
+    )
+    config: str | None = Field(None, description="Hub configuration name.")
+    split: str | None = Field(None, description="Split to train on; default data.split.")
+    eval_split: str | None = Field(
+        "auto", description="Split to evaluate on (as data.eval_split); null: this source adds no eval rows."
+    )
+    weight: float | None = Field(
+        None,
+        gt=0,
+        description="Share of the mixture's training examples, relative to the other weighted sources.",
+    )
+    max_samples: int | None = Field(
+        None, ge=1, description="Exactly this many training examples from this source (instead of a weight)."
+    )
+    input_column: str | None = None
+    target_column: str | None = None
+    text_column: str | None = None
+    messages_column: str | None = None
+    prompt_template: str | None = None
+    target_template: str | None = None
+    label_names: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> SourceSpec:
+        if self.weight is not None and self.max_samples is not None:
+            raise ValueError(
+                f"data.source {self.source!r}: give a weight or max_samples, not both (a weight is a share of "
+                "the mixture, max_samples an exact count)"
+            )
+        _check_templates("data.source[]", self.prompt_template, self.target_template)
+        return self
+
+    def display_name(self) -> str:
+        """The source's name in summaries: `name`, else the last part of its path or id."""
+        return self.name or self.source.removeprefix("builtin:").rstrip("/").rsplit("/", 1)[-1]
+
+
+# Per-source keys a mixture entry may set for itself (None: the data section's value).
+_PER_SOURCE = (
+    "config",
+    "split",
+    "eval_split",
+    "input_column",
+    "target_column",
+    "text_column",
+    "messages_column",
+    "prompt_template",
+    "target_template",
+    "label_names",
+)
+
+
 class DataSection(_Section):
     """Where examples come from and how they become tokens."""
 
-    source: str = Field(
+    source: str | list[SourceSpec] = Field(
         description="Hub dataset id (loaded with datasets.load_dataset), a local .json/.jsonl/.csv/.parquet "
         "file, a local directory holding {split}.{ext} files, or `builtin:NAME` for a dataset shipped "
-        "with lorakit (builtin:news_summaries)."
+        "with lorakit (builtin:news_summaries). Or a mixture: a list of {source, name, config, split, "
+        "eval_split, weight | max_samples, columns and templates} whose training rows are drawn by weight "
+        "(with data.split_seed); every example keeps its source's name (docs/data.md#dataset-mixtures)."
     )
     config: str | None = Field(None, description="Hub dataset configuration name, e.g. `3.0.0`.")
     split: str = Field("train", description="Split to train on.")
@@ -242,18 +317,13 @@ class DataSection(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> DataSection:
-        for name in ("prompt_template", "target_template"):
-            template = getattr(self, name)
-            if template is None:
-                continue
-            try:
-                fields = placeholders(template)
-            except ValueError as e:
-                raise ValueError(f"data.{name} has a bad placeholder: {e}") from None
-            if not fields:
-                raise ValueError(
-                    f"data.{name} names no column: put one in braces, e.g. {{input}} or {{premise}}"
-                )
+        _check_templates("data", self.prompt_template, self.target_template)
+        if isinstance(self.source, list):
+            if not self.source:
+                raise ValueError("data.source: an empty list; give one source or a list of several")
+            names = [spec.display_name() for spec in self.source]
+            if len(set(names)) != len(names):
+                raise ValueError(f"data.source: two sources share a name ({names}); give each a `name`")
         if self.label_names is not None and (
             len(self.label_names) < 2 or len(set(self.label_names)) != len(self.label_names)
         ):
@@ -273,6 +343,22 @@ class DataSection(_Section):
             if isinstance(value, int) and value < 1:
                 raise ValueError(f"data.{name} must be >= 1 or 'auto'")
         return self
+
+
+def _part(data: DataSection, spec: SourceSpec) -> DataSection:
+    own = {k: getattr(spec, k) for k in _PER_SOURCE if getattr(spec, k) is not None}
+    if spec.eval_split is None:
+        own["eval_split"] = None
+    # Built from validated parts: no re-validation (a copy, not a recipe of its own).
+    return data.model_copy(update={"source": spec.source, **own})
+
+
+def data_parts(data: DataSection) -> list[tuple[str, DataSection, SourceSpec | None]]:
+    """(name, the data section as seen by one source, its mixture entry) for every source: one part with no
+    entry for a single data.source."""
+    if not isinstance(data.source, list):
+        return [(str(data.source), data, None)]
+    return [(spec.display_name(), _part(data, spec), spec) for spec in data.source]
 
 
 class TrainSection(_Section):

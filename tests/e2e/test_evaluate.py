@@ -8,7 +8,8 @@ import pytest
 import lorakit
 from lorakit import rundir
 from lorakit.errors import RecipeError
-from tests.e2e.test_quickstart import noise_lines, run_cli
+from tests.conftest import run_cli
+from tests.e2e.test_quickstart import noise_lines
 
 
 def evaluate_cli(*args):

@@ -13,7 +13,8 @@ import lorakit
 from lorakit import rundir
 from lorakit.data.samples import builtin_dataset_dir
 from lorakit.errors import DataError, InferenceError
-from tests.e2e.test_quickstart import noise_lines, run_cli
+from tests.conftest import run_cli
+from tests.e2e.test_quickstart import noise_lines
 
 LABELS = ["entailment", "neutral", "contradiction"]
 
@@ -37,7 +38,7 @@ def read_jsonl(path) -> list[dict]:
 
 
 def generate_cli(*args, stdin=None):
-    return run_cli("lorakit.generate", *args, timeout=300, stdin=stdin)
+    return run_cli("lorakit.generate", *args, timeout=300, input=stdin)
 
 
 @pytest.fixture(scope="module")

@@ -5,22 +5,18 @@ import json
 
 import pytest
 
-from lorakit import rundir
-from tests.e2e.test_quickstart import noise_lines, run_recipe
+from tests.e2e.test_quickstart import noise_lines, read_summary, recipe_run
 
 LABELS = ["entailment", "neutral", "contradiction"]
 
-
-@pytest.fixture(scope="module")
-def quickstart_mnli(tmp_path_factory):
-    return run_recipe(tmp_path_factory.mktemp("quickstart_mnli"), "quickstart_mnli.yaml")
+quickstart_mnli = recipe_run("quickstart_mnli.yaml")
 
 
 @pytest.mark.slow
 def test_mnli_quickstart_reports_accuracy_and_a_confusion_matrix(quickstart_mnli):
     proc, _, run_dir = quickstart_mnli
     assert noise_lines(proc) == []
-    s = rundir.read_summary(run_dir)
+    s = read_summary(run_dir)
     assert s["world_size"] == 2 and s["zero_stage"] == 3
     assert s["data"]["labels"] == LABELS
     assert s["data"]["eval_source"] == {"split": "validation_mismatched", "held_out": False, "rows": 96}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from safetensors.torch import load_file
 
 from lorakit import rundir
 from lorakit.engine.checkpoint import complete_checkpoints
-from tests.conftest import ROOT, tiny_recipe_dict
+from tests.conftest import ROOT, run_cli, tiny_recipe_dict
 
 FAULTS = Path(__file__).parent / "faults"
 STEPS = 8
@@ -36,7 +35,7 @@ def _recipe(cache_dir: Path, out: Path, path: Path) -> Path:
     return path
 
 
-def _launch(recipe: Path, fault: str | None = None, **extra_env: str) -> subprocess.CompletedProcess:
+def launch(recipe: Path, fault: str | None = None, **extra_env: str) -> subprocess.CompletedProcess:
     """`python -m lorakit.run RECIPE`; `fault` and `extra_env` reach every process through faults/sitecustomize.py."""
     env = {k: v for k, v in os.environ.items() if k != "LORAKIT_FAULT"} | extra_env
     if fault:
@@ -44,15 +43,7 @@ def _launch(recipe: Path, fault: str | None = None, **extra_env: str) -> subproc
     if fault or extra_env:
         env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), str(ROOT), env.get("PYTHONPATH", "")])
     # Its own process group, so a fault can kill "the node" (launcher, torchrun, workers) and not pytest.
-    return subprocess.run(
-        [sys.executable, "-m", "lorakit.run", str(recipe)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        start_new_session=True,
-    )
+    return run_cli("lorakit.run", recipe, timeout=600, env=env, start_new_session=True)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -75,7 +66,7 @@ def _assert_same_run(run_dir: Path, reference: Path) -> None:
 @pytest.fixture(scope="module")
 def reference(cache_dir, tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("uninterrupted")
-    proc = _launch(_recipe(cache_dir, base / "run", base / "recipe.yaml"))
+    proc = launch(_recipe(cache_dir, base / "run", base / "recipe.yaml"))
     assert proc.returncode == 0, proc.stderr[-5000:]
     return base / "run"
 
@@ -83,12 +74,12 @@ def reference(cache_dir, tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_relaunch_matches_uninterrupted(reference, cache_dir, tmp_path):
     recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
-    killed = _launch(recipe, fault="kill:5")
+    killed = launch(recipe, fault="kill:5")
     assert killed.returncode == -signal.SIGKILL
     assert not (tmp_path / "run" / "summary.json").exists()
     assert [c.step for c in complete_checkpoints(tmp_path / "run")] == [2, 4]
 
-    resumed = _launch(recipe)
+    resumed = launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert "resuming from" in resumed.stdout + resumed.stderr
     summary = rundir.read_summary(tmp_path / "run")
@@ -99,7 +90,7 @@ def test_sigkill_mid_epoch_then_relaunch_matches_uninterrupted(reference, cache_
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_exits_75_and_the_relaunch_resumes(reference, cache_dir, tmp_path):
     recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
-    stopped = _launch(recipe, fault="term:3")
+    stopped = launch(recipe, fault="term:3")
     assert stopped.returncode == 75, stopped.stderr[-5000:]
     assert "relaunch the same command to resume" in stopped.stderr.lower()
     ckpts = complete_checkpoints(tmp_path / "run")
@@ -108,7 +99,7 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_the_relaunch_resumes(reference,
     stopped_at = ckpts[-1].step
     assert 3 <= stopped_at < STEPS and ckpts[-1].state["reason"] == "preempted"
 
-    resumed = _launch(recipe)
+    resumed = launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == stopped_at
     _assert_same_run(tmp_path / "run", reference)
@@ -117,14 +108,14 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_the_relaunch_resumes(reference,
 @pytest.mark.slow
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(reference, cache_dir, tmp_path):
     recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
-    crashed = _launch(recipe, fault="crash-save:4")
+    crashed = launch(recipe, fault="crash-save:4")
     assert crashed.returncode != 0
     root = tmp_path / "run" / "checkpoints"
     # The half-published step 4 is left as a temporary directory; step 2 is intact and the newest.
     assert (root / ".tmp-step-00000004").is_dir()
     assert [c.step for c in complete_checkpoints(tmp_path / "run")] == [2]
 
-    resumed = _launch(recipe)
+    resumed = launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == 2
     assert not (root / ".tmp-step-00000004").exists()

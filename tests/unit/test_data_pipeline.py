@@ -6,12 +6,11 @@ from lorakit.data import Seq2SeqCollator, prepare_data
 from lorakit.data.collate import IGNORE_INDEX
 from lorakit.errors import DataError
 from lorakit.model import load_config, load_tokenizer
-from lorakit.recipe import recipe_from_dict
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import tiny_recipe
 
 
 def _prepare(cache_dir, tmp_path, **data):
-    recipe = recipe_from_dict(tiny_recipe_dict(cache_dir, tmp_path / "run", data=data))
+    recipe = tiny_recipe(cache_dir, tmp_path / "run", data=data)
     source, config = load_config(recipe)
     tok = load_tokenizer(recipe, source)
     return prepare_data(recipe, tok, config), tok, config
@@ -135,8 +134,6 @@ def test_unreachable_sources_are_clear_errors(cache_dir, tmp_path, monkeypatch):
         _prepare(cache_dir, tmp_path, source="lorakit-test/not-a-dataset")
     from lorakit.errors import RecipeError
 
-    recipe = recipe_from_dict(
-        tiny_recipe_dict(cache_dir, tmp_path / "run", model={"name_or_path": "lorakit-test/nope"})
-    )
+    recipe = tiny_recipe(cache_dir, tmp_path / "run", model={"name_or_path": "lorakit-test/nope"})
     with pytest.raises(RecipeError, match=r"model\.name_or_path 'lorakit-test/nope'"):
         load_config(recipe)
