@@ -3,15 +3,12 @@
 #
 #     bash benchmarks/fetch_gpu_wheels.sh          # from the repository root or anywhere; needs pip + PyPI
 #
-# That machine (see /work/.library/device/KINDS.md) has python 3.12, torch 2.11+cu130, transformers 5.17,
-# accelerate 1.15, peft, safetensors, tokenizers, numpy, pandas, pyarrow, xxhash, pyyaml, jinja2, psutil, msgpack,
-# ninja, py-cpuinfo, nvidia-ml-py, einops, matplotlib and pytest, and no network. It lacks deepspeed, pydantic,
-# datasets and bitsandbytes (and their own missing needs below). peft and fsspec are carried to pin the
-# versions lorakit is tested with (the image's peft version is not recorded; datasets 5.2 wants fsspec <=
-# 2026.9.0). Everything travels with the working tree, which may not exceed 64 MiB in all; the script checks.
-#
-# On the machine: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+# What that machine has and lacks is written down in benchmarks/gpu_lease_plan.md ("The lent machine"): it
+# lacks deepspeed, pydantic, datasets and bitsandbytes (and their own missing needs below); peft and fsspec
+# are carried to pin the versions lorakit is tested with. Everything travels with the working tree, which may
+# not exceed 64 MiB in all; the script checks. On the machine:
+#     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -81,7 +78,7 @@ slim.replace(wheel)
 EOF
 
 if ! git -C "$ROOT" check-ignore -q .whl/x.whl; then
-    echo "warning: .whl/ is not ignored by git; add it: echo /.whl/ >> .git/info/exclude" >&2
+    echo "warning: .whl/ is not ignored by git (the repository's .gitignore lists /.whl/); never commit it" >&2
 fi
 # What travels: tracked files and untracked files git does not ignore (the wheels are carried on top).
 tree=$(cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb | tail -1 | cut -f1)

@@ -26,6 +26,25 @@ def merge(source, output, **options):
     return _merge(source, output, **options)
 
 
+def generate(source, inputs, **options):
+    """Run a trained model (run, adapter or merged model directory) on `inputs` (a JSONL or text file, "-",
+    or a list of rows and texts) with the run's prompt template; returns GenerateResult(records, ...).
+    Options: output, max_new_tokens, num_beams, batch_size, device, dtype. See lorakit.inference.generation
+    and docs/inference.md."""
+    from lorakit.inference import generate as _generate
+
+    return _generate(source, inputs, **options)
+
+
+def evaluate(source, split=None, overrides=(), **options):
+    """A trained run's metrics on `split` of its data (default: its eval split) with its recipe and dotted
+    overrides, computed as training evaluates; writes RUN/evaluate-SPLIT.json and returns EvaluateResult.
+    Options: output, device. See lorakit.inference.split_eval and docs/inference.md."""
+    from lorakit.inference import evaluate as _evaluate
+
+    return _evaluate(source, split, overrides, **options)
+
+
 def plan(recipe, **options):
     """Plan a recipe's memory before renting GPUs: per-GPU and per-node CPU bytes, a fits verdict and the
     best setup that fits; returns a MemoryPlan. Options: gpus (default: the recipe's num_processes),
@@ -58,6 +77,8 @@ __all__ = [
     "RecipeError",
     "__version__",
     "compare",
+    "evaluate",
+    "generate",
     "load_recipe",
     "merge",
     "plan",

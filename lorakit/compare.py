@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-import types
 
+from lorakit.callable_module import forward_calls
 from lorakit.cli import run_cli
 from lorakit.report.comparison import DEFAULT_GPU_HOUR_PRICE, DEFAULT_OUTPUT
 
@@ -50,17 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(body)
 
 
-class _CallableModule(types.ModuleType):
-    """`lorakit.compare` is both the function and this module's name: importing the module rebinds the
-    package attribute to the module, so the module forwards calls to lorakit.report.compare."""
-
-    def __call__(self, *args, **kwargs):
-        from lorakit.report import compare
-
-        return compare(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+forward_calls(__name__, "lorakit.report:compare")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -78,6 +78,11 @@ class AdapterError(MergeError):
     """The adapter cannot be merged: empty, without effect (all zeros), or made for another base model."""
 
 
+class InferenceError(LorakitError):
+    """generate / evaluate cannot run as asked: no trained model at SOURCE, no recipe where one is needed,
+    an output file that would overwrite an input."""
+
+
 class VerificationError(MergeError):
     """The merged model does not reproduce the adapter model within the dtype's tolerance; nothing is saved.
 

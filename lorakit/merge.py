@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import types
 
+from lorakit.callable_module import forward_calls
 from lorakit.cli import quiet_libraries, run_cli
 
 
@@ -79,17 +79,7 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-class _CallableModule(types.ModuleType):
-    """`lorakit.merge` is both the function and this module's name: importing the module rebinds the
-    package attribute to the module, so the module forwards calls to lorakit.export.merge."""
-
-    def __call__(self, *args, **kwargs):
-        from lorakit.export import merge
-
-        return merge(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+forward_calls(__name__, "lorakit.export:merge")
 
 if __name__ == "__main__":
     sys.exit(main())

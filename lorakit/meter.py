@@ -34,6 +34,17 @@ class TokenMeter:
         """Useful tokens / token slots: 1.0 means no compute was spent on padding."""
         return self.real / self.slots if self.slots else 0.0
 
+    def counters(self) -> dict[str, int]:
+        """This rank's counts, as a checkpoint stores them."""
+        return {"samples": self.samples, "real": self.real, "slots": self.slots}
+
+    @classmethod
+    def from_counters(cls, counters: dict[str, int]) -> TokenMeter:
+        """A meter that continues the counts of `counters()` (a resumed run)."""
+        meter = cls()
+        meter.samples, meter.real, meter.slots = counters["samples"], counters["real"], counters["slots"]
+        return meter
+
 
 def _live_storages(device_type: str | None = None) -> dict[int, torch.UntypedStorage]:
     """Every storage of a live tensor that Python can see (parameters, gradients, optimizer state, buffers
@@ -46,7 +57,9 @@ def _live_storages(device_type: str | None = None) -> dict[int, torch.UntypedSto
         # isinstance() on some deprecated torch.distributed objects warns; they are not tensors anyway.
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
-            if not isinstance(obj, torch.Tensor) or obj.is_meta:
+            # type(), not isinstance(): isinstance() reads __class__, and a weakref.proxy whose referent
+            # died raises ReferenceError on that.
+            if not issubclass(type(obj), torch.Tensor) or obj.is_meta:
                 continue
             try:
                 storage = obj.untyped_storage()

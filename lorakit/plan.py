@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import types
 
+from lorakit.callable_module import forward_calls
 from lorakit.cli import run_cli
 
 
@@ -75,17 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(body)
 
 
-class _CallableModule(types.ModuleType):
-    """`lorakit.plan` is both the function and this module's name: importing the module rebinds the
-    package attribute to the module, so the module forwards calls to lorakit.planner.plan."""
-
-    def __call__(self, *args, **kwargs):
-        from lorakit.planner import plan
-
-        return plan(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+forward_calls(__name__, "lorakit.planner:plan")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,6 +22,10 @@ ADAPTER = "adapter"
 MODEL = "model"
 MERGED = "merged"
 CHECKPOINTS = "checkpoints"
+# Classification runs (label targets): the last evaluation's per-class counts and confusion matrix.
+CLASSIFICATION = "eval_classification.json"
+CONFUSION_MATRIX = "confusion_matrix.png"
+PREDICTIONS = "eval_predictions.jsonl"
 
 _PACKAGES = (
     "lorakit",
@@ -63,6 +67,14 @@ def write_json(path: Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
+def read_json_if_exists(path: Path) -> Any:
+    """The JSON document at `path`, or None when there is no such file."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
 def write_text(path: Path, text: str) -> None:
     """Write text atomically; on a full disk, a DiskFullError naming the file and no temp file left."""
     with storage.writing(path.name, path):
@@ -79,32 +91,12 @@ def write_text(path: Path, text: str) -> None:
             raise
 
 
-class MetricsLog:
-    """Append-only metrics.jsonl: one JSON object per line, flushed as it is written.
-
-    `keep` (a resumed run): keep the first `keep` lines of an existing file, the ones written up to the
-    checkpoint, and append after them; otherwise start a new file.
-    """
-
-    def __init__(self, path: Path, keep: int | None = None):
-        self.path = path
-        self.count = 0
-        if keep is not None and path.exists():
-            lines = [line for line in path.read_text().splitlines() if line.strip()][:keep]
-            write_text(path, "".join(line + "\n" for line in lines))
-            self.count = len(lines)
-        self._f = open(path, "a" if keep is not None else "w")  # noqa: SIM115 - lives as long as the run
-
-    def write(self, record: dict[str, Any]) -> None:
-        # A line cut short by a full disk is dropped by the resume, which keeps only the lines written up
-        # to its checkpoint.
-        with storage.writing(self.path.name, self.path):
-            self._f.write(json.dumps(record, default=float) + "\n")
-            self._f.flush()
-        self.count += 1
-
-    def close(self) -> None:
-        self._f.close()
+def write_predictions(run_dir: Path, predictions: list[str], references: list[str]) -> None:
+    """eval_predictions.jsonl: each generation next to its reference, in eval row order."""
+    lines = (
+        json.dumps({"prediction": p, "reference": r}) for p, r in zip(predictions, references, strict=True)
+    )
+    write_text(run_dir / PREDICTIONS, "\n".join(lines) + "\n")
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:

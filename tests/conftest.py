@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
+
+
+def run_cli(module: str, *args, timeout: float = 900, **options) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS...` from the repository root, output captured as text; `options` go to
+    subprocess.run (env, start_new_session)."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **options,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +57,13 @@ def tiny_recipe_dict(cache_dir: Path, out_dir: Path, **sections) -> dict:
     return raw
 
 
+def tiny_recipe(cache_dir: Path, out_dir: Path, **sections):
+    """tiny_recipe_dict validated into a frozen Recipe."""
+    from lorakit.recipe import recipe_from_dict
+
+    return recipe_from_dict(tiny_recipe_dict(cache_dir, out_dir, **sections))
+
+
 # How packed rows are isolated: per-example SDPA (what packed recipes load for sdpa), or explicit 4-D masks
 # (sdpa loaded without packing, and eager).
 PACKING_BACKENDS = {"varlen_sdpa": ("sdpa", True), "sdpa_mask": ("sdpa", False), "eager": ("eager", False)}
@@ -50,7 +72,6 @@ PACKING_BACKENDS = {"varlen_sdpa": ("sdpa", True), "sdpa_mask": ("sdpa", False),
 def training_config_model(cache_dir: Path, out_dir: Path, backend: str, **model):
     """A tiny model built as training builds it (gradient checkpointing, LoRA) with a non-zero adapter
     update and dropout off (random per token, so no two forwards would agree), in train mode."""
-    import torch
 
     from lorakit.model import build_model
     from lorakit.recipe import recipe_from_dict
@@ -67,6 +88,14 @@ def training_config_model(cache_dir: Path, out_dir: Path, backend: str, **model)
     )
     built = build_model(recipe)
     assert built.attention == ("lorakit_varlen_sdpa" if backend == "varlen_sdpa" else attention)
+    return ready_for_contract(built)
+
+
+def ready_for_contract(built):
+    """`built` (a BuiltModel) with a non-zero LoRA update, dropout off and in train mode: what the packing
+    contract tests compare."""
+    import torch
+
     # LoRA's B starts at zero; give the adapter a real contribution so the contract covers its path.
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -81,3 +110,23 @@ def training_config_model(cache_dir: Path, out_dir: Path, backend: str, **model)
             m.dropout = 0.0
     built.model.train()
     return built
+
+
+def losses_and_grads(built, rows, collators, *, per_token: bool = True) -> list[tuple[float, int, dict]]:
+    """For each collator, `rows` as its one batch through ModelInputs.logits (as the loop calls it):
+    (loss, target tokens, gradient of every weight that got one). The loss is the token loss sum, divided by
+    the target tokens when `per_token`."""
+    from lorakit.engine.loss import token_loss_sum
+
+    results = []
+    for collate in collators:
+        built.model.zero_grad()
+        batch = collate(rows)
+        logits = built.inputs.logits(built.model, batch, "cpu")
+        loss = token_loss_sum(logits, batch["labels"])
+        if per_token:
+            loss = loss / batch["num_target_tokens"]
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in built.model.named_parameters() if p.grad is not None}
+        results.append((loss.item(), batch["num_target_tokens"], grads))
+    return results

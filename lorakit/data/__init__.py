@@ -13,9 +13,11 @@ _EXPORTS = {
     "Seq2SeqCollator": "lorakit.data.collate",
     "PreparedData": "lorakit.data.pipeline",
     "prepare_data": "lorakit.data.pipeline",
-    "BalancedRandomBatchSampler": "lorakit.data.sampler",
+    "BalancedRandomBatchSampler": "lorakit.data.balanced",
     "LengthGroupedBatchSampler": "lorakit.data.sampler",
-    "TokenBudgetBatchSampler": "lorakit.data.sampler",
+    "TokenBudgetBatchSampler": "lorakit.data.token_budget",
+    "Batching": "lorakit.data.batching",
+    "make_batching": "lorakit.data.batching",
     "MultipackBatchSampler": "lorakit.data.multipack",
 }
 

@@ -14,8 +14,9 @@ import datasets
 import jinja2
 import numpy as np
 
-from lorakit.data.sources import BAD_ROWS_DOC, MAX_QUOTED, OVERLONG_DOC, RowLocator, SourceRows
-from lorakit.data.tokenize import Lengths
+from lorakit.data.sources import BAD_ROWS_DOC, MAX_QUOTED, OVERLONG_DOC, SOURCE, RowLocator, SourceRows
+from lorakit.data.templates import render_prompt, render_target, rows_of
+from lorakit.data.tokenize import Lengths, longest
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection, Recipe
 
@@ -59,6 +60,16 @@ def check_tokenizer(data: DataSection, tokenizer) -> None:
 def _adds_eos(tokenizer) -> bool:
     """Whether plain tokenization already ends every sequence with EOS (T5-style, or add_eos_token)."""
     return tokenizer("a")["input_ids"][-1:] == [tokenizer.eos_token_id]
+
+
+def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of instruction prompts, as training saw them before the response: the tokenizer's special
+    tokens (BOS), but no EOS, which belongs after the response."""
+    prompts = tokenizer(texts, verbose=False)["input_ids"]
+    if _adds_eos(tokenizer):
+        eos = tokenizer.eos_token_id
+        prompts = [p[:-1] if p[-1:] == [eos] else p for p in prompts]
+    return prompts
 
 
 class TemplateFailed(DataError):
@@ -123,9 +134,23 @@ class _Chat:
 
     def prompt(self, messages: list[dict]) -> tuple[list[int], str]:
         """(prompt_ids, reference): the conversation before its last assistant turn, and that turn."""
+        reference = messages[-1]["content"] if messages[-1]["role"] == "assistant" else ""
+        return self.encode(self.prompt_text(messages)), reference
+
+    def prompt_text(self, messages: list[dict]) -> str:
+        """What generation continues: the conversation before its last assistant turn, rendered with the
+        template's generation prompt."""
         if messages[-1]["role"] == "assistant":
-            return self.encode(self.render(messages[:-1], generation_prompt=True)), messages[-1]["content"]
-        return self.encode(self.render(messages, generation_prompt=True)), ""
+            messages = messages[:-1]
+        return self.render(messages, generation_prompt=True)
+
+
+def chat_prompt(tokenizer, messages: list[dict], where: str) -> tuple[str, list[int]]:
+    """(text, token ids) that generation continues for a conversation, as training's eval prompts are made
+    (lorakit.data.causal); TemplateFailed (a DataError naming `where`) when the template refuses it."""
+    chat = _Chat(tokenizer, where)
+    text = chat.prompt_text(messages)
+    return text, chat.encode(text)
 
 
 def tokenize_causal(
@@ -137,19 +162,17 @@ def tokenize_causal(
     under data.on_bad_rows error; under skip they come out empty, with the reason in a `_bad` column for
     drop_refused to remove and count."""
     eos = tokenizer.eos_token_id
-    adds_eos = data.format != "chat" and _adds_eos(tokenizer)
 
     def with_eos(ids: list[int]) -> list[int]:
         return ids if ids[-1:] == [eos] else ids + [eos]
 
     def instruction(batch, first: int) -> dict[str, list]:
-        inputs, targets = batch[data.input_column], batch[data.target_column]
-        templated = [data.prompt_template.format(input=x) for x in inputs]
-        prompts = tokenizer(templated, verbose=False)["input_ids"]
-        if adds_eos:  # the EOS belongs after the response, not inside the sequence
-            prompts = [p[:-1] if p[-1:] == [eos] else p for p in prompts]
-        encoded = tokenizer(targets, add_special_tokens=False, verbose=False)["input_ids"]
-        responses = [with_eos(r) for r in encoded]
+        rows = rows_of(batch)
+        targets = [render_target(data, r) for r in rows]
+        prompts = encode_prompts(tokenizer, [render_prompt(data, r) for r in rows])
+        responses = [
+            with_eos(r) for r in tokenizer(targets, add_special_tokens=False, verbose=False)["input_ids"]
+        ]
         ids = [p + r for p, r in zip(prompts, responses, strict=True)]
         if data.train_on_inputs:
             labels = [list(x) for x in ids]
@@ -194,12 +217,15 @@ def tokenize_causal(
         rows["length"] = [len(x) for x in rows["input_ids"]]
         return rows
 
+    features = CHAT_FEATURES if data.format == "chat" else FEATURES
+    if SOURCE in ds.column_names:  # a mixture's source names stay with their rows
+        features = datasets.Features({**features, SOURCE: datasets.Value("string")})
     return ds.map(
         fn,
         batched=True,
         with_indices=True,
-        remove_columns=ds.column_names,
-        features=CHAT_FEATURES if data.format == "chat" else FEATURES,
+        remove_columns=[c for c in ds.column_names if c != SOURCE],
+        features=features,
         num_proc=num_proc,
         desc="tokenizing",
         load_from_cache_file=False,
@@ -234,12 +260,7 @@ def resolve_max_length(recipe: Recipe, lengths: np.ndarray, model_max: int | Non
     """(cap, the recipe field it comes from): data.max_length (auto: the longest example, capped at the
     model's maximum), lowered to train.max_tokens when packing with a smaller budget."""
     data = recipe.data
-    if data.max_length == "auto":
-        cap = int(lengths.max())
-        if model_max is not None:
-            cap = min(cap, model_max)
-    else:
-        cap = data.max_length
+    cap = longest(lengths, model_max) if data.max_length == "auto" else data.max_length
     budget = recipe.train.max_tokens
     if data.packing and budget is not None and budget < cap:
         return budget, "train.max_tokens"

@@ -31,8 +31,8 @@ class Seq2SeqCollator:
         self.decoder_start_token_id = decoder_start_token_id
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        input_ids = _pad([r["input_ids"] for r in rows], self.pad_token_id)
-        attention_mask = _pad([[1] * len(r["input_ids"]) for r in rows], 0)
+        sources = right_pad_sources([r["input_ids"] for r in rows], self.pad_token_id)
+        input_ids, attention_mask = sources["input_ids"], sources["attention_mask"]
         labels = _pad([r["labels"] for r in rows], IGNORE_INDEX)
         num_target = int((labels != IGNORE_INDEX).sum())
         # Teacher forcing: the decoder sees the start token, then the target shifted right. Built here so
@@ -126,7 +126,7 @@ class PackedSeq2SeqCollator:
     builds the three masks (encoder: same example; decoder: same example and causal; cross: same example).
     Decoder inputs restart with the decoder start token at every example. Rows are not padded: their
     capacities are what `num_token_slots` reports, or with no capacities (rows of a fixed number of
-    examples, lorakit.data.sampler.BalancedRandomBatchSampler) the rows' own lengths.
+    examples, lorakit.data.balanced.BalancedRandomBatchSampler) the rows' own lengths.
     """
 
     def __init__(
@@ -178,3 +178,20 @@ def left_pad_prompts(prompts: Sequence[Sequence[int]], pad_token_id: int) -> dic
             input_ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
             attention_mask[i, width - len(p) :] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def right_pad_sources(sources: Sequence[Sequence[int]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Encoder inputs padded on the right to the longest, with their attention mask (what Seq2SeqCollator
+    gives the encoder, and what encoder-decoders generate from)."""
+    return {
+        "input_ids": _pad(sources, pad_token_id),
+        "attention_mask": _pad([[1] * len(s) for s in sources], 0),
+    }
+
+
+def padded_collator(tokenizer, config):
+    """The collator of eval batches (and of unpacked training): padded, never packed, so the loss of a row
+    does not depend on which rows share its batch."""
+    if getattr(config, "is_encoder_decoder", False):
+        return Seq2SeqCollator(tokenizer.pad_token_id, config.decoder_start_token_id)
+    return CausalCollator(tokenizer.pad_token_id)

@@ -17,9 +17,11 @@ import gc
 import heapq
 from bisect import bisect_left, insort
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
+
+from lorakit.data.sampler import SlotDeal, check_within, length_array, positive_int
 
 # A bin's content: (length, how many examples of that length), longest first.
 Content = tuple[tuple[int, int], ...]
@@ -102,7 +104,7 @@ def _expand(content: Content) -> list[int]:
     return [length for length, k in content for _ in range(k)]
 
 
-class MultipackBatchSampler:
+class MultipackBatchSampler(SlotDeal):
     """Yields this rank's micro-batches (lists of dataset indices) whose lengths sum to <= `max_tokens`.
 
     Each micro-batch is meant to become one packed row. The bins are packed once, so `len(self)` is exact
@@ -127,31 +129,13 @@ class MultipackBatchSampler:
         drop_last: bool = False,
         quadratic_scale: float = 16384.0,
     ):
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is outside num_replicas {num_replicas}")
-        if int(max_tokens) != max_tokens or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        self._shard(num_replicas, rank, seed)
+        max_tokens = positive_int(max_tokens, "max_tokens")
         if quadratic_scale <= 0:
             raise ValueError(f"quadratic_scale must be positive, got {quadratic_scale!r}")
-        max_tokens = int(max_tokens)
-        arr = np.asarray(lengths)
-        if arr.ndim != 1:
-            raise ValueError(f"lengths must be a flat sequence, got shape {arr.shape}")
-        if len(arr) == 0:
-            raise ValueError("no examples to pack")
-        if arr.dtype.kind not in "iu":
-            if arr.dtype.kind != "f" or not np.all(np.mod(arr, 1) == 0):
-                raise ValueError(f"lengths must be integers, got dtype {arr.dtype}")
-        self.lengths = arr.astype(np.int64)
-        bad = np.flatnonzero((self.lengths < 1) | (self.lengths > max_tokens))
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(
-                f"example {i} has length {int(self.lengths[i])}, outside [1, max_tokens={max_tokens}]; "
-                "truncate or drop over-long examples before packing"
-            )
-        self.max_tokens, self.num_replicas, self.rank = max_tokens, num_replicas, rank
-        self.seed, self.drop_last, self.epoch = seed, drop_last, 0
+        self.lengths = length_array(lengths)
+        check_within(self.lengths, max_tokens, "length", "max_tokens")
+        self.max_tokens, self.drop_last = max_tokens, drop_last
         self.quadratic_scale = float(quadratic_scale)
 
         n = len(self.lengths)
@@ -293,10 +277,6 @@ class MultipackBatchSampler:
             groups.extend([_content(h), 1] for h in halves)
         return groups
 
-    def set_epoch(self, epoch: int) -> None:
-        """Reshuffle deterministically for `epoch`."""
-        self.epoch = epoch
-
     def __len__(self) -> int:
         return self._num_bins // self.num_replicas
 
@@ -304,9 +284,9 @@ class MultipackBatchSampler:
         """Tokens used / token capacity of all ranks' micro-batches this epoch (the same every epoch)."""
         return self._efficiency
 
-    def _plan(self) -> tuple[np.ndarray, np.ndarray]:
+    def _slots(self) -> tuple[np.ndarray, np.ndarray]:
         """(dataset index of every slot, bin index of step j on rank r as [j, r]) for this epoch."""
-        rng = np.random.default_rng((self.seed, self.epoch))
+        rng = self._rng()
         perm = rng.permutation(len(self.lengths))
         # Grouped by length, random within a length: the examples of a length take its slots in this order.
         by_len = perm[np.argsort(self._keys[perm], kind="stable")]
@@ -338,12 +318,3 @@ class MultipackBatchSampler:
         finally:
             if was_enabled:
                 gc.enable()
-
-    def all_batches(self) -> list[list[list[int]]]:
-        """Every rank's batches for the current epoch: result[rank][i]."""
-        slots, bins = self._plan()
-        return [self._batches(slots, bins[:, r]) for r in range(self.num_replicas)]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        slots, bins = self._plan()
-        return iter(self._batches(slots, bins[:, self.rank]))

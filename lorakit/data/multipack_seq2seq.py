@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from lorakit.data.multipack import steps_lightest_last
+from lorakit.data.sampler import Shard, check_within, length_array, target_array
 
 # Retire full bins from the search every this many placements.
 _COMPACT_EVERY = 256
@@ -126,7 +127,7 @@ def pack_pairs(a: np.ndarray, b: np.ndarray, cap_a: int, cap_b: int) -> list[lis
     return bins
 
 
-class Seq2SeqMultipackBatchSampler:
+class Seq2SeqMultipackBatchSampler(Shard):
     """Yields this rank's micro-batches (lists of dataset indices) with sum(source lengths) <=
     `max_source_tokens` and sum(target lengths) <= `max_target_tokens`.
 
@@ -149,23 +150,13 @@ class Seq2SeqMultipackBatchSampler:
         drop_last: bool = False,
         quadratic_scale: float = 16384.0,
     ):
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is outside num_replicas {num_replicas}")
-        a = np.asarray(source_lengths, dtype=np.int64)
-        b = np.asarray(target_lengths, dtype=np.int64)
-        if a.ndim != 1 or a.shape != b.shape or len(a) == 0:
-            raise ValueError("source and target lengths must be flat, non-empty and of equal length")
-        for name, x, cap in (("source", a, max_source_tokens), ("target", b, max_target_tokens)):
-            bad = np.flatnonzero((x < 1) | (x > cap))
-            if len(bad):
-                i = int(bad[0])
-                raise ValueError(
-                    f"example {i} has {name} length {int(x[i])}, outside [1, {cap}]; truncate or drop "
-                    "over-long examples before packing"
-                )
+        self._shard(num_replicas, rank, seed)
+        a = length_array(source_lengths, "source_lengths")
+        b = target_array(target_lengths, a)
+        check_within(a, max_source_tokens, "source length", "max_source_tokens")
+        check_within(b, max_target_tokens, "target length", "max_target_tokens")
         self.source_lengths, self.target_lengths = a, b
         self.max_source_tokens, self.max_target_tokens = int(max_source_tokens), int(max_target_tokens)
-        self.num_replicas, self.rank, self.seed, self.epoch = num_replicas, rank, seed, 0
         self.quadratic_scale = float(quadratic_scale)
         bins = pack_pairs(a, b, self.max_source_tokens, self.max_target_tokens)
         bins = self._fit_replicas(bins, drop_last)
@@ -200,10 +191,6 @@ class Seq2SeqMultipackBatchSampler:
             big.sort(key=lambda i: -(self.source_lengths[i] + self.target_lengths[i]))
             bins += [big[0::2], big[1::2]]
         return bins
-
-    def set_epoch(self, epoch: int) -> None:
-        """Reshuffle deterministically for `epoch`."""
-        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self._bins) // self.num_replicas
@@ -275,7 +262,7 @@ class Seq2SeqMultipackBatchSampler:
 
     def all_batches(self) -> list[list[list[int]]]:
         """Every rank's batches for the current epoch: result[rank][i]."""
-        rng = np.random.default_rng((self.seed, self.epoch))
+        rng = self._rng()
         bins, fill = self._trade(rng)
         r = self.num_replicas
         # The step (r consecutive bins) of least filled rows goes last. (One row per step of 32 examples

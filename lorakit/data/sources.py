@@ -21,9 +21,12 @@ from typing import Any
 import datasets
 import numpy as np
 
+from lorakit.data.templates import prompt_columns, target_columns
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
 
+# The column that names each example's source in a dataset mixture (lorakit.data.mixture); tokenizing keeps it.
+SOURCE = "source"
 # Suffixes a local source may have, in the order a directory is searched for {split}{suffix}.
 _SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 # Bad rows quoted by name in the terminal and in summary.json; the rest are only counted.
@@ -35,12 +38,38 @@ OVERLONG_DOC = "docs/data.md#over-long-examples-dataoverlong"
 
 
 def required_columns(data: DataSection) -> dict[str, str]:
-    """{recipe field: column name} of the columns the recipe's data.format reads."""
+    """{recipe field: column name} of the columns the recipe's data.format reads (instruction: every column
+    the prompt and target templates name)."""
     if data.format == "completion":
         return {"data.text_column": data.text_column}
     if data.format == "chat":
         return {"data.messages_column": data.messages_column}
-    return {"data.input_column": data.input_column, "data.target_column": data.target_column}
+    fields: dict[str, str] = {}  # column -> the field that names it first
+    for p, column in prompt_columns(data).items():
+        fields.setdefault(column, "data.input_column" if p == "input" else f"data.prompt_template {{{p}}}")
+    for p, column in target_columns(data).items():
+        fields.setdefault(column, "data.target_column" if p == "target" else f"data.target_template {{{p}}}")
+    return {field: column for column, field in fields.items()}
+
+
+def label_columns(data: DataSection) -> set[str]:
+    """The columns whose class ids (integers) become label words: the target's."""
+    return set(target_columns(data).values()) if data.format == "instruction" else set()
+
+
+def table_label_names(data: DataSection, features: datasets.Features | None) -> list[str] | None:
+    """The label words of a split: data.label_names, else the ClassLabel names of its target column."""
+    target = features.get(data.target_column) if features is not None else None
+    names = list(target.names) if isinstance(target, datasets.ClassLabel) else None
+    if data.label_names is None or names is None:
+        return data.label_names or names
+    if len(names) != len(data.label_names):
+        raise DataError(
+            f"data.label_names has {len(data.label_names)} words but column {data.target_column!r} has "
+            f"{len(names)} classes {names}; give one word per class, in class-id order",
+            doc=COLUMNS_DOC,
+        )
+    return list(data.label_names)
 
 
 def resolve_local_source(source: str) -> Path | None:
@@ -114,6 +143,8 @@ class SourceRows:
     skipped: int = 0
     # "ORIGIN line N: reason" of the first MAX_QUOTED rows left out.
     quoted: list[str] = field(default_factory=list)
+    # The label words of a classification target (class ids became these), else None.
+    labels: list[str] | None = None
 
 
 _JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
@@ -123,7 +154,8 @@ def _json_type(value: Any) -> str:
     return "null" if value is None else _JSON_TYPES.get(type(value), type(value).__name__)
 
 
-def _text_problem(value: Any) -> str | None:
+def text_problem(value: Any) -> str | None:
+    """Why `value` cannot be a text field (null, not a string, empty), or None when it can."""
     if value is None:
         return "is null"
     if not isinstance(value, str):
@@ -133,7 +165,8 @@ def _text_problem(value: Any) -> str | None:
     return None
 
 
-def _messages_problem(messages: Any) -> str | None:
+def messages_problem(messages: Any) -> str | None:
+    """Why `messages` is not a non-empty list of {role, content} texts, or None when it is."""
     if not isinstance(messages, list) or not messages:
         return f"must be a non-empty list of {{role, content}} messages, got {type(messages).__name__}: {messages!r:.60}"
     for j, m in enumerate(messages):
@@ -148,12 +181,21 @@ def _messages_problem(messages: Any) -> str | None:
     return None
 
 
+class _BadLabel(str):
+    """Why a target value is not a usable label (a str, so it reads as the reason)."""
+
+
 class _Collector:
     """Checks rows as they are read and keeps the good ones, applying data.on_bad_rows to the others."""
 
-    def __init__(self, data: DataSection, origin: str, unit: str, limit: int | None):
+    def __init__(
+        self, data: DataSection, origin: str, unit: str, limit: int | None, labels: list[str] | None = None
+    ):
         self.columns = required_columns(data)  # {field: column}
         self.chat = data.messages_column if data.format == "chat" else None
+        # Class ids in these columns become labels[id]; with labels known, a text target must be one of them.
+        self.label_columns, self.labels = label_columns(data), labels
+        self.direct_label = data.target_template is None
         self.policy, self.origin, self.unit, self.limit = data.on_bad_rows, origin, unit, limit
         self.values: dict[str, list] = {c: [] for c in self.columns.values()}
         self.positions: list[int] = []
@@ -169,15 +211,36 @@ class _Collector:
         return self.limit is not None and len(self.positions) >= self.limit
 
     def problem(self, row: dict) -> tuple[str, str | None] | None:
-        """(reason, the missing column or None) of a bad row; None for a good one."""
+        """(reason, the missing column or None) of a bad row; None for a good one. Class ids in the target
+        are replaced by their label words in `row`."""
         for column in self.values:
             if column not in row:
                 return f"column {column!r} is missing", column
             value = row[column]
-            issue = _messages_problem(value) if column == self.chat else _text_problem(value)
+            if column in self.label_columns:
+                value = row[column] = self._label(value)
+                if isinstance(value, _BadLabel):
+                    return f"column {column!r} {value}", None
+            issue = messages_problem(value) if column == self.chat else text_problem(value)
             if issue:
                 return f"column {column!r} {issue}", None
         return None
+
+    def _label(self, value: Any) -> Any:
+        """A class id as its label word; a text label checked against the known labels."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            if self.labels is None:
+                return _BadLabel(
+                    f"is the class id {value}, not text; give data.label_names to turn class ids into words"
+                )
+            if not 0 <= value < len(self.labels):
+                last = len(self.labels) - 1
+                return _BadLabel(f"is the class id {value}, outside 0..{last} (the labels are {self.labels})")
+            return self.labels[value]
+        if self.labels is not None and self.direct_label and isinstance(value, str) and value.strip():
+            if value not in self.labels:
+                return _BadLabel(f"is {value!r}, not one of the labels {self.labels}")
+        return value
 
     def add(self, position: int, row: Any = None, reason: str | None = None) -> None:
         """Take the row at `position`, or note that it could not be read (`reason`)."""
@@ -250,7 +313,7 @@ class _Collector:
         except (TypeError, ValueError) as e:  # pyarrow's ArrowInvalid / ArrowTypeError derive from these
             raise DataError(f"{self.origin}: the rows cannot be stored as one table: {e}") from e
         where = RowLocator(self.origin, self.unit, np.asarray(self.positions, dtype=np.int64))
-        return SourceRows(ds, where, self.skipped, self.quoted)
+        return SourceRows(ds, where, self.skipped, self.quoted, self.labels)
 
 
 def _read_json_lines(path: Path, rows: _Collector) -> None:
@@ -340,6 +403,9 @@ def _check_table(ds: datasets.Dataset, rows: _Collector) -> SourceRows:
         if rows.full():
             break
     rows.finish()
+    if rows.labels is not None:
+        # Class ids were turned into words as the rows were checked: keep the checked values.
+        return rows.dataset()
     kept = ds.select_columns(columns)
     positions = None  # every row kept, in order: row i is at index i
     if len(rows.positions) < len(ds):
@@ -369,9 +435,11 @@ def load_split(data: DataSection, split: str, limit: int | None = None) -> Sourc
             raise DataError(
                 f"data.source {data.source!r} (config {data.config!r}, split {split!r}): {e}"
             ) from e
-        return _check_table(ds, _Collector(data, f"{origin} split {split!r}", "row", limit))
+        labels = table_label_names(data, ds.features)
+        return _check_table(ds, _Collector(data, f"{origin} split {split!r}", "row", limit, labels))
     file = _local_split_file(local, split)
-    rows = _Collector(data, _display(data.source, local, file), "line", limit)
+    labels = data.label_names if data.format == "instruction" else None
+    rows = _Collector(data, _display(data.source, local, file), "line", limit, labels)
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -380,7 +448,10 @@ def load_split(data: DataSection, split: str, limit: int | None = None) -> Sourc
             table = pq.read_table(file)
         except (OSError, ValueError) as e:
             raise DataError(f"data.source: {rows.origin} is not a readable parquet file: {e}") from e
-        return _check_table(datasets.Dataset(table), rows)
+        # Dataset(table) reads the features `datasets` stored in the file's metadata (ClassLabel names).
+        ds = datasets.Dataset(table)
+        rows.labels = table_label_names(data, ds.features) if data.format == "instruction" else None
+        return _check_table(ds, rows)
     if file.suffix == ".csv":
         _read_csv(file, rows)
     elif file.suffix == ".json":
@@ -389,3 +460,72 @@ def load_split(data: DataSection, split: str, limit: int | None = None) -> Sourc
     else:
         _read_json_lines(file, rows)
     return rows.dataset()
+
+
+# data.eval_split auto without data.val_size and without a `validation` split: this share of the training
+# rows, at least one row and at most HOLDOUT_MAX.
+HOLDOUT_FRACTION = 0.05
+HOLDOUT_MAX = 1000
+
+
+def has_split(data: DataSection, split: str) -> bool:
+    """Whether the recipe's source has `split` (a {split}.ext file, or a hub split of that name)."""
+    local = resolve_local_source(data.source)
+    if local is not None:
+        return local.is_dir() and any((local / f"{split}{suffix}").is_file() for suffix in _SUFFIXES)
+    try:
+        return split in datasets.get_dataset_split_names(data.source, data.config)
+    except (OSError, ValueError):
+        # An unreachable or unknown hub dataset: say so when its rows are loaded, naming data.source.
+        return True
+
+
+def eval_source(data: DataSection) -> tuple[str, bool]:
+    """(split, held_out) of the evaluation rows: a split of the source, or (data.split, True) when they are
+    held out of the training split (data.eval_split auto with data.val_size, or with no `validation`)."""
+    if data.eval_split != "auto":
+        return data.eval_split, False
+    if data.val_size is None and has_split(data, "validation"):
+        return "validation", False
+    return data.split, True
+
+
+def holdout_size(data: DataSection, rows: int) -> int:
+    """How many of `rows` training rows data.val_size holds out (its default when unset)."""
+    size = data.val_size
+    if size is None:
+        n = min(max(1, round(HOLDOUT_FRACTION * rows)), HOLDOUT_MAX)
+    elif isinstance(size, float):
+        n = max(1, round(size * rows))
+    else:
+        n = size
+    if n >= rows:
+        raise DataError(
+            f"data.val_size: holding out {n} of the {rows} usable training rows would leave none to train "
+            "on; lower data.val_size, or name an evaluation split in data.eval_split"
+        )
+    return n
+
+
+def subset(src: SourceRows, indices: np.ndarray) -> SourceRows:
+    """The rows of `src` at `indices` (in that order), still named by their original line or index."""
+    positions = src.where.positions
+    where = RowLocator(
+        src.where.origin, src.where.unit, positions[indices] if positions is not None else indices
+    )
+    return SourceRows(src.rows.select(indices), where, src.skipped, src.quoted, src.labels)
+
+
+def split_holdout(data: DataSection, rows: SourceRows) -> tuple[SourceRows, SourceRows]:
+    """(train, eval) rows from one split: the held-out rows are a random draw seeded by data.split_seed
+    from all usable rows, so they are the same on every run of the same data and never trained on,
+    whatever data.max_samples / max_eval_samples keep of each side afterwards (both keep file order)."""
+    n = len(rows.rows)
+    perm = np.random.default_rng(data.split_seed).permutation(n)
+    size = holdout_size(data, n)
+    held, kept = np.sort(perm[:size]), np.sort(perm[size:])
+    if data.max_eval_samples is not None:
+        held = held[: data.max_eval_samples]
+    if data.max_samples is not None:
+        kept = kept[: data.max_samples]
+    return subset(rows, kept), subset(rows, held)

@@ -10,7 +10,8 @@ from typing import Any
 import datasets
 import numpy as np
 
-from lorakit.data.sources import OVERLONG_DOC, SourceRows
+from lorakit.data.sources import OVERLONG_DOC, SOURCE, SourceRows
+from lorakit.data.templates import fit_prompt, prompt_columns, render_prompt, render_target, rows_of
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
 
@@ -19,6 +20,8 @@ from lorakit.recipe.schema import DataSection
 # sequence length is longer than the specified maximum sequence length" for the first long row, which is
 # lorakit's business, not a problem the user has to act on.
 
+# Prefix of the columns that carry a prompt's fields from tokenizing to truncation.
+_FIELD = "_in:"
 # Tokenizers report "no limit" as a huge sentinel (int(1e30)); anything above this is not a real cap.
 _NO_LIMIT = 1_000_000
 
@@ -47,23 +50,22 @@ def resolve_lengths(
 ) -> Lengths:
     """Turn `auto` caps into numbers: longest source (capped at the model max); for targets the p95 when
     over-long rows are truncated, else (drop, error) the longest target, capped at the model max."""
-    if data.max_source_length == "auto":
-        src = int(source_lengths.max())
-        if model_max is not None:
-            src = min(src, model_max)
-    else:
-        src = data.max_source_length
+    src = longest(source_lengths, model_max) if data.max_source_length == "auto" else data.max_source_length
     if data.max_target_length == "auto" and data.overlong == "truncate":
         # ceil so that at least 95% of targets fit whole.
         tgt = int(math.ceil(np.percentile(target_lengths, 95)))
     elif data.max_target_length == "auto":
         # A p95 cap would drop, or stop on, the 5% longest targets: auto means "fit the data" here.
-        tgt = int(target_lengths.max())
-        if model_max is not None:
-            tgt = min(tgt, model_max)
+        tgt = longest(target_lengths, model_max)
     else:
         tgt = data.max_target_length
     return Lengths(max(src, 2), max(tgt, 2))
+
+
+def longest(lengths: np.ndarray, model_max: int | None) -> int:
+    """The longest of `lengths`, capped at the model's maximum where it has one: what an `auto` cap fits."""
+    top = int(lengths.max())
+    return top if model_max is None else min(top, model_max)
 
 
 def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: int = 1) -> datasets.Dataset:
@@ -71,21 +73,26 @@ def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: 
 
     The rows were checked when loaded (lorakit.data.sources): every input and target is non-empty text."""
 
+    fields = sorted(set(prompt_columns(data).values()))
+
     def fn(batch):
-        inputs, targets = batch[data.input_column], batch[data.target_column]
-        texts = [data.prompt_template.format(input=x) for x in inputs]
+        rows = rows_of(batch)
+        texts = [render_prompt(data, r) for r in rows]
+        targets = [render_target(data, r) for r in rows]
         return {
             "input_ids": tokenizer(texts, verbose=False)["input_ids"],
             "labels": tokenizer(targets, verbose=False)["input_ids"],
             "reference": targets,
-            # Kept until truncation, which re-tokenizes the rare over-long inputs from their text.
-            "_input": inputs,
+            # The prompt's columns, kept until truncation, which re-renders the rare over-long inputs from
+            # their text (prefixed: a dataset column may be called `labels`).
+            **{_FIELD + c: batch[c] for c in fields},
         }
 
     return ds.map(
         fn,
         batched=True,
-        remove_columns=ds.column_names,
+        # A mixture's source names stay with their rows.
+        remove_columns=[c for c in ds.column_names if c != SOURCE],
         num_proc=num_proc,
         desc="tokenizing",
         load_from_cache_file=False,
@@ -95,8 +102,10 @@ def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: 
 def truncate_rows(ds: datasets.Dataset, data: DataSection, tokenizer, lengths: Lengths) -> datasets.Dataset:
     """Cut sources and targets to the resolved caps, keeping the template and the final EOS intact."""
     eos = tokenizer.eos_token_id
-    overhead = len(tokenizer(data.prompt_template.format(input=""))["input_ids"])
+    empty = {c: "" for c in prompt_columns(data).values()}
+    overhead = len(tokenizer(render_prompt(data, empty))["input_ids"])
     budget = lengths.max_source_length - overhead
+    kept_fields = [c for c in ds.column_names if c.startswith(_FIELD)]
     if budget < 1:
         raise DataError(
             f"data.max_source_length={lengths.max_source_length} leaves no room for the input: the prompt "
@@ -110,18 +119,18 @@ def truncate_rows(ds: datasets.Dataset, data: DataSection, tokenizer, lengths: L
 
     def fn(batch):
         sources = []
-        for ids, text_in in zip(batch["input_ids"], batch["_input"], strict=True):
+        for i, ids in enumerate(batch["input_ids"]):
             if len(ids) > lengths.max_source_length:
-                # Cut the input text, not the templated sequence, so a suffix like "Summary:" survives.
-                raw = tokenizer(text_in, add_special_tokens=False, verbose=False)["input_ids"][:budget]
-                text = data.prompt_template.format(input=tokenizer.decode(raw, skip_special_tokens=True))
+                # Cut the columns' text, not the templated sequence, so a suffix like "Summary:" survives.
+                row = {c.removeprefix(_FIELD): batch[c][i] for c in kept_fields}
+                text = fit_prompt(data, row, tokenizer, budget)
                 ids = cut(tokenizer(text, verbose=False)["input_ids"], lengths.max_source_length)
             sources.append(ids)
         labels = [cut(t, lengths.max_target_length) for t in batch["labels"]]
         length = [len(s) + len(t) for s, t in zip(sources, labels, strict=True)]
         return {"input_ids": sources, "labels": labels, "length": length}
 
-    return ds.map(fn, batched=True, remove_columns=["_input"], desc="truncating", load_from_cache_file=False)
+    return ds.map(fn, batched=True, remove_columns=kept_fields, desc="truncating", load_from_cache_file=False)
 
 
 def apply_overlong(

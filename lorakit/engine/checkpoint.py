@@ -72,6 +72,10 @@ class LoopState:
     # after its last checkpoint, so the file reads as one uninterrupted run.
     metrics_records: int = 0
 
+    def tokens_per_second(self) -> float:
+        """Useful (non-pad) tokens per second of training, over all ranks."""
+        return self.global_real_tokens / self.train_seconds if self.train_seconds else 0.0
+
 
 @dataclass(frozen=True)
 class Checkpoint:

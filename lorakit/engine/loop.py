@@ -140,6 +140,7 @@ class Trainer:
         checkpointing: Checkpointing | None = None,
         nonfinite: NonFinitePolicy = NonFinitePolicy(),
         stop_requested: Callable[[], bool] | None = None,
+        meter: TokenMeter | None = None,
     ):
         self.engine, self.inputs, self.loader, self.sampler, self.plan = engine, inputs, loader, sampler, plan
         self.accumulation, self.log, self.evaluate, self.progress = accumulation, log, evaluate, progress
@@ -147,29 +148,9 @@ class Trainer:
         self.state = state or LoopState()
         self.checkpointing, self.nonfinite = checkpointing, nonfinite
         self.stop_requested = stop_requested or (lambda: False)
-        self.meter = TokenMeter()
+        # This rank's token counts; a resumed run passes the meter it continues.
+        self.meter = meter if meter is not None else TokenMeter()
         self.last_checkpoint = None
-
-    # The summary reads these; they live in the state so a resumed run continues them.
-    @property
-    def step(self) -> int:
-        return self.state.step
-
-    @property
-    def losses(self) -> list[float]:
-        return self.state.losses
-
-    @property
-    def train_seconds(self) -> float:
-        return self.state.train_seconds
-
-    @property
-    def global_real_tokens(self) -> int:
-        return self.state.global_real_tokens
-
-    @property
-    def global_token_slots(self) -> int:
-        return self.state.global_token_slots
 
     def run(self) -> None:
         """Train for the planned steps (from where the state says), evaluating after each epoch."""
@@ -271,7 +252,3 @@ class Trainer:
     def _save(self, reason: str) -> None:
         if self.checkpointing is not None:
             self.last_checkpoint = self.checkpointing.save(reason)
-
-    def tokens_per_second(self) -> float:
-        """Useful (non-pad) tokens per second of training, over all ranks."""
-        return self.global_real_tokens / self.train_seconds if self.train_seconds else 0.0

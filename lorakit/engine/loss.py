@@ -1,4 +1,11 @@
-"""Token-weighted loss: the step loss is total token loss / total target tokens, not a mean of means."""
+"""Token-weighted loss: the step loss is total token loss / total target tokens, not a mean of means.
+
+The cross-entropy is computed in fp32 (bf16 log-softmax over a 32k+ vocabulary loses the precision the sum
+needs) but never over a whole row at once: a packed row of 16k tokens of a 128k-vocabulary model would need
+8 GB for its fp32 logits and as much again for the log-softmax autograd keeps. `token_loss_sum` walks the
+row in chunks of about CHUNK_ELEMENTS logits, in the forward and again in the backward, so the fp32 working
+set is one chunk; what stays is the model's own logits (in model.dtype) and their gradient.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +14,55 @@ import torch.nn.functional as F
 
 from lorakit.data.collate import IGNORE_INDEX
 
+# fp32 logits handled at once (2**25 x 4 bytes = 128 MiB): 256 tokens of a 128k vocabulary, 1024 of 32k.
+CHUNK_ELEMENTS = 2**25
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over the target tokens of a batch (labels == -100 are ignored).
 
-    Computed in fp32: bf16 log-softmax over a 32k vocabulary loses the precision the sum needs.
-    """
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)),
-        labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
+def _chunks(n_tokens: int, vocab: int, chunk_elements: int) -> list[tuple[int, int]]:
+    step = max(1, chunk_elements // max(vocab, 1))
+    return [(s, min(s + step, n_tokens)) for s in range(0, n_tokens, step)]
+
+
+class _ChunkedTokenCE(torch.autograd.Function):
+    """Summed cross-entropy of (N, V) logits against (N,) labels, fp32 one chunk of tokens at a time.
+
+    Backward recomputes each chunk's softmax instead of keeping fp32 activations: d(sum CE)/d logits is
+    softmax(logits) - onehot(label) on target tokens and 0 on ignored ones."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk_elements: int) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        spans = _chunks(logits.size(0), logits.size(1), chunk_elements)
+        for s, e in spans:
+            total += F.cross_entropy(
+                logits[s:e].float(), labels[s:e], ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+        ctx.save_for_backward(logits, labels)
+        ctx.spans = spans
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        logits, labels = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for s, e in ctx.spans:
+            g = torch.softmax(logits[s:e].float(), dim=-1)
+            y = labels[s:e]
+            target = y != IGNORE_INDEX
+            rows = torch.nonzero(target, as_tuple=True)[0]
+            g[rows, y[rows]] -= 1.0
+            g[~target] = 0.0
+            grad[s:e] = (g * grad_total).to(grad.dtype)
+        return grad, None, None
+
+
+def token_loss_sum(
+    logits: torch.Tensor, labels: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS
+) -> torch.Tensor:
+    """Summed cross-entropy over the target tokens of a batch (labels == -100 are ignored), in fp32, over
+    chunks of about `chunk_elements` logits (module docstring)."""
+    return _ChunkedTokenCE.apply(
+        logits.reshape(-1, logits.size(-1)), labels.reshape(-1).to(logits.device), chunk_elements
     )
 
 

@@ -28,6 +28,51 @@ def eval_plan(num_rows: int, batch_size: int, num_replicas: int, rank: int) -> l
     return plan
 
 
+def auto_max_new_tokens(data) -> int:
+    """Generation cap when eval.max_new_tokens is auto: the target cap (seq2seq), else the longest eval
+    response (causal: tokens after the prompt)."""
+    if data.lengths.max_target_length is not None:
+        return data.lengths.max_target_length
+    return max(
+        (
+            length - len(prompt)
+            for length, prompt in zip(data.eval["length"], data.eval["prompt_ids"], strict=True)
+        ),
+        default=1,
+    )
+
+
+@torch.no_grad()
+def generate_texts(
+    model,
+    tokenizer,
+    prompt: dict[str, torch.Tensor],
+    device,
+    *,
+    causal: bool,
+    max_new_tokens: int,
+    num_beams: int,
+    synced_gpus: bool = False,
+) -> list[str]:
+    """Greedy (or beam) generation from a padded batch of prompts (`input_ids`, `attention_mask`), decoded
+    without special tokens. Causal LMs take left-padded prompts and only the continuation is decoded."""
+    out = model.generate(
+        input_ids=prompt["input_ids"].to(device),
+        attention_mask=prompt["attention_mask"].to(device),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        max_new_tokens=max_new_tokens,
+        num_beams=num_beams,
+        do_sample=False,
+        use_cache=True,
+        synced_gpus=synced_gpus,
+    )
+    if causal:
+        # A causal LM returns prompt + continuation; the prediction is the continuation.
+        out = out[:, prompt["input_ids"].shape[1] :]
+    return tokenizer.batch_decode(out, skip_special_tokens=True)
+
+
 @torch.no_grad()
 def evaluate_model(
     engine,
@@ -66,22 +111,17 @@ def evaluate_model(
                 prompt = left_pad_prompts([e["prompt_ids"] for e in examples], tokenizer.pad_token_id)
             else:
                 prompt = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-            out = model.generate(
-                input_ids=prompt["input_ids"].to(device),
-                attention_mask=prompt["attention_mask"].to(device),
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
+            texts = generate_texts(
+                model,
+                tokenizer,
+                prompt,
+                device,
+                causal=causal,
                 max_new_tokens=max_new_tokens,
                 num_beams=num_beams,
-                do_sample=False,
-                use_cache=True,
                 # Under ZeRO-3 a rank that finishes early must keep gathering parameters for the others.
                 synced_gpus=zero3 and dist.world_size() > 1,
             )
-            if causal:
-                # A causal LM returns prompt + continuation; the prediction is the continuation.
-                out = out[:, prompt["input_ids"].shape[1] :]
-            texts = tokenizer.batch_decode(out, skip_special_tokens=True)
             predictions.extend(zip(rows[:real], texts[:real], strict=True))
     loss_sum, tokens = dist.all_reduce([loss_sum, tokens])
     result: dict[str, Any] = {"loss": loss_sum / max(tokens, 1.0), "tokens": int(tokens)}

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from lorakit import rundir
 from lorakit.export.sources import MergeSource
 from lorakit.export.verify import Check
+
+CARD = "README.md"
+# The card's machine-readable lines, which read_card parses back.
+_LABELS = "- labels: "
+_RECIPE = re.compile(r"^## Recipe\n\n```yaml\n(.*?)\n```$", re.MULTILINE | re.DOTALL)
 
 QLORA_NOTE = (
     "QLoRA run: the adapter was trained on the base quantized to 4 bits; it is merged into the base loaded "
@@ -73,6 +80,10 @@ def model_card(
     if src.recipe is not None and method != "full":
         m = src.recipe.method
         lines.append(f"- LoRA: r={m.r}, alpha={m.alpha:g}, target_modules={m.target_modules}")
+    labels = ((src.summary or {}).get("data") or {}).get("labels")
+    if labels:
+        # The label words of a classifier run, for lorakit.generate's `label` field.
+        lines.append(_LABELS + json.dumps(labels))
     lines += [f"- {note}" for note in notes]
     metrics = (src.summary or {}).get("eval") or {}
     if metrics:
@@ -92,3 +103,30 @@ def model_card(
     lines += ["", "## Versions", ""]
     lines += [f"- {k}: {v}" for k, v in versions.items() if v is not None]
     return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class CardFacts:
+    """What an export's model card says about the run it came from."""
+
+    recipe_text: str | None
+    labels: list[str] | None
+
+
+def read_card(directory: Path) -> CardFacts:
+    """The run's recipe (YAML text) and label words from the model card model_card wrote into `directory`;
+    None for what the card does not hold (or when there is no card, or another tool wrote it)."""
+    path = Path(directory) / CARD
+    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+    recipe = _RECIPE.search(text)
+    labels = None
+    for line in text.splitlines():
+        if line.startswith(_LABELS):
+            try:
+                labels = json.loads(line.removeprefix(_LABELS))
+            except json.JSONDecodeError:
+                labels = None
+            break
+    if not (isinstance(labels, list) and all(isinstance(x, str) for x in labels)):
+        labels = None
+    return CardFacts(recipe[1] + "\n" if recipe else None, labels)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from lorakit.export.adapter import (
     config_signature,
     read_adapter,
 )
-from lorakit.export.card import QLORA_NOTE, model_card
+from lorakit.export.card import CARD, QLORA_NOTE, model_card
 from lorakit.export.output import atomic_directory, check_output, parse_size
 from lorakit.export.sources import MergeSource, locate
 from lorakit.export.verify import RELATIVE_TOLERANCE, Check, compare, probe_batch, probe_logits
@@ -74,15 +74,7 @@ def merge(
     then left as it was."""
     src = locate(source, base)
     dtype = dtype or src.default_dtype
-    if dtype not in RELATIVE_TOLERANCE:
-        raise MergeError(
-            f"--dtype {dtype!r}: choose one of {', '.join(RELATIVE_TOLERANCE)}", doc="docs/merge.md#options"
-        )
-    tol = RELATIVE_TOLERANCE[dtype] if tolerance is None else float(tolerance)
-    if not tol > 0:
-        raise MergeError(
-            f"--tolerance {tolerance!r}: must be a positive number", doc="docs/merge.md#tolerances"
-        )
+    tol = _tolerance(dtype, tolerance)
     shard_bytes = parse_size(max_shard_size)
     if compare_quantized and src.method != "qlora":
         raise MergeError(
@@ -92,59 +84,125 @@ def merge(
     protect = [src.path] + ([Path(src.base_source)] if Path(src.base_source).is_dir() else [])
     out = check_output(Path(output), force, protect)
     adapter = read_adapter(src.path) if src.kind == "adapter" else None
-    torch_dtype = getattr(torch, dtype)
-    auto_cls, config = _model_class(src)
+    auto_cls, config = auto_model_class(src)
     batch = probe_batch(config, config.vocab_size)
-    notes: list[str] = []
-    checks: list[Check] = []
-    quantized = None
-
     if adapter is None:
-        _say(f"exporting: the fully fine-tuned model {src.path} in {dtype}")
-        model = _load(auto_cls, src.base_source, torch_dtype, src)
-        reference = probe_logits(model, batch)
-        against = "the run's model"
+        done = _full_model(src, auto_cls, dtype, batch)
     else:
-        _say(f"merging: {adapter.describe()} into {src.base_name} ({src.base_source}) in {dtype}")
-        _check_architecture(src, config)
-        if src.method == "qlora":
-            notes.append(QLORA_NOTE.format(dtype=dtype))
-            _say(notes[-1])
-        quantized_ref = _adapter_on_4bit(src, auto_cls, batch) if compare_quantized else None
-        model, reference, base_logits = _merged_model(src, adapter, auto_cls, torch_dtype, batch)
-        merged = probe_logits(model, batch)
-        against = "the adapter model" + (" (on the unquantized base)" if src.method == "qlora" else "")
-        checks.append(_require(compare(f"merged vs {against}", merged, reference, tol, base_logits)))
-        if not checks[-1].effect_visible:
-            notes.append(
-                f"warning: the adapter moves the probe logits by at most {checks[-1].adapter_effect:.3g}, "
-                f"within the {dtype} tolerance, so this check cannot tell the merged model from the base"
-            )
-            _say(notes[-1])
-        if quantized_ref is not None:
-            quantized = compare(
-                "merged vs the adapter on the 4-bit base it was trained with (quantization error, reported "
-                "only)",
-                merged,
-                quantized_ref,
-                tol,
-            )
-            _say(quantized.describe())
+        done = _merge_adapter(src, adapter, auto_cls, config, dtype, batch, tol, compare_quantized)
+    shards = _save_verified(done, src, out, force, auto_cls, config, dtype, batch, tol, shard_bytes)
+    plural = "s" if shards != 1 else ""
+    _say(
+        f"saved:    {out} ({shards} safetensors shard{plural}, {dtype}) + tokenizer, generation config, README.md"
+    )
+    return MergeResult(out, src.method, src.base_name, dtype, shards, tuple(done.checks), done.quantized)
 
-    model_class = type(model).__name__
+
+def _tolerance(dtype: str, tolerance: float | None) -> float:
+    """The relative logit tolerance: `tolerance`, else the dtype's default; refuses unknown dtypes."""
+    if dtype not in RELATIVE_TOLERANCE:
+        raise MergeError(
+            f"--dtype {dtype!r}: choose one of {', '.join(RELATIVE_TOLERANCE)}", doc="docs/merge.md#options"
+        )
+    tol = RELATIVE_TOLERANCE[dtype] if tolerance is None else float(tolerance)
+    if not tol > 0:
+        raise MergeError(
+            f"--tolerance {tolerance!r}: must be a positive number", doc="docs/merge.md#tolerances"
+        )
+    return tol
+
+
+@dataclass
+class _Exported:
+    """The model to save, the logits its saved copy must reproduce, and what was checked and noted."""
+
+    model: Any
+    reference: torch.Tensor
+    against: str
+    checks: list[Check] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    quantized: Check | None = None
+
+
+def _full_model(src: MergeSource, auto_cls, dtype: str, batch) -> _Exported:
+    """A full fine-tuning run: its model as it is, in `dtype`."""
+    _say(f"exporting: the fully fine-tuned model {src.path} in {dtype}")
+    model = load_pretrained(auto_cls, src.base_source, getattr(torch, dtype), src)
+    return _Exported(model, probe_logits(model, batch), "the run's model")
+
+
+def _merge_adapter(
+    src: MergeSource,
+    adapter: Adapter,
+    auto_cls,
+    config,
+    dtype: str,
+    batch,
+    tol: float,
+    compare_quantized: bool,
+) -> _Exported:
+    """The adapter merged into its base, checked against the adapter model (and, with compare_quantized,
+    reported against the adapter on the 4-bit base)."""
+    _say(f"merging: {adapter.describe()} into {src.base_name} ({src.base_source}) in {dtype}")
+    _check_architecture(src, config)
+    notes: list[str] = []
+    if src.method == "qlora":
+        notes.append(QLORA_NOTE.format(dtype=dtype))
+        _say(notes[-1])
+    quantized_ref = _adapter_on_4bit(src, auto_cls, batch) if compare_quantized else None
+    model, reference, base_logits = _merged_model(src, adapter, auto_cls, getattr(torch, dtype), batch)
+    merged = probe_logits(model, batch)
+    against = "the adapter model" + (" (on the unquantized base)" if src.method == "qlora" else "")
+    check = _require(compare(f"merged vs {against}", merged, reference, tol, base_logits))
+    if not check.effect_visible:
+        notes.append(
+            f"warning: the adapter moves the probe logits by at most {check.adapter_effect:.3g}, "
+            f"within the {dtype} tolerance, so this check cannot tell the merged model from the base"
+        )
+        _say(notes[-1])
+    quantized = None
+    if quantized_ref is not None:
+        quantized = compare(
+            "merged vs the adapter on the 4-bit base it was trained with (quantization error, reported only)",
+            merged,
+            quantized_ref,
+            tol,
+        )
+        _say(quantized.describe())
+    return _Exported(model, reference, against, [check], notes, quantized)
+
+
+def _save_verified(
+    done: _Exported,
+    src: MergeSource,
+    out: Path,
+    force: bool,
+    auto_cls,
+    config,
+    dtype,
+    batch,
+    tol,
+    shard_bytes,
+) -> int:
+    """Save the model, tokenizer and card into a temporary sibling of `out`, reload it and check it again,
+    then move it into place; returns the number of shards."""
+    model, model_class = done.model, type(done.model).__name__
+    done.model = None  # the reference below is the only one, so `del model` frees it before the reload
     with atomic_directory(out, force) as tmp:
         # Training turns the KV cache off (and a full run saves that); a served model wants it on.
         model.config.use_cache = True
         _save_model(model, tmp, shard_bytes)
-        _save_tokenizer(src, tmp, notes)
+        _save_tokenizer(src, tmp, done.notes)
         del model
         gc.collect()
         # What a user will load: the directory just written, read back by transformers.
-        reloaded = _load(auto_cls, str(tmp), torch_dtype, None)
+        reloaded = load_pretrained(auto_cls, str(tmp), getattr(torch, dtype), None)
         reloaded_logits = probe_logits(reloaded, batch)
         del reloaded
-        checks.append(
-            _require(compare(f"saved copy, reloaded, vs {against}", reloaded_logits, reference, tol))
+        done.checks.append(
+            _require(
+                compare(f"saved copy, reloaded, vs {done.against}", reloaded_logits, done.reference, tol)
+            )
         )
         shards = _count_shards(tmp)
         card = model_card(
@@ -153,15 +211,11 @@ def merge(
             model_class=model_class,
             is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
             shards=shards,
-            checks=[*checks, *([quantized] if quantized else [])],
-            notes=notes,
+            checks=[*done.checks, *([done.quantized] if done.quantized else [])],
+            notes=done.notes,
         )
-        (tmp / "README.md").write_text(card)
-    plural = "s" if shards != 1 else ""
-    _say(
-        f"saved:    {out} ({shards} safetensors shard{plural}, {dtype}) + tokenizer, generation config, README.md"
-    )
-    return MergeResult(out, src.method, src.base_name, dtype, shards, tuple(checks), quantized)
+        (tmp / CARD).write_text(card)
+    return shards
 
 
 def _require(check: Check) -> Check:
@@ -176,7 +230,9 @@ def _require(check: Check) -> Check:
     return check
 
 
-def _model_class(src: MergeSource):
+def auto_model_class(src: MergeSource):
+    """(AutoModelForSeq2SeqLM or AutoModelForCausalLM, the config) of what `src` loads: its base, or the
+    full model."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     try:
@@ -189,8 +245,8 @@ def _model_class(src: MergeSource):
     return (AutoModelForSeq2SeqLM if enc_dec else AutoModelForCausalLM), config
 
 
-def _load(auto_cls, source: str, torch_dtype: torch.dtype, src: MergeSource | None, **kwargs):
-    """The model on CPU in `torch_dtype`, eval mode."""
+def load_pretrained(auto_cls, source: str, torch_dtype: torch.dtype | str, src: MergeSource | None, **kwargs):
+    """The model in `torch_dtype` (or "auto": as saved), eval mode; on CPU unless kwargs place it."""
     model = auto_cls.from_pretrained(
         source,
         revision=src.revision if src is not None else None,
@@ -229,7 +285,7 @@ def _merged_model(src: MergeSource, adapter: Adapter, auto_cls, torch_dtype, bat
     """(merged model, reference logits of the adapter model, logits of the base alone), one model copy."""
     from peft import PeftModel
 
-    model = _load(auto_cls, src.base_source, torch_dtype, src)
+    model = load_pretrained(auto_cls, src.base_source, torch_dtype, src)
     check_fits(adapter, model, src.base_name)
     peft_model = PeftModel.from_pretrained(model, str(src.path), is_trainable=False)
     reference = probe_logits(peft_model, batch)
@@ -252,7 +308,7 @@ def _adapter_on_4bit(src: MergeSource, auto_cls, batch) -> torch.Tensor:
 
     train_dtype = getattr(torch, src.recipe.model.dtype)
     quant = bnb_config(src.recipe.method.quantization(), train_dtype)
-    model = _load(auto_cls, src.base_source, train_dtype, src, quantization_config=quant)
+    model = load_pretrained(auto_cls, src.base_source, train_dtype, src, quantization_config=quant)
     keep_standard_4bit_layout(model)  # the layout it trained in (on AVX512-BF16 CPUs too)
     logits = probe_logits(PeftModel.from_pretrained(model, str(src.path)), batch)
     del model

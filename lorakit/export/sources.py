@@ -71,6 +71,28 @@ def _resolve(name: str, cache_dir: str, what: str) -> str:
         raise MergeError(f"{what} {name!r}: {e}") from e
 
 
+def _artefact(p: Path, run_dir: Path | None, recipe) -> tuple[bool, Path]:
+    """(whether it is a full model, the directory to export) for the directory `p`."""
+    if p == run_dir:
+        full = not recipe.method.adapter()
+        artefact = p / (rundir.MODEL if full else rundir.ADAPTER)
+        if not artefact.is_dir():
+            what = "model" if full else "adapter"
+            raise MergeError(
+                f"{p}: a {recipe.method.kind} run without its {artefact.name}/ directory: training did not "
+                f"finish, or output.save_adapter was false; there is no {what} to export",
+                doc="docs/merge.md#options",
+            )
+        return full, artefact
+    if (p / ADAPTER_CONFIG).is_file() or (p / "config.json").is_file():
+        return not (p / ADAPTER_CONFIG).is_file(), p
+    raise MergeError(
+        f"{p}: neither a run directory (no {rundir.RECIPE}), an adapter directory (no {ADAPTER_CONFIG}) "
+        "nor a model directory (no config.json)",
+        doc="docs/merge.md#options",
+    )
+
+
 def locate(path: str | Path, base: str | None = None) -> MergeSource:
     """Find what `path` is (run dir, adapter dir, model dir) and which base model the merge uses.
 
@@ -89,24 +111,7 @@ def locate(path: str | Path, base: str | None = None) -> MergeSource:
     summary_file = run_dir / rundir.SUMMARY if run_dir is not None else None
     summary = json.loads(summary_file.read_text()) if summary_file and summary_file.is_file() else None
 
-    if p == run_dir:
-        full = not recipe.method.adapter()
-        artefact = p / (rundir.MODEL if full else rundir.ADAPTER)
-        if not artefact.is_dir():
-            what = "model" if full else "adapter"
-            raise MergeError(
-                f"{p}: a {recipe.method.kind} run without its {artefact.name}/ directory: training did not "
-                f"finish, or output.save_adapter was false; there is no {what} to export",
-                doc="docs/merge.md#options",
-            )
-    elif (p / ADAPTER_CONFIG).is_file() or (p / "config.json").is_file():
-        full, artefact = not (p / ADAPTER_CONFIG).is_file(), p
-    else:
-        raise MergeError(
-            f"{p}: neither a run directory (no {rundir.RECIPE}), an adapter directory (no {ADAPTER_CONFIG}) "
-            "nor a model directory (no config.json)",
-            doc="docs/merge.md#options",
-        )
+    full, artefact = _artefact(p, run_dir, recipe)
     cache_dir = recipe.data.cache_dir if recipe is not None else DataSection.model_fields["cache_dir"].default
     common = dict(path=artefact, run_dir=run_dir, recipe=recipe, recipe_text=recipe_text, summary=summary)
     if full:

@@ -1,4 +1,5 @@
-"""Per-example SDPA for packed rows: attention cost sum(L_i^2), not T^2, without flash-attn.
+"""Per-example SDPA for packed rows: attention cost sum(L_i^2), not T^2, without flash-attn (on CUDA, the
+fused kernels of lorakit.model.fused_attention where they apply).
 
 Registered with transformers' AttentionInterface (its extension point for attention kernels, so no
 monkeypatching) under VARLEN_SDPA. For a packed batch, lorakit.model.inputs passes the example boundaries;
@@ -29,6 +30,17 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from lorakit.model.fused_attention import (
+    FLEX,
+    KERNELS_USED,
+    LOOP,
+    VARLEN,
+    choose_kernel,
+    flex_self_attention,
+    varlen_causal,
+    varlen_cross,
+)
 
 VARLEN_SDPA = "lorakit_varlen_sdpa"
 # Examples of a packed T5 row are attended in groups padded to a common size when that adds at most this
@@ -109,6 +121,15 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
     else:
         # T5's cross-attention bias is zero (no relative positions between decoder and encoder tokens).
         q_bounds, k_bounds, kind, position_bias = target, source, "cross", None
+    kernel = choose_kernel(kind, query.device, query.dtype, dropout, bias=position_bias is not None)
+    if kernel == VARLEN:
+        return varlen_cross(query, key, value, q_bounds, k_bounds, scaling), None
+    if kernel == FLEX:
+        out = flex_self_attention(
+            query, key, value, q_bounds, position_bias, causal=kind == "decoder", scaling=scaling
+        )
+        return out, None
+    KERNELS_USED[kind, LOOP] += 1
     cache = getattr(segments, "cache", None)
     cache = {} if cache is None else cache
     q_lengths, k_lengths = _lengths(q_bounds), _lengths(k_bounds)
@@ -198,12 +219,15 @@ def varlen_sdpa_attention(
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one row per micro-batch, got {query.shape[0]}")
+    window = kwargs.get("sliding_window")
+    dropout = dropout if module.training else 0.0
+    if choose_kernel("causal", query.device, query.dtype, dropout, bias=False) == VARLEN:
+        return varlen_causal(query, key, value, segments, scaling, window), None
+    KERNELS_USED["causal", LOOP] += 1
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    window = kwargs.get("sliding_window")
-    dropout = dropout if module.training else 0.0
     # split, not slicing: the backward of a slice writes its gradient into a zero tensor of the whole row,
     # once per example (quadratic in examples per row); split's backward is one concatenation.
     lengths = _lengths(segments)

@@ -5,9 +5,32 @@ A recipe is frozen after validation; values derived from it are functions, not s
 
 from __future__ import annotations
 
+import string
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+def placeholders(template: str) -> list[str]:
+    """The column names in `template`'s braces, in order of first use; ValueError for anything else in
+    braces (an index, an attribute, a format spec) or an unbalanced brace."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"{e} (write {{{{ and }}}} for literal braces)") from None
+    names: list[str] = []
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if not name.isidentifier() or spec or conversion:
+            shown = name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            raise ValueError(
+                f"{{{shown}}}: a placeholder is a column name in braces, like {{premise}} "
+                "(write {{ and }} for literal braces)"
+            )
+        if name not in names:
+            names.append(name)
+    return names
 
 
 class _Section(BaseModel):
@@ -101,19 +124,104 @@ class MethodSection(_Section):
         return self.quant_type or "nf4"
 
 
+def _check_templates(owner: str, prompt_template: str | None, target_template: str | None) -> None:
+    for name, template in (("prompt_template", prompt_template), ("target_template", target_template)):
+        if template is None:
+            continue
+        try:
+            fields = placeholders(template)
+        except ValueError as e:
+            raise ValueError(f"{owner}.{name} has a bad placeholder: {e}") from None
+        if not fields:
+            raise ValueError(
+                f"{owner}.{name} names no column: put one in braces, e.g. {{input}} or {{premise}}"
+            )
+
+
+class SourceSpec(_Section):
+    """One source of a dataset mixture (data.source given as a list). Keys left unset take the data
+    section's value; each source may name its own columns and templates."""
+
+    source: str = Field(description="As data.source: a hub id, a local file or directory, or builtin:NAME.")
+    name: str | None = Field(
+        None, description="Name in summary.json and per-source metrics; default: the source's last path part."
+    )
+    config: str | None = Field(None, description="Hub configuration name.")
+    split: str | None = Field(None, description="Split to train on; default data.split.")
+    eval_split: str | None = Field(
+        "auto", description="Split to evaluate on (as data.eval_split); null: this source adds no eval rows."
+    )
+    weight: float | None = Field(
+        None,
+        gt=0,
+        description="Share of the mixture's training examples, relative to the other weighted sources.",
+    )
+    max_samples: int | None = Field(
+        None, ge=1, description="Exactly this many training examples from this source (instead of a weight)."
+    )
+    input_column: str | None = None
+    target_column: str | None = None
+    text_column: str | None = None
+    messages_column: str | None = None
+    prompt_template: str | None = None
+    target_template: str | None = None
+    label_names: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> SourceSpec:
+        if self.weight is not None and self.max_samples is not None:
+            raise ValueError(
+                f"data.source {self.source!r}: give a weight or max_samples, not both (a weight is a share of "
+                "the mixture, max_samples an exact count)"
+            )
+        _check_templates("data.source[]", self.prompt_template, self.target_template)
+        return self
+
+    def display_name(self) -> str:
+        """The source's name in summaries: `name`, else the last part of its path or id."""
+        return self.name or self.source.removeprefix("builtin:").rstrip("/").rsplit("/", 1)[-1]
+
+
+# Per-source keys a mixture entry may set for itself (None: the data section's value).
+_PER_SOURCE = (
+    "config",
+    "split",
+    "eval_split",
+    "input_column",
+    "target_column",
+    "text_column",
+    "messages_column",
+    "prompt_template",
+    "target_template",
+    "label_names",
+)
+
+
 class DataSection(_Section):
     """Where examples come from and how they become tokens."""
 
-    source: str = Field(
+    source: str | list[SourceSpec] = Field(
         description="Hub dataset id (loaded with datasets.load_dataset), a local .json/.jsonl/.csv/.parquet "
         "file, a local directory holding {split}.{ext} files, or `builtin:NAME` for a dataset shipped "
-        "with lorakit (builtin:news_summaries)."
+        "with lorakit (builtin:news_summaries). Or a mixture: a list of {source, name, config, split, "
+        "eval_split, weight | max_samples, columns and templates} whose training rows are drawn by weight "
+        "(with data.split_seed); every example keeps its source's name (docs/data.md#dataset-mixtures)."
     )
     config: str | None = Field(None, description="Hub dataset configuration name, e.g. `3.0.0`.")
     split: str = Field("train", description="Split to train on.")
     eval_split: str | None = Field(
-        "validation", description="Split to evaluate on; null disables evaluation data."
+        "auto",
+        description="Split to evaluate on. auto: the source's `validation` split when it has one, else a "
+        "held-out part of the training split (data.val_size); null disables evaluation data.",
     )
+    val_size: float | int | None = Field(
+        None,
+        description="Hold out this part of the training split for evaluation, never trained on: a fraction "
+        "(0 < x < 1) or a number of rows, picked at random with data.split_seed (the same rows on every run "
+        "of the same data, however max_samples is set). Unset with eval_split auto and no `validation` split: "
+        "5% of the rows, at least 1 and at most 1000. Needs eval_split auto.",
+    )
+    split_seed: int = Field(0, description="Seed of the held-out rows that data.val_size picks.")
     format: Literal["instruction", "completion", "chat"] = Field(
         "instruction",
         description="instruction: (input, target) text pairs, the input put through prompt_template (the "
@@ -121,9 +229,24 @@ class DataSection(_Section):
         "(causal LMs); chat: a column of messages [{role, content}, ...] rendered with the tokenizer's chat "
         "template, loss on the assistant turns (causal LMs).",
     )
-    input_column: str = Field("input", description="instruction: column with the model input text.")
+    input_column: str = Field(
+        "input", description="instruction: the column `{input}` reads in data.prompt_template."
+    )
     target_column: str = Field(
-        "target", description="instruction: column with the text the model must produce."
+        "target",
+        description="instruction: column with the text the model must produce, or with class ids (integers) "
+        "that become label words (the dataset's ClassLabel names, or data.label_names).",
+    )
+    target_template: str | None = Field(
+        None,
+        description="instruction: template of the target, `{name}` taking column `name` (`{target}`: "
+        "data.target_column); null: data.target_column as it is.",
+    )
+    label_names: list[str] | None = Field(
+        None,
+        description="instruction: the words for class ids 0, 1, ... in data.target_column (e.g. [entailment, "
+        "neutral, contradiction]); default: the dataset's ClassLabel names when it has them. With labels "
+        "known, evaluation reports per-class counts and a confusion matrix.",
     )
     text_column: str = Field("text", description="completion: column with the text to train on.")
     messages_column: str = Field("messages", description="chat: column with the list of messages.")
@@ -133,7 +256,10 @@ class DataSection(_Section):
         "turns (chat). Off by default: the loss is on responses only.",
     )
     prompt_template: str = Field(
-        "{input}", description="Template applied to each input; must contain `{input}`."
+        "{input}",
+        description="instruction: template of the model input; `{name}` takes column `name` of the data "
+        "(`{input}`: data.input_column), e.g. `mnli hypothesis: {hypothesis} premise: {premise}`. Every "
+        "named column must exist (checked before anything is written); `{{`/`}}` are literal braces.",
     )
     max_samples: int | None = Field(None, ge=1, description="Use at most this many training rows.")
     max_eval_samples: int | None = Field(None, ge=1, description="Use at most this many evaluation rows.")
@@ -191,19 +317,48 @@ class DataSection(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> DataSection:
-        if "{input}" not in self.prompt_template:
-            raise ValueError("data.prompt_template must contain the placeholder {input}")
-        try:
-            self.prompt_template.format(input="")
-        except (KeyError, IndexError, ValueError) as e:
-            raise ValueError(
-                f"data.prompt_template: only {{input}} may appear in braces (write {{{{ for a literal brace): {e}"
-            ) from None
+        _check_templates("data", self.prompt_template, self.target_template)
+        if isinstance(self.source, list):
+            if not self.source:
+                raise ValueError("data.source: an empty list; give one source or a list of several")
+            names = [spec.display_name() for spec in self.source]
+            if len(set(names)) != len(names):
+                raise ValueError(f"data.source: two sources share a name ({names}); give each a `name`")
+        if self.label_names is not None and (
+            len(self.label_names) < 2 or len(set(self.label_names)) != len(self.label_names)
+        ):
+            raise ValueError("data.label_names: give at least two different label words")
+        if self.val_size is not None:
+            if isinstance(self.val_size, float) and not 0 < self.val_size < 1:
+                raise ValueError("data.val_size: a fraction must be between 0 and 1 (or give a row count)")
+            if isinstance(self.val_size, int) and self.val_size < 1:
+                raise ValueError("data.val_size: a row count must be >= 1")
+            if self.eval_split != "auto":
+                raise ValueError(
+                    f"data.val_size holds rows out of the training split for evaluation, but data.eval_split "
+                    f"is {self.eval_split!r}; set data.eval_split: auto, or remove data.val_size"
+                )
         for name in ("max_source_length", "max_target_length", "max_length"):
             value = getattr(self, name)
             if isinstance(value, int) and value < 1:
                 raise ValueError(f"data.{name} must be >= 1 or 'auto'")
         return self
+
+
+def _part(data: DataSection, spec: SourceSpec) -> DataSection:
+    own = {k: getattr(spec, k) for k in _PER_SOURCE if getattr(spec, k) is not None}
+    if spec.eval_split is None:
+        own["eval_split"] = None
+    # Built from validated parts: no re-validation (a copy, not a recipe of its own).
+    return data.model_copy(update={"source": spec.source, **own})
+
+
+def data_parts(data: DataSection) -> list[tuple[str, DataSection, SourceSpec | None]]:
+    """(name, the data section as seen by one source, its mixture entry) for every source: one part with no
+    entry for a single data.source."""
+    if not isinstance(data.source, list):
+        return [(str(data.source), data, None)]
+    return [(spec.display_name(), _part(data, spec), spec) for spec in data.source]
 
 
 class TrainSection(_Section):

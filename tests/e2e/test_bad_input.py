@@ -3,22 +3,15 @@ naming the field, or the file and line, and no run directory."""
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from lorakit.data.samples import builtin_dataset_dir
-from tests.conftest import RECIPES, ROOT
+from tests.conftest import RECIPES, run_cli
 
 
 def _cli(module: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", module, str(RECIPES / "quickstart.yaml"), *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_cli(module, RECIPES / "quickstart.yaml", *args, timeout=300)
 
 
 def _news_dir(tmp_path, bad_line: int | None = None, bad: str = "") -> str:

@@ -1,103 +1,40 @@
 """benchmarks/causal_packing.py: a smoke run of the script, and a check of the committed result."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from benchmarks.harness.checks import check_committed, check_result, check_sweep
+from benchmarks.harness.cli import load_spec
+from tests.e2e.benchmark_runs import RESULTS, assert_usage_error, smoke
 
-SCRIPT = ROOT / "benchmarks" / "causal_packing.py"
-COMMITTED = ROOT / "benchmarks" / "results" / "causal_packing.json"
-SIDES = ("padded_random", "padded_grouped", "packed")
-COMPARISONS = ("packed/padded_random", "packed/padded_grouped")
-TOP_KEYS = {
-    "benchmark",
-    "measured",
-    "claim",
-    "claim_ratio",
-    "claim_met",
-    "headline",
-    "headline_ratio",
-    "headline_paired_median",
-    "chosen_max_tokens",
-    "matched_max_tokens",
-    "max_tokens",
-    "command",
-    "date",
-    "load_average_at_start",
-    "timing",
-    "setup",
-    "sides",
-    "machine",
-    "versions",
-    "git_revision",
-    "checks",
-    "useful_tokens",
-    "padding_efficiency",
-    "token_slots",
-    "optimizer_steps",
-    "medians",
-    "ratios",
-    "budget_sweep",
-    "runs",
-    "lorakit_source",
-    "benchmark_wall_seconds",
-}
-RUN_KEYS = {
-    "side",
-    "repeat",
-    "max_tokens",
-    "epoch_seconds",
-    "step_seconds",
-    "optimizer_steps",
-    "micro_batches",
-    "examples",
-    "useful_tokens",
-    "token_slots",
-    "padding_efficiency",
-    "useful_tokens_per_second",
-    "loss_first",
-    "loss_last",
-    "attention",
-    "torch_threads",
-    "load_avg_1min_before",
-}
+SPEC = load_spec("causal_packing")
+COMMITTED = RESULTS / "causal_packing.json"
 
 
-def check_result(result: dict, repeats: int, rows: int) -> None:
-    assert TOP_KEYS <= set(result)
-    assert result["benchmark"] == "causal_packing"
+def check(result: dict, repeats: int, rows: int) -> None:
+    check_result(result, SPEC, repeats)
     assert result["setup"]["data"]["rows"] == rows
     # Every run of every side (and of the sweep) trained on the same tokens, each example once.
     checks = result["checks"]
     assert checks["useful_tokens_equal_on_all_runs"] is True and checks["each_example_once"] is True
     assert checks["examples_per_run"] == rows
-    useful = checks["useful_tokens"]
+    useful, sides = checks["useful_tokens"], list(result["medians"])
     assert isinstance(useful, int) and useful > 0
-    sides = list(result["medians"])
-    assert set(SIDES) <= set(sides)
+    assert {"padded_random", "padded_grouped", "packed"} <= set(sides)
     assert result["useful_tokens"]["per_side"] == {s: useful for s in sides}
-    runs = result["runs"]
+    runs, sweep = result["runs"], result["budget_sweep"]
     assert len(runs) == repeats * len(sides)
-    sweep = result["budget_sweep"]
     all_runs = runs + (sweep["runs"] if sweep else [])
     for run in all_runs:
-        assert RUN_KEYS <= set(run), run
         assert run["useful_tokens"] == useful and run["examples"] == rows
         assert run["epoch_seconds"] > 0 and run["useful_tokens"] <= run["token_slots"]
         assert run["loss_first"] is not None and run["loss_last"] is not None
     assert len({r["loss_tokens"] for r in all_runs}) == 1
-    # Every run computed with the same number of torch threads.
-    assert len({r["torch_threads"] for r in all_runs}) == 1
     for run in runs:
         packed = run["side"].startswith("packed")
-        budget = (
-            result["matched_max_tokens"] if run["side"] == "packed_matched" else result["chosen_max_tokens"]
-        )
-        assert run["max_tokens"] == (budget if packed else None)
-        assert result["max_tokens"][run["side"]] == run["max_tokens"]
+        budget = result["matched_max_tokens" if run["side"] == "packed_matched" else "chosen_max_tokens"]
+        assert run["max_tokens"] == (budget if packed else None) == result["max_tokens"][run["side"]]
         assert run["attention"] == ("lorakit_varlen_sdpa" if packed else "sdpa")
         assert run["micro_batches"] == run["optimizer_steps"]  # no accumulation
     # Padded sides: micro-batches of 8 examples; packed: one row of several examples.
@@ -106,103 +43,46 @@ def check_result(result: dict, repeats: int, rows: int) -> None:
     setup = result["setup"]
     assert setup["processes"] == 1 and setup["dtype"] == "float32" and setup["train"]["micro_batch_size"] == 8
     assert setup["zero_stage"]["packed"] == 0 and setup["gradient_checkpointing"] is True
-    assert setup["data"]["max_length"] > 0
-    # The sides differ in batching only.
-    eff = result["padding_efficiency"]
+    eff = result["padding_efficiency"]  # the sides differ in batching only
     assert eff["padded_random"] < eff["padded_grouped"] and eff["padded_random"] < eff["packed"]
-    for key in COMPARISONS:
-        ratio = result["ratios"][key]
-        assert {"useful_tokens_per_second", "paired_useful_tokens_per_second", "paired_median"} <= set(ratio)
-        assert len(ratio["paired_useful_tokens_per_second"]) == repeats
     head = result["ratios"]["packed/padded_random"]
     assert result["headline"] == {"side": "packed", "versus": "padded_random"}
     assert result["headline_ratio"] == head["useful_tokens_per_second"]
     assert result["headline_paired_median"] == head["paired_median"]
-    # The flag reports the recorded measurement; whether the claim holds is not assumed.
     assert result["claim_met"] == (result["headline_ratio"] >= result["claim_ratio"])
     if sweep:
         assert result["chosen_max_tokens"] == sweep["best"]
         assert result["matched_max_tokens"] == sweep["matched_to_padded_batch"]["budget"]
         # A side at the batch-matched budget runs when it differs from the chosen one.
         assert ("packed_matched" in sides) == (result["matched_max_tokens"] != result["chosen_max_tokens"])
-        per = sweep["per_budget"]
-        assert set(per) == {str(b) for b in sweep["budgets"]}
-        assert max(per, key=lambda b: per[b]["useful_tokens_per_second"]) == str(sweep["best"])
-        assert len(sweep["runs"]) == sweep["repeats"] * len(sweep["budgets"])
-    machine, versions = result["machine"], result["versions"]
-    assert machine["platform"] and machine["cpu_count"] and "cpu_model" in machine
-    for name in ("python", "torch", "transformers", "peft", "deepspeed", "lorakit"):
-        assert versions[name], name
+        check_sweep(sweep, "budgets", "per_budget", "useful_tokens_per_second")
     assert {"1min", "5min", "15min"} <= set(result["load_average_at_start"])
 
 
 def test_smoke_run_writes_a_complete_result(cache_dir, tmp_path):
-    out = tmp_path / "result.json"
-    before = COMMITTED.read_bytes() if COMMITTED.exists() else None
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--max-samples",
-            "48",
-            "--repeats",
-            "1",
-            "--budgets",
-            "1024",  # a sweep of one budget: the sweep phase runs, in one run (< 90 s on 2 cores)
-            "--cache-dir",
-            str(cache_dir),
-            "--output",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    check_result(result, repeats=1, rows=48)
+    result, _ = smoke("causal_packing", tmp_path, cache_dir)
+    check(result, repeats=1, rows=48)
     assert result["chosen_max_tokens"] == 1024 and result["budget_sweep"]["budgets"] == [1024]
-    assert out.with_suffix(".png").is_file() or "matplotlib is not installed" in proc.stdout
-    assert (COMMITTED.read_bytes() if COMMITTED.exists() else None) == before
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--max-samples", "20"], "multiple of the micro batch size"),
-        (["--budgets", "512,x"], "comma-separated integers"),
+        (["--budgets", "512,x"], "comma-separated positive integers"),
     ],
 )
 def test_bad_arguments_are_usage_errors(tmp_path, args, message):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--output", str(tmp_path / "x.json")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2 and message in proc.stderr
-    assert not (tmp_path / "x.json").exists()
+    assert_usage_error("causal_packing", tmp_path, args, message)
 
 
 def test_committed_result_records_its_setup_and_measurement():
     result = json.loads(COMMITTED.read_text())
     repeats = len({r["repeat"] for r in result["runs"]})
     assert repeats >= 3
-    check_result(result, repeats=repeats, rows=1000)
+    check(result, repeats=repeats, rows=1000)
+    check_committed(result)
     assert result["budget_sweep"] is not None, "the committed packed budget was chosen by a sweep"
     # Multipack fills its rows: at least 95% of the packed slots hold tokens.
     assert result["padding_efficiency"]["packed"] >= 0.95
-    # Other work may touch lorakit while a long benchmark runs; the training path must not have changed.
-    changed = result["lorakit_source"]["changed_during_run"]
-    assert result["lorakit_source"]["unchanged_during_run"] == (not changed)
-    training_path = (
-        "lorakit/engine/",
-        "lorakit/data/",
-        "lorakit/model/",
-        "lorakit/recipe/",
-        "lorakit/meter.py",
-    )
-    assert not [f for f in changed if f.startswith(training_path)], changed
-    assert result["claim_ratio"] == 1.3
+    assert result["claim_ratio"] == SPEC["claims"][0]["ratio_at_least"] == 1.3

@@ -3,9 +3,7 @@
 import pytest
 
 import lorakit
-from lorakit.recipe import recipe_from_dict
-from tests.conftest import tiny_recipe_dict
-from tests.e2e.test_quickstart import run_cli
+from tests.conftest import run_cli, tiny_recipe
 from tests.unit.test_compare import assert_png
 
 
@@ -14,15 +12,13 @@ def runs(tmp_path_factory, cache_dir):
     """A LoRA run (eval with ROUGE) and a full fine-tuning run (eval loss only) of 3 steps each."""
     base = tmp_path_factory.mktemp("compare")
     for method in ("lora", "full"):
-        recipe = recipe_from_dict(
-            tiny_recipe_dict(
-                cache_dir,
-                base / method,
-                method={"kind": method},
-                train={"max_steps": 3, "lr": 3e-3 if method == "lora" else 1e-3},
-                eval={"generate": method == "lora"},
-                output={"save_adapter": False},
-            )
+        recipe = tiny_recipe(
+            cache_dir,
+            base / method,
+            method={"kind": method},
+            train={"max_steps": 3, "lr": 3e-3 if method == "lora" else 1e-3},
+            eval={"generate": method == "lora"},
+            output={"save_adapter": False},
         )
         lorakit.train(recipe)
     return base

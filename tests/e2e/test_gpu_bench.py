@@ -5,40 +5,27 @@ import copy
 import json
 import math
 import shlex
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from benchmarks.harness.cli import load_spec
+from tests.e2e.benchmark_runs import RESULTS, run_script
 
-SCRIPT = ROOT / "benchmarks" / "gpu_bench.py"
-COMMITTED = ROOT / "benchmarks" / "results" / "gpu_h200.json"
+SPEC = load_spec("gpu_bench")
+COMMITTED = RESULTS / "gpu_h200.json"
 # One causal workload (packed lorakit vs Trainer) and one T5 workload (full fine-tuning vs Seq2SeqTrainer).
 SMOKE_WORKLOADS = ("causal_1b_lora", "t5_xl_full")
 # The command docs/gpu.md shows (covered-by this test); the test adds where to write.
-SMOKE_COMMAND = (
-    "python benchmarks/gpu_bench.py --smoke --workloads causal_1b_lora,t5_xl_full --sides lorakit,hf"
-)
-
-
-def run_script(*args, timeout=900):
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+SMOKE_COMMAND = "python benchmarks/gpu_bench.py --smoke"
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     base = tmp_path_factory.mktemp("gpu-bench")
     output, out_dir = base / "smoke.json", base / "out"
+    assert SPEC["smoke"][SPEC["smoke"].index("--workloads") + 1] == ",".join(SMOKE_WORKLOADS)
     args = shlex.split(SMOKE_COMMAND)[2:]
-    assert args[args.index("--workloads") + 1] == ",".join(SMOKE_WORKLOADS)
-    proc = run_script(*args, "--output", output, "--out", out_dir, "--work-dir", base / "work")
+    proc = run_script("gpu_bench", *args, "--output", output, "--out", out_dir, "--work-dir", base / "work")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(output.read_text()), output, out_dir, proc.stdout
 
@@ -172,7 +159,7 @@ def test_merge_combines_parts(smoke, tmp_path):
         path.write_text(json.dumps(part))
         parts.append(path)
     merged_path = tmp_path / "merged.json"
-    proc = run_script("--merge", *parts, "--output", merged_path, timeout=300)
+    proc = run_script("gpu_bench", "--merge", *parts, "--output", merged_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     merged = json.loads(merged_path.read_text())
     assert set(merged["workloads"]) == set(SMOKE_WORKLOADS)

@@ -1,21 +1,12 @@
 """python -m lorakit.merge as a user types it: refusals exit 2 with a message and write nothing.
 (The quickstart run merged through the CLI: tests/e2e/test_quickstart.py.)"""
 
-import subprocess
-import sys
-
-from tests.conftest import ROOT
+from tests.conftest import run_cli
 from tests.unit.test_merge_checks import make_adapter
 
 
 def run_merge(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "lorakit.merge", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_cli("lorakit.merge", *args, timeout=300)
 
 
 def test_refusals_exit_2_with_a_message_and_write_nothing(cache_dir, tmp_path):

@@ -3,8 +3,7 @@
 import json
 
 import lorakit
-from tests.conftest import RECIPES
-from tests.e2e.test_quickstart import run_cli
+from tests.conftest import RECIPES, run_cli
 
 
 def test_json_plan_fits_and_exits_0():

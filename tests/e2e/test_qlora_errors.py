@@ -1,24 +1,15 @@
 """QLoRA's input errors through the real entry point: exit code 2, a message that says what to change."""
 
 import os
-import subprocess
-import sys
 
-from tests.conftest import RECIPES, ROOT
+from tests.conftest import RECIPES, ROOT, run_cli
 
 # Stands in for an environment without bitsandbytes: `import bitsandbytes` fails as it would there.
 FAKE_MISSING = 'raise ModuleNotFoundError("No module named \'bitsandbytes\'", name="bitsandbytes")\n'
 
 
 def run(args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "lorakit.run", *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    return run_cli("lorakit.run", *args, timeout=300, env=env)
 
 
 def test_qlora_without_bitsandbytes_names_the_extra(cache_dir, tmp_path):

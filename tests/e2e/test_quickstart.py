@@ -3,14 +3,13 @@
 import json
 import os
 import re
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from lorakit import rundir
-from tests.conftest import RECIPES, ROOT
+from tests.conftest import RECIPES, run_cli
 
 SUMMARY_KEYS = {
     "method",
@@ -47,17 +46,6 @@ def noise_lines(proc) -> list[str]:
     return [line for line in (proc.stdout + proc.stderr).splitlines() if NOISE.search(line)]
 
 
-def run_cli(module, *args, timeout=900, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", module, *map(str, args)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-
-
 def run_recipe(base, recipe: str, *overrides: str, env=None):
     """python -m lorakit.run recipes/RECIPE with a private cache and run dir under `base`; must exit 0."""
     cache, run_dir = base / "cache", base / "run"
@@ -73,17 +61,32 @@ def run_recipe(base, recipe: str, *overrides: str, env=None):
     return proc, cache, run_dir
 
 
-@pytest.fixture(scope="module")
-def quickstart(tmp_path_factory):
-    return run_recipe(tmp_path_factory.mktemp("quickstart"), "quickstart.yaml")
+def recipe_run(recipe: str):
+    """A module-scoped fixture named after recipes/RECIPE (quickstart.yaml: `quickstart`): the recipe run
+    once by run_recipe."""
+
+    @pytest.fixture(scope="module", name=Path(recipe).stem)
+    def run(tmp_path_factory):
+        return run_recipe(tmp_path_factory.mktemp(Path(recipe).stem), recipe)
+
+    return run
+
+
+def read_summary(run_dir) -> dict:
+    """The run's summary.json, which must hold every key in SUMMARY_KEYS."""
+    summary = rundir.read_summary(run_dir)
+    assert SUMMARY_KEYS <= set(summary), SUMMARY_KEYS - set(summary)
+    return summary
+
+
+quickstart = recipe_run("quickstart.yaml")
 
 
 @pytest.mark.slow
 def test_quickstart_trains_evaluates_and_saves(quickstart):
     proc, _, run_dir = quickstart
     assert noise_lines(proc) == []  # lorakit's own lines, the progress bar and real problems only
-    summary = rundir.read_summary(run_dir)
-    assert SUMMARY_KEYS <= set(summary)
+    summary = read_summary(run_dir)
     assert summary["world_size"] == 2 and summary["zero_stage"] == 3 and summary["method"] == "lora"
     # packing: auto packs T5 on sdpa: encoder and decoder rows, attention per example (docs/packing.md).
     batching = summary["batching"]

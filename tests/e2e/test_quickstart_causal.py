@@ -9,21 +9,17 @@ import torch
 from lorakit import rundir
 from tests.bnb_layout import ENV as AVX512BF16_ENV
 from tests.conftest import ROOT
-from tests.e2e.test_quickstart import SUMMARY_KEYS, noise_lines, run_recipe
+from tests.e2e.test_quickstart import noise_lines, read_summary, recipe_run, run_recipe
 from tests.integration.test_resume import FAULTS
 
-
-@pytest.fixture(scope="module")
-def quickstart_causal(tmp_path_factory):
-    return run_recipe(tmp_path_factory.mktemp("quickstart_causal"), "quickstart_causal.yaml")
+quickstart_causal = recipe_run("quickstart_causal.yaml")
 
 
 @pytest.mark.slow
 def test_packed_causal_run_trains_and_reports_packing(quickstart_causal):
     proc, _, run_dir = quickstart_causal
     assert noise_lines(proc) == []
-    summary = rundir.read_summary(run_dir)
-    assert SUMMARY_KEYS <= set(summary)
+    summary = read_summary(run_dir)
     assert summary["world_size"] == 2 and summary["zero_stage"] == 3
     assert summary["attention"] == "lorakit_varlen_sdpa"
     assert summary["loss"]["last"] < 0.8 * summary["loss"]["first"]
@@ -91,7 +87,7 @@ def test_qlora_quickstart_on_zero3_with_a_quiet_console(tmp_path, verbose):
         assert "Setting accelerator to CPU" in noise and "OMP_NUM_THREADS" not in noise  # lorakit sets it
         return
     assert noise_lines(proc) == []
-    summary = rundir.read_summary(run_dir)
+    summary = read_summary(run_dir)
     assert summary["method"] == "qlora" and summary["world_size"] == 2 and summary["zero_stage"] == 3
     assert summary["loss"]["last"] < 0.8 * summary["loss"]["first"]
     assert {"loss", "rouge1"} <= set(summary["eval"]) and (run_dir / "adapter").is_dir()

@@ -14,9 +14,9 @@ import torch
 from lorakit.errors import RecipeError
 from lorakit.model import build as build_module
 from lorakit.model import build_model, load_config
-from lorakit.recipe import load_recipe, recipe_from_dict
+from lorakit.recipe import load_recipe
 from lorakit.testing import resolve_model_source
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import tiny_recipe
 
 PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".pkl", ".ckpt"}
 
@@ -31,9 +31,7 @@ def test_recipe_yaml_cannot_build_objects(tmp_path):
 
 
 def _llama_recipe(cache_dir, tmp_path, **model):
-    return recipe_from_dict(
-        tiny_recipe_dict(cache_dir, tmp_path / "run", model={"name_or_path": "tiny:llama", **model})
-    )
+    return tiny_recipe(cache_dir, tmp_path / "run", model={"name_or_path": "tiny:llama", **model})
 
 
 @pytest.fixture
@@ -109,14 +107,12 @@ def test_loader_flags_reach_every_from_pretrained(cache_dir, tmp_path, monkeypat
 def test_full_fine_tuning_saves_safetensors(cache_dir, tmp_path):
     import lorakit
 
-    recipe = recipe_from_dict(
-        tiny_recipe_dict(
-            cache_dir,
-            tmp_path / "run",
-            method={"kind": "full"},
-            train={"max_steps": 1},
-            eval={"enabled": False},
-        )
+    recipe = tiny_recipe(
+        cache_dir,
+        tmp_path / "run",
+        method={"kind": "full"},
+        train={"max_steps": 1},
+        eval={"enabled": False},
     )
     summary = lorakit.train(recipe).summary
     model_dir = Path(summary["model_dir"])

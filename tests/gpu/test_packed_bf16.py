@@ -33,7 +33,7 @@ import torch
 from lorakit.data.collate import CausalCollator, PackedCausalCollator, PackedSeq2SeqCollator, Seq2SeqCollator
 from lorakit.engine.loss import token_loss_sum
 from lorakit.model.inputs import ModelInputs
-from tests.conftest import PACKING_BACKENDS, tiny_recipe_dict, training_config_model
+from tests.conftest import PACKING_BACKENDS, ready_for_contract, tiny_recipe_dict, training_config_model
 from tests.integration.test_packed_attention import CAUSAL_KINDS, LENGTHS
 from tests.integration.test_packed_attention import _rows as causal_rows
 from tests.integration.test_packed_seq2seq import _rows as seq2seq_rows
@@ -73,16 +73,7 @@ def _flash_model(cache_dir, out_dir, **model):
     )
     built = build_model(recipe_from_dict(raw))
     assert built.attention == "flash_attention_2"
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in built.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    for m in built.model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    built.model.train()
-    return built
+    return ready_for_contract(built)
 
 
 def _bf16_model(cache_dir, tmp_path, backend: str, **model):
@@ -266,10 +257,45 @@ def test_packed_step_loss_and_grads_bf16(cache_dir, tmp_path, kind, backend):
     rows = causal_rows(built.model.config.vocab_size, seed=2)
     padded, packed = CausalCollator(0)(rows), PackedCausalCollator(max_tokens=512)(rows)
     assert padded["num_target_tokens"] == packed["num_target_tokens"] == sum(n - n // 2 for n in LENGTHS)
-    ref_loss, ref_grads = _loss_and_grads(ref_model, ref_inputs, padded)
+    _check_step(built, (ref_model, ref_inputs), padded, packed)
+
+
+def _check_step(built, reference, padded, packed):
+    """The packed batch's loss and LoRA gradients against the float32 reference's, within bf16 rounding."""
+    ref_loss, ref_grads = _loss_and_grads(*reference, padded)
     padded_loss, padded_grads = _loss_and_grads(built.model, built.inputs, padded)
     packed_loss, packed_grads = _loss_and_grads(built.model, built.inputs, packed)
     assert abs(packed_loss - ref_loss) <= LOSS_TOL * abs(ref_loss)
     e_padded, e_packed = _rel(padded_grads, ref_grads), _rel(packed_grads, ref_grads)
     # Gradients go through twice the rounding (forward and backward): bounded relative to bf16's own error.
     assert e_packed <= BF16_FACTOR * e_padded + BF16_ROUNDOFF, (e_packed, e_padded)
+
+
+def test_fused_kernels_run_on_cuda(cache_dir, tmp_path):
+    """On CUDA in bf16 the packed paths run PyTorch's fused kernels (lorakit.model.fused_attention): varlen
+    for causal rows and T5 cross-attention, FlexAttention for T5 self-attention (the training configuration
+    has attention dropout off), never the per-example SDPA loop; and they keep the contract."""
+    from lorakit.model import fused_attention as fa
+
+    fa.KERNELS_USED.clear()
+    built, reference = _bf16_model(cache_dir, tmp_path, "varlen_sdpa", name_or_path="tiny:llama")
+    _check_causal(built, reference, causal_rows(built.model.config.vocab_size))
+    assert fa.KERNELS_USED["causal", fa.VARLEN] > 0 and fa.KERNELS_USED["causal", fa.LOOP] == 0
+    built, reference = _bf16_model(cache_dir, tmp_path / "t5", "varlen_sdpa")
+    start_id = built.model.config.decoder_start_token_id
+    rows = seq2seq_rows()
+    packed = _seq2seq_packed(built.model, built.inputs, rows, start_id)
+    alone = _seq2seq_alone(built.model, built.inputs, rows, start_id)
+    _assert_contract(alone, packed, _seq2seq_alone(*reference, rows, start_id))
+    for kind, kernel in (("encoder", fa.FLEX), ("decoder", fa.FLEX), ("cross", fa.VARLEN)):
+        assert fa.KERNELS_USED[kind, kernel] > 0 and fa.KERNELS_USED[kind, fa.LOOP] == 0, fa.KERNELS_USED
+
+
+def test_packed_seq2seq_step_grads_bf16_through_fused_kernels(cache_dir, tmp_path):
+    """T5's packed step (FlexAttention backward into the position-bias table's gradient path, varlen
+    cross-attention) gives the padded step's loss and LoRA gradients within bf16 rounding."""
+    built, reference = _bf16_model(cache_dir, tmp_path, "varlen_sdpa")
+    start_id = built.model.config.decoder_start_token_id
+    rows = seq2seq_rows(seed=1)
+    padded = Seq2SeqCollator(0, start_id)(rows)
+    _check_step(built, reference, padded, PackedSeq2SeqCollator(512, 128, start_id)(rows))

@@ -21,9 +21,10 @@ def measure(path: str, out: Path) -> None:
 
     import lorakit
     from lorakit.data import prepare_data
+    from lorakit.data.batching import make_batching
     from lorakit.engine import dist
     from lorakit.engine.deepspeed_config import build_ds_config
-    from lorakit.engine.job import accelerator_name, make_batching, release
+    from lorakit.engine.job import accelerator_name, release
     from lorakit.engine.loop import train_window
     from lorakit.meter import TensorMemoryTracker, TokenMeter
     from lorakit.model import build_model, load_config, load_tokenizer
@@ -38,7 +39,9 @@ def measure(path: str, out: Path) -> None:
     with TensorMemoryTracker("cpu") as tracker:
         built = build_model(recipe, ds_config)
         tracker.rescan()  # weights read from safetensors files are made outside torch operators
-        batching = make_batching(recipe, data, tokenizer, config, built, dist.world_size(), dist.rank())
+        batching = make_batching(
+            recipe, data, tokenizer, config, packing=built.packing, world=dist.world_size(), rank=dist.rank()
+        )
         loader = DataLoader(data.train, batch_sampler=batching.sampler, collate_fn=batching.collator)
         # The same, fullest micro-batch on every rank: the plan is a worst case over micro-batches.
         batch = max(loader, key=lambda b: (int(b["num_token_slots"]), len(b["input_ids"])))

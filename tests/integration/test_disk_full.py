@@ -12,7 +12,7 @@ from lorakit import rundir
 from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.runlock import LOCK
 from tests.conftest import tiny_recipe_dict
-from tests.integration.test_resume import _launch
+from tests.integration.test_resume import launch
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def test_a_full_disk_while_writing_exits_74_and_the_relaunch_resumes(writer, cac
     run = tmp_path / "run"
     recipe = _recipe(cache_dir, tmp_path, merge=writer == "merged")
 
-    failed = _launch(recipe, fault=f"enospc:{pattern}")
+    failed = launch(recipe, fault=f"enospc:{pattern}")
     assert failed.returncode == 74, failed.stderr[-5000:]
     assert f"error: no space left on the device while writing {what} ({run / final})" in failed.stderr
     doc = "docs/merge.md#atomic-output" if writer == "merged" else "docs/resume.md#a-full-disk"
@@ -66,7 +66,7 @@ def test_a_full_disk_while_writing_exits_74_and_the_relaunch_resumes(writer, cac
         # Training finished and was recorded; only the export is missing.
         assert rundir.read_summary(run)["merged_dir"] is None
 
-    resumed = _launch(recipe)
+    resumed = launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     summary = rundir.read_summary(run)
     assert summary["resumed_from"]["step"] == expected[-1] and summary["steps"] == 4

@@ -16,8 +16,7 @@ import lorakit
 from lorakit import rundir
 from lorakit.errors import AdapterError, MergeError, VerificationError
 from lorakit.export import RELATIVE_TOLERANCE
-from lorakit.recipe import recipe_from_dict
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import tiny_recipe
 
 CAUSAL_DATA = {"format": "instruction", "max_length": "auto"}
 # name -> tiny recipe overrides. Few steps: the adapters only need a clear effect on the logits.
@@ -48,9 +47,7 @@ def runs(tmp_path_factory, cache_dir) -> dict[str, Path]:
         sections.setdefault("train", {}).setdefault("max_steps", 3)
         sections["train"].setdefault("lr", 1e-2)
         sections["eval"] = {"generate": False}
-        out[name] = lorakit.train(
-            recipe_from_dict(tiny_recipe_dict(cache_dir, base / name, **sections))
-        ).run_dir
+        out[name] = lorakit.train(tiny_recipe(cache_dir, base / name, **sections)).run_dir
     return out
 
 

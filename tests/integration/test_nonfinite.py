@@ -4,9 +4,6 @@ counted when the recipe says so."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,8 +15,8 @@ import lorakit.engine.loop as loop
 from lorakit import rundir
 from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.recipe import recipe_from_dict
-from tests.conftest import ROOT, tiny_recipe_dict
-from tests.integration.test_resume import FAULTS
+from tests.conftest import tiny_recipe_dict
+from tests.integration.test_resume import launch
 
 
 def _raw(cache_dir, out, **train):
@@ -37,16 +34,7 @@ def _raw(cache_dir, out, **train):
 def test_nan_loss_stops_with_exit_4_naming_the_step_and_keeps_the_checkpoint(cache_dir, tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(_raw(cache_dir, tmp_path / "run")))
-    env = {**os.environ, "LORAKIT_FAULT": "nan:3"}
-    env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-m", "lorakit.run", str(recipe)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = launch(recipe, fault="nan:3")
     assert proc.returncode == 4, proc.stderr[-5000:]
     assert "error: step 3: loss nan" in proc.stderr and "Traceback" not in proc.stderr
     assert "on_nonfinite: skip" in proc.stderr

@@ -12,7 +12,7 @@ import torch
 
 from lorakit.data.collate import IGNORE_INDEX, CausalCollator, PackedCausalCollator
 from lorakit.engine.loss import token_loss_sum
-from tests.conftest import PACKING_BACKENDS, training_config_model
+from tests.conftest import PACKING_BACKENDS, losses_and_grads, training_config_model
 
 CAUSAL_KINDS = ("llama", "mistral", "qwen2")
 # Longer than tiny:mistral's sliding window (64), so the window is exercised inside an example.
@@ -100,15 +100,7 @@ def test_packed_step_loss_and_grads_equal_padded(cache_dir, tmp_path, kind, back
     """The token-weighted loss (and its LoRA gradients) of a packed batch equal those of the padded batch."""
     built = _model(cache_dir, tmp_path, kind, backend)
     rows = _rows(built.model.config.vocab_size, seed=2)
-    results = []
-    for collate in (CausalCollator(0), PackedCausalCollator(max_tokens=512)):
-        built.model.zero_grad()
-        batch = collate(rows)
-        logits = built.inputs.logits(built.model, batch, "cpu")
-        loss = token_loss_sum(logits, batch["labels"]) / batch["num_target_tokens"]
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in built.model.named_parameters() if p.requires_grad}
-        results.append((loss.item(), batch["num_target_tokens"], grads))
+    results = losses_and_grads(built, rows, (CausalCollator(0), PackedCausalCollator(max_tokens=512)))
     (padded_loss, padded_n, padded_g), (packed_loss, packed_n, packed_g) = results
     assert padded_n == packed_n == sum(n - n // 2 for n in LENGTHS)
     assert abs(padded_loss - packed_loss) < TOL

@@ -10,7 +10,13 @@ import torch
 from lorakit.data.collate import PackedSeq2SeqCollator, Seq2SeqCollator
 from lorakit.engine.loss import token_loss_sum
 from lorakit.model.varlen import _BUCKET_WASTE, _buckets
-from tests.conftest import PACKING_BACKENDS, tiny_recipe_dict, training_config_model
+from tests.conftest import (
+    PACKING_BACKENDS,
+    losses_and_grads,
+    ready_for_contract,
+    tiny_recipe_dict,
+    training_config_model,
+)
 
 # (source, target) lengths; sources longer than T5's relative-attention max distance (128) on purpose, and
 # examples close enough in size that varlen SDPA attends to them in padded groups (see the test below).
@@ -23,6 +29,12 @@ BACKENDS = PACKING_BACKENDS
 
 def _model(cache_dir, tmp_path, backend: str):
     return training_config_model(cache_dir, tmp_path / "run", backend)
+
+
+def _padded_and_packed(built) -> tuple:
+    """The collators of one padded and one packed batch for the model's decoder start token."""
+    start_id = built.model.config.decoder_start_token_id
+    return Seq2SeqCollator(0, start_id), PackedSeq2SeqCollator(512, 128, start_id)
 
 
 def _rows(seed: int = 0) -> list[dict]:
@@ -89,16 +101,7 @@ def test_seq2seq_contract_detects_leaks(cache_dir, tmp_path):
 def test_packed_seq2seq_loss_and_grads_equal_padded(cache_dir, tmp_path, backend):
     built = _model(cache_dir, tmp_path, backend)
     rows = _rows(seed=1)
-    start_id = built.model.config.decoder_start_token_id
-    results = []
-    for collate in (Seq2SeqCollator(0, start_id), PackedSeq2SeqCollator(512, 128, start_id)):
-        built.model.zero_grad()
-        batch = collate(rows)
-        logits = built.inputs.logits(built.model, batch, "cpu")
-        loss = token_loss_sum(logits, batch["labels"]) / batch["num_target_tokens"]
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in built.model.named_parameters() if p.requires_grad}
-        results.append((loss.item(), batch["num_target_tokens"], grads))
+    results = losses_and_grads(built, rows, _padded_and_packed(built))
     (padded_loss, padded_n, padded_g), (packed_loss, packed_n, packed_g) = results
     assert padded_n == packed_n == sum(t for _, t in PAIRS)
     assert abs(padded_loss - packed_loss) < TOL
@@ -160,23 +163,9 @@ def test_full_fine_tuning_position_bias_gradient_equals_padded(cache_dir, tmp_pa
         method={"kind": "full"},
         data={"packing": True},
     )
-    built = build_model(recipe_from_dict(raw))
-    for m in built.model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-        elif isinstance(getattr(m, "dropout", None), float):
-            m.dropout = 0.0
-    built.model.train()
-    rows = _rows(seed=2)
-    start_id = built.model.config.decoder_start_token_id
-    grads = []
-    for collate in (Seq2SeqCollator(0, start_id), PackedSeq2SeqCollator(512, 128, start_id)):
-        built.model.zero_grad()
-        batch = collate(rows)
-        logits = built.inputs.logits(built.model, batch, "cpu")
-        token_loss_sum(logits, batch["labels"]).backward()
-        grads.append({n: p.grad.clone() for n, p in built.model.named_parameters() if p.grad is not None})
-    padded, packed = grads
+    built = ready_for_contract(build_model(recipe_from_dict(raw)))  # full fine-tuning: no LoRA to set
+    results = losses_and_grads(built, _rows(seed=2), _padded_and_packed(built), per_token=False)
+    (_, _, padded), (_, _, packed) = results
     bias = [n for n in padded if "relative_attention_bias" in n]
     assert len(bias) == 2 and all(padded[n].abs().max() > 0 for n in bias)
     assert max((padded[n] - packed[n]).abs().max().item() for n in padded) < TOL

@@ -21,7 +21,7 @@ from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.engine.launch import torchrun_command
 from tests.bnb_layout import ENV as AVX512BF16_ENV
 from tests.conftest import ROOT, tiny_recipe_dict
-from tests.integration.test_resume import FAULTS, _launch
+from tests.integration.test_resume import FAULTS, launch
 
 # Every process these tests launch: bitsandbytes' AVX512-BF16 branch forced, whatever this CPU has.
 FORCED_ENV = {AVX512BF16_ENV: "1", "PYTHONPATH": os.pathsep.join([str(FAULTS), str(ROOT)])}
@@ -184,10 +184,10 @@ def test_zero3_qlora_killed_after_an_evaluation_resumes_like_uninterrupted(qlora
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(qlora_recipe(cache_dir, tmp_path / "run", "llama", 3)))
 
-    killed = _launch(recipe, "kill:6", **{AVX512BF16_ENV: "1"})
+    killed = launch(recipe, "kill:6", **{AVX512BF16_ENV: "1"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-5000:]
     assert 5 in [c.step for c in complete_checkpoints(tmp_path / "run")]
-    resumed = _launch(recipe, **{AVX512BF16_ENV: "1"})
+    resumed = launch(recipe, **{AVX512BF16_ENV: "1"})
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     summary = rundir.read_summary(tmp_path / "run")
     assert summary["resumed_from"]["step"] == 5

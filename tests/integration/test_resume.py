@@ -68,7 +68,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> subprocess.Complete
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _launch(recipe: Path, fault: str | None = None, **extra_env: str) -> subprocess.CompletedProcess:
+def launch(recipe: Path, fault: str | None = None, **extra_env: str) -> subprocess.CompletedProcess:
     """`python -m lorakit.run RECIPE` to the end; see _start."""
     return _finish(_start(recipe, fault, **extra_env))
 
@@ -93,7 +93,7 @@ def _assert_same_run(run_dir: Path, reference: Path) -> None:
 @pytest.fixture(scope="module")
 def reference(cache_dir, tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("uninterrupted")
-    proc = _launch(_recipe(cache_dir, base / "run", base / "recipe.yaml"))
+    proc = launch(_recipe(cache_dir, base / "run", base / "recipe.yaml"))
     assert proc.returncode == 0, proc.stderr[-5000:]
     return base / "run"
 
@@ -101,12 +101,12 @@ def reference(cache_dir, tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_relaunch_matches_uninterrupted(reference, cache_dir, tmp_path):
     recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
-    killed = _launch(recipe, fault="kill:5")
+    killed = launch(recipe, fault="kill:5")
     assert killed.returncode == -signal.SIGKILL
     assert not (tmp_path / "run" / "summary.json").exists()
     assert [c.step for c in complete_checkpoints(tmp_path / "run")] == [2, 4]
 
-    resumed = _launch(recipe)
+    resumed = launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert "resuming from" in resumed.stdout + resumed.stderr
     summary = rundir.read_summary(tmp_path / "run")
@@ -117,7 +117,7 @@ def test_sigkill_mid_epoch_then_relaunch_matches_uninterrupted(reference, cache_
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_exits_75_and_the_relaunch_resumes(reference, cache_dir, tmp_path):
     recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
-    stopped = _launch(recipe, fault="term:3")
+    stopped = launch(recipe, fault="term:3")
     assert stopped.returncode == 75, stopped.stderr[-5000:]
     assert "relaunch the same command to resume" in stopped.stderr.lower()
     # Preemption released the run lock: a requeued job starts at once.
@@ -128,7 +128,7 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_the_relaunch_resumes(reference,
     stopped_at = ckpts[-1].step
     assert 3 <= stopped_at < STEPS and ckpts[-1].state["reason"] == "preempted"
 
-    resumed = _launch(recipe)
+    resumed = launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == stopped_at
     _assert_same_run(tmp_path / "run", reference)
@@ -137,14 +137,14 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_the_relaunch_resumes(reference,
 @pytest.mark.slow
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(reference, cache_dir, tmp_path):
     recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
-    crashed = _launch(recipe, fault="crash-save:4")
+    crashed = launch(recipe, fault="crash-save:4")
     assert crashed.returncode != 0
     root = tmp_path / "run" / "checkpoints"
     # The half-published step 4 is left as a temporary directory; step 2 is intact and the newest.
     assert (root / ".tmp-step-00000004").is_dir()
     assert [c.step for c in complete_checkpoints(tmp_path / "run")] == [2]
 
-    resumed = _launch(recipe)
+    resumed = launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == 2
     assert not (root / ".tmp-step-00000004").exists()
@@ -171,7 +171,7 @@ def test_a_second_launch_is_refused_and_a_relaunch_takes_the_killed_runs_lock_ov
         assert holder.pid == first.pid
 
         start = time.monotonic()
-        second = _launch(recipe)
+        second = launch(recipe)
         seconds = time.monotonic() - start
         assert second.returncode == 2, second.stderr[-5000:]
         assert f"is in use by another run: pid {first.pid} on host {holder.host}" in second.stderr
@@ -185,7 +185,7 @@ def test_a_second_launch_is_refused_and_a_relaunch_takes_the_killed_runs_lock_ov
     assert [c.step for c in complete_checkpoints(tmp_path / "run")] == [2, 4]
     assert read_holder(tmp_path / "run" / LOCK).token == holder.token  # SIGKILL left it behind
 
-    resumed = _launch(recipe)
+    resumed = launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     out = resumed.stdout + resumed.stderr
     assert f"run lock: taking over {tmp_path / 'run' / LOCK} from pid {first.pid}" in out
@@ -201,7 +201,7 @@ def test_no_space_while_writing_a_checkpoint_exits_74_and_keeps_the_previous_one
 ):
     recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
     root = tmp_path / "run" / "checkpoints"
-    full = _launch(recipe, fault="enospc:*/checkpoints/.tmp-step-00000004/*")
+    full = launch(recipe, fault="enospc:*/checkpoints/.tmp-step-00000004/*")
     # Rank 0 ran out of space in DeepSpeed's torch.save; the launcher exits with its code and message.
     assert full.returncode == 74, full.stderr[-5000:]
     assert (
@@ -212,7 +212,7 @@ def test_no_space_while_writing_a_checkpoint_exits_74_and_keeps_the_previous_one
     assert not (root / "step-00000004").exists() and not (root / ".tmp-step-00000004").exists()
     assert not (tmp_path / "run" / LOCK).exists()
 
-    resumed = _launch(recipe)
+    resumed = launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == 2
     _assert_same_run(tmp_path / "run", reference)

@@ -6,9 +6,8 @@ import torch
 
 import lorakit
 from lorakit.errors import RecipeError
-from lorakit.recipe import recipe_from_dict
 from lorakit.testing import build_tiny_tokenizer
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import tiny_recipe
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +39,13 @@ def tiny_bart(tmp_path_factory):
 
 
 def _recipe(cache_dir, out, model_dir, **data):
-    return recipe_from_dict(
-        tiny_recipe_dict(
-            cache_dir,
-            out,
-            model={"name_or_path": str(model_dir)},
-            data={"max_samples": 64, **data},
-            train={"micro_batch_size": 4, "lr": 1e-2},
-            eval={"generate": False},
-        )
+    return tiny_recipe(
+        cache_dir,
+        out,
+        model={"name_or_path": str(model_dir)},
+        data={"max_samples": 64, **data},
+        train={"micro_batch_size": 4, "lr": 1e-2},
+        eval={"generate": False},
     )
 
 

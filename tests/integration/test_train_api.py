@@ -6,20 +6,17 @@ import pytest
 import torch
 
 import lorakit
-from lorakit.recipe import recipe_from_dict
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import tiny_recipe
 
 
 @pytest.mark.slow
 def test_train_api_lora_zero2(cache_dir, tmp_path):
-    recipe = recipe_from_dict(
-        tiny_recipe_dict(
-            cache_dir,
-            tmp_path / "run",
-            train={"epochs": 2, "lr": 1e-2, "gradient_accumulation_steps": 3},
-            distributed={"zero_stage": 2},
-            eval={"metrics": ["rouge", "exact_match"]},
-        )
+    recipe = tiny_recipe(
+        cache_dir,
+        tmp_path / "run",
+        train={"epochs": 2, "lr": 1e-2, "gradient_accumulation_steps": 3},
+        distributed={"zero_stage": 2},
+        eval={"metrics": ["rouge", "exact_match"]},
     )
     result = lorakit.train(recipe)
     s = result.summary
@@ -44,15 +41,13 @@ def test_train_api_lora_zero2(cache_dir, tmp_path):
 def test_full_finetune_zero3_saves_a_loadable_model(cache_dir, tmp_path):
     from transformers import AutoModelForSeq2SeqLM
 
-    recipe = recipe_from_dict(
-        tiny_recipe_dict(
-            cache_dir,
-            tmp_path / "run",
-            method={"kind": "full"},
-            train={"max_steps": 3, "lr": 1e-3},
-            distributed={"zero_stage": 3},
-            eval={"generate": False},
-        )
+    recipe = tiny_recipe(
+        cache_dir,
+        tmp_path / "run",
+        method={"kind": "full"},
+        train={"max_steps": 3, "lr": 1e-3},
+        distributed={"zero_stage": 3},
+        eval={"generate": False},
     )
     s = lorakit.train(recipe).summary
     assert s["method"] == "full" and s["trainable_params"] == s["total_params"]
@@ -91,23 +86,21 @@ def test_train_api_packed_chat_on_qwen2(cache_dir, tmp_path):
     for split, n in (("train", 96), ("validation", 8)):
         lines = (json.dumps(r) for r in _chat_rows(n))
         (data_dir / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
-    recipe = recipe_from_dict(
-        tiny_recipe_dict(
-            cache_dir,
-            tmp_path / "run",
-            model={"name_or_path": "tiny:qwen2"},
-            data={
-                "source": str(data_dir),
-                "format": "chat",
-                "packing": True,
-                "max_length": "auto",
-                "max_samples": 96,
-            },
-            # ~91 tokens per conversation: 4 per packed row.
-            train={"epochs": 3, "lr": 2e-2, "max_tokens": 384},
-            distributed={"zero_stage": 2},
-            eval={"metrics": ["exact_match"], "max_new_tokens": 4},
-        )
+    recipe = tiny_recipe(
+        cache_dir,
+        tmp_path / "run",
+        model={"name_or_path": "tiny:qwen2"},
+        data={
+            "source": str(data_dir),
+            "format": "chat",
+            "packing": True,
+            "max_length": "auto",
+            "max_samples": 96,
+        },
+        # ~91 tokens per conversation: 4 per packed row.
+        train={"epochs": 3, "lr": 2e-2, "max_tokens": 384},
+        distributed={"zero_stage": 2},
+        eval={"metrics": ["exact_match"], "max_new_tokens": 4},
     )
     s = lorakit.train(recipe).summary
     assert s["attention"] == "lorakit_varlen_sdpa" and s["batching"]["packing"]
@@ -121,9 +114,7 @@ def test_train_api_packed_chat_on_qwen2(cache_dir, tmp_path):
 def test_packing_budget_below_the_longest_example_is_a_clear_error(cache_dir, tmp_path):
     from lorakit.errors import DataError
 
-    recipe = recipe_from_dict(
-        tiny_recipe_dict(cache_dir, tmp_path / "run", data={"packing": True}, train={"max_tokens": 50})
-    )
+    recipe = tiny_recipe(cache_dir, tmp_path / "run", data={"packing": True}, train={"max_tokens": 50})
     with pytest.raises(
         DataError, match=r"train\.max_tokens=50 is smaller than the longest source \(96 tokens\)"
     ):
@@ -131,14 +122,12 @@ def test_packing_budget_below_the_longest_example_is_a_clear_error(cache_dir, tm
 
 
 def test_log_every_thins_metrics_but_keeps_the_last_step(cache_dir, tmp_path):
-    recipe = recipe_from_dict(
-        tiny_recipe_dict(
-            cache_dir,
-            tmp_path / "run",
-            train={"max_steps": 5, "log_every": 2},
-            eval={"enabled": False},
-            output={"save_adapter": False},
-        )
+    recipe = tiny_recipe(
+        cache_dir,
+        tmp_path / "run",
+        train={"max_steps": 5, "log_every": 2},
+        eval={"enabled": False},
+        output={"save_adapter": False},
     )
     result = lorakit.train(recipe)
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]

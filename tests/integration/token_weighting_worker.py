@@ -23,18 +23,15 @@ def main(cache: str, out: str, mode: str) -> None:
     from lorakit.engine.save import gather_adapter_state
     from lorakit.meter import TokenMeter
     from lorakit.model import build_model, load_config, load_tokenizer
-    from lorakit.recipe import recipe_from_dict
-    from tests.conftest import tiny_recipe_dict
+    from tests.conftest import tiny_recipe
 
     gas = 2 if mode == "accumulate" else 1
-    recipe = recipe_from_dict(
-        tiny_recipe_dict(
-            Path(cache),
-            Path(out) / "run",
-            method={"dropout": 0.0},
-            train={"gradient_accumulation_steps": gas, "max_grad_norm": 0.0, "lr": 1e-2},
-            distributed={"zero_stage": 3, "num_processes": 2 if mode == "two_ranks" else 1},
-        )
+    recipe = tiny_recipe(
+        Path(cache),
+        Path(out) / "run",
+        method={"dropout": 0.0},
+        train={"gradient_accumulation_steps": gas, "max_grad_norm": 0.0, "lr": 1e-2},
+        distributed={"zero_stage": 3, "num_processes": 2 if mode == "two_ranks" else 1},
     )
     with process_group():
         source, config = load_config(recipe)

@@ -11,7 +11,7 @@ from lorakit.data.sources import MAX_QUOTED, load_split
 from lorakit.errors import DataError
 from lorakit.model import load_config, load_tokenizer
 from lorakit.recipe import recipe_from_dict
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import tiny_recipe, tiny_recipe_dict
 
 GOOD = {"input": "what is two plus two", "target": "four"}
 # (line as written in train.jsonl, why it is bad); the good lines around them are rows.
@@ -20,7 +20,11 @@ BAD_LINES = [
     ('{"input": "no target here"}', "column 'target' is missing"),
     ('{"input": null, "target": "b"}', "column 'input' is null"),
     ('{"input": "   ", "target": "b"}', "column 'input' is empty"),
-    ('{"input": "a", "target": 4}', "column 'target' is int, not text: 4"),
+    (
+        '{"input": "a", "target": 4}',
+        "column 'target' is the class id 4, not text; give data.label_names to turn class ids into words",
+    ),
+    ('{"input": 4.5, "target": "b"}', "column 'input' is float, not text: 4.5"),
     ('["input", "target"]', "a JSON array, not an object of columns"),
 ]
 
@@ -28,7 +32,7 @@ BAD_LINES = [
 def _data(tmp_path, **data):
     """The data section of the tiny recipe, reading the instruction columns `input` and `target`."""
     fields = {"input_column": "input", "target_column": "target", "prompt_template": "{input}"}
-    return recipe_from_dict(tiny_recipe_dict(tmp_path, tmp_path / "run", data={**fields, **data})).data
+    return tiny_recipe(tmp_path, tmp_path / "run", data={**fields, **data}).data
 
 
 def _write(path, lines: list[str]) -> str:
@@ -211,19 +215,17 @@ def test_rows_the_chat_template_refuses_follow_the_policy(cache_dir, tmp_path):
     )
     rows = [CHAT, [{"role": "system", "content": "Be brief."}, *CHAT], CHAT, {"not": "a list"}, CHAT]
     path = _write(tmp_path / "chat.jsonl", [json.dumps({"messages": m}) for m in rows])
-    recipe = recipe_from_dict(
-        tiny_recipe_dict(
-            cache_dir,
-            tmp_path / "run",
-            model={"name_or_path": "tiny:llama"},
-            data={
-                "source": path,
-                "format": "chat",
-                "eval_split": None,
-                "max_samples": None,
-                "on_bad_rows": "skip",
-            },
-        )
+    recipe = tiny_recipe(
+        cache_dir,
+        tmp_path / "run",
+        model={"name_or_path": "tiny:llama"},
+        data={
+            "source": path,
+            "format": "chat",
+            "eval_split": None,
+            "max_samples": None,
+            "on_bad_rows": "skip",
+        },
     )
     source, config = load_config(recipe)
     tok = load_tokenizer(recipe, source)

@@ -4,7 +4,8 @@ exactly those of random padded batches, with each step's rows balanced in tokens
 import numpy as np
 import pytest
 
-from lorakit.data.sampler import BalancedRandomBatchSampler, LengthGroupedBatchSampler
+from lorakit.data.balanced import BalancedRandomBatchSampler
+from lorakit.data.sampler import LengthGroupedBatchSampler
 
 
 def _long_tailed(n, seed=0):

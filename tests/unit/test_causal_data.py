@@ -8,8 +8,7 @@ from lorakit.data import prepare_data
 from lorakit.data.causal import IGNORE_INDEX, _Chat
 from lorakit.errors import DataError
 from lorakit.model import load_config, load_tokenizer
-from lorakit.recipe import recipe_from_dict
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import tiny_recipe
 
 COLUMNS = {"input_ids", "labels", "length", "prompt_ids", "reference"}
 CONVERSATION = [
@@ -25,7 +24,7 @@ def _load(cache_dir, tmp_path, model="tiny:llama", train=None, **data):
     sections = {"model": {"name_or_path": model}, "data": data, "train": train or {}}
     if data.get("format") == "completion":
         sections["eval"] = {"generate": False}
-    recipe = recipe_from_dict(tiny_recipe_dict(cache_dir, tmp_path / "run", **sections))
+    recipe = tiny_recipe(cache_dir, tmp_path / "run", **sections)
     source, config = load_config(recipe)
     return recipe, load_tokenizer(recipe, source), config
 

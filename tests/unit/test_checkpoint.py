@@ -14,12 +14,12 @@ from lorakit import rundir
 from lorakit.data.sampler import LengthGroupedBatchSampler, ResumableBatchSampler
 from lorakit.engine import checkpoint as ck
 from lorakit.errors import RecipeError
-from lorakit.recipe import recipe_from_dict
-from tests.conftest import tiny_recipe_dict
+from lorakit.observe import JsonlSink
+from tests.conftest import tiny_recipe
 
 
 def _recipe(tmp_path, **sections):
-    return recipe_from_dict(tiny_recipe_dict(tmp_path / "cache", tmp_path / "run", **sections))
+    return tiny_recipe(tmp_path / "cache", tmp_path / "run", **sections)
 
 
 def _fake_checkpoint(run_dir, step, recipe, world=1, complete=True):
@@ -118,11 +118,11 @@ def test_rng_states_round_trip():
 
 def test_metrics_log_keeps_the_lines_up_to_the_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    log = rundir.MetricsLog(path)
+    log = JsonlSink(path)
     for step in range(1, 6):
         log.write({"step": step})
     log.close()
-    resumed = rundir.MetricsLog(path, keep=3)
+    resumed = JsonlSink(path, keep=3)
     assert resumed.count == 3
     resumed.write({"step": 4})
     resumed.close()

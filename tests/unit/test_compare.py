@@ -66,28 +66,32 @@ def assert_png(path: Path) -> None:
 @pytest.fixture
 def three_methods(tmp_path):
     evals = [{"kind": "eval", "step": 4, "epoch": 0, "loss": 1.25, "rouge1": 41.5}]
-    lora = write_run(tmp_path / "lora", summary("lora"), train_records([2.0, 1.6, 1.4, 1.2]) + evals)
-    qlora = write_run(
-        tmp_path / "qlora",
-        summary(
-            "qlora",
-            peak_memory_bytes={"gpu": 12 * GIB, "cpu_rss": 10 * GIB},
-            tokens_per_second=1500.0,
-            quantization={"type": "bitsandbytes-nf4", "bits": 4},
+    # method: (summary overrides, training losses, eval records)
+    runs = {
+        "lora": ({}, [2.0, 1.6, 1.4, 1.2], evals),
+        "qlora": (
+            {
+                "peak_memory_bytes": {"gpu": 12 * GIB, "cpu_rss": 10 * GIB},
+                "tokens_per_second": 1500.0,
+                "quantization": {"type": "bitsandbytes-nf4", "bits": 4},
+            },
+            [2.0, 1.7, 1.5, 1.3],
+            [],
         ),
-        train_records([2.0, 1.7, 1.5, 1.3]),
-    )
-    full = write_run(
-        tmp_path / "full",
-        summary(
-            "full",
-            peak_memory_bytes={"gpu": 36 * GIB, "cpu_rss": 20 * GIB},
-            train_seconds=3600.0,
-            eval={"loss": 1.1, "rouge1": 43.0, "rouge2": 20.0},
+        "full": (
+            {
+                "peak_memory_bytes": {"gpu": 36 * GIB, "cpu_rss": 20 * GIB},
+                "train_seconds": 3600.0,
+                "eval": {"loss": 1.1, "rouge1": 43.0, "rouge2": 20.0},
+            },
+            [2.0, 1.5, 1.2, 1.0],
+            [],
         ),
-        train_records([2.0, 1.5, 1.2, 1.0]),
-    )
-    return [lora, qlora, full]
+    }
+    return [
+        write_run(tmp_path / method, summary(method, **overrides), train_records(losses) + records)
+        for method, (overrides, losses, records) in runs.items()
+    ]
 
 
 def test_compares_lora_qlora_and_full_runs_into_a_report_and_valid_pngs(three_methods, tmp_path):

@@ -6,12 +6,11 @@ from lorakit.data import Seq2SeqCollator, prepare_data
 from lorakit.data.collate import IGNORE_INDEX
 from lorakit.errors import DataError
 from lorakit.model import load_config, load_tokenizer
-from lorakit.recipe import recipe_from_dict
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import tiny_recipe
 
 
 def _prepare(cache_dir, tmp_path, **data):
-    recipe = recipe_from_dict(tiny_recipe_dict(cache_dir, tmp_path / "run", data=data))
+    recipe = tiny_recipe(cache_dir, tmp_path / "run", data=data)
     source, config = load_config(recipe)
     tok = load_tokenizer(recipe, source)
     return prepare_data(recipe, tok, config), tok, config
@@ -91,7 +90,10 @@ def test_local_file_sources(cache_dir, tmp_path):
         prompt_template="Q: {input}\nA:",
     )
     with pytest.raises(DataError, match="single file.*'train' split"):
-        _prepare(cache_dir, tmp_path, **recipe_kw)
+        _prepare(cache_dir, tmp_path, eval_split="validation", **recipe_kw)
+    # eval_split auto (the default) holds a row out of the single file instead.
+    held, _, _ = _prepare(cache_dir, tmp_path, **recipe_kw)
+    assert len(held.train) == 1 and len(held.eval) == 1 and held.stats["eval_source"]["held_out"]
     data, _, _ = _prepare(cache_dir, tmp_path, eval_split=None, **recipe_kw)
     assert len(data.train) == 2 and data.eval is None
     with pytest.raises(DataError, match="no such file"):
@@ -132,8 +134,6 @@ def test_unreachable_sources_are_clear_errors(cache_dir, tmp_path, monkeypatch):
         _prepare(cache_dir, tmp_path, source="lorakit-test/not-a-dataset")
     from lorakit.errors import RecipeError
 
-    recipe = recipe_from_dict(
-        tiny_recipe_dict(cache_dir, tmp_path / "run", model={"name_or_path": "lorakit-test/nope"})
-    )
+    recipe = tiny_recipe(cache_dir, tmp_path / "run", model={"name_or_path": "lorakit-test/nope"})
     with pytest.raises(RecipeError, match=r"model\.name_or_path 'lorakit-test/nope'"):
         load_config(recipe)

@@ -5,8 +5,7 @@ import pytest
 from lorakit.engine.deepspeed_config import build_ds_config
 from lorakit.engine.loop import plan_steps
 from lorakit.engine.schedule import lr_multiplier, warmup_steps
-from lorakit.recipe import recipe_from_dict
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import tiny_recipe
 
 
 def test_linear_schedule_warms_up_then_decays():
@@ -32,14 +31,12 @@ def test_step_plan_counts_short_last_window():
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_ds_config_from_recipe(tmp_path, stage):
-    r = recipe_from_dict(
-        tiny_recipe_dict(
-            tmp_path,
-            tmp_path / "o",
-            model={"dtype": "bfloat16"},
-            train={"micro_batch_size": 4, "gradient_accumulation_steps": 3, "max_grad_norm": 0.5},
-            distributed={"zero_stage": stage, "offload_optimizer": "cpu" if stage else "none"},
-        )
+    r = tiny_recipe(
+        tmp_path,
+        tmp_path / "o",
+        model={"dtype": "bfloat16"},
+        train={"micro_batch_size": 4, "gradient_accumulation_steps": 3, "max_grad_norm": 0.5},
+        distributed={"zero_stage": stage, "offload_optimizer": "cpu" if stage else "none"},
     )
     cfg = build_ds_config(r, world_size=8, accelerator="cuda", hidden_size=64)
     assert cfg["train_batch_size"] == 4 * 3 * 8
@@ -54,7 +51,7 @@ def test_ds_config_from_recipe(tmp_path, stage):
 
 
 def test_ds_config_on_cpu_uses_torch_adam(tmp_path):
-    r = recipe_from_dict(tiny_recipe_dict(tmp_path, tmp_path / "o"))
+    r = tiny_recipe(tmp_path, tmp_path / "o")
     cfg = build_ds_config(r, world_size=2, accelerator="cpu")
     assert cfg["optimizer"]["params"]["torch_adam"] is True
     assert cfg["zero_optimization"].get("overlap_comm") in (None, False)

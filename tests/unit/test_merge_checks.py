@@ -12,7 +12,7 @@ from lorakit.errors import AdapterError, MergeError, RecipeError
 from lorakit.export.output import atomic_directory, parse_size
 from lorakit.recipe import recipe_from_dict
 from lorakit.testing import resolve_model_source
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import tiny_recipe, tiny_recipe_dict
 
 
 def make_adapter(cache_dir: Path, out: Path, kind: str = "llama", scale: float = 0.05) -> Path:
@@ -177,7 +177,7 @@ def test_output_merge_needs_a_saved_adapter(cache_dir, tmp_path):
     raw = tiny_recipe_dict(cache_dir, tmp_path, output={"merge": True, "save_adapter": False})
     with pytest.raises(RecipeError, match="output.merge needs output.save_adapter: true"):
         recipe_from_dict(raw)
-    assert recipe_from_dict(tiny_recipe_dict(cache_dir, tmp_path)).output.merge is False
+    assert tiny_recipe(cache_dir, tmp_path).output.merge is False
 
 
 def test_lorakit_merge_stays_callable_after_the_cli_module_is_imported(tmp_path):

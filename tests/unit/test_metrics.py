@@ -84,6 +84,21 @@ def test_rougelsum_rewards_reordered_sentences_more_than_rougel():
     assert result["rouge1"] == 100.0
 
 
+def test_metric_scripts_share_code_only_by_absolute_one_line_imports():
+    # evaluate copies each script alone into its modules cache: a relative import would not resolve there,
+    # and its import scanner reads imports line by line.
+    import ast
+
+    for name in METRICS:
+        source = (metric_path(name) / f"{name}.py").read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{name}.py: relative import of {node.module}"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                assert node.lineno == node.end_lineno, f"{name}.py:{node.lineno}: import over several lines"
+    assert _script("accuracy").normalize is _script("exact_match").normalize
+
+
 def test_sentence_splitter():
     split = _script("rouge").split_sentences
     assert split('He paid 3.5 dollars. "Really?!" she asked.  Yes\nNo') == (

@@ -6,11 +6,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from lorakit.engine.job import seq2seq_packing_max_tokens
+from lorakit.data.batching import seq2seq_packing_max_tokens
 from lorakit.errors import RecipeError
 from lorakit.model.attention import packing_enabled
-from lorakit.recipe import recipe_from_dict
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import tiny_recipe
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager", "flash_attention_2"])
@@ -40,7 +39,7 @@ def test_forcing_packing_where_it_is_not_exact_is_a_recipe_error():
 
 
 def _recipe(tmp_path, **train):
-    return recipe_from_dict(tiny_recipe_dict(tmp_path, tmp_path / "run", train=train))
+    return tiny_recipe(tmp_path, tmp_path / "run", train=train)
 
 
 def test_budget_from_max_target_tokens_alone_holds_micro_batch_size_examples_on_average(tmp_path):
@@ -67,7 +66,7 @@ def test_explicit_max_tokens_wins(tmp_path):
 
 
 def _batching(recipe, world=1, rank=0):
-    from lorakit.engine.job import make_batching
+    from lorakit.data.batching import make_batching
 
     rng = np.random.default_rng(0)
     src, tgt = rng.integers(20, 140, 256), rng.integers(5, 30, 256)
@@ -77,12 +76,12 @@ def _batching(recipe, world=1, rank=0):
     )
     config = SimpleNamespace(is_encoder_decoder=True, decoder_start_token_id=0)
     return make_batching(
-        recipe, data, SimpleNamespace(pad_token_id=0), config, SimpleNamespace(packing=True), world, rank
+        recipe, data, SimpleNamespace(pad_token_id=0), config, packing=True, world=world, rank=rank
     )
 
 
 def test_packed_t5_rows_hold_micro_batch_size_random_examples_by_default(tmp_path):
-    from lorakit.data.sampler import BalancedRandomBatchSampler
+    from lorakit.data.balanced import BalancedRandomBatchSampler
 
     b = _batching(_recipe(tmp_path, micro_batch_size=8, gradient_accumulation_steps=2), world=2)
     assert isinstance(b.sampler, BalancedRandomBatchSampler)

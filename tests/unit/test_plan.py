@@ -9,8 +9,8 @@ from lorakit.planner import PlanError, format_bytes, parse_bytes, plan
 from lorakit.planner.arch import KNOWN_CONFIGS, arch_from_config, known_config
 from lorakit.planner.search import slowdown
 from lorakit.planner.states import Setup
-from lorakit.recipe import load_recipe, recipe_from_dict
-from tests.conftest import RECIPES, tiny_recipe_dict
+from lorakit.recipe import load_recipe
+from tests.conftest import RECIPES, tiny_recipe
 
 
 def test_sizes_parse_decimal_and_binary_units():
@@ -71,13 +71,11 @@ def test_trainable_and_total_match_the_built_tiny_model(cache_dir, tmp_path):
     from lorakit.model import build_model, count_parameters
 
     for kind, targets in (("t5", "all-linear"), ("llama", ["q_proj", "v_proj"])):
-        recipe = recipe_from_dict(
-            tiny_recipe_dict(
-                cache_dir,
-                tmp_path / kind,
-                model={"name_or_path": f"tiny:{kind}"},
-                method={"target_modules": targets},
-            )
+        recipe = tiny_recipe(
+            cache_dir,
+            tmp_path / kind,
+            model={"name_or_path": f"tiny:{kind}"},
+            method={"target_modules": targets},
         )
         trainable, total = count_parameters(build_model(recipe).model)
         p = plan(recipe, gpus=1, gpu_memory="1GB", seq_len=64, target_len=16)

@@ -49,6 +49,22 @@ def test_rescan_picks_up_tensors_the_mode_did_not_see():
         assert t.current - before == 4000
 
 
+def test_live_tensor_bytes_survives_a_dead_weak_proxy():
+    # A weakref.proxy whose referent is gone raises ReferenceError on any attribute access, isinstance()
+    # included; libraries leave such proxies in containers (CI saw one after the in-process tests).
+    import weakref
+
+    class Referent:
+        pass
+
+    referent = Referent()
+    holder = [weakref.proxy(referent)]
+    del referent
+    tensor = torch.zeros(250_000)
+    assert live_tensor_bytes("cpu") >= tensor.nbytes
+    assert holder
+
+
 def test_live_tensor_bytes_counts_a_new_parameter():
     gc.collect()
     before = live_tensor_bytes("cpu")

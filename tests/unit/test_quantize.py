@@ -11,7 +11,7 @@ from lorakit.errors import RecipeError
 from lorakit.model import build_model, count_parameters
 from lorakit.model.quantize import INSTALL_HINT, is_4bit, quantization_summary, require_bitsandbytes
 from lorakit.recipe import dump_recipe, load_recipe, recipe_from_dict
-from tests.conftest import tiny_recipe_dict
+from tests.conftest import tiny_recipe, tiny_recipe_dict
 
 
 def qlora_dict(cache: Path, out: Path, kind: str = "t5", **method) -> dict:
@@ -34,7 +34,7 @@ def test_qlora_defaults_to_nf4_and_round_trips(tmp_path):
     f = tmp_path / "resolved.yaml"
     f.write_text(dump_recipe(r))
     assert load_recipe(f) == r
-    lora = recipe_from_dict(tiny_recipe_dict(tmp_path, tmp_path / "run"))
+    lora = tiny_recipe(tmp_path, tmp_path / "run")
     assert lora.method.quantization() is None and lora.method.adapter()
 
 

@@ -5,7 +5,7 @@ import yaml
 
 from lorakit.errors import RecipeError
 from lorakit.recipe import apply_overrides, dump_recipe, load_recipe, recipe_from_dict
-from tests.conftest import RECIPES, tiny_recipe_dict
+from tests.conftest import RECIPES, tiny_recipe, tiny_recipe_dict
 
 
 def test_every_shipped_recipe_validates():
@@ -129,7 +129,7 @@ def test_missing_required_section(tmp_path):
 
 
 def test_recipe_is_frozen(tmp_path):
-    r = recipe_from_dict(tiny_recipe_dict(tmp_path, tmp_path / "run"))
+    r = tiny_recipe(tmp_path, tmp_path / "run")
     with pytest.raises(Exception, match="frozen"):
         r.train.lr = 1.0
 
@@ -189,7 +189,7 @@ def test_cross_field_checks_of_several_sections_are_reported_together():
         recipe_from_dict(raw)
     assert str(err.value).splitlines() == [
         "invalid recipe (3 problems):",
-        "  data.prompt_template must contain the placeholder {input}",
+        "  data.prompt_template names no column: put one in braces, e.g. {input} or {premise}",
         "  distributed.offload_params needs zero_stage 3",
         "  output.merge needs output.save_adapter: true (the merge reads the saved adapter or model)",
     ]
@@ -199,7 +199,7 @@ def test_bad_rows_policy_is_validated():
     raw = tiny_recipe_dict(Path("c"), Path("o"), data={"on_bad_rows": "ignore"})
     with pytest.raises(RecipeError, match=r"data\.on_bad_rows: Input should be 'error' or 'skip'"):
         recipe_from_dict(raw)
-    assert recipe_from_dict(tiny_recipe_dict(Path("c"), Path("o"))).data.on_bad_rows == "error"
+    assert tiny_recipe(Path("c"), Path("o")).data.on_bad_rows == "error"
 
 
 def test_flan_t5_xxl_full_is_the_guide_setup_on_the_lora_recipe_data():

@@ -2,6 +2,7 @@ import json
 import stat
 
 from lorakit import rundir
+from lorakit.observe import JsonlSink
 
 
 def test_run_dir_files_are_atomic_and_readable(tmp_path):
@@ -17,7 +18,7 @@ def test_run_dir_files_are_atomic_and_readable(tmp_path):
 def test_versions_and_metrics_log(tmp_path):
     v = rundir.versions()
     assert v["lorakit"] and v["torch"] and v["deepspeed"]
-    log = rundir.MetricsLog(tmp_path / rundir.METRICS)
+    log = JsonlSink(tmp_path / rundir.METRICS)
     log.write({"kind": "train", "step": 1, "loss": 2.5})
     log.write({"kind": "eval", "step": 1, "loss": 2.0})
     log.close()

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from lorakit.data.multipack_seq2seq import default_max_target_tokens
-from lorakit.data.sampler import ResumableBatchSampler, TokenBudgetBatchSampler, token_budget_for_rows
+from lorakit.data.sampler import ResumableBatchSampler
+from lorakit.data.token_budget import TokenBudgetBatchSampler, token_budget_for_rows
 
 
 def _lengths(n=2000, seed=0, cap=600):

@@ -17,9 +17,8 @@ Shape of the data, and why:
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
-from lorakit.data.samples import write_splits
+from lorakit.data.samples import SampleGenerator
 
 SEED = 20240611
 NUM_TRAIN = 1000
@@ -297,23 +296,9 @@ def make_example(rng: random.Random) -> dict[str, str]:
     return {"article": " ".join(sentences), "highlights": highlights}
 
 
-def generate(seed: int = SEED) -> dict[str, list[dict[str, str]]]:
-    """All splits as lists of rows; a pure function of `seed`."""
-    rng = random.Random(seed)
-    rows = [make_example(rng) for _ in range(NUM_TRAIN + NUM_VALIDATION)]
-    return {"train": rows[:NUM_TRAIN], "validation": rows[NUM_TRAIN:]}
-
-
-def write(out_dir: Path, seed: int = SEED) -> dict[str, Path]:
-    """Write {split}.jsonl files into `out_dir`; returns the paths written."""
-    return write_splits(generate(seed), out_dir)
-
-
-def main() -> None:
-    """Regenerate the shipped files next to this module."""
-    for split, path in write(Path(__file__).resolve().parent / "news_summaries").items():
-        print(f"{split}: {path} ({path.stat().st_size} bytes)")
-
+SAMPLES = SampleGenerator("news_summaries", make_example, SEED, NUM_TRAIN, NUM_VALIDATION)
+# generate(seed=SEED): all splits as lists of rows; write(out_dir, seed=SEED): their {split}.jsonl files.
+generate, write = SAMPLES.generate, SAMPLES.write
 
 if __name__ == "__main__":
-    main()
+    SAMPLES.main()

@@ -1,13 +1,13 @@
 """Accuracy over label strings (MNLI style), loadable offline by `evaluate.load(path)`.
 
-Self-contained on purpose: evaluate copies this one file into its modules cache and imports it from
-there, so the normalisation below repeats exact_match's instead of importing it.
+evaluate copies this one file into its modules cache and imports it from there: the normalisation it
+shares with exact_match comes from lorakit.evaluation.metric_base by absolute import, one import per line
+(evaluate's import scanner reads them line by line).
 """
 
-import re
-
-import datasets
 import evaluate
+
+from lorakit.evaluation.metric_base import match_rate, normalize, string_pair_info
 
 _DESCRIPTION = """\
 Accuracy for generated class labels: the predicted label text is compared with the reference label
@@ -35,40 +35,30 @@ Examples:
     1.0
 """
 
-_WHITESPACE = re.compile(r"\s+")
 # Trimmed from the ends of the first word only; "_" and "-" stay because labels use them (not_entailment).
 _EDGE_PUNCTUATION = ".,;:!?\"'`()[]{}<>\u201c\u201d\u2018\u2019"
 
 
 def normalize_label(text: str, ignore_case: bool = True, first_token_only: bool = False) -> str:
     """Normalise a label string the way accuracy compares it."""
-    text = _WHITESPACE.sub(" ", text).strip()
+    text = normalize(text, ignore_case=False)
     if first_token_only:
         text = text.split(" ", 1)[0].strip(_EDGE_PUNCTUATION)
-    if ignore_case:
-        text = text.casefold()
-    return text
+    return text.casefold() if ignore_case else text
 
 
 class Accuracy(evaluate.Metric):
     """Fraction of predicted label strings equal to the reference label."""
 
     def _info(self):
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation="",
-            inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features(
-                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
-            ),
-        )
+        return string_pair_info(_DESCRIPTION, _KWARGS_DESCRIPTION)
 
     def _compute(self, predictions, references, ignore_case=True, first_token_only=False):
-        if not predictions:
-            raise ValueError("accuracy needs at least one prediction/reference pair")
-        hits = sum(
-            normalize_label(prediction, ignore_case, first_token_only)
-            == normalize_label(reference, ignore_case)
-            for prediction, reference in zip(predictions, references, strict=True)
+        rate = match_rate(
+            "accuracy",
+            predictions,
+            references,
+            lambda prediction: normalize_label(prediction, ignore_case, first_token_only),
+            lambda reference: normalize_label(reference, ignore_case),
         )
-        return {"accuracy": hits / len(predictions)}
+        return {"accuracy": rate}

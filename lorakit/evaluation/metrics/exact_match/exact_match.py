@@ -1,13 +1,13 @@
 """Exact match after light normalisation, loadable offline by `evaluate.load(path)`.
 
-Self-contained on purpose: evaluate copies this one file into its modules cache and imports it from
-there, so it cannot share helpers with the accuracy metric through a relative import.
+evaluate copies this one file into its modules cache and imports it from there: what it shares with the
+other metrics comes from lorakit.evaluation.metric_base by absolute import, one import per line (evaluate's
+import scanner reads them line by line).
 """
 
-import re
-
-import datasets
 import evaluate
+
+from lorakit.evaluation.metric_base import match_rate, normalize, string_pair_info
 
 _DESCRIPTION = """\
 Fraction of predictions equal to their reference after normalisation. By default both strings are
@@ -32,41 +32,14 @@ Examples:
     1.0
 """
 
-_WHITESPACE = re.compile(r"\s+")
-
-
-def normalize(
-    text: str, strip: bool = True, collapse_whitespace: bool = True, ignore_case: bool = True
-) -> str:
-    """Normalise `text` the way exact_match compares it."""
-    if collapse_whitespace:
-        text = _WHITESPACE.sub(" ", text)
-    if strip:
-        text = text.strip()
-    if ignore_case:
-        text = text.casefold()
-    return text
-
 
 class ExactMatch(evaluate.Metric):
     """Exact string match after strip / whitespace collapse / case folding."""
 
     def _info(self):
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation="",
-            inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features(
-                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
-            ),
-        )
+        return string_pair_info(_DESCRIPTION, _KWARGS_DESCRIPTION)
 
     def _compute(self, predictions, references, strip=True, collapse_whitespace=True, ignore_case=True):
-        if not predictions:
-            raise ValueError("exact_match needs at least one prediction/reference pair")
         options = {"strip": strip, "collapse_whitespace": collapse_whitespace, "ignore_case": ignore_case}
-        hits = sum(
-            normalize(prediction, **options) == normalize(reference, **options)
-            for prediction, reference in zip(predictions, references, strict=True)
-        )
-        return {"exact_match": hits / len(predictions)}
+        rate = match_rate("exact_match", predictions, references, lambda text: normalize(text, **options))
+        return {"exact_match": rate}

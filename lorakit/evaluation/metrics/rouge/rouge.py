@@ -1,15 +1,17 @@
 """ROUGE-1/2/L/Lsum F-measure, computed with `rouge_score`, loadable offline by `evaluate.load(path)`.
 
-This file is copied by `evaluate` into its modules cache and imported from there, so it must stay
-self-contained (no relative imports) and keep one `import` per line: evaluate's import scanner reads
-the source line by line to check that every imported library is installed.
+This file is copied by `evaluate` into its modules cache and imported from there, so it must not use
+relative imports (what it shares comes from lorakit.evaluation.metric_base by absolute import) and keeps
+one `import` per line: evaluate's import scanner reads the source line by line to check that every
+imported library is installed.
 """
 
 import re
 
-import datasets
 import evaluate
 from rouge_score import rouge_scorer
+
+from lorakit.evaluation.metric_base import string_pair_info
 
 _ROUGE_TYPES = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 
@@ -75,13 +77,10 @@ class Rouge(evaluate.Metric):
     """ROUGE-1/2/L/Lsum F-measure averaged over examples."""
 
     def _info(self):
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation=_CITATION,
-            inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features(
-                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
-            ),
+        return string_pair_info(
+            _DESCRIPTION,
+            _KWARGS_DESCRIPTION,
+            _CITATION,
             codebase_urls=["https://github.com/google-research/google-research/tree/master/rouge"],
             reference_urls=["https://aclanthology.org/W04-1013"],
         )

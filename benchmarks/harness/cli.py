@@ -1,0 +1,281 @@
+"""A benchmark's command line, built from its spec, and the invocation it drives (`Bench`): recipes of the
+sides, worker runs, interleaved rounds, the result's common blocks, writing the JSON and the chart."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.harness import plots
+from benchmarks.harness.provenance import ROOT, Provenance
+from benchmarks.harness.runner import Runner, derive, first_of, interleave, medians_of, ratios, worker_main
+from benchmarks.harness.workers import lorakit_worker
+
+SPECS = ROOT / "benchmarks" / "specs"
+
+
+def load_spec(name: str) -> dict:
+    """benchmarks/specs/NAME.yaml: what a benchmark compares, measures and claims (see benchmarks/README.md)."""
+    import yaml
+
+    return yaml.safe_load((SPECS / f"{name}.yaml").read_text())
+
+
+def _numbers(kind):
+    def parse(text: str) -> list:
+        bad = f"expected comma-separated positive {'integers' if kind is int else 'numbers'}, got {text!r}"
+        try:
+            values = [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(bad) from None
+        if not values or min(values) <= 0:
+            raise argparse.ArgumentTypeError(bad)
+        return values
+
+    return parse
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+TYPES = {"int": int, "float": float, "str": str, "path": str, "names": _names}
+TYPES.update(ints=_numbers(int), floats=_numbers(float))
+
+
+def options(spec: dict) -> dict:
+    """The spec's options, each completed from specs/options.yaml (the options benchmarks share)."""
+    shared = load_spec("options")
+    return {name: {**shared.get(name, {}), **(o or {})} for name, o in spec.get("options", {}).items()}
+
+
+def parser(spec: dict) -> argparse.ArgumentParser:
+    """The benchmark's argparse parser: the spec's options plus --output, --smoke, --note, --plot-only."""
+    p = argparse.ArgumentParser(prog=f"python benchmarks/{spec['benchmark']}.py", description=spec["about"])
+    default = spec.get("output_help", spec.get("output"))
+    p.add_argument("--output", help=f"result JSON (default: {default}; --smoke: a temp file)")
+    p.add_argument(
+        "--smoke", action="store_true", help=f"small runs that test the script: {' '.join(spec['smoke'])}"
+    )
+    p.add_argument("--note", action="append", help="a note to store in the result (repeatable)")
+    p.add_argument("--plot-only", metavar="RESULT_JSON", help="only redraw the chart of an existing result")
+    for name, o in options(spec).items():
+        kw = {k: o[k] for k in ("default", "metavar", "nargs", "choices") if k in o}
+        if o.get("type") == "flag":
+            kw["action"] = "store_true"
+        elif o.get("type") == "switch":
+            kw["choices"] = ("on", "off")
+        else:
+            kw["type"] = TYPES[o.get("type", "str")]
+        shown = " (default: %(default)s)" if kw.get("default") is not None else ""
+        p.add_argument("--" + name.replace("_", "-"), help=o.get("help", "") + shown, **kw)
+    return p
+
+
+def parse(spec: dict, module, argv: list[str]) -> argparse.Namespace:
+    """Parsed options (--smoke puts the spec's smoke options first, so that later ones win); bad values exit
+    with code 2 before anything is written."""
+    p = parser(spec)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args = p.parse_args([*spec["smoke"], *argv])
+    args.argv = argv
+    for name, o in options(spec).items():
+        value = getattr(args, name)
+        if "min" in o and value is not None and value < o["min"]:
+            p.error(f"--{name.replace('_', '-')} must be >= {o['min']}")
+        if o.get("type") == "switch":
+            setattr(args, name, value == "on")
+        elif o.get("type") == "path" and value is not None:
+            setattr(args, name, str(Path(value).expanduser().resolve()))
+    if hasattr(module, "check_args"):
+        module.check_args(args, p.error)
+    return args
+
+
+def main(module, argv: list[str] | None = None) -> int:
+    """The entry point of a benchmark script: a worker (`--worker ...`), a chart (`--plot-only`), or a run."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker_main({"lorakit": lorakit_worker, **getattr(module, "WORKERS", {})}, argv)
+    args = parse(module.SPEC, module, argv)
+    if args.plot_only:
+        path = Path(args.plot_only)
+        if not plots.render(module, json.loads(path.read_text()), path.with_suffix(".png")):
+            print("error: --plot-only needs matplotlib and something to draw", file=sys.stderr)
+            return 2
+        return 0
+    bench = Bench(module, args)
+    try:
+        return module.measure(bench)
+    finally:
+        shutil.rmtree(bench.tmp, ignore_errors=True)
+
+
+def set_dotted(raw: dict, key: str, value) -> None:
+    """raw['a']['b'] = value for key 'a.b' (a dotted override, as on lorakit's command line)."""
+    *path, last = key.split(".")
+    for part in path:
+        raw = raw.setdefault(part, {})
+    raw[last] = value
+
+
+class Bench:
+    """One invocation of a benchmark: its spec, options, worker runner, provenance and output."""
+
+    def __init__(self, module, args: argparse.Namespace):
+        self.module, self.spec, self.args = module, module.SPEC, args
+        self.provenance = Provenance()
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"lorakit-{self.spec['benchmark']}-"))
+        default = getattr(module, "default_output", lambda a: self.spec["output"])(args)
+        if args.smoke and not args.output:  # never over a committed result: a directory that outlives the run
+            default = Path(tempfile.mkdtemp(prefix=f"lorakit-{self.spec['benchmark']}-smoke-")) / "smoke.json"
+        self.output = Path(args.output or ROOT / default).expanduser().resolve()
+        self.runner = Runner(module.__file__, self.tmp, self.tmp / "workers.log")
+
+    @staticmethod
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    def recipe(self, side: str | None = None, overrides: dict | None = None) -> dict:
+        """The spec's recipe, then the side's dotted overrides, the options bound to recipe keys, `overrides`."""
+        raw = json.loads(json.dumps(self.spec["recipe"]))
+        set_dotted(raw, "output.dir", str(self.tmp / "unused"))  # runs get their own (`run`)
+        bound = {o["recipe"]: getattr(self.args, n) for n, o in options(self.spec).items() if "recipe" in o}
+        side_overrides = self.spec["sides"][side].get("recipe", {}) if side else {}
+        for key, value in {**side_overrides, **bound, **(overrides or {})}.items():
+            set_dotted(raw, key, value)
+        return raw
+
+    def packing(self, side: str) -> bool:
+        return bool(self.spec["sides"][side].get("recipe", {}).get("data.packing"))
+
+    def run(self, side: str, label=None, overrides=None, kind="lorakit", spec=None, **fields) -> dict:
+        """One run of a side in a fresh worker (lorakit.train on the side's recipe unless `kind`/`spec` say
+        otherwise); the run gets `side`, `fields` and the spec's rates, and a line in the log."""
+        label = label or side
+        work = str(self.tmp / f"work-{label}-{time.monotonic_ns()}")
+        if spec is None:
+            spec = {
+                "recipe": self.recipe(side, {"output.dir": work, **(overrides or {})}),
+                **self.spec["worker"],
+            }
+        spec = {"torch_threads": getattr(self.args, "torch_threads", None), "work_dir": work, **spec}
+        r = derive(dict(self.runner.run(kind, spec, label), side=side, **fields), self.spec.get("rates", {}))
+        try:
+            self.log(f"  {label:20s} {self.spec['log_line'].format_map(r)}")
+        except (KeyError, TypeError, ValueError):  # a value the line cannot show (e.g. no eval loss)
+            self.log(f"  {label:20s} done")
+        return r
+
+    def rounds(self, items: list, rounds: int, run_one, title: str = "repeat") -> list[dict]:
+        """Interleaved rounds of `run_one(item, round)` (see runner.interleave)."""
+        return interleave(items, rounds, run_one, self.log, title)
+
+    def sweep(self, items: list, run_one, extra=lambda item, runs: {}) -> dict:
+        """The spec's `sweep`: interleaved rounds (--sweep-repeats) of `run_one(item)` before the comparison
+        rounds (which are new runs, so picking the best of a noisy sweep does not flatter them). Per item: the
+        medians of its runs, each run's `run_lists` values, its first run's `firsts`, `extra(item, its runs)`;
+        then the best item by each metric of `choose`."""
+        sw = self.spec["sweep"]
+        runs = self.rounds(items, self.args.sweep_repeats, lambda x, _: run_one(x), sw["title"])
+        per = {}
+        for x in items:
+            mine = [r for r in runs if r[sw["key"]] == x]
+            per[str(x)] = {**medians_of(mine, self.spec["medians"]), **extra(x, mine)}
+            per[str(x)].update({f"{k}_runs": [r[k] for r in mine] for k in sw["run_lists"]})
+            per[str(x)].update({k: mine[0][k] for k in sw["firsts"]})
+        best = {
+            name: max(items, key=lambda x, m=metric: per[str(x)][m]) for name, metric in sw["choose"].items()
+        }
+        head = {"how": sw["how"], sw["items"]: list(items), "repeats": self.args.sweep_repeats}
+        return {**head, sw["per"]: per, **best, "runs": runs}
+
+    def summarise(self, runs: list[dict], sides: list[str], comparisons) -> tuple[dict, dict]:
+        """(medians per side of the spec's `medians` keys, ratios of each comparison)."""
+        meds = {s: medians_of([r for r in runs if r["side"] == s], self.spec["medians"]) for s in sides}
+        return meds, ratios(runs, meds, comparisons, self.spec.get("ratio_key", "{side}/{versus}"))
+
+    def setup(self, runs: list[dict], sides: list[str], config, data: dict, **more) -> dict:
+        """The result's `setup`: the model (the spec's `model_config` attributes of its config), `data`, the
+        shared recipe's method, train and dtype, each side's attention, and `more`."""
+        recipe, first = self.spec["recipe"], runs[0]
+        attrs = {k: getattr(config, k, None) for k in self.spec["model_config"]}
+        model = {
+            "name_or_path": recipe["model"]["name_or_path"],
+            "built_by": "lorakit.testing.resolve_model_source",
+        }
+        params = {k: first[k] for k in ("total_params", "trainable_params")}
+        return {
+            "model": {**model, **attrs, **params},
+            "data": data,
+            "lora": recipe["method"],
+            "train": dict(recipe["train"], optimizer=self.spec["optimizer"]),
+            "dtype": recipe["model"]["dtype"],
+            "gradient_checkpointing": self.args.gradient_checkpointing,
+            "attention": first_of(runs, sides, "attention"),
+            **more,
+            "processes": 1,
+            "torch_threads": sorted({r["torch_threads"] for r in runs}),
+        }
+
+    def per_side(self, runs: list[dict], sides: list[str], equal: bool, meds: dict, firsts=()) -> dict:
+        """Tables by side: useful tokens (and whether all sides agree), median padding efficiency, token
+        slots and `firsts` (what every run of a side has alike, read from its first run)."""
+        tokens = {s: sorted({r["useful_tokens"] for r in runs if r["side"] == s}) for s in sides}
+        out = {"useful_tokens": {"per_side": {s: v[0] if len(v) == 1 else v for s, v in tokens.items()}}}
+        out["useful_tokens"]["equal_on_all_sides"] = equal
+        out["padding_efficiency"] = {s: meds[s]["padding_efficiency"] for s in sides}
+        return {**out, **{key: first_of(runs, sides, key) for key in ("token_slots", *firsts)}}
+
+    def describe(self, sides, **context) -> dict:
+        """{side: the spec's description of it}, with {placeholders} filled from `context`."""
+        return {s: self.spec["sides"][s]["about"].format(**context) for s in sides}
+
+    def result(self, **fields) -> dict:
+        """A result with the common blocks first: what it measured, the command, date, machine, versions."""
+        head = {"benchmark": self.spec["benchmark"], "measured": self.spec["measured"], **fields}
+        head["command"] = f"python benchmarks/{self.spec['benchmark']}.py " + " ".join(self.args.argv)
+        if "timing" in self.spec:
+            head["timing"] = self.spec["timing"]
+        return {**head, **self.provenance.start(), "notes": list(self.args.note or [])}
+
+    def finish(self, result: dict, valid: bool = True) -> int:
+        """Adds the provenance known at the end, writes the JSON and its chart, logs the checks, ratios and
+        claims; 1 (after writing the result, which records it) when the runs failed their checks (`valid`
+        false: the spec's `invalid` says how), else 0."""
+        from lorakit.rundir import write_json
+
+        result.update(self.provenance.end())
+        if not result["lorakit_source"]["unchanged_during_run"]:
+            changed = ", ".join(result["lorakit_source"]["changed_during_run"])
+            self.log(f"warning: lorakit's source changed while the benchmark ran: {changed}")
+        write_json(self.output, result)
+        checks = result.get("checks", {})
+        if "examples_per_run" in checks:
+            self.log(
+                f"useful tokens: {checks['useful_tokens']} on every run, {checks['examples_per_run']} examples"
+            )
+        for key, r in result.get("ratios", {}).items():
+            paired = [round(x, 2) for x in r["paired_useful_tokens_per_second"]]
+            self.log(
+                f"{key}: x{r['useful_tokens_per_second']:.2f} useful tokens/s (of medians), paired {paired}"
+            )
+        claims = result.get("claims") or (
+            [{"name": "claim", "claim_met": result["claim_met"]}] if "claim_met" in result else []
+        )
+        for c in claims:
+            self.log(f"{c['name']}: {'met' if c['claim_met'] else 'NOT met'}")
+        self.log(f"wrote {self.output} in {result['benchmark_wall_seconds']:.0f} s")
+        png = self.output.with_suffix(".png")
+        drawn = plots.render(self.module, result, png)
+        self.log(f"wrote {png}" if drawn else "no chart (it needs matplotlib: pip install matplotlib)")
+        if not valid:
+            print(f"error: {self.spec['invalid']}", file=sys.stderr)
+            return 1
+        return 0

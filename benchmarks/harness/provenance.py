@@ -1,0 +1,112 @@
+"""What a result records about where and on what it was measured: machine, versions, load, lorakit's source."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def machine() -> dict:
+    """The machine a result was measured on (the host's CPU; a GPU result adds its device separately)."""
+    cpu = None
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "accelerator": "none (CPU only)",
+    }
+
+
+def versions() -> dict:
+    """Python and the packages a training run depends on; lorakit as it reports itself."""
+    import lorakit
+    from lorakit.rundir import versions as run_versions
+
+    return {**run_versions(), "lorakit": getattr(lorakit, "__version__", None)}
+
+
+def load_average() -> dict:
+    """The machine's 1/5/15-minute load averages now."""
+    one, five, fifteen = os.getloadavg()
+    return {"1min": one, "5min": five, "15min": fifteen}
+
+
+def source_files() -> dict[str, str]:
+    """{path: sha256} of lorakit's source files, to name the files that changed while a benchmark ran."""
+    return {
+        str(p.relative_to(ROOT)): hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+        for p in sorted((ROOT / "lorakit").rglob("*.py"))
+    }
+
+
+def source_digest(files: dict[str, str] | None = None) -> str:
+    """One hash of lorakit's source files."""
+    files = source_files() if files is None else files
+    return hashlib.sha256("".join(f"{p}\0{h}\n" for p, h in files.items()).encode()).hexdigest()[:16]
+
+
+def source_dirty() -> bool | None:
+    """Whether lorakit/ has uncommitted changes (None when git cannot tell)."""
+    diff = subprocess.run(
+        ["git", "status", "--porcelain", "--", "lorakit"], cwd=ROOT, capture_output=True, text=True
+    )
+    return bool(diff.stdout.strip()) if diff.returncode == 0 else None
+
+
+class Provenance:
+    """Taken at the start of an invocation; `end()` returns the blocks a result records about it.
+
+    Other work may go on in the same checkout while a long benchmark runs, so lorakit's source is hashed at
+    both ends and the files that changed are named."""
+
+    def __init__(self) -> None:
+        from lorakit.rundir import git_revision
+
+        self.t0 = time.perf_counter()
+        self.date = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        self.load = load_average()
+        self.revision = git_revision(ROOT)
+        self.dirty = source_dirty() if self.revision else None
+        self.files = source_files()
+
+    def start(self) -> dict:
+        """The fields known when the benchmark starts."""
+        return {
+            "date": self.date,
+            "load_average_at_start": self.load,
+            "machine": machine(),
+            "versions": versions(),
+            "git_revision": self.revision,
+        }
+
+    def end(self) -> dict:
+        """The fields known when it ends: what changed in lorakit meanwhile, the load, the wall time."""
+        files = source_files()
+        start, end = source_digest(self.files), source_digest(files)
+        changed = sorted(p for p in self.files.keys() | files.keys() if self.files.get(p) != files.get(p))
+        return {
+            "lorakit_source": {
+                "changed_during_run": changed,
+                "git_revision_at_start": self.revision,
+                "uncommitted_changes_at_start": self.dirty,
+                "sha256_at_start": start,
+                "sha256_at_end": end,
+                "unchanged_during_run": start == end,
+            },
+            "load_average_at_end": load_average(),
+            "benchmark_wall_seconds": time.perf_counter() - self.t0,
+        }

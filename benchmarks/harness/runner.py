@@ -1,0 +1,214 @@
+"""Running the sides of a benchmark and reducing their runs: worker subprocesses under a time budget,
+interleaved rounds, per-run rates, medians, paired ratios and claims."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from benchmarks.harness.provenance import ROOT
+
+
+class Runner:
+    """Runs workers (`SCRIPT --worker KIND SPEC RESULT`) in fresh interpreters, one at a time, under one
+    time budget, appending their output to one log.
+
+    Every run is its own process, so nothing (thread settings, DeepSpeed or transformers globals, allocator
+    state) leaks from one run into the next."""
+
+    def __init__(self, script: str | Path, tmp: Path, log_path: Path, budget: float = math.inf):
+        self.script, self.tmp, self.log_path = Path(script).resolve(), tmp, log_path
+        self.deadline = time.monotonic() + budget
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def run(self, kind: str, spec: dict, name: str, reserve: float = 20.0) -> dict:
+        """The worker's JSON result plus `process_seconds` and `load_avg_1min_before`; raises RuntimeError
+        with the tail of the run's output when it fails or outlives the budget."""
+        spec_path, result_path = self.tmp / f"{name}.spec.json", self.tmp / f"{name}.result.json"
+        spec_path.write_text(json.dumps(spec))
+        result_path.unlink(missing_ok=True)
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+        # Nothing here needs the hub (local models and data): offline, a missing file fails at once instead
+        # of waiting on a network the machine may not have.
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("HF_DATASETS_OFFLINE", "1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        timeout = None if math.isinf(self.remaining()) else max(self.remaining() - reserve, 1.0)
+        load = os.getloadavg()[0]
+        cmd = [sys.executable, str(self.script), "--worker", kind, str(spec_path), str(result_path)]
+        with open(self.log_path, "a") as log:
+            log.write(f"\n===== {name} ({kind}) {datetime.now(timezone.utc).isoformat(timespec='seconds')}\n")
+            log.flush()
+            offset, start = log.tell(), time.perf_counter()
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)  # its own session: the worker and anything it started
+                proc.wait()
+                code = None
+        seconds = time.perf_counter() - start
+        if code != 0 or not result_path.is_file():
+            with open(self.log_path) as f:
+                f.seek(offset)
+                tail = f.read()[-4000:]
+            why = f"timed out after {timeout:.0f} s (budget)" if code is None else f"exit code {code}"
+            raise RuntimeError(f"{name} run failed: {why}; last output:\n{tail}")
+        return dict(json.loads(result_path.read_text()), process_seconds=seconds, load_avg_1min_before=load)
+
+
+def worker_main(workers: dict, argv: list[str]) -> int:
+    """In the worker process: `--worker KIND SPEC RESULT` runs workers[KIND](spec) and writes its JSON."""
+    kind, spec_path, result_path = argv[1:4]
+    spec = json.loads(Path(spec_path).read_text())
+    if spec.get("torch_threads"):
+        import torch
+
+        torch.set_num_threads(spec["torch_threads"])
+    Path(result_path).write_text(json.dumps(workers[kind](spec)))
+    return 0
+
+
+def interleave(items: list, rounds: int, run_one, log, title: str = "repeat") -> list[dict]:
+    """Every item once per round, the order reversed every other round, so that no item always runs first
+    (or right after the same neighbour) and machine noise hits them all; `run_one(item, round)` returns a
+    run, which gets `repeat` and `position`."""
+    runs = []
+    for rnd in range(rounds):
+        order = list(items) if rnd % 2 == 0 else list(reversed(items))
+        log(f"{title} {rnd + 1}/{rounds}: {' -> '.join(map(str, order))}")
+        for position, item in enumerate(order):
+            runs.append(dict(run_one(item, rnd), repeat=rnd, position=position))
+    return runs
+
+
+def derive(run: dict, rates: dict) -> dict:
+    """Adds each rate `name: [numerator, denominator]` of the spec to a run (in place) and returns it."""
+    for name, (num, den) in rates.items():
+        if run.get(num) is not None and run.get(den):
+            run[name] = run[num] / run[den]
+    return run
+
+
+def median(values) -> float | None:
+    """The median of the values that are not None (None when there are none)."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def medians_of(runs: list[dict], keys: list[str]) -> dict:
+    """{key: median over the runs}."""
+    return {k: median(r.get(k) for r in runs) for k in keys}
+
+
+def first_of(runs: list[dict], sides: list[str], key: str) -> dict:
+    """{side: `key` of the side's first run} (for what every run of a side has alike)."""
+    return {s: next(r[key] for r in runs if r["side"] == s) for s in sides}
+
+
+def pairs(runs: list[dict], side: str, base: str) -> list[tuple[dict, dict]]:
+    """(base run, side run) of every round (`repeat`) that ran both sides."""
+    by_round: dict[int, dict] = {}
+    for r in runs:
+        by_round.setdefault(r["repeat"], {})[r["side"]] = r
+    return [(d[base], d[side]) for _, d in sorted(by_round.items()) if base in d and side in d]
+
+
+def paired_ratios(runs: list[dict], side: str, base: str, key: str) -> list[float]:
+    """side / base of `key`, round by round."""
+    return [s[key] / b[key] for b, s in pairs(runs, side, base)]
+
+
+def ratios(runs: list[dict], meds: dict, comparisons, key_format: str = "{side}/{versus}") -> dict:
+    """Each comparison (side, versus): ratios of the medians and the same ratios round by round. The
+    per-CPU-second ratio comes with it when runs record CPU time (one torch thread: it moves far less than
+    wall time when other jobs take the core), the eval-loss difference when they record an eval loss."""
+    out = {}
+    for side, base in comparisons:
+        m, b = meds[side], meds[base]
+        paired = paired_ratios(runs, side, base, "useful_tokens_per_second")
+        r = {
+            "side": side,
+            "versus": base,
+            "useful_tokens_per_second": m["useful_tokens_per_second"] / b["useful_tokens_per_second"],
+        }
+        r.update(paired_useful_tokens_per_second=paired, paired_median=statistics.median(paired))
+        r["epoch_time_speedup"] = b["epoch_seconds"] / m["epoch_seconds"]
+        for key in ("step_useful_tokens_per_second", "useful_tokens_per_cpu_second"):
+            if key in m:
+                r[key] = m[key] / b[key]
+        if "useful_tokens_per_cpu_second" in m:
+            r["paired_useful_tokens_per_cpu_second"] = paired_ratios(
+                runs, side, base, "useful_tokens_per_cpu_second"
+            )
+        r["padding_efficiency_ratio"] = m["padding_efficiency"] / b["padding_efficiency"]
+        if "eval_loss" in m:
+            r["eval_loss_difference"] = m["eval_loss"] - b["eval_loss"]
+            r["paired_eval_loss_differences"] = [
+                s["eval_loss"] - v["eval_loss"] for v, s in pairs(runs, side, base)
+            ]
+        out[key_format.format(side=side, versus=base)] = r
+    return out
+
+
+def claims(
+    specs: list[dict], ratio_of: dict, meds: dict, valid: bool, key_format="{side}/{versus}"
+) -> list[dict]:
+    """Each claim of the spec with the measured value it is judged on; `claim_met` comes from the recorded
+    medians, and is False whenever the runs failed their checks (`valid`).
+
+    A speed claim (`ratio_at_least`) is judged on wall-clock useful tokens/s; the ratio per CPU second is
+    recorded next to it (`cpu_ratio`, `cpu_claim_met`) when measured. An eval-loss claim holds when the
+    side's median eval loss is at most the other's; the paired differences (same seed) come with it."""
+    out = []
+    for c in specs:
+        r = ratio_of[key_format.format(**c)]
+        if c["metric"] == "eval_loss":
+            side, base = meds[c["side"]]["eval_loss"], meds[c["versus"]]["eval_loss"]
+            diffs = r["paired_eval_loss_differences"]
+            out.append(dict(c, side_eval_loss=side, versus_eval_loss=base, paired_differences=diffs))
+            out[-1]["claim_met"] = bool(valid and side <= base)
+            continue
+        measured, need = r[c["metric"]], c["ratio_at_least"]
+        out.append(dict(c, measured_ratio=measured, paired_median=r["paired_median"]))
+        out[-1]["claim_met"] = bool(valid and measured >= need)
+        if "useful_tokens_per_cpu_second" in r:
+            cpu = r["useful_tokens_per_cpu_second"]
+            out[-1].update(cpu_ratio=cpu, cpu_claim_met=bool(valid and cpu >= need))
+    return out
+
+
+def one_or_all(values) -> object:
+    """The value when every run agrees on it, else the sorted distinct values (a check that failed)."""
+    distinct = sorted(set(values))
+    return distinct[0] if len(distinct) == 1 else distinct
+
+
+def token_checks(every: list[dict], rows: int, label=lambda r: r["side"]) -> dict:
+    """What every run of a lorakit-only benchmark must share: the same useful tokens (as lorakit counts
+    them, and as the worker counts them batch by batch), the same loss tokens, each example once."""
+    useful = sorted({r["useful_tokens"] for r in every})
+    examples = sorted({r["examples"] for r in every})
+    counted = all(r["counted_useful_tokens"] == r["useful_tokens"] for r in every)
+    # With one torch thread, a run well below 1 CPU second per wall second lost the core to other jobs.
+    slow = [label(r) for r in every if r["cpu_seconds_per_wall_second"] < 0.9]
+    return {
+        "useful_tokens_equal_on_all_runs": len(useful) == 1 and counted,
+        "useful_tokens": one_or_all(useful),
+        "loss_tokens": one_or_all(r["loss_tokens"] for r in every),
+        "examples_per_run": one_or_all(examples),
+        "each_example_once": examples == [rows],
+        "runs_checked": len(every),
+        "runs_with_cpu_per_wall_below_0.9": slow,
+    }

@@ -1,0 +1,135 @@
+"""What runs inside a worker process: `lorakit.train` with our timers and counters, and the pieces the
+Hugging Face Trainer baselines share.
+
+lorakit's loop has no hooks yet, so the lorakit worker wraps two of its internals: `Trainer.run` (the epoch
+clock) and `train_window` (one optimizer step's micro-batches). If either is renamed the worker fails loudly
+and every benchmark's smoke test catches it."""
+
+from __future__ import annotations
+
+import time
+
+
+def dig(summary: dict, path: str):
+    """`summary['a']['b']` for path 'a.b'; None where any part is missing (e.g. no eval section)."""
+    node = summary
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def count_batches(counts: dict, window: list[dict], family: str) -> None:
+    """Adds what each micro-batch of a window holds (instrumentation only: reads, changes nothing)."""
+    for b in window:
+        ids, labels, mask = b["input_ids"], b["labels"], b.get("attention_mask")
+        loss = int((labels != -100).sum())
+        counts["examples"] = counts.get("examples", 0) + int(b.get("num_examples", ids.shape[0]))
+        counts["micro_batches"] = counts.get("micro_batches", 0) + 1
+        counts["rows"] = counts.get("rows", 0) + ids.shape[0]
+        counts["loss_tokens"] = counts.get("loss_tokens", 0) + loss
+        if family == "causal":
+            useful = int(mask.sum()) if mask is not None else ids.numel()
+            counts["widest_row"] = max(counts.get("widest_row", 0), ids.shape[1])
+        else:  # encoder tokens (packed rows mark them by segment) + target tokens
+            source = int(mask.sum()) if mask is not None else int((b["source_segments"] > 0).sum())
+            useful = source + loss
+            counts["source_tokens"] = counts.get("source_tokens", 0) + source
+            counts["widest_source_row"] = max(counts.get("widest_source_row", 0), ids.shape[1])
+            counts["widest_target_row"] = max(counts.get("widest_target_row", 0), labels.shape[1])
+        counts["counted_useful_tokens"] = counts.get("counted_useful_tokens", 0) + useful
+
+
+def lorakit_worker(spec: dict, at_run_end=None) -> dict:
+    """`lorakit.train(spec['recipe'])` in this (fresh) process. Returns `spec['fields']` read from its
+    summary (`{name: dotted path}`), the epoch's wall and CPU seconds (`Trainer.run`, the evaluation after
+    the epoch timed apart), and with `spec['count']` ('causal' or 'seq2seq') what the micro-batches held.
+    `at_run_end(trainer)` may read the trainer when its run ends (before the model is saved)."""
+    import torch
+
+    import lorakit
+    from lorakit.engine import loop
+    from lorakit.recipe import recipe_from_dict
+
+    threads = spec.get("torch_threads") or 0
+    timer: dict = {}
+    counts: dict = {}
+    run, window = loop.Trainer.run, loop.train_window
+
+    def timed_run(self):
+        # DeepSpeed's initialisation can reset torch's thread count; pin it again before the clock starts.
+        if threads:
+            torch.set_num_threads(threads)
+        evaluate = self.evaluate
+        if evaluate is not None:
+            timer.update(eval_seconds=0.0, eval_cpu_seconds=0.0)
+
+            def timed_evaluate(*args, **kwargs):
+                wall, cpu = time.perf_counter(), time.process_time()
+                try:
+                    return evaluate(*args, **kwargs)
+                finally:
+                    timer["eval_seconds"] += time.perf_counter() - wall
+                    timer["eval_cpu_seconds"] += time.process_time() - cpu
+
+            self.evaluate = timed_evaluate
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            return run(self)
+        finally:
+            timer["epoch_seconds"] = time.perf_counter() - wall - timer.get("eval_seconds", 0.0)
+            timer["epoch_cpu_seconds"] = time.process_time() - cpu - timer.get("eval_cpu_seconds", 0.0)
+            timer["torch_threads"] = torch.get_num_threads()
+            if at_run_end is not None:
+                at_run_end(self)
+
+    def counted_window(engine, inputs, batches, meter):
+        if spec.get("count"):
+            count_batches(counts, batches, spec["count"])
+        return window(engine, inputs, batches, meter)
+
+    loop.Trainer.run, loop.train_window = timed_run, counted_window
+    summary = lorakit.train(recipe_from_dict(spec["recipe"])).summary
+    return {**timer, **counts, **{name: dig(summary, path) for name, path in spec.get("fields", {}).items()}}
+
+
+# ------------------------------------------------------------------------------ Hugging Face baselines
+def one_process_env(port: int) -> None:
+    """The launcher's variables DeepSpeed reads, for one process (the Trainer with `deepspeed=...`)."""
+    import os
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def training_args(cls, *, checkpointing: bool, group_by_length: bool, **kwargs):
+    """`cls(**kwargs)` (TrainingArguments or Seq2SeqTrainingArguments) for this transformers version.
+
+    transformers 5 renamed gradient_checkpointing to activation_checkpointing (5.2x keeps the old name as a
+    deprecated alias) and group_by_length to train_sampling_strategy: use whichever this version has."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(cls)}
+    ckpt = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    kwargs[ckpt] = checkpointing
+    kwargs[f"{ckpt}_kwargs"] = {"use_reentrant": False} if checkpointing else None
+    if "train_sampling_strategy" in fields:
+        kwargs["train_sampling_strategy"] = "group_by_length" if group_by_length else "random"
+    else:
+        kwargs["group_by_length"] = group_by_length
+    return cls(**{k: v for k, v in kwargs.items() if k in fields})
+
+
+def with_lora(model, lora: dict, seq2seq: bool):
+    """peft's LoRA on `model` from a recipe's method section (r, alpha, dropout, target_modules)."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    task = TaskType.SEQ_2_SEQ_LM if seq2seq else TaskType.CAUSAL_LM
+    kwargs = {"r": lora["r"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"]}
+    return get_peft_model(model, LoraConfig(**kwargs, target_modules=lora["target_modules"], task_type=task))
+
+
+def train(trainer) -> tuple[dict, dict]:
+    """`trainer.train()`; (its metrics, the first and last loss it logged)."""
+    metrics = trainer.train().metrics
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h] or [None]
+    return metrics, {"loss_first": losses[0], "loss_last": losses[-1]}

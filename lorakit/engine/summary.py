@@ -1,0 +1,198 @@
+"""summary.json: what a finished run was and what it measured.
+
+`RunSummary` names every key, in the order summary.json writes them. lorakit.compare (report/runs.py),
+lorakit.api (merged_dir) and the benchmarks read these keys: add new ones, never rename or drop one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lorakit import rundir
+from lorakit.engine import dist
+from lorakit.meter import live_tensor_bytes, peak_memory
+
+if TYPE_CHECKING:
+    from lorakit.engine.job import Job
+    from lorakit.engine.loop import Trainer
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """Peak memory over ranks, in bytes: accelerator (None without one), resident CPU, and the model states
+    (weights, gradients, optimizer state) alive between steps, the quantity lorakit.plan predicts."""
+
+    gpu: int | None
+    cpu_rss: int
+    model_states: int
+
+
+@dataclass(frozen=True)
+class LossEnds:
+    """The first and last finite training loss (None before any step)."""
+
+    first: float | None
+    last: float | None
+
+    @classmethod
+    def of(cls, losses: list[float]) -> LossEnds:
+        """The ends of `losses`."""
+        return cls(losses[0], losses[-1]) if losses else cls(None, None)
+
+
+@dataclass(frozen=True)
+class ResumedFrom:
+    """The checkpoint a resumed run continued."""
+
+    checkpoint: str
+    step: int
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """Every key of summary.json (docs/architecture.md#run-directory-and-summary describes them)."""
+
+    method: str
+    model: str
+    model_source: str
+    attention: str
+    dtype: str
+    world_size: int
+    zero_stage: int
+    trainable_params: int
+    total_params: int
+    # QLoRA: type, bits, dtypes, quantized layers and base bytes (model/quantize.py); else None.
+    quantization: dict[str, Any] | None
+    steps: int
+    epochs: int
+    train_samples: int
+    # Non-pad tokens trained on, and the token slots spent on them (padding, or packed rows' capacity).
+    train_tokens: int
+    padded_tokens: int
+    packing_efficiency: float
+    batching: dict[str, Any]
+    tokens_per_second: float
+    train_seconds: float
+    peak_memory_bytes: PeakMemory
+    # The memory planner's answer for this recipe and launch, next to what was measured.
+    plan: dict[str, Any]
+    loss: LossEnds
+    skipped_steps: list[int]
+    resumed_from: ResumedFrom | None
+    last_checkpoint: str | None
+    eval: dict[str, Any] | None
+    # Classification runs: the last evaluation's per-class counts and confusion matrix.
+    classification: dict[str, Any] | None
+    adapter_dir: str | None
+    model_dir: str | None
+    # Set by lorakit.train once output.merge has merged (api.merge_after_training).
+    merged_dir: str | None
+    # The data cache, its caps and what preparing the data counted (overlong, bad rows, format).
+    data: dict[str, Any]
+    versions: dict[str, str | None]
+    git_revision: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        """summary.json's object (nested parts as plain dicts, keys in field order)."""
+        return asdict(self)
+
+
+class MemoryProbe:
+    """Counts live tensor bytes before the model is built, so the model states are measured as what the
+    run added to them."""
+
+    def __init__(self, device_kind: str):
+        self.device_kind = device_kind
+        self.before = live_tensor_bytes(device_kind)
+
+    def model_states(self) -> int:
+        """Tensor bytes the run keeps alive between steps (the most on any rank); collective."""
+        (states,) = dist.all_reduce([live_tensor_bytes(self.device_kind) - self.before], op="max")
+        return int(states)
+
+    @staticmethod
+    def peak(model_states: int) -> PeakMemory:
+        """The peaks of this process, the most on any rank; collective."""
+        memory = peak_memory()
+        gpu, rss = dist.all_reduce([memory["gpu"] or 0, memory["cpu_rss"]], op="max")
+        return PeakMemory(int(gpu) if memory["gpu"] is not None else None, int(rss), model_states)
+
+
+def data_summary(data) -> dict[str, Any]:
+    """The data block of summary.json for PreparedData `data`."""
+    return {
+        "cache_dir": str(data.path),
+        "max_source_length": data.lengths.max_source_length,
+        "max_target_length": data.lengths.max_target_length,
+        "max_length": data.lengths.max_length,
+        **data.stats,
+    }
+
+
+def plan_of_run(recipe, config, data, world: int, device_kind: str) -> dict[str, Any]:
+    """lorakit.plan for this run (its launch shape, data lengths and device), recorded in summary.json so
+    every run checks the planner; a model the planner does not know gives {"error": ...}, never a crash."""
+    from lorakit.planner import plan
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    gpu_memory = torch.cuda.get_device_properties(0).total_memory if device_kind == "cuda" else None
+    try:
+        return plan(
+            recipe,
+            gpus=local,
+            nodes=max(world // local, 1),
+            config=config,
+            device=device_kind,
+            gpu_memory=gpu_memory,
+            seq_len=data.lengths.max_source_length or data.lengths.max_length,
+            target_len=data.lengths.max_target_length,
+        ).to_dict()
+    except Exception as e:  # noqa: BLE001 - the plan is a report; training already succeeded
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def summarize(
+    job: Job, trainer: Trainer, memory: PeakMemory, saved: dict[str, str], device: str
+) -> RunSummary:
+    """The summary of `job` trained by `trainer`, with its peak `memory`, what save_trained wrote and the
+    `device` kind it ran on (collective: sums over ranks)."""
+    recipe, world, ckpt, st = job.recipe, dist.world_size(), job.resumed_from, job.state
+    return RunSummary(
+        method=recipe.method.kind,
+        model=recipe.model.name_or_path,
+        model_source=job.built.source,
+        attention=job.built.attention,
+        dtype=recipe.model.dtype,
+        world_size=world,
+        zero_stage=recipe.distributed.zero_stage,
+        trainable_params=job.params[0],
+        total_params=job.params[1],
+        quantization=job.quantization,
+        steps=st.step,
+        epochs=job.plan.epochs,
+        train_samples=int(dist.all_reduce([job.meter.samples])[0]),
+        train_tokens=st.global_real_tokens,
+        padded_tokens=st.global_token_slots,
+        packing_efficiency=st.global_real_tokens / max(st.global_token_slots, 1),
+        batching=job.batching.summary(job.plan),
+        tokens_per_second=st.tokens_per_second(),
+        train_seconds=st.train_seconds,
+        peak_memory_bytes=memory,
+        plan=plan_of_run(recipe, job.config, job.data, world, device),
+        loss=LossEnds.of(st.losses),
+        skipped_steps=list(st.skipped_steps),
+        resumed_from=ResumedFrom(str(ckpt.path), ckpt.step) if ckpt else None,
+        last_checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else None,
+        eval=dict(st.eval) or None,
+        classification=rundir.read_json_if_exists(job.run_dir / rundir.CLASSIFICATION),
+        adapter_dir=saved.get("adapter_dir"),
+        model_dir=saved.get("model_dir"),
+        merged_dir=None,
+        data=data_summary(job.data),
+        versions=rundir.versions(),
+        git_revision=rundir.git_revision(),
+    )

@@ -1,0 +1,61 @@
+"""One evaluation of a recipe's eval rows: the loss and generations of evaluate_model, the recipe's metrics
+(compute_metrics) and, when the targets are label words, the classification report.
+
+Training (lorakit.engine.job, after each epoch) and `python -m lorakit.evaluate` (a trained run on any split)
+both call run_eval, so a run evaluated again afterwards gets the numbers training recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lorakit.engine import dist
+from lorakit.evaluation.generate import auto_max_new_tokens, evaluate_model
+from lorakit.recipe.schema import Recipe
+
+
+@dataclass(frozen=True)
+class EvalOutcome:
+    """What one evaluation found. Every rank has the loss; the generation results are rank 0's only."""
+
+    # loss, and when generating: the recipe's metrics (percent), plus `invalid` (percent of predictions
+    # that are no label word) for classifiers.
+    metrics: dict[str, float]
+    # In eval row order (rank 0, eval.generate); None otherwise.
+    predictions: list[str] | None = None
+    references: list[str] | None = None
+    # lorakit.evaluation.classify.classification_report, when the data has label words (rank 0).
+    classification: dict[str, Any] | None = None
+
+
+def run_eval(engine, inputs, recipe: Recipe, data, tokenizer, collator, *, zero3: bool) -> EvalOutcome:
+    """Evaluate `engine` (a DeepSpeed engine, or anything with `.module`, `.device` and a forward) on
+    `data.eval` (lorakit.data.PreparedData) with the recipe's eval settings; every rank must call it."""
+    from lorakit.evaluation.classify import classification_report
+    from lorakit.evaluation.scoring import compute_metrics
+
+    ev = recipe.eval
+    out = evaluate_model(
+        engine,
+        inputs,
+        data.eval,
+        collator,
+        tokenizer,
+        batch_size=ev.micro_batch_size or recipe.train.micro_batch_size,
+        generate=ev.generate,
+        max_new_tokens=auto_max_new_tokens(data) if ev.max_new_tokens == "auto" else ev.max_new_tokens,
+        num_beams=ev.num_beams,
+        zero3=zero3,
+    )
+    metrics = {"loss": out["loss"]}
+    if not (ev.generate and dist.is_main()):
+        return EvalOutcome(metrics)
+    predictions, references = out["predictions"], list(data.eval["reference"])
+    metrics.update(compute_metrics(list(ev.metrics), predictions, references))
+    report = None
+    labels = data.stats.get("labels")
+    if labels:
+        report = classification_report(predictions, references, labels)
+        metrics["invalid"] = round(100.0 * report["invalid"] / report["examples"], 4)
+    return EvalOutcome(metrics, predictions, references, report)
