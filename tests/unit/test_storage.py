@@ -8,6 +8,7 @@ import torch
 
 from lorakit import rundir, storage
 from lorakit.errors import DiskFullError
+from lorakit.observe.metrics import JsonlSink
 from tests.disk_faults import installed
 
 
@@ -75,11 +76,11 @@ def test_write_text_leaves_neither_a_partial_file_nor_a_temporary_one(tmp_path):
 
 
 def test_metrics_log_names_its_file(tmp_path):
-    log = rundir.MetricsLog(tmp_path / "metrics.jsonl")
+    log = JsonlSink(tmp_path / "metrics.jsonl")
     log.write({"step": 1})
     log.close()
     with installed("enospc", "*/metrics.jsonl"):
-        log = rundir.MetricsLog(tmp_path / "metrics.jsonl", keep=1)
+        log = JsonlSink(tmp_path / "metrics.jsonl", keep=1)
         with pytest.raises(DiskFullError, match="metrics.jsonl"):
             log.write({"step": 2})
     assert log.count == 1
