@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from lorakit.data.collate import left_pad_prompts
+from lorakit.data.collate import IGNORE_INDEX, left_pad_prompts
 from lorakit.engine import dist
 from lorakit.engine.loss import token_loss_sum
 
@@ -86,25 +87,35 @@ def evaluate_model(
     max_new_tokens: int,
     num_beams: int,
     zero3: bool,
+    groups: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Eval loss over all ranks and, if `generate`, predictions in row order (on every rank).
 
     `inputs` is the model's ModelInputs; encoder-decoders generate from the source, causal LMs from each
-    row's `prompt_ids` (left-padded), and only the continuation is decoded.
+    row's `prompt_ids` (left-padded), and only the continuation is decoded. With `groups` (a name per eval
+    row: a mixture's sources), also "group_loss": {name: (summed token loss, target tokens)} over all ranks.
     """
     model = engine.module
     was_training = model.training
     model.eval()
     device = engine.device
     loss_sum = tokens = 0.0
+    names = sorted(set(groups)) if groups is not None else []
+    group_sums = [0.0] * (2 * len(names))  # loss sum, tokens per name: one all_reduce for all of them
     predictions: list[tuple[int, str]] = []
     for rows, real in eval_plan(len(eval_ds), batch_size, dist.world_size(), dist.rank()):
         examples = [eval_ds[i] for i in rows]
         batch = collator(examples)
         logits = inputs.logits(engine, batch, device)
         if real:
-            loss_sum += float(token_loss_sum(logits, batch["labels"].to(device)))
+            labels = batch["labels"].to(device)
+            loss_sum += float(token_loss_sum(logits, labels))
             tokens += batch["num_target_tokens"]
+            for i, row in enumerate(rows[:real] if groups is not None else ()):
+                # Padded eval batches: row i's loss is its own logits against its own labels.
+                k = 2 * names.index(groups[row])
+                group_sums[k] += float(token_loss_sum(logits[i], labels[i]))
+                group_sums[k + 1] += float((labels[i] != IGNORE_INDEX).sum())
         if generate:
             causal = "prompt_ids" in examples[0]
             if causal:
@@ -123,8 +134,10 @@ def evaluate_model(
                 synced_gpus=zero3 and dist.world_size() > 1,
             )
             predictions.extend(zip(rows[:real], texts[:real], strict=True))
-    loss_sum, tokens = dist.all_reduce([loss_sum, tokens])
+    loss_sum, tokens, *group_sums = dist.all_reduce([loss_sum, tokens, *group_sums])
     result: dict[str, Any] = {"loss": loss_sum / max(tokens, 1.0), "tokens": int(tokens)}
+    if groups is not None:
+        result["group_loss"] = {n: (group_sums[2 * k], group_sums[2 * k + 1]) for k, n in enumerate(names)}
     if generate:
         merged = sorted(p for part in dist.all_gather_objects(predictions) for p in part)
         result["predictions"] = [text for _, text in merged]

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lorakit.data.sources import SOURCE
 from lorakit.engine import dist
 from lorakit.evaluation.generate import auto_max_new_tokens, evaluate_model
 from lorakit.recipe.schema import Recipe
@@ -20,7 +21,7 @@ class EvalOutcome:
     """What one evaluation found. Every rank has the loss; the generation results are rank 0's only."""
 
     # loss, and when generating: the recipe's metrics (percent), plus `invalid` (percent of predictions
-    # that are no label word) for classifiers.
+    # that are no label word) for classifiers; for a mixture, also each as "SOURCE/metric".
     metrics: dict[str, float]
     # In eval row order (rank 0, eval.generate); None otherwise.
     predictions: list[str] | None = None
@@ -36,6 +37,9 @@ def run_eval(engine, inputs, recipe: Recipe, data, tokenizer, collator, *, zero3
     from lorakit.evaluation.scoring import compute_metrics
 
     ev = recipe.eval
+    # A mixture's eval rows keep their source's name: metrics per source too ("news/loss", "chats/rouge1").
+    names = data.eval[SOURCE] if SOURCE in data.eval.column_names else []
+    sources = list(names) if len(set(names)) > 1 else None
     out = evaluate_model(
         engine,
         inputs,
@@ -47,12 +51,21 @@ def run_eval(engine, inputs, recipe: Recipe, data, tokenizer, collator, *, zero3
         max_new_tokens=auto_max_new_tokens(data) if ev.max_new_tokens == "auto" else ev.max_new_tokens,
         num_beams=ev.num_beams,
         zero3=zero3,
+        groups=sources,
     )
     metrics = {"loss": out["loss"]}
+    for name, (loss_sum, tokens) in out.get("group_loss", {}).items():
+        metrics[f"{name}/loss"] = loss_sum / max(tokens, 1.0)
     if not (ev.generate and dist.is_main()):
         return EvalOutcome(metrics)
     predictions, references = out["predictions"], list(data.eval["reference"])
     metrics.update(compute_metrics(list(ev.metrics), predictions, references))
+    for name in sorted(set(sources or ())):
+        rows = [i for i, s in enumerate(sources) if s == name]
+        scores = compute_metrics(
+            list(ev.metrics), [predictions[i] for i in rows], [references[i] for i in rows]
+        )
+        metrics.update({f"{name}/{metric}": value for metric, value in scores.items()})
     report = None
     labels = data.stats.get("labels")
     if labels:
