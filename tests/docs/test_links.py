@@ -67,3 +67,17 @@ def test_the_index_reaches_every_page():
     assert not unlisted, f"docs/index.md does not link: {', '.join(unlisted)}"
     readme = {target.partition("#")[0] for _, target in links(ROOT / "README.md")}
     assert "docs/index.md" in readme
+
+
+def test_no_merge_conflict_markers_are_left_in_tracked_files():
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
+    marker = re.compile(r"^(<{7} |>{7} |={7}$)", re.M)
+    left = []
+    for name in tracked.stdout.splitlines():
+        path = ROOT / name
+        if path.suffix in {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".sh"} and path.is_file():
+            if marker.search(path.read_text(encoding="utf-8", errors="replace")):
+                left.append(name)
+    assert not left, left
