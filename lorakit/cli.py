@@ -72,13 +72,14 @@ def quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def run_cli(body: Callable[[], int | None]) -> int:
-    """Run a command body, turning lorakit's input errors into a message (followed by `see` and the
-    documentation page, when the error names one) and the error's exit code (2 for bad input)."""
+def run_cli(body: Callable[..., int | None], *args) -> int:
+    """Run a command body (with `args`, e.g. the parsed command line), turning lorakit's input errors into
+    a message (followed by `see` and the documentation page, when the error names one) and the error's exit
+    code (2 for bad input)."""
     from lorakit.errors import LorakitError
 
     try:
-        return body() or 0
+        return body(*args) or 0
     except LorakitError as e:
         print(error_message(e), file=sys.stderr)
         return e.exit_code

@@ -33,21 +33,21 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m lorakit.compare`."""
-    args = parser().parse_args(argv)
+    return run_cli(_compare, parser().parse_args(argv))
 
-    def body() -> int:
-        from lorakit.report import compare
 
-        result = compare(args.run_dirs, output=args.output, gpu_hour_price=args.gpu_hour_price)
-        print(result.table())
-        for note in result.notes:
-            print(f"note: {note}")
-        print(f"\nreport: {result.report}")
-        for path in result.plots.values():
-            print(f"plot:   {path}")
-        return 0
+def _compare(args: argparse.Namespace) -> int:
+    """Compare the runs; print the table and where the report and plots are."""
+    from lorakit.report import compare
 
-    return run_cli(body)
+    result = compare(args.run_dirs, output=args.output, gpu_hour_price=args.gpu_hour_price)
+    print(result.table())
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"\nreport: {result.report}")
+    for path in result.plots.values():
+        print(f"plot:   {path}")
+    return 0
 
 
 forward_calls(__name__, "lorakit.report:compare")

@@ -24,20 +24,20 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m lorakit.evaluate`."""
-    args = parser().parse_intermixed_args(argv)
+    return run_cli(_evaluate, parser().parse_intermixed_args(argv))
 
-    def body() -> int:
-        from lorakit.inference import evaluate
 
-        quiet_libraries()
-        result = evaluate(args.source, args.split, args.overrides, output=args.output, device=args.device)
-        where = f"{result.split} (held out of training)" if result.held_out else result.split
-        print(f"split:    {where}, {result.rows} rows")
-        print("eval:     " + ", ".join(f"{k}={v:.4f}" for k, v in result.metrics.items()))
-        print(f"saved:    {result.output}")
-        return 0
+def _evaluate(args: argparse.Namespace) -> int:
+    """Evaluate the run on the split; print its metrics and where they were saved."""
+    from lorakit.inference import evaluate
 
-    return run_cli(body)
+    quiet_libraries()
+    result = evaluate(args.source, args.split, args.overrides, output=args.output, device=args.device)
+    where = f"{result.split} (held out of training)" if result.held_out else result.split
+    print(f"split:    {where}, {result.rows} rows")
+    print("eval:     " + ", ".join(f"{k}={v:.4f}" for k, v in result.metrics.items()))
+    print(f"saved:    {result.output}")
+    return 0
 
 
 # `lorakit.evaluate` is the function as well as this module.

@@ -43,28 +43,28 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m lorakit.generate`."""
-    args = parser().parse_args(argv)
+    return run_cli(_generate, parser().parse_args(argv))
 
-    def body() -> int:
-        from lorakit.inference import generate
-        from lorakit.inference.generation import to_jsonl
 
-        quiet_libraries()
-        result = generate(
-            args.source,
-            args.input,
-            output=args.output,
-            max_new_tokens=args.max_new_tokens,
-            num_beams=args.num_beams,
-            batch_size=args.batch_size,
-            device=args.device,
-            dtype=args.dtype,
-        )
-        if args.output is None:
-            sys.stdout.write(to_jsonl(result.records))
-        return 0
+def _generate(args: argparse.Namespace) -> int:
+    """Generate for the inputs; print JSON lines unless --output names a file."""
+    from lorakit.inference import generate
+    from lorakit.inference.generation import to_jsonl
 
-    return run_cli(body)
+    quiet_libraries()
+    result = generate(
+        args.source,
+        args.input,
+        output=args.output,
+        max_new_tokens=args.max_new_tokens,
+        num_beams=args.num_beams,
+        batch_size=args.batch_size,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    if args.output is None:
+        sys.stdout.write(to_jsonl(result.records))
+    return 0
 
 
 # `lorakit.generate` is the function as well as this module.

@@ -49,30 +49,31 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m lorakit.merge`."""
     args = parser().parse_args(argv)
-
-    def body() -> int:
-        from lorakit.export import merge
-
-        quiet_libraries()
-        # A kill (SIGTERM) unwinds like Ctrl-C, so the temporary export directory is removed.
-        signal.signal(signal.SIGTERM, _raise_interrupt)
-        merge(
-            args.source,
-            args.output,
-            dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
-            base=args.base,
-            force=args.force,
-            tolerance=args.tolerance,
-            compare_quantized=args.compare_quantized,
-        )
-        return 0
-
     try:
-        return run_cli(body)
+        return run_cli(_merge, args)
     except KeyboardInterrupt:
         print(f"interrupted: nothing was written to {args.output}", file=sys.stderr)
         return 130
+
+
+def _merge(args: argparse.Namespace) -> int:
+    """Merge (or export) as the command line asks."""
+    from lorakit.export import merge
+
+    quiet_libraries()
+    # A kill (SIGTERM) unwinds like Ctrl-C, so the temporary export directory is removed.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    merge(
+        args.source,
+        args.output,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        base=args.base,
+        force=args.force,
+        tolerance=args.tolerance,
+        compare_quantized=args.compare_quantized,
+    )
+    return 0
 
 
 def _raise_interrupt(signum, frame):

@@ -48,31 +48,31 @@ def _local_gpu_memory() -> int | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m lorakit.plan`: exit 0 when the recipe fits (or no verdict was asked
     for), 1 when it does not, 2 on bad input."""
-    args = parser().parse_args(argv)
+    return run_cli(_plan, parser().parse_args(argv))
 
-    def body() -> int:
-        from lorakit.planner import PlanError, plan
-        from lorakit.recipe import load_recipe
 
-        recipe = load_recipe(args.recipe, args.overrides)
-        gpu_memory = args.gpu_memory if args.gpu_memory is not None else _local_gpu_memory()
-        if gpu_memory is None:
-            raise PlanError(
-                "--gpu-memory: no GPU on this machine to read it from; give the GPU's memory, e.g. 40GB"
-            )
-        result = plan(
-            recipe,
-            gpus=args.gpus,
-            gpu_memory=gpu_memory,
-            nodes=args.nodes,
-            cpu_memory=args.cpu_memory,
-            seq_len=args.seq_len,
-            target_len=args.target_len,
+def _plan(args: argparse.Namespace) -> int:
+    """Plan the recipe's memory for the asked hardware and print the plan."""
+    from lorakit.planner import PlanError, plan
+    from lorakit.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    gpu_memory = args.gpu_memory if args.gpu_memory is not None else _local_gpu_memory()
+    if gpu_memory is None:
+        raise PlanError(
+            "--gpu-memory: no GPU on this machine to read it from; give the GPU's memory, e.g. 40GB"
         )
-        print(json.dumps(result.to_dict(), indent=2) if args.json else result.describe())
-        return 0 if result.fits else 1
-
-    return run_cli(body)
+    result = plan(
+        recipe,
+        gpus=args.gpus,
+        gpu_memory=gpu_memory,
+        nodes=args.nodes,
+        cpu_memory=args.cpu_memory,
+        seq_len=args.seq_len,
+        target_len=args.target_len,
+    )
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.describe())
+    return 0 if result.fits else 1
 
 
 forward_calls(__name__, "lorakit.planner:plan")

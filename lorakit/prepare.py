@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from lorakit.cli import quiet_libraries, recipe_parser, run_cli
@@ -9,17 +10,17 @@ from lorakit.cli import quiet_libraries, recipe_parser, run_cli
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m lorakit.prepare`."""
-    args = recipe_parser("python -m lorakit.prepare", __doc__).parse_args(argv)
+    return run_cli(_prepare, recipe_parser("python -m lorakit.prepare", __doc__).parse_args(argv))
 
-    def body() -> int:
-        import lorakit
 
-        quiet_libraries()
-        data = lorakit.prepare(lorakit.load_recipe(args.recipe, args.overrides))
-        print(data.describe())
-        return 0
+def _prepare(args: argparse.Namespace) -> int:
+    """Tokenize and cache the recipe's data; print what was prepared."""
+    import lorakit
 
-    return run_cli(body)
+    quiet_libraries()
+    data = lorakit.prepare(lorakit.load_recipe(args.recipe, args.overrides))
+    print(data.describe())
+    return 0
 
 
 if __name__ == "__main__":
