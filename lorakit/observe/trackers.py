@@ -16,7 +16,8 @@ from lorakit.errors import MissingExtraError
 
 # backend -> (module that must import, what to install)
 REQUIREMENTS = {
-    "tensorboard": ("tensorboard", 'pip install "lorakit[tensorboard]" (or pip install tensorboard)'),
+    # A core dependency (the default backend): missing means a broken install.
+    "tensorboard": ("tensorboard", "pip install tensorboard"),
     "wandb": ("wandb", 'pip install "lorakit[wandb]"'),
     "mlflow": ("mlflow", 'pip install "lorakit[mlflow]"'),
 }
