@@ -56,6 +56,10 @@ def judge(state, policy: BestPolicy, metrics: dict[str, Any], step: int, epoch: 
     value = metrics.get(policy.key)
     if not isinstance(value, int | float):
         return Verdict(False, False)
+    if state.best is not None and (state.best["metric"], state.best["mode"]) != (policy.metric, policy.mode):
+        # A relaunch may change checkpoint.best_metric (it does not shape training): a value of another
+        # metric or direction is no yardstick, so judging starts over.
+        state.best, state.evals_since_best = None, 0
     previous = state.best["value"] if state.best else None
     if better(float(value), previous, policy.mode):
         state.best = {

@@ -30,12 +30,13 @@ def tracking_uri(run_dir: Path) -> str:
 
 @contextlib.contextmanager
 def file_store_allowed(uri: str) -> Iterator[None]:
-    """Let MLflow open a file store while the block makes the client's store.
+    """Let MLflow open a file store (a `file:` URI) inside the block.
 
     MLflow 3.x put its file store in maintenance mode and refuses to open one unless MLFLOW_ALLOW_FILE_STORE
     is true (mlflow/store/tracking/file_store.py). A file store is what a recipe gets by default here (no
-    server, no database), so lorakit opts in for that one call and restores the variable after; the store
-    is cached by MLflow per URI, so later calls reuse it."""
+    server, no database), so the sink opts in around each of its own calls (rank 0, one thread) and restores
+    the variable after, rather than rely on MLflow caching the store it opened; anything else in the
+    process still sees MLflow's own default."""
     if not uri.startswith("file:") or "MLFLOW_ALLOW_FILE_STORE" in os.environ:
         yield
         return

@@ -93,6 +93,13 @@ def test_max_mode_non_finite_values_and_evaluations_without_the_metric():
     assert state.best["step"] == 4 and state.evals_since_best == 1
 
 
+def test_a_changed_best_metric_starts_judging_over():
+    state, _ = _judge_all([2.0, 3.0])
+    assert state.best["value"] == 2.0 and state.evals_since_best == 1
+    verdict = judge(state, BestPolicy("eval.rouge1", "max", 2), {"loss": 1.0, "rouge1": 5.0}, 3, 0)
+    assert verdict.improved and state.best["metric"] == "eval.rouge1" and state.evals_since_best == 0
+
+
 def _recipe(**sections):
     return recipe_from_dict(tiny_recipe_dict("/tmp/unused-cache", "/tmp/unused-out", **sections))
 
