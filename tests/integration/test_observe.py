@@ -126,6 +126,24 @@ def test_a_plateau_stops_early_and_keeps_the_best_adapter(plateau):
 
 
 @pytest.mark.slow
+def test_zero3_evaluations_on_every_rank_do_not_change_training(plateau, cache_dir, tmp_path):
+    # The plateau run without any evaluation (and so without best_metric and early stopping).
+    raw = yaml.safe_load(_plateau_recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml").read_text())
+    raw["eval"] = {"enabled": False}
+    raw["checkpoint"], raw["output"]["report_to"] = {}, []
+    del raw["train"]["early_stopping_patience"]
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw))
+    proc = launch(tmp_path / "recipe.yaml")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    plain, evaluated = (
+        _train_losses(rundir.read_metrics(tmp_path / "run")),
+        _train_losses(rundir.read_metrics(plateau)),
+    )
+    assert len(plain) == 8 and len(evaluated) == 6
+    assert {step: plain[step] for step in evaluated} == evaluated
+
+
+@pytest.mark.slow
 def test_sigterm_and_resume_end_with_the_same_best_and_records(plateau, cache_dir, tmp_path):
     recipe = _plateau_recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
     run = tmp_path / "run"
