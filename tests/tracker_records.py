@@ -41,27 +41,38 @@ def _wandb_chunks(data: bytes):
             yield pending + chunk
 
 
-def wandb_history(run_dir: Path) -> list[dict]:
-    """Every history row logged to the W&B offline runs under run_dir/wandb (oldest run first)."""
+def _wandb_records(run_dir: Path, kind: str):
     from wandb.proto import wandb_internal_pb2
 
-    rows = []
     for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
         for raw in _wandb_chunks(path.read_bytes()):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(raw)
-            if record.WhichOneof("record_type") == "history":
-                rows.append(
-                    {
-                        item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                        for item in record.history.item
-                    }
-                )
-    return rows
+            if record.WhichOneof("record_type") == kind:
+                yield getattr(record, kind)
+
+
+def wandb_config(run_dir: Path) -> dict:
+    """The W&B run's config (the last value of each key) from its offline runs under run_dir/wandb: the run
+    record's config at init, then any config updates."""
+    config = {}
+    updates = [run.config for run in _wandb_records(run_dir, "run")] + list(_wandb_records(run_dir, "config"))
+    for update in updates:
+        for item in update.update:
+            config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return config
+
+
+def wandb_history(run_dir: Path) -> list[dict]:
+    """Every history row logged to the W&B offline runs under run_dir/wandb (oldest run first)."""
+    return [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in history.item}
+        for history in _wandb_records(run_dir, "history")
+    ]
 
 
 def wandb_series(run_dir: Path, tag: str) -> dict[int, float]:
-    """{step: value} of W&B metric `tag` (steps logged twice would collapse: see wandb_steps)."""
+    """{step: value} of W&B metric `tag` (a step logged twice keeps its last value)."""
     return {int(r["step"]): r[tag] for r in wandb_history(run_dir) if tag in r}
 
 

@@ -14,7 +14,13 @@ import lorakit
 from lorakit import rundir
 from tests.conftest import tiny_recipe, tiny_recipe_dict
 from tests.integration.test_resume import launch
-from tests.tracker_records import mlflow_params, mlflow_series, tensorboard_series, wandb_series
+from tests.tracker_records import (
+    mlflow_params,
+    mlflow_series,
+    tensorboard_series,
+    wandb_config,
+    wandb_series,
+)
 
 LR = 1e-7
 EVAL_STEPS = [2, 4, 6]
@@ -97,6 +103,8 @@ def test_every_tracker_receives_the_records_of_metrics_jsonl(plateau):
     assert wandb_series(plateau, "train/loss") == train
     assert wandb_series(plateau, "eval/rouge1") == {s: evals[s]["rouge1"] for s in EVAL_STEPS}
     assert wandb_series(plateau, "train/lr") == {r["step"]: r["lr"] for r in records if r["kind"] == "train"}
+    config = wandb_config(plateau)
+    assert config["train"]["lr"] == LR and config["checkpoint"]["best_metric"] == "eval.rouge1"
 
     uri, run_id = where["mlflow"]["tracking_uri"], where["mlflow"]["run_id"]
     assert uri == (plateau / "mlruns").as_uri()

@@ -56,6 +56,12 @@ def test_tensorboard_resume_purges_what_the_interrupted_run_logged_after_its_che
     for step in (4, 5, 6):
         resumed.write({"kind": "train", "step": step, "loss": 10.0 * step})
     resumed.close()
+    # The recipe as hyper-parameters (HParams tab) and as text, written once by the fresh run.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert acc.PluginTagToContent("hparams") and acc.Tags()["tensors"] == ["recipe/text_summary"]
     assert tensorboard_series(tmp_path, "train/loss") == [
         (1, 1.0),
         (2, 2.0),
