@@ -19,6 +19,7 @@ from lorakit.engine.launch import launch_env, launched_distributed, process_grou
 from lorakit.engine.signals import STOP_SIGNALS
 from lorakit.errors import DiskFullError, RunDirError, RunLockedError
 from lorakit.model import load_config, load_tokenizer
+from lorakit.observe import trackers
 from lorakit.recipe import Recipe, dump_recipe
 
 
@@ -60,6 +61,9 @@ def train(recipe: Recipe) -> TrainResult:
         from lorakit.model.quantize import require_bitsandbytes
 
         require_bitsandbytes()  # before any tokenizing, worker or run directory
+    # Likewise the libraries of output.report_to (wandb, mlflow, tensorboard): a missing one is exit 2 now,
+    # not a crash of rank 0 after the model has loaded.
+    trackers.require(recipe.output.report_to)
 
     if launched_distributed():
         # Workers of `python -m lorakit.run` find their launcher's lock token in their environment; a job

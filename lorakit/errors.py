@@ -112,3 +112,8 @@ class DiskFullError(LorakitError):
 
     exit_code = 74
     doc = "docs/resume.md#a-full-disk"
+
+
+class MissingExtraError(RecipeError):
+    """The recipe asks for an optional backend (output.report_to: wandb, mlflow, ...) whose library is not
+    installed; the message names the extra to install. Raised before any training work."""

@@ -29,14 +29,23 @@ def main(argv: list[str] | None = None) -> int:
             s = result.summary
             print(f"\nrun dir:  {result.run_dir}")
             print(f"loss:     {s['loss']['first']:.4f} -> {s['loss']['last']:.4f} over {s['steps']} steps")
+            if s.get("stop_reason") == "early_stopping":
+                print("stopped:  early (train.early_stopping_patience)")
             if s.get("eval"):
                 print("eval:     " + ", ".join(f"{k}={v:.4f}" for k, v in s["eval"].items()))
             saved = s.get("adapter_dir") or s.get("model_dir")
             if saved:
                 print(f"saved:    {saved}")
+            if s.get("best"):
+                b = s["best"]
+                print(f"best:     {b['metric']}={b['value']:.4f} at step {b['step']} -> {b['dir']}")
             if s.get("merged_dir"):
                 print(f"merged:   {s['merged_dir']}")
             print(f"metrics:  {result.run_dir / 'metrics.jsonl'}")
+            for name, where in (s.get("trackers") or {}).items():
+                print(
+                    f"{name + ':':<10}{where.get('log_dir') or where.get('dir') or where.get('tracking_uri')}"
+                )
         return 0
 
     return run_cli(body)

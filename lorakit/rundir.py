@@ -22,6 +22,15 @@ ADAPTER = "adapter"
 MODEL = "model"
 MERGED = "merged"
 CHECKPOINTS = "checkpoints"
+# The adapter (or model) of the best evaluation (checkpoint.best_metric), and what it was.
+BEST = "best"
+BEST_INFO = "best.json"
+# The tracking backends of output.report_to: TensorBoard's event files, W&B's offline runs, and which
+# W&B / MLflow run a resumed run continues.
+TENSORBOARD = "tensorboard"
+WANDB = "wandb"
+TRACKERS = "trackers.json"
+LOSS_PLOT = "loss.png"
 # Classification runs (label targets): the last evaluation's per-class counts and confusion matrix.
 CLASSIFICATION = "eval_classification.json"
 CONFUSION_MATRIX = "confusion_matrix.png"

@@ -35,6 +35,19 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def project_requires(extras: tuple[str, ...], pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """lorakit's own requirements with `extras`, read from this checkout's pyproject.toml rather than from
+    the installed distribution's metadata, which is that of whichever checkout was installed (editable)
+    and lags behind a branch that changes its dependencies."""
+    import tomllib
+
+    project = tomllib.loads(pyproject.read_text())["project"]
+    lines = list(project["dependencies"])
+    for extra in extras:
+        lines += project["optional-dependencies"][extra]
+    return lines
+
+
 def closure(root: str = "lorakit", extras: tuple[str, ...] = EXTRAS) -> dict[str, str]:
     """{canonical name: installed version} of every distribution `root[extras]` needs, `root` excluded."""
     env = default_environment()
@@ -46,10 +59,13 @@ def closure(root: str = "lorakit", extras: tuple[str, ...] = EXTRAS) -> dict[str
         if (name, wanted) in seen:
             continue
         seen.add((name, wanted))
-        dist = metadata.distribution(name)
-        if canonical(name) != canonical(root):
+        if canonical(name) == canonical(root):
+            lines = project_requires(wanted)
+        else:
+            dist = metadata.distribution(name)
             found[canonical(name)] = dist.version
-        for line in dist.requires or []:
+            lines = dist.requires or []
+        for line in lines:
             req = Requirement(line)
             if req.marker is not None and not any(
                 req.marker.evaluate({**env, "extra": e}) for e in (wanted or ("",))

@@ -15,12 +15,14 @@ A checkpoint is a directory `run_dir/checkpoints/step-00000120/` holding
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ _FREE_KEYS = {
     ("train", "log_every"),
     ("train", "on_nonfinite"),
     ("train", "max_skipped_steps"),
+    ("train", "early_stopping_patience"),
     ("checkpoint",),
     ("eval",),
     ("output",),
@@ -71,6 +74,15 @@ class LoopState:
     # Lines of metrics.jsonl written up to this state: a resume drops the lines an interrupted run wrote
     # after its last checkpoint, so the file reads as one uninterrupted run.
     metrics_records: int = 0
+    # The step of the last evaluation (0: none yet), so an epoch end right after an eval.every evaluation
+    # does not evaluate the same weights twice.
+    last_eval_step: int = 0
+    # checkpoint.best_metric: {metric, mode, value, step, epoch} of the best evaluation so far, and the
+    # evaluations since it (train.early_stopping_patience); engine/best.py keeps them.
+    best: dict[str, Any] | None = None
+    evals_since_best: int = 0
+    # Why training stopped before its planned steps (early_stopping), so a relaunch does not continue it.
+    stop_reason: str | None = None
 
     def tokens_per_second(self) -> float:
         """Useful (non-pad) tokens per second of training, over all ranks."""
@@ -241,6 +253,18 @@ def _set_rng_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> No
     torch.set_rng_state(tensors["torch"])
     if torch.cuda.is_available() and meta["cuda_devices"]:
         torch.cuda.set_rng_state_all([tensors[f"cuda{i}"] for i in range(meta["cuda_devices"])])
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Run the block without touching this process's Python, NumPy and torch RNG streams: what it draws
+    (an evaluation's generation, say) is undone, so training's dropout masks stay those of a run without
+    it."""
+    meta, tensors = _rng_state()
+    try:
+        yield
+    finally:
+        _set_rng_state(meta, tensors)
 
 
 def save_checkpoint(

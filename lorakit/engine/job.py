@@ -7,6 +7,7 @@ directory -> batching -> engine -> resume -> loop -> save -> summary. The steps 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from lorakit.data import PreparedData, prepare_data
 from lorakit.data.batching import Batching, make_batching
 from lorakit.data.sampler import ResumableBatchSampler
 from lorakit.engine import checkpoint, dist
+from lorakit.engine.best import BestPolicy
 from lorakit.engine.checkpoint import Checkpoint, LoopState
 from lorakit.engine.deepspeed_config import build_ds_config
 from lorakit.engine.loop import (
@@ -42,6 +44,7 @@ from lorakit.meter import TokenMeter
 from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
 from lorakit.model.quantize import describe_quantization, quantization_summary
 from lorakit.observe import MetricsLogger
+from lorakit.observe.plot import plot_losses
 from lorakit.recipe import Recipe, dump_recipe
 
 # Written by rank 0 when training stops early with its own exit code (preempted, diverged).
@@ -134,19 +137,28 @@ def open_run_dir(
     recipe: Recipe, run_dir: Path, ds_config: dict, resume_from: Checkpoint | None
 ) -> MetricsLogger:
     """Rank 0 clears what an earlier run left for this one to write, writes the resolved recipe and the
-    DeepSpeed config, and opens the metrics (continuing them on resume); returns the MetricsLogger (one
-    without sinks on the other ranks)."""
+    DeepSpeed config, and opens the metrics and the trackers of output.report_to (continuing them on
+    resume); returns the MetricsLogger (one without sinks on the other ranks)."""
     if not dist.is_main():
         return MetricsLogger()
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (rundir.ADAPTER, rundir.MODEL, rundir.MERGED):
         shutil.rmtree(run_dir / stale, ignore_errors=True)
-    for stale in (EXIT, rundir.CLASSIFICATION, rundir.CONFUSION_MATRIX):
+    for stale in (EXIT, rundir.CLASSIFICATION, rundir.CONFUSION_MATRIX, rundir.LOSS_PLOT):
         (run_dir / stale).unlink(missing_ok=True)
-    rundir.write_text(run_dir / rundir.RECIPE, dump_recipe(recipe))
+    if resume_from is None:
+        # The best weights belong to the run that judged them; a resumed run keeps them with its state.
+        shutil.rmtree(run_dir / rundir.BEST, ignore_errors=True)
+    resolved = dump_recipe(recipe)
+    rundir.write_text(run_dir / rundir.RECIPE, resolved)
     rundir.write_json(run_dir / rundir.DS_CONFIG, ds_config)
     return MetricsLogger.for_run(
-        run_dir, keep=resume_from.state["loop"]["metrics_records"] if resume_from else None
+        run_dir,
+        keep=resume_from.state["loop"]["metrics_records"] if resume_from else None,
+        report_to=recipe.output.report_to,
+        recipe=recipe.model_dump(mode="json"),
+        recipe_yaml=resolved,
+        resumed_step=resume_from.step if resume_from else None,
     )
 
 
@@ -232,18 +244,31 @@ class Job:
             f"{st.micro_batches_done} micro-batches into it)"
         )
 
-    def evaluate(self, epoch: int, step: int) -> dict[str, Any]:
+    def eval_data(self) -> PreparedData:
+        """The data in-run evaluations use: eval.max_samples caps the eval rows (the first ones)."""
+        cap = self.recipe.eval.max_samples
+        if cap is None or self.data.eval is None or len(self.data.eval) <= cap:
+            return self.data
+        return dataclasses.replace(self.data, eval=self.data.eval.select(range(cap)))
+
+    def evaluate(self, epoch: int, step: int, epoch_end: bool = True) -> dict[str, Any]:
         """Eval loss (and generation metrics) on every rank (evaluation.runner.run_eval, as lorakit.evaluate
-        scores a finished run); rank 0 logs them and writes the predictions and classification report."""
-        outcome = run_eval(
-            self.engine,
-            self.built.inputs,
-            self.recipe,
-            self.data,
-            self.tokenizer,
-            self.batching.eval_collator,
-            zero3=self.recipe.distributed.zero_stage == 3,
-        )
+        scores a finished run); rank 0 logs them and writes the predictions and classification report.
+        Returns rank 0's metrics on every rank. `epoch_end` False (an eval.every evaluation) generates only
+        with eval.generate_at every_eval."""
+        ev = self.recipe.eval
+        # The RNG streams are put back afterwards, so a run with evaluations trains exactly as one without.
+        with checkpoint.preserved_rng():
+            outcome = run_eval(
+                self.engine,
+                self.built.inputs,
+                self.recipe,
+                self.eval_data(),
+                self.tokenizer,
+                self.batching.eval_collator,
+                zero3=self.recipe.distributed.zero_stage == 3,
+                generate=ev.generate and (epoch_end or ev.generate_at == "every_eval"),
+            )
         if outcome.predictions is not None:  # rank 0, eval.generate
             rundir.write_predictions(self.run_dir, outcome.predictions, outcome.references)
             if outcome.classification is not None:
@@ -253,7 +278,22 @@ class Job:
                     self.run_dir / rundir.CONFUSION_MATRIX,
                 )
         self.log({"kind": "eval", "step": step, "epoch": epoch, **outcome.metrics})
-        return outcome.metrics
+        # Only rank 0 scores generations: every rank must judge the best evaluation on the same numbers.
+        return dist.broadcast_object(outcome.metrics)
+
+    def save_best(self) -> None:
+        """The current weights as run_dir/best, with best.json naming the evaluation (collective)."""
+        info = {**(self.state.best or {}), "eval": dict(self.state.eval)}
+        save_trained(self.engine, self.built, self.recipe, self.run_dir, into=rundir.BEST, info=info)
+
+    def best_policy(self) -> BestPolicy | None:
+        """checkpoint.best_metric and train.early_stopping_patience as the loop's BestPolicy; None without."""
+        ck = self.recipe.checkpoint
+        if ck.best_metric is None:
+            return None
+        return BestPolicy(
+            ck.best_metric, ck.best_direction(), self.recipe.train.early_stopping_patience, self.save_best
+        )
 
     def save_checkpoint(self, reason: str) -> Path:
         """A resumable checkpoint of the current step (collective); returns its path."""
@@ -271,6 +311,7 @@ class Job:
     def trainer(self, loader: DataLoader) -> Trainer:
         """The loop over `loader`, with this job's callbacks, policies and (on rank 0) a progress bar."""
         t, ck = self.recipe.train, self.recipe.checkpoint
+        evaluates = self.recipe.eval_active() and self.data.eval is not None
         progress = None
         if dist.is_main():
             from tqdm.auto import tqdm
@@ -290,7 +331,7 @@ class Job:
             self.plan,
             t.gradient_accumulation_steps,
             self.log,
-            self.evaluate if self.recipe.eval_active() and self.data.eval is not None else None,
+            self.evaluate if evaluates else None,
             progress,
             log_every=t.log_every,
             state=self.state,
@@ -298,6 +339,8 @@ class Job:
             nonfinite=NonFinitePolicy(t.on_nonfinite, t.max_skipped_steps),
             stop_requested=self.stops.requested,
             meter=self.meter,
+            eval_every=self.recipe.eval.every,
+            best=self.best_policy() if evaluates else None,
         )
 
     def train(self, trainer: Trainer) -> None:
@@ -323,5 +366,6 @@ class Job:
         if dist.is_main():
             rundir.write_json(self.run_dir / rundir.SUMMARY, summary)
             self.log.close()
+            plot_losses(self.run_dir)
         dist.barrier()
         release(self.engine, self.built)

@@ -11,10 +11,11 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from lorakit.engine import dist
+from lorakit.engine.best import EARLY_STOPPING, BestPolicy, judge
 from lorakit.engine.checkpoint import LoopState
 from lorakit.engine.loss import micro_batch_loss, token_loss_sum
 from lorakit.errors import LorakitError
-from lorakit.meter import TokenMeter
+from lorakit.meter import TokenMeter, peak_memory
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,12 @@ def _finite(x: float | None) -> bool:
 
 
 class Trainer:
-    """Runs the epochs: windows, logging, per-epoch evaluation hooks, checkpoints, preemption and
-    non-finite steps. Knows nothing of files: saving is the `checkpointing.save` callback's business."""
+    """Runs the epochs: windows, logging, evaluation (after each epoch and every `eval_every` steps), the
+    best evaluation and early stopping, checkpoints, preemption and non-finite steps. Knows nothing of
+    files: evaluating, saving the best weights and checkpoints are callbacks.
+
+    `evaluate(epoch, step, epoch_end=...)` returns the evaluation's metrics, the same on every rank; every
+    rank calls it at the same steps (ZeRO-3 forwards are collective)."""
 
     def __init__(
         self,
@@ -141,6 +146,8 @@ class Trainer:
         nonfinite: NonFinitePolicy = NonFinitePolicy(),
         stop_requested: Callable[[], bool] | None = None,
         meter: TokenMeter | None = None,
+        eval_every: int | None = None,
+        best: BestPolicy | None = None,
     ):
         self.engine, self.inputs, self.loader, self.sampler, self.plan = engine, inputs, loader, sampler, plan
         self.accumulation, self.log, self.evaluate, self.progress = accumulation, log, evaluate, progress
@@ -151,12 +158,14 @@ class Trainer:
         # This rank's token counts; a resumed run passes the meter it continues.
         self.meter = meter if meter is not None else TokenMeter()
         self.last_checkpoint = None
+        self.eval_every, self.best = eval_every, best
 
     def run(self) -> None:
-        """Train for the planned steps (from where the state says), evaluating after each epoch."""
+        """Train for the planned steps (from where the state says), evaluating after each epoch and every
+        `eval_every` steps, until the steps are done or early stopping ends it."""
         self.engine.train()
         st = self.state
-        if st.step >= self.plan.total_steps:
+        if st.step >= self.plan.total_steps or st.stop_reason is not None:
             return
         for epoch in range(st.epoch, self.plan.epochs):
             self.sampler.set_epoch(epoch)
@@ -172,7 +181,14 @@ class Trainer:
                 seconds = time.perf_counter() - start
                 st.micro_batches_done += len(window)
                 self._account(epoch, stats, seconds)
-                if st.step >= self.plan.total_steps:
+                if self.evaluate is not None and self.eval_every and st.step % self.eval_every == 0:
+                    # An eval.every step that ends the epoch or the run is that epoch's evaluation.
+                    last = (
+                        st.step >= self.plan.total_steps
+                        or st.micro_batches_done >= self.plan.micro_batches_per_epoch
+                    )
+                    self._evaluate(epoch, epoch_end=last)
+                if st.step >= self.plan.total_steps or st.stop_reason is not None:
                     break
                 if self.stop_requested():
                     self._save("preempted")
@@ -184,13 +200,34 @@ class Trainer:
                 if ck is not None and ck.every and st.step % ck.every == 0:
                     self._save("every")
                 start = time.perf_counter()
-            if self.evaluate is not None:
-                st.eval = dict(self.evaluate(epoch, st.step) or {})
+            if st.stop_reason is not None:
+                self._save(st.stop_reason)
+                break
+            if self.evaluate is not None and st.last_eval_step != st.step:
+                self._evaluate(epoch, epoch_end=True)
+                if st.stop_reason is not None:
+                    self._save(st.stop_reason)
+                    break
             st.epoch, st.micro_batches_done = epoch + 1, 0
             if self.checkpointing is not None and self.checkpointing.at_epoch_end:
                 self._save("epoch")
             if st.step >= self.plan.total_steps:
                 break
+
+    def _evaluate(self, epoch: int, *, epoch_end: bool) -> None:
+        st = self.state
+        # Evaluation switches the model to eval mode and back; the engine's train/eval flag is restored here
+        # too, so a custom `evaluate` cannot leave dropout off for the steps that follow.
+        st.eval = dict(self.evaluate(epoch, st.step, epoch_end=epoch_end) or {})
+        self.engine.train()
+        st.last_eval_step = st.step
+        if self.best is None:
+            return
+        verdict = judge(st, self.best, st.eval, st.step, epoch)
+        if verdict.improved and self.best.save is not None:
+            self.best.save()
+        if verdict.stop:
+            st.stop_reason = EARLY_STOPPING
 
     def _account(self, epoch: int, stats: dict[str, Any], seconds: float) -> None:
         st = self.state
@@ -211,6 +248,11 @@ class Trainer:
             # Cumulative useful tokens, so runs compare on a token axis whatever log_every is.
             "tokens": st.global_real_tokens,
         }
+        # This process's peaks so far (rank 0's, where records are written; summary.json has every rank's).
+        memory = peak_memory()
+        record["peak_cpu_rss_bytes"] = memory["cpu_rss"]
+        if memory["gpu"] is not None:
+            record["peak_gpu_bytes"] = memory["gpu"]
         if not finite:
             record["skipped"] = self.nonfinite.action == "skip"
             # A non-finite step is always on record, whatever log_every says.

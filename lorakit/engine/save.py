@@ -52,23 +52,34 @@ def gather_adapter_state(model) -> dict[str, torch.Tensor]:
     return full
 
 
-def save_trained(engine, built, recipe, run_dir: Path) -> dict[str, Any]:
+def save_trained(
+    engine, built, recipe, run_dir: Path, *, into: str | None = None, info: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Save the adapter (lora, qlora) to run_dir/adapter or the full model to run_dir/model; return the
     paths. Each is written beside its final name and renamed into place, so a full disk or a crash never
-    leaves a partial adapter under the name merge and users read."""
+    leaves a partial adapter under the name merge and users read.
+
+    `into`: another directory name under run_dir (the best evaluation's weights: `best`); `info`: written
+    as rundir.BEST_INFO inside it, in the same rename, so the weights and what they are never disagree."""
     model = engine.module
+
+    def _info(tmp: Path) -> None:
+        if info is not None:
+            rundir.write_json(tmp / rundir.BEST_INFO, info)
+
     if recipe.method.adapter():
         state = gather_adapter_state(model)
-        out = run_dir / rundir.ADAPTER
+        out = run_dir / (into or rundir.ADAPTER)
         if dist.is_main():
             with storage.writing("the adapter", out), storage.new_directory(out) as tmp:
                 # peft maps parameter names to its adapter format; handing it the gathered tensors means it
                 # never reads the (partitioned, empty) ZeRO-3 parameters itself.
                 model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
                 built.tokenizer.save_pretrained(str(tmp))
+                _info(tmp)
         dist.barrier()
         return {"adapter_dir": str(out)}
-    out = run_dir / rundir.MODEL
+    out = run_dir / (into or rundir.MODEL)
     state = None
     if recipe.distributed.zero_stage == 3:
         # Collective: gathers module by module into rank 0's CPU memory (None elsewhere). DeepSpeed's
@@ -78,5 +89,6 @@ def save_trained(engine, built, recipe, run_dir: Path) -> dict[str, Any]:
         with storage.writing("the model", out), storage.new_directory(out) as tmp:
             model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
             built.tokenizer.save_pretrained(str(tmp))
+            _info(tmp)
     dist.barrier()
     return {"model_dir": str(out)}

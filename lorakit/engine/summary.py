@@ -15,6 +15,7 @@ import torch
 from lorakit import rundir
 from lorakit.engine import dist
 from lorakit.meter import live_tensor_bytes, peak_memory
+from lorakit.observe import trackers
 
 if TYPE_CHECKING:
     from lorakit.engine.job import Job
@@ -84,13 +85,20 @@ class RunSummary:
     skipped_steps: list[int]
     resumed_from: ResumedFrom | None
     last_checkpoint: str | None
+    # Why training ended: epochs / max_steps (as planned), or early_stopping (train.early_stopping_patience).
+    stop_reason: str
     eval: dict[str, Any] | None
+    # checkpoint.best_metric: {metric, mode, value, step, epoch, evals_since, dir} of the best evaluation,
+    # whose weights are in dir (run_dir/best); else None.
+    best: dict[str, Any] | None
     # Classification runs: the last evaluation's per-class counts and confusion matrix.
     classification: dict[str, Any] | None
     adapter_dir: str | None
     model_dir: str | None
     # Set by lorakit.train once output.merge has merged (api.merge_after_training).
     merged_dir: str | None
+    # output.report_to: where each tracking backend's records went (log_dir, run id, tracking URI).
+    trackers: dict[str, Any]
     # The data cache, its caps and what preparing the data counted (overlong, bad rows, format).
     data: dict[str, Any]
     versions: dict[str, str | None]
@@ -155,6 +163,20 @@ def plan_of_run(recipe, config, data, world: int, device_kind: str) -> dict[str,
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def stop_reason(recipe, state) -> str:
+    """Why the loop ended: the state's reason (early_stopping), else the plan's end (max_steps, epochs)."""
+    if state.stop_reason is not None:
+        return state.stop_reason
+    return "max_steps" if recipe.train.max_steps is not None else "epochs"
+
+
+def best_summary(run_dir, state) -> dict[str, Any] | None:
+    """summary.json's `best`: the best evaluation, the evaluations since it and its weights' directory."""
+    if state.best is None:
+        return None
+    return {**state.best, "evals_since": state.evals_since_best, "dir": str(run_dir / rundir.BEST)}
+
+
 def summarize(
     job: Job, trainer: Trainer, memory: PeakMemory, saved: dict[str, str], device: str
 ) -> RunSummary:
@@ -187,11 +209,14 @@ def summarize(
         skipped_steps=list(st.skipped_steps),
         resumed_from=ResumedFrom(str(ckpt.path), ckpt.step) if ckpt else None,
         last_checkpoint=str(trainer.last_checkpoint) if trainer.last_checkpoint else None,
+        stop_reason=stop_reason(recipe, st),
         eval=dict(st.eval) or None,
+        best=best_summary(job.run_dir, st),
         classification=rundir.read_json_if_exists(job.run_dir / rundir.CLASSIFICATION),
         adapter_dir=saved.get("adapter_dir"),
         model_dir=saved.get("model_dir"),
         merged_dir=None,
+        trackers=trackers.where(job.run_dir),
         data=data_summary(job.data),
         versions=rundir.versions(),
         git_revision=rundir.git_revision(),

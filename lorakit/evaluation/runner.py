@@ -30,13 +30,17 @@ class EvalOutcome:
     classification: dict[str, Any] | None = None
 
 
-def run_eval(engine, inputs, recipe: Recipe, data, tokenizer, collator, *, zero3: bool) -> EvalOutcome:
+def run_eval(
+    engine, inputs, recipe: Recipe, data, tokenizer, collator, *, zero3: bool, generate: bool | None = None
+) -> EvalOutcome:
     """Evaluate `engine` (a DeepSpeed engine, or anything with `.module`, `.device` and a forward) on
-    `data.eval` (lorakit.data.PreparedData) with the recipe's eval settings; every rank must call it."""
+    `data.eval` (lorakit.data.PreparedData) with the recipe's eval settings; every rank must call it.
+    `generate`: whether to generate and score (default eval.generate; False takes the loss only)."""
     from lorakit.evaluation.classify import classification_report
     from lorakit.evaluation.scoring import compute_metrics
 
     ev = recipe.eval
+    generate = ev.generate if generate is None else generate
     # A mixture's eval rows keep their source's name: metrics per source too ("news/loss", "chats/rouge1").
     names = data.eval[SOURCE] if SOURCE in data.eval.column_names else []
     sources = list(names) if len(set(names)) > 1 else None
@@ -47,7 +51,7 @@ def run_eval(engine, inputs, recipe: Recipe, data, tokenizer, collator, *, zero3
         collator,
         tokenizer,
         batch_size=ev.micro_batch_size or recipe.train.micro_batch_size,
-        generate=ev.generate,
+        generate=generate,
         max_new_tokens=auto_max_new_tokens(data) if ev.max_new_tokens == "auto" else ev.max_new_tokens,
         num_beams=ev.num_beams,
         zero3=zero3,
@@ -56,7 +60,7 @@ def run_eval(engine, inputs, recipe: Recipe, data, tokenizer, collator, *, zero3
     metrics = {"loss": out["loss"]}
     for name, (loss_sum, tokens) in out.get("group_loss", {}).items():
         metrics[f"{name}/loss"] = loss_sum / max(tokens, 1.0)
-    if not (ev.generate and dist.is_main()):
+    if not (generate and dist.is_main()):
         return EvalOutcome(metrics)
     predictions, references = out["predictions"], list(data.eval["reference"])
     metrics.update(compute_metrics(list(ev.metrics), predictions, references))

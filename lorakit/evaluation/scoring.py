@@ -58,6 +58,11 @@ def load_metric(name: str) -> evaluate.EvaluationModule:
     return evaluate.load(str(path), keep_in_memory=True)
 
 
+def metric_keys(name: str) -> tuple[str, ...]:
+    """The result keys metric `name` reports (rouge: rouge1, rouge2, rougeL, rougeLsum)."""
+    return _RESULT_KEYS[name]
+
+
 def compute_metrics(
     names: Sequence[str], predictions: Sequence[str], references: Sequence[str]
 ) -> dict[str, float]:

@@ -2,9 +2,9 @@
 
 The loop and the evaluation hand every record (a flat dict: `kind` "train" or "eval", `step`, `epoch`, the
 numbers) to a `MetricsLogger`, which passes it to each sink. `JsonlSink` writes the run directory's
-metrics.jsonl, the record that compare and the benchmarks read and that a resumed run continues. Another
-sink (TensorBoard, W&B, MLflow) is a class with `write` and `close`, importing its library lazily in its
-own module so the extra stays optional.
+metrics.jsonl, the record that compare and the benchmarks read and that a resumed run continues. The
+tracking backends of output.report_to (tensorboard_sink, wandb_sink, mlflow_sink; chosen in trackers.py)
+are sinks too, each importing its library lazily in its own module so the extras stay optional.
 """
 
 from __future__ import annotations
@@ -70,9 +70,27 @@ class MetricsLogger:
         self.sinks = list(sinks)
 
     @classmethod
-    def for_run(cls, run_dir: Path, keep: int | None = None) -> MetricsLogger:
-        """The sinks of a run directory: metrics.jsonl (keeping its first `keep` lines on resume)."""
-        return cls([JsonlSink(run_dir / rundir.METRICS, keep=keep)])
+    def for_run(
+        cls,
+        run_dir: Path,
+        keep: int | None = None,
+        *,
+        report_to: Sequence[str] = (),
+        recipe: dict[str, Any] | None = None,
+        recipe_yaml: str = "",
+        resumed_step: int | None = None,
+    ) -> MetricsLogger:
+        """The sinks of a run directory: metrics.jsonl (keeping its first `keep` lines on resume) and the
+        trackers of `report_to` (continuing their runs from `resumed_step`, the checkpoint's step, on
+        resume; a fresh run gets `recipe`, the resolved recipe, as their hyper-parameters)."""
+        from lorakit.observe import trackers
+
+        sinks: list[MetricsSink] = [JsonlSink(run_dir / rundir.METRICS, keep=keep)]
+        if resumed_step is None:
+            trackers.clear(run_dir)
+        if report_to:
+            sinks += trackers.open_sinks(report_to, run_dir, recipe or {}, recipe_yaml, resumed_step)
+        return cls(sinks)
 
     @property
     def records(self) -> int:

@@ -414,6 +414,13 @@ class TrainSection(_Section):
         ge=0,
         description="With on_nonfinite skip: stop as with error once more steps than this were skipped.",
     )
+    early_stopping_patience: int | None = Field(
+        None,
+        ge=1,
+        description="Stop training cleanly after this many evaluations in a row that did not improve "
+        "checkpoint.best_metric (evaluations without that metric do not count); summary.json records "
+        "stop_reason early_stopping. Needs checkpoint.best_metric. null: train for every planned step.",
+    )
     resume: str = Field(
         "auto",
         description="auto: continue from the newest complete checkpoint in output.dir/checkpoints (see the "
@@ -432,6 +439,26 @@ class CheckpointSection(_Section):
     )
     at_epoch_end: bool = Field(True, description="Save a checkpoint at the end of every epoch.")
     keep: int = Field(2, ge=1, description="Keep the newest this many checkpoints; older ones are deleted.")
+    best_metric: str | None = Field(
+        None,
+        description="Keep the adapter (full: the model) of the best evaluation so far in output.dir/best, "
+        "judged by this metric: `eval.loss`, or with eval.generate a generation metric such as `eval.rouge1`, "
+        "`eval.rougeL`, `eval.exact_match`, `eval.accuracy`. summary.json records the best step and value. "
+        "null: no best checkpoint.",
+    )
+    best_mode: Literal["auto", "max", "min"] = Field(
+        "auto",
+        description="Whether a larger (max) or smaller (min) checkpoint.best_metric is better. auto: min for "
+        "eval.loss, max for the generation metrics (percentages).",
+    )
+
+    def best_direction(self) -> str | None:
+        """`min` or `max` for checkpoint.best_metric (best_mode, or what auto means for it); None without one."""
+        if self.best_metric is None:
+            return None
+        if self.best_mode != "auto":
+            return self.best_mode
+        return "min" if self.best_metric == "eval.loss" else "max"
 
 
 class DistributedSection(_Section):
@@ -464,9 +491,30 @@ class DistributedSection(_Section):
 
 
 class EvalSection(_Section):
-    """Evaluation after each epoch: loss, and generation metrics."""
+    """Evaluation during training, after each epoch and every eval.every steps: loss, and generation
+    metrics. See docs/observe.md."""
 
-    enabled: bool = Field(True, description="Evaluate after each epoch (needs data.eval_split).")
+    enabled: bool = Field(
+        True, description="Evaluate after each epoch and every eval.every steps (needs data.eval_split)."
+    )
+    every: int | None = Field(
+        None,
+        ge=1,
+        description="Also evaluate every this many optimizer steps (every rank takes part, as at epoch "
+        "ends). null: only at epoch ends. An evaluation never changes training: the same losses follow.",
+    )
+    max_samples: int | None = Field(
+        None,
+        ge=1,
+        description="Evaluate on the first this many eval rows during training (after data.max_eval_samples), "
+        "to keep frequent evaluations cheap; `python -m lorakit.evaluate` afterwards uses every row. null: "
+        "all rows.",
+    )
+    generate_at: Literal["every_eval", "epoch_end"] = Field(
+        "every_eval",
+        description="With eval.generate: which evaluations generate and score predictions. every_eval: all "
+        "of them; epoch_end: only those at epoch ends (the eval.every ones take the loss only, much cheaper).",
+    )
     metrics: list[Literal["rouge", "exact_match", "accuracy"]] = Field(
         ["rouge"], description="Generation metrics: rouge (summaries), exact_match/accuracy (labels)."
     )
@@ -488,6 +536,14 @@ class OutputSection(_Section):
     save_adapter: bool = Field(
         True, description="Save the trained adapter (LoRA) or model (full) at the end."
     )
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        ["tensorboard"],
+        description="Where the metric records of metrics.jsonl also go (rank 0), with the resolved recipe as "
+        "hyper-parameters: tensorboard (event files in output.dir/tensorboard), wandb (offline unless "
+        'WANDB_MODE or a W&B login says otherwise; pip install "lorakit[wandb]"), mlflow (a file store in '
+        'output.dir/mlruns unless MLFLOW_TRACKING_URI is set; pip install "lorakit[mlflow]"). []: only '
+        "metrics.jsonl. See docs/observe.md.",
+    )
     merge: bool = Field(
         False,
         description="After saving, merge the adapter into the base (full runs: re-export the model) as "
@@ -497,6 +553,8 @@ class OutputSection(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> OutputSection:
+        if len(set(self.report_to)) != len(self.report_to):
+            raise ValueError(f"output.report_to names a backend twice: {self.report_to}")
         if self.merge and not self.save_adapter:
             raise ValueError(
                 "output.merge needs output.save_adapter: true (the merge reads the saved adapter or model)"
@@ -533,7 +591,43 @@ class Recipe(_Section):
             raise ValueError(
                 "eval.metrics is empty while eval.generate is true: name a metric or set generate: false"
             )
+        self._check_best()
         return self
+
+    def _check_best(self) -> None:
+        ck, ev = self.checkpoint, self.eval
+        if ev.every is not None and not self.eval_active():
+            raise ValueError(
+                "eval.every needs evaluation: eval.enabled true and a data.eval_split (or remove eval.every)"
+            )
+        if ck.best_metric is not None:
+            if not self.eval_active():
+                raise ValueError(
+                    f"checkpoint.best_metric {ck.best_metric!r} needs evaluation: eval.enabled true and a "
+                    "data.eval_split"
+                )
+            produced = self.eval_metric_names()
+            if ck.best_metric not in produced:
+                raise ValueError(
+                    f"checkpoint.best_metric {ck.best_metric!r} is not a metric this recipe's evaluation "
+                    f"produces; choose one of {sorted(produced)}"
+                    + ("" if ev.generate else " (generation metrics need eval.generate: true)")
+                )
+        if self.train.early_stopping_patience is not None and ck.best_metric is None:
+            raise ValueError(
+                "train.early_stopping_patience counts evaluations without improvement of "
+                "checkpoint.best_metric: set checkpoint.best_metric (e.g. eval.loss)"
+            )
+
+    def eval_metric_names(self) -> set[str]:
+        """`eval.NAME` for every metric this recipe's in-run evaluation reports: loss, and with eval.generate
+        the keys of eval.metrics (rouge: rouge1, rouge2, rougeL, rougeLsum)."""
+        names = {"eval.loss"}
+        if self.eval.generate:
+            from lorakit.evaluation.scoring import metric_keys
+
+            names |= {f"eval.{key}" for name in self.eval.metrics for key in metric_keys(name)}
+        return names
 
     def eval_active(self) -> bool:
         """Whether the run evaluates (evaluation enabled and an eval split given)."""

@@ -29,6 +29,9 @@ SUMMARY_KEYS = {
     "loss",
     "eval",
     "adapter_dir",
+    "stop_reason",
+    "best",
+    "trackers",
 }
 
 

@@ -1,0 +1,94 @@
+"""output.report_to: which tracking backends a run writes to, whether their libraries are installed, and
+which of their runs a resumed lorakit run continues (run_dir/trackers.json).
+
+The only module that names the backends; each lives in its own module, imported when its sink is made.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+from pathlib import Path
+from typing import Any
+
+from lorakit import rundir
+from lorakit.errors import MissingExtraError
+
+# backend -> (module that must import, what to install)
+REQUIREMENTS = {
+    # A core dependency (the default backend): missing means a broken install.
+    "tensorboard": ("tensorboard", "pip install tensorboard"),
+    "wandb": ("wandb", 'pip install "lorakit[wandb]"'),
+    "mlflow": ("mlflow", 'pip install "lorakit[mlflow]"'),
+}
+
+
+def require(report_to: list[str] | tuple[str, ...]) -> None:
+    """Import the library of every backend in `report_to`, or raise MissingExtraError (exit 2) naming
+    what to install, before any training work."""
+    for name in report_to:
+        module, install = REQUIREMENTS[name]
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise MissingExtraError(
+                f"output.report_to: {name} needs the {module} package, which cannot be imported ({e}); "
+                f"install it with {install}, or remove {name} from output.report_to",
+                doc="docs/observe.md#install",
+            ) from e
+
+
+def clear(run_dir: Path) -> None:
+    """A fresh run (not a resume): remove what an earlier run in this directory left for the trackers."""
+    for stale in (rundir.TENSORBOARD, rundir.WANDB):
+        shutil.rmtree(run_dir / stale, ignore_errors=True)
+    (run_dir / rundir.TRACKERS).unlink(missing_ok=True)
+
+
+def open_sinks(
+    report_to: list[str] | tuple[str, ...],
+    run_dir: Path,
+    recipe: dict[str, Any],
+    recipe_yaml: str,
+    resumed_step: int | None,
+) -> list[Any]:
+    """The sinks of `report_to` for rank 0 of a run in `run_dir`; `resumed_step`: the checkpoint's step
+    of a resumed run (None: a fresh run, whose trackers start new runs with the recipe as parameters).
+    Records where each went in run_dir/trackers.json."""
+    known = rundir.read_json_if_exists(run_dir / rundir.TRACKERS) or {}
+    fresh = resumed_step is None
+    name = run_dir.name
+    sinks: list[Any] = []
+    where: dict[str, Any] = {}
+    for backend in report_to:
+        if backend == "tensorboard":
+            from lorakit.observe.tensorboard_sink import TensorBoardSink
+
+            log_dir = run_dir / rundir.TENSORBOARD
+            sink = TensorBoardSink(
+                log_dir,
+                purge_step=None if fresh else resumed_step + 1,
+                params=recipe if fresh else None,
+                recipe_yaml=recipe_yaml if fresh else None,
+            )
+            where[backend] = {"log_dir": str(log_dir)}
+        elif backend == "wandb":
+            from lorakit.observe.wandb_sink import WandbSink
+
+            run_id = None if fresh else known.get("wandb", {}).get("id")
+            sink = WandbSink(run_dir, name, run_id=run_id, config=recipe)
+            where[backend] = sink.describe()
+        else:
+            from lorakit.observe.mlflow_sink import MlflowSink
+
+            run_id = None if fresh else known.get("mlflow", {}).get("run_id")
+            sink = MlflowSink(run_dir, name, run_id=run_id, params=recipe)
+            where[backend] = sink.describe()
+        sinks.append(sink)
+    rundir.write_json(run_dir / rundir.TRACKERS, where)
+    return sinks
+
+
+def where(run_dir: Path) -> dict[str, Any]:
+    """What run_dir/trackers.json says (backend -> where its records went); {} without trackers."""
+    return rundir.read_json_if_exists(run_dir / rundir.TRACKERS) or {}
