@@ -14,7 +14,8 @@ from pathlib import Path
 from lorakit import preflight, rundir, runlock
 from lorakit.data import PreparedData, prepare_data
 from lorakit.engine import dist
-from lorakit.engine.job import TrainResult
+from lorakit.engine.deepspeed_config import check_zero_plus_plus
+from lorakit.engine.job import TrainResult, accelerator_name
 from lorakit.engine.launch import launch_env, launched_distributed, process_group, torchrun_command
 from lorakit.engine.signals import STOP_SIGNALS
 from lorakit.errors import DiskFullError, RunDirError, RunLockedError
@@ -138,6 +139,9 @@ def _recording_exit(run_dir: Path, fn, *args):
 
 
 def _launch_workers(recipe: Recipe, lock: runlock.RunLock) -> TrainResult:
+    # ZeRO++ settings the workers would refuse (qwZ / qgZ on CPU) are refused here, before data and torchrun.
+    n = recipe.distributed.num_processes
+    check_zero_plus_plus(recipe, n, n, accelerator_name())
     print(prepare(recipe).describe(), flush=True)
     run_dir = Path(recipe.output.dir).expanduser().resolve()
     from lorakit.engine.checkpoint import find_resume

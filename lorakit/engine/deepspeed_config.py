@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lorakit.errors import RecipeError
 from lorakit.recipe.schema import Recipe
+
+ZEROPP_DOC = "docs/multinode.md#zero"
 
 
 def _offload(device: str, nvme_path: str | None) -> dict[str, Any]:
@@ -37,6 +40,13 @@ def build_ds_config(
         zero["reduce_bucket_size"] = hidden_size * hidden_size
     if d.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+        # ZeRO++ (docs/multinode.md#zero): written only when asked for, so other configs stay as they were.
+        if d.hpz_partition_size > 1:
+            zero["zero_hpz_partition_size"] = d.hpz_partition_size
+        if d.quantized_weights:
+            zero["zero_quantized_weights"] = True
+        if d.quantized_gradients:
+            zero["zero_quantized_gradients"] = True
         if hidden_size:
             zero.update(
                 {
@@ -69,3 +79,35 @@ def build_ds_config(
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def check_zero_plus_plus(recipe: Recipe, world_size: int, per_node: int | None, accelerator: str) -> None:
+    """Refuse, before any work, the ZeRO++ settings this group or accelerator cannot run (RecipeError).
+
+    The schema cannot know the group: under a launcher the processes per node (`per_node`, None when the
+    launcher does not say) and the world size are the launcher's. hpZ groups consecutive ranks, which
+    launchers place node by node, so its groups stay inside a node only when hpz_partition_size divides the
+    processes per node; DeepSpeed itself only asserts that it divides the world size. qwZ and qgZ load
+    DeepSpeed's CUDA quantizer kernels, which its CPU accelerator does not have ("This op had not been
+    implemented on CPU backend", raised while loading the model for qwZ, at the first backward for qgZ).
+    """
+    d = recipe.distributed
+    hpz = d.hpz_partition_size
+    if hpz > 1:
+        where = f"{per_node} per node, {world_size} in all" if per_node else f"{world_size} in all"
+        if world_size % hpz or (per_node and per_node % hpz):
+            fit = per_node or world_size
+            raise RecipeError(
+                f"distributed.hpz_partition_size {hpz} must divide the processes per node ({where}): hpZ "
+                f"keeps each secondary parameter partition within a group of that many consecutive ranks, "
+                f"meant to be one node; set it to {fit} (the GPUs per node) or a divisor of it",
+                doc=ZEROPP_DOC,
+            )
+    quantized = [k for k in ("quantized_weights", "quantized_gradients") if getattr(d, k)]
+    if quantized and accelerator == "cpu":
+        raise RecipeError(
+            f"distributed.{quantized[0]} (ZeRO++ {'qwZ' if quantized[0] == 'quantized_weights' else 'qgZ'}) "
+            "needs GPUs: it runs DeepSpeed's CUDA quantizer kernels, which its CPU accelerator does not "
+            f"have; set distributed.{quantized[0]}: false on CPU",
+            doc=ZEROPP_DOC,
+        )

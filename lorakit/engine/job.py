@@ -24,7 +24,7 @@ from lorakit.data.sampler import ResumableBatchSampler
 from lorakit.engine import checkpoint, dist
 from lorakit.engine.best import BestPolicy
 from lorakit.engine.checkpoint import Checkpoint, LoopState
-from lorakit.engine.deepspeed_config import build_ds_config
+from lorakit.engine.deepspeed_config import build_ds_config, check_zero_plus_plus
 from lorakit.engine.loop import (
     Checkpointing,
     NonFinitePolicy,
@@ -64,6 +64,7 @@ def run_job(recipe: Recipe) -> TrainResult:
     run_dir = Path(recipe.output.dir).expanduser().resolve()
     # Before any work: a checkpoint from another recipe or world size is refused here, not after loading.
     resume_from = checkpoint.find_resume(recipe, run_dir)
+    check_group(recipe)
     source, config = load_config(recipe)
     tokenizer = load_tokenizer(recipe, source)
     data = prepare_everywhere(recipe, tokenizer, config)
@@ -125,6 +126,13 @@ def prepare_everywhere(recipe: Recipe, tokenizer, config) -> PreparedData:
         # Under a multi-process launch from lorakit.train, the launcher already reported the data step.
         _say(data.describe())
     return data
+
+
+def check_group(recipe: Recipe) -> None:
+    """The ZeRO++ settings this process group or accelerator cannot run are refused before any work."""
+    # torchrun says LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
+    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+    check_zero_plus_plus(recipe, dist.world_size(), int(per_node) if per_node else None, accelerator_name())
 
 
 def deepspeed_config(recipe: Recipe, config) -> dict[str, Any]:

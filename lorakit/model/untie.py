@@ -17,6 +17,19 @@ from pathlib import Path
 import torch
 
 
+def hpz_group_of_earlier_init() -> dict:
+    """zero.Init's arguments for a second partitioned init in a process: the ZeRO++ hpZ group (distributed.
+    hpz_partition_size) that the first one made. Upstream, each zero.Init under zero_hpz_partition_size > 1
+    creates that group and a second one fails with "ZeRO parameter intra parallel group is already
+    initialized" (DeepSpeed issues #4901, #7066; PR #8361 would reuse it); handing it the group is
+    zero.Init's own `zero_param_parallel_group` argument. tests/integration/test_zeropp.py trains a tiny T5
+    (whose separate head is restored here under a second zero.Init) with hpZ."""
+    from deepspeed.utils import groups
+
+    group = groups._get_zero_param_intra_parallel_group()
+    return {} if group is None else {"zero_param_parallel_group": group}
+
+
 def _module_key(model: torch.nn.Module, module: torch.nn.Module) -> str | None:
     for name, m in model.named_modules():
         if m is module:
@@ -82,7 +95,7 @@ def restore_untied_head(model, source: str, revision: str | None, ds_config: dic
     if not separate:
         return False
     shape = tuple(getattr(embed.weight, "ds_shape", embed.weight.shape))
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, **hpz_group_of_earlier_init()):
         new_head = torch.nn.Linear(shape[1], shape[0], bias=False, dtype=embed.weight.dtype)
     with deepspeed.zero.GatheredParameters([new_head.weight], modifier_rank=0):
         if main:

@@ -158,6 +158,12 @@ def model_states(
                           "not partitioned: every rank keeps a copy"))  # fmt: skip
     items.append(Item("trainable weights", int(c.trainable * a / shard_w) + extra_trainable, par_where,
                       "resident"))  # fmt: skip
+    hpz = ds_config["zero_optimization"].get("zero_hpz_partition_size", 1)
+    if s == 3 and hpz > 1:
+        # ZeRO++ hpZ: a second partition of every weight over the hpz ranks of a node (where the all-gathers
+        # stay), in the weights' own dtype and on their device (offload_params: the CPU).
+        items.append(Item("hpZ secondary weight partition", int((c.frozen_bytes + c.trainable * a) / hpz),
+                          par_where, "resident", f"weights / {hpz}"))  # fmt: skip
     if s == 3:
         # A flat gradient partition, allocated at initialisation (on the CPU with optimizer offload).
         items.append(Item("gradients", int(c.trainable * a / shard_g), opt_where, "resident"))

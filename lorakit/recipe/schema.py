@@ -461,6 +461,10 @@ class CheckpointSection(_Section):
         return "min" if self.best_metric == "eval.loss" else "max"
 
 
+# The ZeRO++ keys of DistributedSection (zero_stage 3 only); deepspeed_config.py writes them.
+ZERO_PLUS_PLUS = ("hpz_partition_size", "quantized_weights", "quantized_gradients")
+
+
 class DistributedSection(_Section):
     """How the work is spread over processes with DeepSpeed ZeRO."""
 
@@ -478,6 +482,27 @@ class DistributedSection(_Section):
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="torch.distributed backend; auto: nccl on GPUs, gloo on CPU."
     )
+    hpz_partition_size: int = Field(
+        1,
+        ge=1,
+        description="ZeRO++ hierarchical partitioning (hpZ, zero_stage 3): each process also keeps a secondary "
+        "copy of the parameters partitioned over a group of this many consecutive ranks, so the forward and "
+        "backward all-gathers stay inside the group; set it to the processes (GPUs) per node when the nodes "
+        "lack a fast interconnect such as InfiniBand. Costs params x dtype bytes / hpz_partition_size more "
+        "memory per process. Must divide the processes per node (checked at start). 1: off. See "
+        "docs/multinode.md#zero.",
+    )
+    quantized_weights: bool = Field(
+        False,
+        description="ZeRO++ qwZ (zero_stage 3): all-gather the parameters in int8 instead of model.dtype, "
+        "halving that traffic. Needs GPUs (DeepSpeed's CUDA quantizer kernels); refused on CPU.",
+    )
+    quantized_gradients: bool = Field(
+        False,
+        description="ZeRO++ qgZ (zero_stage 3): reduce-scatter the gradients in int4 with a two-step "
+        "all-to-all (within, then across nodes). Needs GPUs (DeepSpeed's CUDA quantizer kernels); refused on "
+        "CPU.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DistributedSection:
@@ -487,6 +512,27 @@ class DistributedSection(_Section):
             raise ValueError("distributed.offload_params needs zero_stage 3")
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
             raise ValueError("distributed.nvme_path is required when offloading to nvme")
+        asked = [k for k in ZERO_PLUS_PLUS if getattr(self, k) != type(self).model_fields[k].default]
+        if asked and self.zero_stage != 3:
+            key = asked[0]
+            raise ValueError(
+                f"distributed.{key} is a ZeRO++ option of ZeRO stage 3 (it partitions or quantizes "
+                f"the stage-3 parameter and gradient exchange); set distributed.zero_stage: 3 or remove it"
+            )
+        if self.hpz_partition_size > 1 and self.offload_params == "nvme":
+            # DeepSpeed 0.19 allocates the secondary partition with torch.empty(device=<offload device>),
+            # which fails for "nvme" (partition_parameters.py, _partition_param_sec).
+            raise ValueError(
+                "distributed.hpz_partition_size > 1 cannot be combined with offload_params: nvme: DeepSpeed "
+                "keeps hpZ's secondary parameter partition on the offload device and cannot allocate it on "
+                "nvme; offload_params to cpu, or hpz_partition_size: 1"
+            )
+        if self.num_processes > 1 and self.num_processes % self.hpz_partition_size:
+            raise ValueError(
+                f"distributed.hpz_partition_size {self.hpz_partition_size} must divide the processes per node "
+                f"(distributed.num_processes {self.num_processes}); set it to {self.num_processes} (or a "
+                "divisor of it)"
+            )
         return self
 
 
