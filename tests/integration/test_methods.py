@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 import lorakit
 from lorakit import rundir
 from lorakit.data.cache import load_cached
-from tests.conftest import ROOT, tiny_recipe_dict
+from lorakit.engine.checkpoint import complete_checkpoints
+from tests.conftest import ROOT, tiny_recipe, tiny_recipe_dict
 from tests.integration.qlora_worker import train_in_one_launch
 from tests.integration.test_qlora import _eval_loss
 
@@ -127,3 +128,23 @@ def test_loraplus_gives_b_its_own_learning_rate(method_runs, family):
     # The schedule scales every group, B's too: linear decay reaches 0 after the last step.
     assert [g["last_lr"] for g in groups] == [0.0, 0.0]
     assert s["method_options"] == ["dora", "rslora", f"lora+ x{RATIO}"]
+
+
+@pytest.mark.slow
+def test_a_pissa_run_resumed_from_a_checkpoint_saves_the_same_adapter(cache_dir, tmp_path):
+    """Checkpoints hold A and B but not the base PiSSA rewrote: the resumed run rebuilds W_res and the initial
+    adapter from the base (the init is a pure function of it) and saves exactly the uninterrupted adapter."""
+    sections = dict(
+        method={"init": "pissa", "r": 4, "alpha": 8},
+        train={"max_steps": 4, "lr": LR},
+        distributed={"zero_stage": 3},
+        eval={"enabled": False},
+        checkpoint={"every": 2, "keep": 2},
+    )
+    whole = lorakit.train(tiny_recipe(cache_dir, tmp_path / "whole", **sections)).run_dir
+    step2 = next(c.path for c in complete_checkpoints(whole) if c.step == 2)
+    sections["train"] = {**sections["train"], "resume": str(step2)}
+    resumed = lorakit.train(tiny_recipe(cache_dir, tmp_path / "resumed", **sections)).run_dir
+    assert rundir.read_summary(resumed)["resumed_from"]["step"] == 2
+    a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (whole, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
