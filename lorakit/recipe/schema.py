@@ -688,6 +688,14 @@ class Recipe(_Section):
             raise ValueError(
                 "eval.metrics is empty while eval.generate is true: name a metric or set generate: false"
             )
+        if self.method.kind == "qlora" and self.method.use_dora and self.distributed.zero_stage == 3:
+            # Tried (2 processes, tiny Llama and T5): peft's DoRA layer hands DeepSpeed a 4-bit weight that
+            # ZeRO-3 never partitioned ("'Params4bit' object has no attribute 'ds_status'" in the first
+            # forward), with or without checkpointing; ZeRO-2 trains it.
+            raise ValueError(
+                "method.use_dora: DoRA on a 4-bit base (kind qlora) fails under ZeRO-3 (peft's DoRA layer reaches "
+                "a 4-bit weight DeepSpeed did not partition); use distributed.zero_stage 2, or kind lora"
+            )
         self._check_best()
         return self
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from lorakit.errors import AdapterError
+from lorakit.errors import AdapterError, RecipeError
 from lorakit.model.adapter import optimizer_groups, peft_config
 from lorakit.planner.arch import arch_from_config, resolve_config
 from lorakit.planner.states import adapter_params
@@ -38,6 +38,20 @@ from tests.conftest import tiny_recipe
 def test_impossible_combinations_are_schema_errors(method, message):
     with pytest.raises(ValidationError, match=message):
         MethodSection(**method)
+
+
+def test_dora_on_a_4bit_base_under_zero3_is_a_recipe_error(cache_dir, tmp_path):
+    """Found by trying: 2-process ZeRO-3 QLoRA + DoRA fails in the first forward ('Params4bit' object has no
+    attribute 'ds_status'); ZeRO-2 trains it."""
+    with pytest.raises(
+        RecipeError, match="recipe: method.use_dora: DoRA on a 4-bit base .* fails under ZeRO-3"
+    ):
+        tiny_recipe(
+            cache_dir, tmp_path, method={"kind": "qlora", "use_dora": True}, distributed={"zero_stage": 3}
+        )
+    assert tiny_recipe(
+        cache_dir, tmp_path, method={"kind": "qlora", "use_dora": True}, distributed={"zero_stage": 2}
+    ).method.use_dora
 
 
 def test_allowed_combinations_validate_and_label():
