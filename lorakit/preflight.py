@@ -151,8 +151,10 @@ def estimate_space(recipe) -> SpaceNeed | None:
     except Exception:  # an estimate must never stop a run the job itself could start
         return None
     adapter = recipe.method.adapter()
+    # A PiSSA / OLoRA adapter is saved converted to rank 2r (engine/save.py): twice its LoRA matrices.
+    saved_adapter = c.trainable * (2 if recipe.method.mutates_base() else 1)
     return SpaceNeed(
-        saved=(c.trainable if adapter else arch.total_params) * weight,
+        saved=(saved_adapter if adapter else arch.total_params) * weight,
         checkpoint=c.trainable * (weight + _OPTIMIZER_BYTES),
         merged=arch.total_params * weight if recipe.output.merge else 0,
         saved_name="the adapter" if adapter else "the model",

@@ -42,6 +42,7 @@ from lorakit.evaluation.classify import save_classification
 from lorakit.evaluation.runner import run_eval
 from lorakit.meter import TokenMeter
 from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
+from lorakit.model.adapter import optimizer_groups
 from lorakit.model.quantize import describe_quantization, quantization_summary
 from lorakit.observe import MetricsLogger
 from lorakit.observe.plot import plot_losses
@@ -192,7 +193,8 @@ def start_engine(
     t = recipe.train
     engine, *_ = deepspeed.initialize(
         model=built.model,
-        model_parameters=[p for p in built.model.parameters() if p.requires_grad],
+        # The trainable parameters; with LoRA+ (method.lr_ratio_b) in groups, each with its own lr.
+        model_parameters=optimizer_groups(built.model, recipe.method, t.lr, t.weight_decay),
         config=ds_config,
         lr_scheduler=lambda_lr_factory(plan.total_steps, t.warmup_ratio, t.lr_schedule),
     )

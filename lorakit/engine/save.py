@@ -52,6 +52,46 @@ def gather_adapter_state(model) -> dict[str, torch.Tensor]:
     return full
 
 
+def for_original_base(model, state: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]):
+    """The adapter of a PiSSA / OLoRA run as a plain LoRA adapter on the original (unmutated) base, in
+    peft's saved format: peft's `subtract_mutated_init` writes the update A B - A0 B0 as the rank-2r pair
+    [A | A0], [B | -B0].
+
+    peft's own route (save_pretrained's path_initial_model_for_weight_conversion) reloads the initial
+    adapter into the model and reads `state_dict` as if it held that adapter, which fails with a gathered
+    ZeRO-3 state dict; so it is called here with the initial weights given as that adapter's state."""
+    from peft import get_peft_model_state_dict
+
+    saved = get_peft_model_state_dict(model, state_dict=state)
+    # The LoraModel's own parameter names (without PeftModel's "base_model." prefix), as it expects them.
+    initial = {k.removeprefix("base_model."): v for k, v in initial.items()}
+    lora = model.base_model.subtract_mutated_init(saved, "default", {"state_dict": initial})
+    # subtract_mutated_init returns only lora_A / lora_B; modules_to_save's weights are kept as they are.
+    return {**saved, **lora}
+
+
+def _convert_saved_config(directory: Path) -> None:
+    """adapter_config.json of a converted adapter: rank 2r at the same scaling, plain LoRA init (the
+    changes peft's save_pretrained makes for path_initial_model_for_weight_conversion)."""
+    from peft import LoraConfig
+
+    config = LoraConfig.from_pretrained(str(directory))
+    config.init_lora_weights = True
+    config.r *= 2
+    # scaling alpha / r (rsLoRA: alpha / sqrt(r)) stays the same at rank 2r
+    config.lora_alpha *= 2**0.5 if config.use_rslora else 2
+    config.save_pretrained(str(directory))
+
+
+def _write_for_original_base(model, state, initial, directory: Path) -> None:
+    """Replace the adapter save_pretrained wrote (relative to the mutated base) by its conversion."""
+    from safetensors.torch import save_file
+
+    converted = {k: v.contiguous() for k, v in for_original_base(model, state, initial).items()}
+    save_file(converted, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    _convert_saved_config(directory)
+
+
 def save_trained(
     engine, built, recipe, run_dir: Path, *, into: str | None = None, info: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -75,6 +115,8 @@ def save_trained(
                 # peft maps parameter names to its adapter format; handing it the gathered tensors means it
                 # never reads the (partitioned, empty) ZeRO-3 parameters itself.
                 model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+                if built.initial_adapter is not None:
+                    _write_for_original_base(model, state, built.initial_adapter, tmp)
                 built.tokenizer.save_pretrained(str(tmp))
                 _info(tmp)
         dist.barrier()

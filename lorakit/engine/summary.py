@@ -58,6 +58,8 @@ class RunSummary:
     """Every key of summary.json (docs/architecture.md#run-directory-and-summary describes them)."""
 
     method: str
+    # method.kind's options as comparisons label them (dora, rslora, pissa, lora+ x16, ...); [] for none.
+    method_options: list[str]
     model: str
     model_source: str
     attention: str
@@ -68,6 +70,9 @@ class RunSummary:
     total_params: int
     # QLoRA: type, bits, dtypes, quantized layers and base bytes (model/quantize.py); else None.
     quantization: dict[str, Any] | None
+    # The optimizer's parameter groups read back from the engine: {peak_lr, last_lr} each (LoRA+: the
+    # lora_B group at train.lr x method.lr_ratio_b).
+    optimizer_groups: list[dict[str, float]]
     steps: int
     epochs: int
     train_samples: int
@@ -177,6 +182,14 @@ def best_summary(run_dir, state) -> dict[str, Any] | None:
     return {**state.best, "evals_since": state.evals_since_best, "dir": str(run_dir / rundir.BEST)}
 
 
+def optimizer_groups(engine) -> list[dict[str, float]]:
+    """Each optimizer parameter group's peak learning rate (LambdaLR's initial_lr) and its last one."""
+    return [
+        {"peak_lr": float(g.get("initial_lr", g["lr"])), "last_lr": float(g["lr"])}
+        for g in engine.optimizer.param_groups
+    ]
+
+
 def summarize(
     job: Job, trainer: Trainer, memory: PeakMemory, saved: dict[str, str], device: str
 ) -> RunSummary:
@@ -185,6 +198,7 @@ def summarize(
     recipe, world, ckpt, st = job.recipe, dist.world_size(), job.resumed_from, job.state
     return RunSummary(
         method=recipe.method.kind,
+        method_options=recipe.method.options(),
         model=recipe.model.name_or_path,
         model_source=job.built.source,
         attention=job.built.attention,
@@ -194,6 +208,7 @@ def summarize(
         trainable_params=job.params[0],
         total_params=job.params[1],
         quantization=job.quantization,
+        optimizer_groups=optimizer_groups(job.engine),
         steps=st.step,
         epochs=job.plan.epochs,
         train_samples=int(dist.all_reduce([job.meter.samples])[0]),

@@ -1,18 +1,20 @@
-"""What a saved LoRA adapter holds, and the checks that refuse one that cannot be merged.
+"""What a saved LoRA (DoRA, rsLoRA, ...) or IA3 adapter holds, and the checks that refuse one that cannot be
+merged.
 
 Refused before anything is written, each with a message saying what is wrong:
 - empty: no adapter_model.safetensors (or .bin), a zero-size or unreadable file, no LoRA tensors, or
   tensors with no elements (what a ZeRO-3 save that wrote each rank's empty partition leaves behind);
-- without effect: every LoRA pair has an all-zero B (or A), so merging would export the base unchanged
-  (an adapter saved before training, or a broken ZeRO-3 save); non-finite values;
+- without effect: every LoRA pair has an all-zero B (or A), or every IA3 vector is all ones, so merging
+  would export the base unchanged (an adapter saved before training, or a broken ZeRO-3 save); non-finite
+  values;
 - for another base: the base's architecture differs from the one the adapter was trained on, a module the
-  adapter adapts is missing from the base, or a LoRA matrix does not fit its module's shape.
+  adapter adapts is missing from the base, or a LoRA matrix (IA3 vector) does not fit its module's shape.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,9 @@ PICKLE = "adapter_model.bin"
 # peft's saved keys: base_model.model.<module path>.lora_A.weight (the adapter name is stripped on save).
 PREFIX = "base_model.model."
 _A, _B = (".lora_A.weight", ".lora_embedding_A"), (".lora_B.weight", ".lora_embedding_B")
+# IA3: base_model.model.<module path>.ia3_l, shaped (out, 1), or (1, in) for a feedforward module.
+_IA3 = ".ia3_l"
+MERGEABLE = ("LORA", "IA3")
 
 # Config entries that fix the shapes and wiring an adapter was trained for (names differ per family).
 SIGNATURE_KEYS = (
@@ -46,13 +51,20 @@ SIGNATURE_KEYS = (
 
 @dataclass(frozen=True)
 class Adapter:
-    """A saved LoRA adapter: its directory, peft config and tensors (on CPU), by module path."""
+    """A saved LoRA or IA3 adapter: its directory, peft config and tensors (on CPU), by module path."""
 
     path: Path
     config: dict[str, Any]
     tensors: dict[str, torch.Tensor]
-    # module path -> (A, B); the module paths as named in the base model.
+    # LoRA: module path -> (A, B); the module paths as named in the base model.
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    # IA3: module path -> its scaling vector.
+    vectors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def modules(self) -> list[str]:
+        """The module paths the adapter adapts."""
+        return sorted(set(self.pairs) | set(self.vectors))
 
     @property
     def base_name(self) -> str | None:
@@ -60,7 +72,9 @@ class Adapter:
         return self.config.get("base_model_name_or_path")
 
     def describe(self) -> str:
-        """One line: rank, alpha, how many modules it adapts."""
+        """One line: rank, alpha (LoRA), how many modules it adapts."""
+        if self.vectors:
+            return f"IA3 adapter {self.path} ({len(self.vectors)} modules)"
         return (
             f"LoRA adapter {self.path} (r={self.config.get('r')}, alpha={self.config.get('lora_alpha')}, "
             f"{len(self.pairs)} modules)"
@@ -114,9 +128,9 @@ def read_adapter(path: str | Path) -> Adapter:
         config = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise AdapterError(f"{cfg_file}: not valid JSON ({e})") from e
-    if config.get("peft_type") != "LORA":
+    if config.get("peft_type") not in MERGEABLE:
         raise AdapterError(
-            f"{cfg_file}: peft_type {config.get('peft_type')!r}; only LoRA adapters merge",
+            f"{cfg_file}: peft_type {config.get('peft_type')!r}; only LoRA and IA3 adapters merge",
             doc="docs/merge.md#options",
         )
     tensors = _read_tensors(path)
@@ -127,6 +141,9 @@ def read_adapter(path: str | Path) -> Adapter:
             f"{empty[0]}): a ZeRO-3 save that wrote each rank's empty partition; nothing to merge",
             doc="docs/merge.md#what-is-checked",
         )
+    bad = sorted(k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all())
+    if config["peft_type"] == "IA3":
+        return _ia3_adapter(path, config, tensors, bad)
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         split = _split(key)
@@ -145,12 +162,7 @@ def read_adapter(path: str | Path) -> Adapter:
             f"{path}: LoRA module {unpaired[0]} has only one of lora_A / lora_B; damaged save",
             doc="docs/merge.md#what-is-checked",
         )
-    bad = sorted(k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all())
-    if bad:
-        raise AdapterError(
-            f"{path}: {len(bad)} tensors hold NaN or inf (e.g. {bad[0]}); training diverged",
-            doc="docs/merge.md#what-is-checked",
-        )
+    _refuse_nonfinite(path, bad)
     if not any(a.any() and b.any() for a, b in pairs.values()):
         raise AdapterError(
             f"{path}: the adapter has no effect: lora_B (or lora_A) is all zeros in every one of its "
@@ -159,6 +171,32 @@ def read_adapter(path: str | Path) -> Adapter:
             doc="docs/merge.md#what-is-checked",
         )
     return Adapter(path, config, tensors, pairs)
+
+
+def _refuse_nonfinite(path: Path, bad: list[str]) -> None:
+    if bad:
+        raise AdapterError(
+            f"{path}: {len(bad)} tensors hold NaN or inf (e.g. {bad[0]}); training diverged",
+            doc="docs/merge.md#what-is-checked",
+        )
+
+
+def _ia3_adapter(path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], bad: list[str]):
+    """An IA3 adapter: one scaling vector per module, initialised to ones (no effect)."""
+    vectors = {k.removeprefix(PREFIX).removesuffix(_IA3): t for k, t in tensors.items() if k.endswith(_IA3)}
+    if not vectors:
+        raise AdapterError(
+            f"{path}: empty adapter, no IA3 vectors (ia3_l) among its {len(tensors)} tensors; nothing to merge",
+            doc="docs/merge.md#what-is-checked",
+        )
+    _refuse_nonfinite(path, bad)
+    if all(bool((v == 1).all()) for v in vectors.values()):
+        raise AdapterError(
+            f"{path}: the adapter has no effect: every one of its {len(vectors)} IA3 vectors is all ones, so "
+            "the merged model would be the base unchanged. It was saved before any training step",
+            doc="docs/merge.md#what-is-checked",
+        )
+    return Adapter(path, config, tensors, {}, vectors)
 
 
 def config_signature(config) -> dict[str, Any]:
@@ -198,10 +236,10 @@ def _module_shape(module: torch.nn.Module) -> tuple[str, int, int] | None:
 def check_fits(adapter: Adapter, model: torch.nn.Module, base: str) -> None:
     """Refuse an adapter whose modules are missing from `model` or whose matrices do not fit them."""
     modules = dict(model.named_modules())
-    missing = sorted(m for m in adapter.pairs if m not in modules)
+    missing = [m for m in adapter.modules if m not in modules]
     if missing:
         raise AdapterError(
-            f"the adapter does not match the base {base}: {len(missing)} of its {len(adapter.pairs)} modules "
+            f"the adapter does not match the base {base}: {len(missing)} of its {len(adapter.modules)} modules "
             f"are not in the base (e.g. {missing[0]}); it was trained on another model",
             doc="docs/merge.md#what-is-checked",
         )
@@ -217,6 +255,11 @@ def check_fits(adapter: Adapter, model: torch.nn.Module, base: str) -> None:
             wrong.append(
                 f"{name}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)} for a {fan_in} -> {fan_out} layer"
             )
+    for name, vector in sorted(adapter.vectors.items()):
+        shape = _module_shape(modules[name])
+        # IA3 scales a layer's output (out, 1), or a feedforward layer's input (1, in).
+        if shape is not None and tuple(vector.shape) not in ((shape[2], 1), (1, shape[1])):
+            wrong.append(f"{name}: IA3 vector {tuple(vector.shape)} for a {shape[1]} -> {shape[2]} layer")
     if wrong:
         raise AdapterError(
             f"the adapter does not match the base {base}: {len(wrong)} modules have other shapes "

@@ -23,6 +23,9 @@ QLORA_NOTE = (
 )
 
 
+_ADAPTER_NAMES = {"qlora": "a QLoRA", "ia3": "an IA3"}
+
+
 def _hub_id(name: str) -> bool:
     # The hub's `base_model` field takes repository ids only, not tiny:* names or local paths.
     return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and not Path(name).exists()
@@ -55,7 +58,7 @@ def model_card(
     what = (
         "fully fine-tuned"
         if method == "full"
-        else f"{'a QLoRA' if method == 'qlora' else 'a LoRA'} adapter merged into its weights"
+        else f"{_ADAPTER_NAMES.get(method, 'a LoRA')} adapter merged into its weights"
     )
     lines = front + [
         f"# {model_class}: `{src.base_name}`, {what}",
@@ -77,9 +80,12 @@ def model_card(
         f"- method: {method}",
         f"- exported from: `{src.path}`",
     ]
-    if src.recipe is not None and method != "full":
+    if src.recipe is not None and src.recipe.method.lora():
         m = src.recipe.method
-        lines.append(f"- LoRA: r={m.r}, alpha={m.alpha:g}, target_modules={m.target_modules}")
+        options = "".join(f", {o}" for o in m.options())
+        lines.append(f"- LoRA: r={m.r}, alpha={m.alpha:g}, target_modules={m.target_modules}{options}")
+    elif src.recipe is not None and method == "ia3":
+        lines.append(f"- IA3: target_modules={src.recipe.method.target_modules}")
     labels = ((src.summary or {}).get("data") or {}).get("labels")
     if labels:
         # The label words of a classifier run, for lorakit.generate's `label` field.

@@ -37,13 +37,17 @@ class MergeSource:
     # --base was given: the model the adapter was trained on (its sources, to compare architectures).
     base_overridden: bool = False
     trained_on: tuple[str, ...] = ()
+    # adapter_config.json's peft_type (LORA, IA3), for an adapter without its run directory.
+    peft_type: str | None = None
 
     @property
     def method(self) -> str:
-        """lora, qlora or full (an adapter without a run directory counts as lora)."""
+        """lora, qlora, ia3 or full (an adapter without a run directory: lora, or ia3 by its peft_type)."""
         if self.recipe is not None:
             return self.recipe.method.kind
-        return "full" if self.kind == "full" else "lora"
+        if self.kind == "full":
+            return "full"
+        return "ia3" if self.peft_type == "IA3" else "lora"
 
     @property
     def default_dtype(self) -> str:
@@ -155,6 +159,7 @@ def locate(path: str | Path, base: str | None = None) -> MergeSource:
         trust_remote_code=trust,
         base_overridden=base is not None,
         trained_on=tuple(_resolve(n, cache_dir, "trained-on model") for n, _ in trained_on),
+        peft_type=adapter_cfg.get("peft_type"),
         **common,
     )
 

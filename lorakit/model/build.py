@@ -1,4 +1,5 @@
-"""Load the base model (dtype, attention backend, ZeRO-3 partitioned init), attach LoRA, checkpointing."""
+"""Load the base model (dtype, attention backend, ZeRO-3 partitioned init), attach the adapter (LoRA, IA3:
+model/adapter.py), checkpointing."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from lorakit.errors import RecipeError
+from lorakit.model.adapter import peft_config
 from lorakit.model.attention import choose_attention, packing_enabled
 from lorakit.model.inputs import ModelInputs
 from lorakit.model.quantize import bnb_config, check_keep_in_fp32, keep_standard_4bit_layout, logical_numel
@@ -34,6 +36,9 @@ class BuiltModel:
     # transformers tracks HfDeepSpeedConfig through a weak reference: it must outlive training, since
     # peft and generate ask "is ZeRO-3 on?" long after from_pretrained returns.
     hf_ds_config: Any = None
+    # method.init pissa / olora: the adapter as initialised (whole, on CPU), which save.py subtracts to
+    # save an adapter for the original base (the init rewrote the base weights in place).
+    initial_adapter: dict[str, torch.Tensor] | None = None
 
 
 # Weight files read with pickle (torch.load), which can run code while it reads.
@@ -98,20 +103,6 @@ def load_tokenizer(recipe: Recipe, source: str):
         # Causal tokenizers often ship without one; padding is masked, so EOS is a safe stand-in.
         tok.pad_token = tok.eos_token
     return tok
-
-
-def lora_config(recipe: Recipe, is_encoder_decoder: bool):
-    """The peft LoraConfig for the recipe's method section."""
-    from peft import LoraConfig, TaskType
-
-    m = recipe.method
-    return LoraConfig(
-        r=m.r,
-        lora_alpha=m.alpha,
-        lora_dropout=m.dropout,
-        target_modules=m.target_modules,
-        task_type=TaskType.SEQ_2_SEQ_LM if is_encoder_decoder else TaskType.CAUSAL_LM,
-    )
 
 
 def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
@@ -179,14 +170,18 @@ def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
             # peft 0.21 (peft_model.py, PeftModel.__init__) reads transformers' deprecated
             # `is_gradient_checkpointing`, which warns on every rank.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            model = get_peft_model(model, lora_config(recipe, is_enc_dec))
+            model = get_peft_model(model, peft_config(recipe.method, is_enc_dec))
         # peft may create LoRA weights in fp32; one dtype across the module is what DeepSpeed expects.
         for p in model.parameters():
             if p.requires_grad and p.dtype != dtype:
                 p.data = p.data.to(dtype)
+    initial = None
+    if recipe.method.mutates_base():
+        # Before deepspeed.initialize, so the adapter's weights are still whole on every rank.
+        initial = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
     tokenizer = load_tokenizer(recipe, source)
     inputs = ModelInputs(config, attention, dtype)
-    return BuiltModel(model, tokenizer, source, attention, is_enc_dec, inputs, packing, hf_ds_config)
+    return BuiltModel(model, tokenizer, source, attention, is_enc_dec, inputs, packing, hf_ds_config, initial)
 
 
 def enable_checkpointing(model) -> None:

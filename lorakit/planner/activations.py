@@ -98,6 +98,14 @@ def _lora(arch: Arch, method, a: int, names: tuple[str, ...]) -> int:
     if method.kind == "full":
         return 0
     total, seen = 0, set()
+    if method.kind == "ia3":
+        # IA3 keeps the tensor it scales (a layer's output, a feedforward layer's input) for its gradient.
+        for lin, ff in arch.ia3_targets(method.target_modules, method.feedforward_modules):
+            short = lin.name.rsplit(".", 1)[-1]
+            if short in names and short not in seen:
+                seen.add(short)
+                total += a * (lin.in_features if ff else lin.out_features)
+        return total
     for lin in arch.lora_targets(method.target_modules):
         short = lin.name.rsplit(".", 1)[-1]
         if short in names and short not in seen:

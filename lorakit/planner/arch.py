@@ -107,6 +107,8 @@ class Arch:
     keep_fp32: tuple[str, ...]
     # Every parameter's element count (ZeRO-3 keeps the small ones whole on every rank).
     param_numels: tuple[int, ...]
+    # (name, parameters held directly) of every module that holds some: what method.modules_to_save copies.
+    param_modules: tuple[tuple[str, int], ...] = ()
 
     @property
     def attention_width(self) -> int:
@@ -127,6 +129,28 @@ class Arch:
             elif any(lin.name == t or lin.name.endswith("." + t) for t in target_modules):
                 out.append(lin)
         return out
+
+    def ia3_targets(self, target_modules, feedforward_modules) -> list[tuple[Linear, bool]]:
+        """(linear, feedforward?) of each layer peft's IA3 scales: `all-linear` means peft's IA3 defaults for
+        the model type (targets and feedforward modules), a list names targets as for LoRA."""
+        if target_modules == "all-linear":
+            from peft.utils import (
+                TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING as FEEDFORWARD,
+            )
+            from peft.utils import (
+                TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING as TARGETS,
+            )
+
+            target_modules = TARGETS.get(self.model_type, [])
+            feedforward_modules = FEEDFORWARD.get(self.model_type, [])
+        ff = set(feedforward_modules or ())
+        return [(lin, lin.name.rsplit(".", 1)[-1] in ff) for lin in self.lora_targets(target_modules)]
+
+    def module_copy_params(self, names) -> list[int]:
+        """Parameters of each module peft's modules_to_save copies (names matched as peft matches them:
+        equal, or ending in "." + name), counting everything below it."""
+        matched = [m for m, _ in self.param_modules if any(m == t or m.endswith("." + t) for t in names)]
+        return [sum(n for m2, n in self.param_modules if m2 == m or m2.startswith(m + ".")) for m in matched]
 
     def quantized_linears(self) -> list[Linear]:
         """The linear layers bitsandbytes turns into 4-bit weights: all but the output head and the model's
@@ -234,6 +258,11 @@ def _arch(config_json: str, config_cls, trust_remote_code: bool) -> Arch:
         tied_head=tied,
         keep_fp32=tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())),
         param_numels=tuple(numels),
+        param_modules=tuple(
+            (name, n)
+            for name, m in model.named_modules()
+            if (n := sum(p.numel() for p in m.parameters(recurse=False)))
+        ),
     )
 
 

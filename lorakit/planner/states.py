@@ -98,6 +98,20 @@ def lora_matrices(arch: Arch, r: int, target_modules) -> list[int]:
     return out
 
 
+def adapter_params(arch: Arch, method) -> list[int]:
+    """Element counts of every trainable tensor peft adds for an adapter method: LoRA's A and B (DoRA: and
+    a magnitude per output feature), IA3's vector per layer (its output features, or a feedforward
+    layer's input features), and a full trainable copy of each of method.modules_to_save."""
+    if method.kind == "ia3":
+        out = [lin.in_features if ff else lin.out_features for lin, ff in arch.ia3_targets(
+            method.target_modules, method.feedforward_modules)]  # fmt: skip
+    else:
+        out = lora_matrices(arch, method.r, method.target_modules)
+        if method.use_dora:
+            out += [lin.out_features for lin in arch.lora_targets(method.target_modules)]
+    return out + arch.module_copy_params(method.modules_to_save or ())
+
+
 def counts(arch: Arch, method, dtype_bytes: int, persistence_threshold: int | None) -> Counts:
     """Trainable and frozen parameters and the bytes of the frozen base for a method section."""
 
@@ -115,7 +129,7 @@ def counts(arch: Arch, method, dtype_bytes: int, persistence_threshold: int | No
             largest_module=arch.largest_module_params,
             largest_trainable_module=arch.largest_module_params,
         )
-    lora = lora_matrices(arch, method.r, method.target_modules)
+    lora = adapter_params(arch, method)
     frozen_bytes = arch.total_params * dtype_bytes
     constants = 0
     if method.kind == "qlora":

@@ -25,6 +25,8 @@ class RunRow:
     method: str | None = None
     # QLoRA: the base's 4-bit type as summary.json records it (bitsandbytes-nf4); None otherwise.
     quantization: str | None = None
+    # The method's options (summary.json's method_options): dora, rslora, pissa, lora+ x16, ...
+    method_options: list[str] = field(default_factory=list)
     model: str | None = None
     world_size: int | None = None
     zero_stage: int | None = None
@@ -48,11 +50,12 @@ class RunRow:
     notes: list[str] = field(default_factory=list)
 
     def method_label(self) -> str:
-        """`lora`, `full`, or `qlora (nf4)`: the method with the base's 4-bit type where there is one."""
+        """`lora`, `full`, `qlora (nf4)`, `lora (dora, rslora)`, `ia3`: the method with the base's 4-bit type
+        and the method's options where there are any."""
         method = self.method or "n/a"
-        if self.quantization:
-            return f"{method} ({self.quantization.removeprefix('bitsandbytes-')})"
-        return method
+        details = [self.quantization.removeprefix("bitsandbytes-")] if self.quantization else []
+        details += self.method_options
+        return f"{method} ({', '.join(details)})" if details else method
 
     def gpu_hours(self) -> float | None:
         """Training hours x processes: the device-hours a cost is charged on (None if either is missing)."""
@@ -132,6 +135,9 @@ def read_run(path: str | Path, label: str | None = None) -> RunRow:
     summary = _read_summary(path)
     row = RunRow(path=path.resolve(), label=label or path.resolve().name)
     row.method = summary.get("method") if isinstance(summary.get("method"), str) else None
+    options = summary.get("method_options")
+    if isinstance(options, list):
+        row.method_options = [str(o) for o in options]
     row.model = summary.get("model") if isinstance(summary.get("model"), str) else None
     row.dtype = summary.get("dtype") if isinstance(summary.get("dtype"), str) else None
     quant = summary.get("quantization")

@@ -9,7 +9,6 @@ runs evaluate between training steps and checkpoints, where that layout broke Ze
 
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,9 @@ import yaml
 
 from lorakit import rundir
 from lorakit.engine.checkpoint import complete_checkpoints
-from lorakit.engine.launch import torchrun_command
 from tests.bnb_layout import ENV as AVX512BF16_ENV
 from tests.conftest import ROOT, tiny_recipe_dict
+from tests.integration.qlora_worker import train_in_one_launch
 from tests.integration.test_resume import FAULTS, launch
 
 # Every process these tests launch: bitsandbytes' AVX512-BF16 branch forced, whatever this CPU has.
@@ -56,26 +55,12 @@ def qlora_recipe(cache: Path, out: Path, kind: str, stage: int) -> dict:
 @pytest.fixture(scope="module")
 def qlora_runs(tmp_path_factory, cache_dir):
     base = tmp_path_factory.mktemp("qlora")
-    paths, run_dirs = [], {}
-    for kind, stage in RUNS:
-        run_dirs[kind, stage] = base / f"{kind}-zero{stage}"
-        path = base / f"{kind}-zero{stage}.yaml"
-        path.write_text(yaml.safe_dump(qlora_recipe(cache_dir, run_dirs[kind, stage], kind, stage)))
-        paths.append(str(path))
-    # Tokenize once here, so the workers only read the cache.
-    import lorakit
-
-    for path in paths:
-        lorakit.prepare(lorakit.load_recipe(path))
-    proc = subprocess.run(
-        torchrun_command(2, "tests.integration.qlora_worker", paths),
-        cwd=ROOT,
-        env={**os.environ, **FORCED_ENV},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_dirs = {(kind, stage): base / f"{kind}-zero{stage}" for kind, stage in RUNS}
+    recipes = {
+        base / f"{d.name}.yaml": qlora_recipe(cache_dir, d, kind, stage)
+        for (kind, stage), d in run_dirs.items()
+    }
+    proc = train_in_one_launch(recipes, FORCED_ENV)
     return proc, {key: rundir.read_summary(d) for key, d in run_dirs.items()}, run_dirs
 
 

@@ -51,7 +51,7 @@ def test_renderings():
     assert "| `true` |" in _row(page, "model.gradient_checkpointing")
     assert "| `[rouge]` |" in _row(page, "eval.metrics")
     # Literals list their choices; unions read as YAML would (null last); ranges are shown.
-    assert '`"lora" \\| "qlora" \\| "full"`' in _row(page, "method.kind")
+    assert '`"lora" \\| "qlora" \\| "full" \\| "ia3"`' in _row(page, "method.kind")
     assert '`bool \\| "auto"`' in _row(page, "data.packing")
     assert "`str \\| null`" in _row(page, "model.revision")
     assert '`"all-linear" \\| list[str]`' in _row(page, "method.target_modules")

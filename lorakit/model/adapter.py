@@ -1,0 +1,76 @@
+"""The recipe's method as peft's own config (LoraConfig or IA3Config), and LoRA+'s optimizer groups.
+
+Nothing here reimplements peft: DoRA, rsLoRA, PiSSA / OLoRA / Gaussian init, modules_to_save and IA3 are
+peft options; LoRA+ groups are peft's `create_loraplus_optimizer` grouping, handed to DeepSpeed as
+parameter groups instead of an optimizer (DeepSpeed builds the optimizer from the ds_config).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lorakit.recipe.schema import MethodSection
+
+# method.init -> peft's init_lora_weights.
+_INIT = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}
+
+
+def _task_type(is_encoder_decoder: bool):
+    from peft import TaskType
+
+    return TaskType.SEQ_2_SEQ_LM if is_encoder_decoder else TaskType.CAUSAL_LM
+
+
+def peft_config(method: MethodSection, is_encoder_decoder: bool):
+    """The peft config for the recipe's method section: LoraConfig (lora, qlora) or IA3Config (ia3)."""
+    if method.kind == "ia3":
+        from peft import IA3Config
+
+        listed = isinstance(method.target_modules, list)
+        return IA3Config(
+            # None: peft's IA3 defaults for the architecture (targets and feedforward modules together).
+            target_modules=method.target_modules if listed else None,
+            feedforward_modules=method.feedforward_modules or ([] if listed else None),
+            modules_to_save=method.modules_to_save,
+            task_type=_task_type(is_encoder_decoder),
+        )
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=method.r,
+        lora_alpha=method.alpha,
+        lora_dropout=method.dropout,
+        target_modules=method.target_modules,
+        use_dora=method.use_dora,
+        use_rslora=method.use_rslora,
+        init_lora_weights=_INIT[method.init],
+        modules_to_save=method.modules_to_save,
+        task_type=_task_type(is_encoder_decoder),
+    )
+
+
+def optimizer_groups(model, method: MethodSection, lr: float, weight_decay: float) -> list[Any]:
+    """What deepspeed.initialize gets as model_parameters: the trainable parameters, or with
+    method.lr_ratio_b LoRA+'s groups (lora_B and 1-D weights at lr x ratio), each group with its own `lr`.
+
+    peft's create_loraplus_optimizer sorts the parameters and calls `optimizer_cls(groups, **kwargs)`; the
+    callable given here returns the groups, since DeepSpeed builds the optimizer itself (its config names
+    AdamW), and a LambdaLR scales each group's own lr."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not method.lr_ratio_b:
+        return trainable
+    from peft.optimizers import create_loraplus_optimizer
+
+    def groups_only(groups: list[dict[str, Any]], **_: Any) -> list[dict[str, Any]]:
+        # DeepSpeed's ZeRO optimizers cannot hold an empty group (no embedding LoRA here is the usual case).
+        return [g for g in groups if g["params"]]
+
+    return create_loraplus_optimizer(
+        model,
+        groups_only,
+        lr=lr,
+        loraplus_lr_ratio=method.lr_ratio_b,
+        loraplus_weight_decay=weight_decay,
+        # LoRA on embeddings trains at train.lr (peft's default is 1e-6), as it would without LoRA+.
+        loraplus_lr_embedding=lr,
+    )
