@@ -14,7 +14,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lorakit.errors import RecipeError
 
@@ -147,8 +147,9 @@ def _t5_config(vocab_size: int):
     )
 
 
-def _causal_config(kind: str, vocab_size: int, bos: int):
-    """Config of a tiny decoder-only model: the same shape for every causal kind."""
+def _causal_config(kind: str, vocab_size: int, bos: int, **shape: Any):
+    """Config of a tiny decoder-only model: the same shape for every causal kind, unless `shape` replaces
+    some of its fields (hidden_size, num_hidden_layers, ...)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
@@ -163,6 +164,7 @@ def _causal_config(kind: str, vocab_size: int, bos: int):
         eos_token_id=1,
         pad_token_id=0,
     )
+    common.update(shape)
     if kind == "mistral":
         return MistralConfig(**common, tie_word_embeddings=False, sliding_window=TINY_SLIDING_WINDOW)
     if kind == "qwen2":
@@ -180,9 +182,10 @@ def tiny_config(kind: str):
     return _causal_config(kind, TINY_VOCAB_SIZE, bos=SPECIAL_TOKENS.index(BOS))
 
 
-def build_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0) -> PreTrainedModel:
+def build_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0, **shape: Any) -> PreTrainedModel:
     """Build a tiny random model of a TINY_KINDS kind (bit-identical for a given seed) and save it with its
-    tokenizer and generation config into `path`; returns the model."""
+    tokenizer and generation config into `path`; returns the model. `shape`: config fields of a causal kind
+    to change (e.g. a wider Llama for tests that need real head sizes)."""
     import torch
     from transformers import (
         LlamaForCausalLM,
@@ -192,6 +195,8 @@ def build_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0) -> PreTr
     )
 
     _check_kind(kind, field="kind")
+    if shape and kind == "t5":
+        raise ValueError("build_tiny_model: shape overrides are for causal kinds")
     tokenizer = build_tiny_tokenizer(path, kind=kind)
     # fork_rng: seeding must not disturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
@@ -207,7 +212,7 @@ def build_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0) -> PreTr
             torch.nn.init.normal_(lm_head, std=config.d_model**-0.5)
             model.lm_head.weight = torch.nn.Parameter(lm_head)
         else:
-            config = _causal_config(kind, len(tokenizer), bos=tokenizer.bos_token_id)
+            config = _causal_config(kind, len(tokenizer), bos=tokenizer.bos_token_id, **shape)
             model_cls = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}
             model = model_cls[kind](config)
             # The default init (std 0.02) caps logits near +-1 with hidden size 64, so the loss of a LoRA smoke

@@ -146,30 +146,24 @@ def _check_causal(built, reference, rows):
     return _assert_contract(alone, packed, _causal_alone(*reference, rows))
 
 
+# Real head sizes (16 query and 4 KV heads of 64) and rows longer than the tiny models allow.
+WIDE_LLAMA = {
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 4096,
+}
+
+
 @pytest.fixture(scope="module")
 def wide_llama(tmp_path_factory) -> str:
     """A random Llama of hidden 1024 (16 query, 4 KV heads of 64) with lorakit's tiny tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from lorakit.testing import build_tiny_tokenizer
+    from lorakit.testing import build_tiny_model
 
     path = tmp_path_factory.mktemp("wide-llama")
-    tokenizer = build_tiny_tokenizer(path, kind="llama")
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        max_position_embeddings=4096,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(str(path))
+    build_tiny_model("llama", path, **WIDE_LLAMA)
     return str(path)
 
 

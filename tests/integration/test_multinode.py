@@ -10,7 +10,6 @@ data.on_bad_rows skip, so it also shows skips reaching summary.json from a 2-pro
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from lorakit.data.samples import builtin_dataset_dir
 from lorakit.engine.launch import free_port
 from lorakit.runlock import LOCK
 from tests.conftest import RECIPES, ROOT
+from tests.process_groups import finish_group, kill_group, start_group
 
 pytestmark = pytest.mark.slow
 
@@ -60,29 +60,12 @@ def _run_together(
 ) -> list[subprocess.CompletedProcess]:
     """Start every command at once (the nodes of one job) and wait for all of them. Each launcher gets
     its own process group, so a run that hangs is stopped with the workers it started."""
-    procs = [
-        subprocess.Popen(
-            c,
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for c in commands
-    ]
+    procs = [start_group(c, env, cwd, merge_stderr=True) for c in commands]
     try:
-        outputs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+        return [finish_group(p, TIMEOUT) for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    return [
-        subprocess.CompletedProcess(c, p.returncode, out)
-        for c, p, out in zip(commands, procs, outputs, strict=True)
-    ]
+            kill_group(p)
 
 
 def _train_records(run_dir: Path) -> list[dict]:

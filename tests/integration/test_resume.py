@@ -18,6 +18,7 @@ from lorakit import rundir
 from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.runlock import LOCK, read_holder
 from tests.conftest import ROOT, tiny_recipe_dict
+from tests.process_groups import finish_group, start_group
 
 FAULTS = Path(__file__).parent / "faults"
 STEPS = 8
@@ -46,26 +47,11 @@ def _start(recipe: Path, fault: str | None = None, **extra_env: str) -> subproce
         env["LORAKIT_FAULT"] = fault
     if fault or extra_env:
         env["PYTHONPATH"] = os.pathsep.join([str(FAULTS), str(ROOT), env.get("PYTHONPATH", "")])
-    # Its own process group, so a fault can kill "the node" (launcher, torchrun, workers) and not pytest.
-    return subprocess.Popen(
-        [sys.executable, "-m", "lorakit.run", str(recipe)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    return start_group([sys.executable, "-m", "lorakit.run", str(recipe)], env, ROOT)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 600) -> subprocess.CompletedProcess:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return finish_group(proc, timeout)
 
 
 def launch(recipe: Path, fault: str | None = None, **extra_env: str) -> subprocess.CompletedProcess:

@@ -126,6 +126,14 @@ def test_model_weights_are_a_function_of_the_seed(tmp_path, kind):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
+def test_shape_overrides_widen_a_causal_model_and_are_refused_for_t5(tmp_path):
+    model = build_tiny_model("llama", tmp_path / "wide", hidden_size=128, num_attention_heads=2)
+    assert (model.config.hidden_size, model.config.num_attention_heads, model.config.head_dim) == (128, 2, 64)
+    assert model.config.num_key_value_heads == 2 and model.lm_head.weight.shape[1] == 128
+    with pytest.raises(ValueError, match="causal kinds"):
+        build_tiny_model("t5", tmp_path / "t5", d_model=128)
+
+
 def test_building_leaves_the_global_rng_alone(tmp_path):
     torch.manual_seed(123)
     expected = torch.rand(3)
