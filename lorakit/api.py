@@ -160,10 +160,21 @@ def _launch_workers(recipe: Recipe, lock: runlock.RunLock) -> TrainResult:
         # Child processes pick the work up from the cache this process just wrote; the lock token tells them
         # this process holds the run lock for them.
         returncode = _run_forwarding_signals(cmd, {**launch_env(), **lock.environment()}, lock.add_child)
-    if returncode != 0:
-        _raise_worker_exit(run_dir)
-        raise RuntimeError(f"training failed in a worker process (exit code {returncode}); see the log above")
+    _after_workers(run_dir, returncode)
     return TrainResult(run_dir, rundir.read_summary(run_dir))
+
+
+def _after_workers(run_dir: Path, returncode: int) -> None:
+    """Once torchrun has returned: re-raise a worker's failure in this process with its exit code. A rank
+    that failed a checkpoint save removes its partial directory, but another rank may still have been writing
+    into it; with every worker gone (and the lock still held) this process removes what is left."""
+    if returncode == 0:
+        return
+    from lorakit.engine.checkpoint import remove_partial_saves
+
+    remove_partial_saves(run_dir)
+    _raise_worker_exit(run_dir)
+    raise RuntimeError(f"training failed in a worker process (exit code {returncode}); see the log above")
 
 
 def _run_forwarding_signals(cmd: list[str], env: dict[str, str], started=None) -> int:

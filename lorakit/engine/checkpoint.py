@@ -282,7 +282,7 @@ def save_checkpoint(
     name = f"step-{loop.step:08d}"
     final, tmp = root / name, root / f"{_TMP_PREFIX}{name}"
     # A full disk on any rank: its partial files go, the previous checkpoint stays the newest complete one.
-    # (The other ranks wait at the next barrier until the launcher stops them.)
+    # (The other ranks wait at the next barrier until the launcher stops them and removes what they wrote.)
     with storage.writing(
         f"the checkpoint of step {loop.step}", final, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)
     ):
@@ -332,6 +332,11 @@ def prune(run_dir: Path, keep: int) -> None:
     found = complete_checkpoints(run_dir)
     for old in found[: max(len(found) - keep, 0)]:
         shutil.rmtree(old.path, ignore_errors=True)
+    remove_partial_saves(run_dir)
+
+
+def remove_partial_saves(run_dir: Path) -> None:
+    """Delete what interrupted or failed saves left (`.tmp-step-*`); only safe when no rank is writing."""
     for d in checkpoints_dir(run_dir).glob(f"{_TMP_PREFIX}*"):
         shutil.rmtree(d, ignore_errors=True)
 

@@ -105,6 +105,8 @@ def job(tmp_path_factory, cache_dir):
         # where it is (pointing it into data.cache_dir would recompile it for every cache).
         TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR")
         or str(Path("~/.cache/torch_extensions").expanduser()),
+        # matplotlib's font list (built once when loss.png is first drawn): a per-user cache too.
+        MPLCONFIGDIR=os.environ.get("MPLCONFIGDIR") or str(Path("~/.cache/matplotlib").expanduser()),
     )
     for var in ("HF_HOME", "HF_DATASETS_CACHE", "XDG_CACHE_HOME", "TRITON_CACHE_DIR"):
         env.pop(var, None)

@@ -133,3 +133,23 @@ def test_skipping_nonfinite_steps_needs_a_zero_stage(tmp_path):
     with pytest.raises(Exception, match="on_nonfinite: skip needs distributed.zero_stage 1, 2 or 3"):
         _recipe(tmp_path, train={"on_nonfinite": "skip"}, distributed={"zero_stage": 0})
     _recipe(tmp_path, train={"on_nonfinite": "skip"}, distributed={"zero_stage": 2})
+
+
+def test_the_launcher_removes_a_failed_saves_leftovers_once_every_worker_is_gone(tmp_path):
+    # Rank 0 ran out of space and removed the partial checkpoint, but rank 1 was still writing its shard
+    # into it: when torchrun returns, the launcher (the only writer left) removes what remains.
+    from lorakit import api
+    from lorakit.engine.job import EXIT
+    from lorakit.errors import DiskFullError
+
+    recipe = _recipe(tmp_path)
+    run = tmp_path / "run"
+    _fake_checkpoint(run, 2, recipe)
+    leftover = run / "checkpoints" / ".tmp-step-00000004"
+    (leftover / "engine").mkdir(parents=True)
+    (leftover / "engine" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"partial")
+    rundir.write_json(run / EXIT, {"code": 74, "error": "DiskFullError", "message": "no space left"})
+    with pytest.raises(DiskFullError, match="no space left"):
+        api._after_workers(run, returncode=1)
+    assert not leftover.exists()
+    assert [c.step for c in ck.complete_checkpoints(run)] == [2]
