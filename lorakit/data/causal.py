@@ -14,7 +14,8 @@ import datasets
 import jinja2
 import numpy as np
 
-from lorakit.data.sources import BAD_ROWS_DOC, MAX_QUOTED, OVERLONG_DOC, SOURCE, RowLocator, SourceRows
+from lorakit.data.rows import BAD_ROWS_DOC, MAX_QUOTED, RowLocator, SourceRows
+from lorakit.data.sources import OVERLONG_DOC, SOURCE
 from lorakit.data.templates import render_prompt, render_target, rows_of
 from lorakit.data.tokenize import Lengths, longest
 from lorakit.errors import DataError

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import datasets
 import numpy as np
 
-from lorakit.data.sources import SOURCE, SourceRows, eval_source, load_split, split_holdout, subset
+from lorakit.data.rows import SourceRows
+from lorakit.data.sources import SOURCE, eval_source, load_split, split_holdout, subset
 from lorakit.data.templates import render_prompt, render_target
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection, SourceSpec, data_parts

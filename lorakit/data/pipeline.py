@@ -15,14 +15,8 @@ import datasets
 
 from lorakit.data import cache
 from lorakit.data.causal import prepare_causal
-from lorakit.data.sources import (
-    MAX_QUOTED,
-    SourceRows,
-    eval_source,
-    load_split,
-    source_fingerprint,
-    split_holdout,
-)
+from lorakit.data.rows import MAX_QUOTED, SourceRows
+from lorakit.data.sources import eval_source, load_split, source_fingerprint, split_holdout
 from lorakit.data.tokenize import Lengths, model_max_length, prepare_seq2seq
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection, Recipe, data_parts

@@ -5,23 +5,21 @@ Local .jsonl, .json and .csv files are read here rather than by `datasets`, for 
 loader rejects a whole file for one malformed line, without saying which; and a row read here keeps its
 line number, so every later complaint about it (a bad field, an over-long example, a chat template that
 fails on it) names the file and line. Parquet files and hub datasets are read with pyarrow / `datasets`
-and their rows are named by index. Every row is checked before tokenizing; `data.on_bad_rows` decides
-whether a bad one stops the run (error) or is left out and counted (skip).
+and their rows are named by index. Every row is checked as it is read (lorakit.data.rows); `data.on_bad_rows`
+decides whether a bad one stops the run (error) or is left out and counted (skip).
 """
 
 from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import datasets
 import numpy as np
 
-from lorakit.data.templates import prompt_columns, target_columns
+from lorakit.data.rows import COLUMNS_DOC, RowCollector, RowLocator, SourceRows
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
 
@@ -29,32 +27,8 @@ from lorakit.recipe.schema import DataSection
 SOURCE = "source"
 # Suffixes a local source may have, in the order a directory is searched for {split}{suffix}.
 _SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
-# Bad rows quoted by name in the terminal and in summary.json; the rest are only counted.
-MAX_QUOTED = 5
-# Where the documentation explains the errors of this step (printed after them by the CLIs).
-BAD_ROWS_DOC = "docs/data.md#bad-rows-dataon_bad_rows"
-COLUMNS_DOC = "docs/data.md#formats-and-the-columns-they-read"
+# Where the documentation explains over-long examples (printed after the error by the CLIs).
 OVERLONG_DOC = "docs/data.md#over-long-examples-dataoverlong"
-
-
-def required_columns(data: DataSection) -> dict[str, str]:
-    """{recipe field: column name} of the columns the recipe's data.format reads (instruction: every column
-    the prompt and target templates name)."""
-    if data.format == "completion":
-        return {"data.text_column": data.text_column}
-    if data.format == "chat":
-        return {"data.messages_column": data.messages_column}
-    fields: dict[str, str] = {}  # column -> the field that names it first
-    for p, column in prompt_columns(data).items():
-        fields.setdefault(column, "data.input_column" if p == "input" else f"data.prompt_template {{{p}}}")
-    for p, column in target_columns(data).items():
-        fields.setdefault(column, "data.target_column" if p == "target" else f"data.target_template {{{p}}}")
-    return {field: column for column, field in fields.items()}
-
-
-def label_columns(data: DataSection) -> set[str]:
-    """The columns whose class ids (integers) become label words: the target's."""
-    return set(target_columns(data).values()) if data.format == "instruction" else set()
 
 
 def table_label_names(data: DataSection, features: datasets.Features | None) -> list[str] | None:
@@ -116,207 +90,7 @@ def source_fingerprint(data: DataSection, split: str) -> str:
     return f"file:{file}:{stat.st_size}:{stat.st_mtime_ns}"
 
 
-@dataclass(frozen=True)
-class RowLocator:
-    """Names where row i of a loaded split came from: `data/train.jsonl line 182`, or `... row 181`.
-
-    Small and picklable, so tokenizing functions (datasets.map, maybe in worker processes) can carry it."""
-
-    origin: str
-    # "line": 1-based line of a text file; "row": 0-based index in a parquet file, JSON array or hub split.
-    unit: str
-    # positions[i] is where row i is, in units; None when row i is simply at i.
-    positions: np.ndarray | None = None
-
-    def __call__(self, i: int) -> str:
-        position = int(self.positions[i]) if self.positions is not None else i
-        return f"{self.origin} {self.unit} {position}"
-
-
-@dataclass
-class SourceRows:
-    """The usable rows of one split (only the columns data.format reads), where each came from, and the
-    bad rows that data.on_bad_rows skip left out."""
-
-    rows: datasets.Dataset
-    where: RowLocator
-    skipped: int = 0
-    # "ORIGIN line N: reason" of the first MAX_QUOTED rows left out.
-    quoted: list[str] = field(default_factory=list)
-    # The label words of a classification target (class ids became these), else None.
-    labels: list[str] | None = None
-
-
-_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
-
-
-def _json_type(value: Any) -> str:
-    return "null" if value is None else _JSON_TYPES.get(type(value), type(value).__name__)
-
-
-def text_problem(value: Any) -> str | None:
-    """Why `value` cannot be a text field (null, not a string, empty), or None when it can."""
-    if value is None:
-        return "is null"
-    if not isinstance(value, str):
-        return f"is {type(value).__name__}, not text: {value!r:.60}"
-    if not value.strip():
-        return "is empty"
-    return None
-
-
-def messages_problem(messages: Any) -> str | None:
-    """Why `messages` is not a non-empty list of {role, content} texts, or None when it is."""
-    if not isinstance(messages, list) or not messages:
-        return f"must be a non-empty list of {{role, content}} messages, got {type(messages).__name__}: {messages!r:.60}"
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict):
-            return f"message {j} is {type(m).__name__}, not a {{role, content}} mapping"
-        if not isinstance(m.get("role"), str) or not m["role"]:
-            return (
-                f"message {j} needs a text 'role', got {type(m.get('role')).__name__}: {m.get('role')!r:.60}"
-            )
-        if not isinstance(m.get("content"), str):
-            return f"message {j} needs a text 'content', got {type(m.get('content')).__name__}: {m.get('content')!r:.60}"
-    return None
-
-
-class _BadLabel(str):
-    """Why a target value is not a usable label (a str, so it reads as the reason)."""
-
-
-class _Collector:
-    """Checks rows as they are read and keeps the good ones, applying data.on_bad_rows to the others."""
-
-    def __init__(
-        self, data: DataSection, origin: str, unit: str, limit: int | None, labels: list[str] | None = None
-    ):
-        self.columns = required_columns(data)  # {field: column}
-        self.chat = data.messages_column if data.format == "chat" else None
-        # Class ids in these columns become labels[id]; with labels known, a text target must be one of them.
-        self.label_columns, self.labels = label_columns(data), labels
-        self.direct_label = data.target_template is None
-        self.policy, self.origin, self.unit, self.limit = data.on_bad_rows, origin, unit, limit
-        self.values: dict[str, list] = {c: [] for c in self.columns.values()}
-        self.positions: list[int] = []
-        self.skipped = 0
-        self.quoted: list[str] = []
-        # Keys seen in any row: a column no row has is a wrong column name (a recipe mistake), not bad rows.
-        self.seen: set[str] = set()
-        # Under policy error, the first row missing a column not seen yet: raised once some row has that
-        # column (the row is bad), or reported as a wrong column name if none has.
-        self.pending: tuple[str, str] | None = None
-
-    def full(self) -> bool:
-        return self.limit is not None and len(self.positions) >= self.limit
-
-    def problem(self, row: dict) -> tuple[str, str | None] | None:
-        """(reason, the missing column or None) of a bad row; None for a good one. Class ids in the target
-        are replaced by their label words in `row`."""
-        for column in self.values:
-            if column not in row:
-                return f"column {column!r} is missing", column
-            value = row[column]
-            if column in self.label_columns:
-                value = row[column] = self._label(value)
-                if isinstance(value, _BadLabel):
-                    return f"column {column!r} {value}", None
-            issue = messages_problem(value) if column == self.chat else text_problem(value)
-            if issue:
-                return f"column {column!r} {issue}", None
-        return None
-
-    def _label(self, value: Any) -> Any:
-        """A class id as its label word; a text label checked against the known labels."""
-        if isinstance(value, int) and not isinstance(value, bool):
-            if self.labels is None:
-                return _BadLabel(
-                    f"is the class id {value}, not text; give data.label_names to turn class ids into words"
-                )
-            if not 0 <= value < len(self.labels):
-                last = len(self.labels) - 1
-                return _BadLabel(f"is the class id {value}, outside 0..{last} (the labels are {self.labels})")
-            return self.labels[value]
-        if self.labels is not None and self.direct_label and isinstance(value, str) and value.strip():
-            if value not in self.labels:
-                return _BadLabel(f"is {value!r}, not one of the labels {self.labels}")
-        return value
-
-    def add(self, position: int, row: Any = None, reason: str | None = None) -> None:
-        """Take the row at `position`, or note that it could not be read (`reason`)."""
-        missing = None
-        if reason is None and not isinstance(row, dict):
-            reason = f"a JSON {_json_type(row)}, not an object of columns"
-        if reason is None:
-            self.seen.update(row)
-            if self.pending is not None and self.pending[1] in self.seen:
-                self._stop(self.pending[0])
-            bad = self.problem(row)
-            if bad is None:
-                for column, values in self.values.items():
-                    values.append(row[column])
-                self.positions.append(position)
-                return
-            reason, missing = bad
-        where = f"{self.origin} {self.unit} {position}: {reason}"
-        if self.policy == "error":
-            if missing is None or missing in self.seen:
-                self._stop(where)
-            if self.pending is None:
-                self.pending = (where, missing)
-            return
-        self.skipped += 1
-        if len(self.quoted) < MAX_QUOTED:
-            self.quoted.append(where)
-
-    def _stop(self, where: str) -> None:
-        raise DataError(
-            f"data.on_bad_rows is error: {where}. Fix or remove that row, or set data.on_bad_rows: skip to "
-            "leave such rows out (they are counted in summary.json)",
-            doc=BAD_ROWS_DOC,
-        )
-
-    def check_columns(self, available: Iterable[str]) -> None:
-        """DataError naming the recipe field of the first required column not in `available`."""
-        available = list(available)
-        for name, column in self.columns.items():
-            if column not in available:
-                raise DataError(
-                    f"{name}: column {column!r} not found in {self.origin}; available columns: {available}",
-                    doc=COLUMNS_DOC,
-                )
-
-    def finish(self) -> None:
-        """Raise what only the whole split can show: a column no row has, or no usable row at all."""
-        if self.seen:
-            self.check_columns(sorted(self.seen))
-        if self.pending is not None:
-            self._stop(self.pending[0])
-        if not self.positions:
-            if self.skipped:
-                raise DataError(
-                    f"data.on_bad_rows is skip, but all {self.skipped} rows of {self.origin} are bad, e.g. "
-                    + "; ".join(self.quoted[:2]),
-                    doc=BAD_ROWS_DOC,
-                )
-            raise DataError(f"data.source: {self.origin} has no rows")
-
-    def dataset(self) -> SourceRows:
-        """The kept rows as an in-memory Dataset, with their lines (or indices) and the skip count."""
-        self.finish()
-        features = {c: datasets.Value("string") for c in self.values if c != self.chat}
-        try:
-            if self.chat is None:
-                ds = datasets.Dataset.from_dict(self.values, features=datasets.Features(features))
-            else:
-                ds = datasets.Dataset.from_dict(self.values)
-        except (TypeError, ValueError) as e:  # pyarrow's ArrowInvalid / ArrowTypeError derive from these
-            raise DataError(f"{self.origin}: the rows cannot be stored as one table: {e}") from e
-        where = RowLocator(self.origin, self.unit, np.asarray(self.positions, dtype=np.int64))
-        return SourceRows(ds, where, self.skipped, self.quoted, self.labels)
-
-
-def _read_json_lines(path: Path, rows: _Collector) -> None:
+def _read_json_lines(path: Path, rows: RowCollector) -> None:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
@@ -333,7 +107,7 @@ def _read_json_lines(path: Path, rows: _Collector) -> None:
                 return
 
 
-def _read_json(path: Path, rows: _Collector) -> None:
+def _read_json(path: Path, rows: RowCollector) -> None:
     """A .json file: one JSON array of row objects, or JSON lines (what `datasets` also accepts)."""
     text = path.read_bytes()
     try:
@@ -359,7 +133,7 @@ def _read_json(path: Path, rows: _Collector) -> None:
             return
 
 
-def _read_csv(path: Path, rows: _Collector) -> None:
+def _read_csv(path: Path, rows: RowCollector) -> None:
     """A .csv file with a header line; every value is text (no type guessing: `007` stays `007`)."""
     # The csv module refuses fields over 128 KiB by default; a long document is a legitimate field. Only
     # ever raised, never lowered, so other users of the module keep at least the limit they had.
@@ -393,7 +167,7 @@ def _iter_table(ds: datasets.Dataset, columns: list[str]) -> Iterator[tuple[int,
             yield start + k, {c: batch[c][k] for c in columns}
 
 
-def _check_table(ds: datasets.Dataset, rows: _Collector) -> SourceRows:
+def _check_table(ds: datasets.Dataset, rows: RowCollector) -> SourceRows:
     """Apply the row checks to a split already in Arrow form (parquet, hub); rows are named by index."""
     rows.check_columns(ds.column_names)
     columns = list(rows.values)
@@ -436,10 +210,10 @@ def load_split(data: DataSection, split: str, limit: int | None = None) -> Sourc
                 f"data.source {data.source!r} (config {data.config!r}, split {split!r}): {e}"
             ) from e
         labels = table_label_names(data, ds.features)
-        return _check_table(ds, _Collector(data, f"{origin} split {split!r}", "row", limit, labels))
+        return _check_table(ds, RowCollector(data, f"{origin} split {split!r}", "row", limit, labels))
     file = _local_split_file(local, split)
     labels = data.label_names if data.format == "instruction" else None
-    rows = _Collector(data, _display(data.source, local, file), "line", limit, labels)
+    rows = RowCollector(data, _display(data.source, local, file), "line", limit, labels)
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq
 

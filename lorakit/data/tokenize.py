@@ -10,7 +10,8 @@ from typing import Any
 import datasets
 import numpy as np
 
-from lorakit.data.sources import OVERLONG_DOC, SOURCE, SourceRows
+from lorakit.data.rows import SourceRows
+from lorakit.data.sources import OVERLONG_DOC, SOURCE
 from lorakit.data.templates import fit_prompt, prompt_columns, render_prompt, render_target, rows_of
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorakit.data.sources import messages_problem, text_problem
+from lorakit.data.rows import messages_problem, text_problem
 from lorakit.data.templates import prompt_columns, render_prompt
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection

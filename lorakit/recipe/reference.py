@@ -1,7 +1,7 @@
 """python -m lorakit.recipe.reference [--write PATH]: the recipe reference (docs/recipes.md), generated
 from the schema.
 
-Every key, type, default and description comes from the pydantic models in lorakit.recipe.schema, and the
+Every key, type, default and description comes from the pydantic models of lorakit.recipe.schema (with method.py and data_section.py), and the
 cross-field rules are the messages their validators raise, so the page cannot drift from the code (a unit
 test compares docs/recipes.md with this generator's output).
 """
@@ -32,7 +32,7 @@ REGENERATE = "python -m lorakit.recipe.reference --write docs/recipes.md"
 _INTRO = f"""\
 # Recipe reference
 
-<!-- Generated from lorakit/recipe/schema.py by `{REGENERATE}`; do not edit by hand. -->
+<!-- Generated from the schema (lorakit/recipe/schema.py and its sections) by `{REGENERATE}`; do not edit by hand. -->
 
 A recipe is a YAML file with {{count}} sections, each a mapping of keys:
 

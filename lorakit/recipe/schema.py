@@ -1,44 +1,37 @@
-"""THE recipe schema: every key, type, default and cross-field check lives here.
+"""THE recipe schema: the Recipe, its sections and their cross-section checks. Every key, type, default and
+check lives in this package: the method section in method.py, the data section in data_section.py, the rest
+here; docs/recipes.md is generated from them (reference.py).
 
 A recipe is frozen after validation; values derived from it are functions, not stored fields.
 """
 
 from __future__ import annotations
 
-import string
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from lorakit.recipe.data_section import DataSection, SourceSpec, data_parts
+from lorakit.recipe.method import MethodSection
+from lorakit.recipe.section import Section, placeholders
+
+__all__ = [
+    "CheckpointSection",
+    "DataSection",
+    "DistributedSection",
+    "EvalSection",
+    "MethodSection",
+    "ModelSection",
+    "OutputSection",
+    "Recipe",
+    "SourceSpec",
+    "TrainSection",
+    "data_parts",
+    "placeholders",
+]
 
 
-def placeholders(template: str) -> list[str]:
-    """The column names in `template`'s braces, in order of first use; ValueError for anything else in
-    braces (an index, an attribute, a format spec) or an unbalanced brace."""
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as e:
-        raise ValueError(f"{e} (write {{{{ and }}}} for literal braces)") from None
-    names: list[str] = []
-    for _, name, spec, conversion in parsed:
-        if name is None:
-            continue
-        if not name.isidentifier() or spec or conversion:
-            shown = name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
-            raise ValueError(
-                f"{{{shown}}}: a placeholder is a column name in braces, like {{premise}} "
-                "(write {{ and }} for literal braces)"
-            )
-        if name not in names:
-            names.append(name)
-    return names
-
-
-class _Section(BaseModel):
-    # extra="forbid": a misspelled key is an error naming it, never silently None.
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
-
-
-class ModelSection(_Section):
+class ModelSection(Section):
     """The pretrained base model and how it is loaded."""
 
     name_or_path: str = Field(
@@ -71,394 +64,7 @@ class ModelSection(_Section):
     )
 
 
-class MethodSection(_Section):
-    """What is trained: a peft adapter (LoRA on a base in model.dtype or in 4 bits, or IA3) or every
-    parameter. See docs/methods.md."""
-
-    kind: Literal["lora", "qlora", "full", "ia3"] = Field(
-        "lora",
-        description="lora: train a LoRA adapter on the frozen base, kept in model.dtype; qlora: the same on "
-        "a base quantized to 4 bits (bitsandbytes NF4, double quantization, compute and storage in "
-        'model.dtype; needs pip install "lorakit[qlora]"), for when GPU memory is short; full: train every '
-        "weight; ia3: train IA3 scaling vectors (peft's IA3Config), far fewer weights than LoRA.",
-    )
-    quant_type: Literal["nf4", "fp4"] | None = Field(
-        None,
-        description="kind qlora: the 4-bit data type of the base. null means nf4 (NormalFloat4, the QLoRA "
-        "paper's choice); fp4 is plain 4-bit float. Only kind qlora quantizes: set with full or lora it is "
-        "an error.",
-    )
-    r: int = Field(16, ge=1, description="LoRA rank.")
-    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r).")
-    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
-    target_modules: Literal["all-linear"] | list[str] = Field(
-        "all-linear",
-        description="Modules that get the adapter: `all-linear` (LoRA: every linear layer but the output "
-        "head; ia3: peft's IA3 defaults for the architecture, e.g. T5 k, v, wo and Llama k_proj, v_proj, "
-        "down_proj) or a list of module-name suffixes such as [q, k, v, o].",
-    )
-    use_dora: bool = Field(
-        False,
-        description="LoRA, qlora: DoRA (peft use_dora), a LoRA direction plus a trained magnitude per output "
-        "feature of each adapted layer.",
-    )
-    use_rslora: bool = Field(
-        False,
-        description="LoRA, qlora: rank-stabilized LoRA (peft use_rslora), scaling the update by "
-        "alpha / sqrt(r) instead of alpha / r.",
-    )
-    init: Literal["default", "pissa", "olora", "gaussian"] = Field(
-        "default",
-        description="LoRA: how the adapter starts (peft init_lora_weights). default: B = 0; gaussian: A "
-        "Gaussian, B = 0; pissa / olora: A and B from the base weight's principal singular vectors / a QR "
-        "decomposition, subtracted from the base. The saved adapter is converted to a plain LoRA adapter of "
-        "rank 2r on the original base (docs/methods.md), so it loads and merges like any other.",
-    )
-    lr_ratio_b: float | None = Field(
-        None,
-        gt=0,
-        description="LoRA+: the lora_B matrices (and 1-D trainable weights, as peft's LoRA+ groups them) "
-        "train at train.lr x this ratio, through their own optimizer parameter group; null: one learning "
-        "rate. The LoRA+ paper suggests 16.",
-    )
-    modules_to_save: list[str] | None = Field(
-        None,
-        description="Adapters: modules trained in full next to the adapter and saved with it (peft "
-        "modules_to_save), e.g. [embed_tokens, lm_head] for an extended vocabulary.",
-    )
-    feedforward_modules: list[str] | None = Field(
-        None,
-        description="kind ia3: the target modules whose input (not output) is scaled, a subset of "
-        "target_modules; null: peft's defaults with target_modules all-linear, else none.",
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> MethodSection:
-        if isinstance(self.target_modules, list) and not self.target_modules:
-            raise ValueError("method.target_modules: give at least one module name, or `all-linear`")
-        if self.quant_type is not None and self.kind == "full":
-            raise ValueError(
-                "method.quant_type: full fine-tuning cannot train a 4-bit base (bitsandbytes' 4-bit weights "
-                "are frozen, and full has no adapter to train on top of them); use method.kind: qlora, or "
-                "remove method.quant_type"
-            )
-        if self.quant_type is not None and self.kind == "ia3":
-            raise ValueError(
-                "method.quant_type: kind ia3 keeps the base in model.dtype (lorakit quantizes the base for a "
-                "LoRA adapter only); use method.kind: qlora, or remove method.quant_type"
-            )
-        if self.quant_type is not None and self.kind == "lora":
-            raise ValueError(
-                "method.quant_type: kind lora keeps the base in model.dtype; use method.kind: qlora for a "
-                "4-bit base"
-            )
-        if not self.lora():
-            for name in self._lora_options_set():
-                raise ValueError(
-                    f"method.{name}: a LoRA option, and kind {self.kind} trains no LoRA adapter; use kind "
-                    "lora or qlora, or remove it"
-                )
-        if self.modules_to_save is not None and (self.kind == "full" or not self.modules_to_save):
-            raise ValueError(
-                "method.modules_to_save: kind full trains every module already"
-                if self.kind == "full"
-                else "method.modules_to_save: give at least one module name, or null"
-            )
-        if self.feedforward_modules is not None and self.kind != "ia3":
-            raise ValueError("method.feedforward_modules: only kind ia3 scales feedforward inputs")
-        if self.feedforward_modules is not None and not (
-            isinstance(self.target_modules, list)
-            and set(self.feedforward_modules) <= set(self.target_modules)
-        ):
-            raise ValueError(
-                "method.feedforward_modules: must be a subset of a method.target_modules list (with all-linear "
-                "peft picks both for the architecture)"
-            )
-        self._check_combinations()
-        return self
-
-    def _lora_options_set(self) -> list[str]:
-        options = {"use_dora": self.use_dora, "use_rslora": self.use_rslora, "lr_ratio_b": self.lr_ratio_b}
-        named = [name for name, value in options.items() if value]
-        return named + (["init"] if self.init != "default" else [])
-
-    def _check_combinations(self) -> None:
-        """What peft cannot do, found by trying (tests/unit/test_methods.py shows the failure)."""
-        if self.kind == "qlora" and self.init == "pissa":
-            # peft's pissa_init decomposes the weight tensor as it finds it: a 4-bit weight stored as uint8 is
-            # refused (TypeError), and one stored in model.dtype (lorakit's quant storage) is the packed 4-bit
-            # bytes read as numbers: the SVD fails on non-finite values. olora_init dequantizes first.
-            raise ValueError(
-                "method.init: pissa decomposes the base weights, which peft cannot do on a 4-bit base; use kind "
-                "lora, or init olora / default / gaussian"
-            )
-
-    def adapter(self) -> bool:
-        """Whether the method trains a peft adapter (lora, qlora, ia3) rather than every weight (full)."""
-        return self.kind in ("lora", "qlora", "ia3")
-
-    def lora(self) -> bool:
-        """Whether the adapter is LoRA (lora, qlora), the kind the LoRA options (DoRA, rsLoRA, init, LoRA+)
-        apply to."""
-        return self.kind in ("lora", "qlora")
-
-    def mutates_base(self) -> bool:
-        """Whether the adapter's init rewrites the base weights (pissa, olora): its saved form is converted."""
-        return self.init in ("pissa", "olora")
-
-    def options(self) -> list[str]:
-        """The options set on the method, as comparisons label runs: dora, rslora, pissa, lora+ x16, ..."""
-        named = [name for name, on in (("dora", self.use_dora), ("rslora", self.use_rslora)) if on]
-        named += [self.init] if self.init != "default" else []
-        named += [f"lora+ x{self.lr_ratio_b:g}"] if self.lr_ratio_b else []
-        named += [f"full {','.join(self.modules_to_save)}"] if self.modules_to_save else []
-        return named
-
-    def quantization(self) -> str | None:
-        """The base's 4-bit data type (nf4, fp4), or None when the base is not quantized."""
-        if self.kind != "qlora":
-            return None
-        return self.quant_type or "nf4"
-
-
-def _check_templates(owner: str, prompt_template: str | None, target_template: str | None) -> None:
-    for name, template in (("prompt_template", prompt_template), ("target_template", target_template)):
-        if template is None:
-            continue
-        try:
-            fields = placeholders(template)
-        except ValueError as e:
-            raise ValueError(f"{owner}.{name} has a bad placeholder: {e}") from None
-        if not fields:
-            raise ValueError(
-                f"{owner}.{name} names no column: put one in braces, e.g. {{input}} or {{premise}}"
-            )
-
-
-class SourceSpec(_Section):
-    """One source of a dataset mixture (data.source given as a list). Keys left unset take the data
-    section's value; each source may name its own columns and templates."""
-
-    source: str = Field(description="As data.source: a hub id, a local file or directory, or builtin:NAME.")
-    name: str | None = Field(
-        None, description="Name in summary.json and per-source metrics; default: the source's last path part."
-    )
-    config: str | None = Field(None, description="Hub configuration name.")
-    split: str | None = Field(None, description="Split to train on; default data.split.")
-    eval_split: str | None = Field(
-        "auto", description="Split to evaluate on (as data.eval_split); null: this source adds no eval rows."
-    )
-    weight: float | None = Field(
-        None,
-        gt=0,
-        description="Share of the mixture's training examples, relative to the other weighted sources.",
-    )
-    max_samples: int | None = Field(
-        None, ge=1, description="Exactly this many training examples from this source (instead of a weight)."
-    )
-    input_column: str | None = None
-    target_column: str | None = None
-    text_column: str | None = None
-    messages_column: str | None = None
-    prompt_template: str | None = None
-    target_template: str | None = None
-    label_names: list[str] | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> SourceSpec:
-        if self.weight is not None and self.max_samples is not None:
-            raise ValueError(
-                f"data.source {self.source!r}: give a weight or max_samples, not both (a weight is a share of "
-                "the mixture, max_samples an exact count)"
-            )
-        _check_templates("data.source[]", self.prompt_template, self.target_template)
-        return self
-
-    def display_name(self) -> str:
-        """The source's name in summaries: `name`, else the last part of its path or id."""
-        return self.name or self.source.removeprefix("builtin:").rstrip("/").rsplit("/", 1)[-1]
-
-
-# Per-source keys a mixture entry may set for itself (None: the data section's value).
-_PER_SOURCE = (
-    "config",
-    "split",
-    "eval_split",
-    "input_column",
-    "target_column",
-    "text_column",
-    "messages_column",
-    "prompt_template",
-    "target_template",
-    "label_names",
-)
-
-
-class DataSection(_Section):
-    """Where examples come from and how they become tokens."""
-
-    source: str | list[SourceSpec] = Field(
-        description="Hub dataset id (loaded with datasets.load_dataset), a local .json/.jsonl/.csv/.parquet "
-        "file, a local directory holding {split}.{ext} files, or `builtin:NAME` for a dataset shipped "
-        "with lorakit (builtin:news_summaries). Or a mixture: a list of {source, name, config, split, "
-        "eval_split, weight | max_samples, columns and templates} whose training rows are drawn by weight "
-        "(with data.split_seed); every example keeps its source's name (docs/data.md#dataset-mixtures)."
-    )
-    config: str | None = Field(None, description="Hub dataset configuration name, e.g. `3.0.0`.")
-    split: str = Field("train", description="Split to train on.")
-    eval_split: str | None = Field(
-        "auto",
-        description="Split to evaluate on. auto: the source's `validation` split when it has one, else a "
-        "held-out part of the training split (data.val_size); null disables evaluation data.",
-    )
-    val_size: float | int | None = Field(
-        None,
-        description="Hold out this part of the training split for evaluation, never trained on: a fraction "
-        "(0 < x < 1) or a number of rows, picked at random with data.split_seed (the same rows on every run "
-        "of the same data, however max_samples is set). Unset with eval_split auto and no `validation` split: "
-        "5% of the rows, at least 1 and at most 1000. Needs eval_split auto.",
-    )
-    split_seed: int = Field(0, description="Seed of the held-out rows that data.val_size picks.")
-    format: Literal["instruction", "completion", "chat"] = Field(
-        "instruction",
-        description="instruction: (input, target) text pairs, the input put through prompt_template (the "
-        "only format for encoder-decoder models); completion: one text column, every token trained "
-        "(causal LMs); chat: a column of messages [{role, content}, ...] rendered with the tokenizer's chat "
-        "template, loss on the assistant turns (causal LMs).",
-    )
-    input_column: str = Field(
-        "input", description="instruction: the column `{input}` reads in data.prompt_template."
-    )
-    target_column: str = Field(
-        "target",
-        description="instruction: column with the text the model must produce, or with class ids (integers) "
-        "that become label words (the dataset's ClassLabel names, or data.label_names).",
-    )
-    target_template: str | None = Field(
-        None,
-        description="instruction: template of the target, `{name}` taking column `name` (`{target}`: "
-        "data.target_column); null: data.target_column as it is.",
-    )
-    label_names: list[str] | None = Field(
-        None,
-        description="instruction: the words for class ids 0, 1, ... in data.target_column (e.g. [entailment, "
-        "neutral, contradiction]); default: the dataset's ClassLabel names when it has them. With labels "
-        "known, evaluation reports per-class counts and a confusion matrix.",
-    )
-    text_column: str = Field("text", description="completion: column with the text to train on.")
-    messages_column: str = Field("messages", description="chat: column with the list of messages.")
-    train_on_inputs: bool = Field(
-        False,
-        description="Causal LMs: also take the loss on prompt tokens (instruction) or on system and user "
-        "turns (chat). Off by default: the loss is on responses only.",
-    )
-    prompt_template: str = Field(
-        "{input}",
-        description="instruction: template of the model input; `{name}` takes column `name` of the data "
-        "(`{input}`: data.input_column), e.g. `mnli hypothesis: {hypothesis} premise: {premise}`. Every "
-        "named column must exist (checked before anything is written); `{{`/`}}` are literal braces.",
-    )
-    max_samples: int | None = Field(None, ge=1, description="Use at most this many training rows.")
-    max_eval_samples: int | None = Field(None, ge=1, description="Use at most this many evaluation rows.")
-    max_source_length: int | Literal["auto"] = Field(
-        "auto",
-        description="Token cap on the templated input. auto: the longest templated input, capped at the "
-        "model's maximum length.",
-    )
-    max_target_length: int | Literal["auto"] = Field(
-        "auto",
-        description="Token cap on the target. auto: the 95th percentile of target lengths (with "
-        "data.overlong drop or error: the longest target, capped at the model's maximum length).",
-    )
-    max_length: int | Literal["auto"] = Field(
-        "auto",
-        description="Causal LMs: token cap on a whole example (prompt and response). auto: the longest "
-        "example, capped at the model's maximum length.",
-    )
-    overlong: Literal["truncate", "drop", "error"] = Field(
-        "truncate",
-        description="What happens to an example longer than its cap (max_length, or train.max_tokens when "
-        "packing; max_source/target_length for encoder-decoders): truncate it, drop it, or stop with an "
-        "error naming the row. Truncated and dropped examples are counted in summary.json.",
-    )
-    on_bad_rows: Literal["error", "skip"] = Field(
-        "error",
-        description="A row that cannot become an example: a line that is not valid JSON (.jsonl), a missing "
-        "column, a null, empty or non-text field, or (chat) messages that are not a list of {role, content} "
-        "texts. error: stop with a message naming the file and line (the row index for hub datasets and "
-        "parquet files); skip: leave it out, print how many were left out with the first reasons, and count "
-        "them in summary.json (data.bad_rows). Over-long examples are data.overlong's business. See "
-        "docs/data.md.",
-    )
-    packing: bool | Literal["auto"] = Field(
-        "auto",
-        description="Pack several examples into one row, so no compute goes to padding; attention never "
-        "crosses examples. Causal LMs: rows of up to train.max_tokens tokens (multipack sampler). "
-        "Encoder-decoders: an encoder row and a decoder row per micro-batch, of micro_batch_size random "
-        "examples (the optimizer steps of random padded batches), or with train.max_tokens / "
-        "max_target_tokens set, filled to those budgets by a two-capacity multipack sampler; T5-family "
-        "models on sdpa or eager. auto: on for causal LMs and for T5 on "
-        "sdpa or eager, off for other encoder-decoders (padded micro-batches of similar lengths sized by "
-        "train.max_tokens / max_target_tokens); false: fixed micro-batches of micro_batch_size "
-        "grouped by length and padded to their longest member. See docs/packing.md.",
-    )
-    group_by_length: bool = Field(
-        True,
-        description="Without packing: put examples of similar length in the same micro-batch, so padding to "
-        "the longest member wastes little. false: random micro-batches (more padding, fully random order).",
-    )
-    cache_dir: str = Field(
-        "~/.cache/lorakit", description="Where tokenized datasets and built tiny models are cached."
-    )
-    num_proc: int = Field(1, ge=1, description="Processes for tokenization (datasets.map).")
-
-    @model_validator(mode="after")
-    def _check(self) -> DataSection:
-        _check_templates("data", self.prompt_template, self.target_template)
-        if isinstance(self.source, list):
-            if not self.source:
-                raise ValueError("data.source: an empty list; give one source or a list of several")
-            names = [spec.display_name() for spec in self.source]
-            if len(set(names)) != len(names):
-                raise ValueError(f"data.source: two sources share a name ({names}); give each a `name`")
-        if self.label_names is not None and (
-            len(self.label_names) < 2 or len(set(self.label_names)) != len(self.label_names)
-        ):
-            raise ValueError("data.label_names: give at least two different label words")
-        if self.val_size is not None:
-            if isinstance(self.val_size, float) and not 0 < self.val_size < 1:
-                raise ValueError("data.val_size: a fraction must be between 0 and 1 (or give a row count)")
-            if isinstance(self.val_size, int) and self.val_size < 1:
-                raise ValueError("data.val_size: a row count must be >= 1")
-            if self.eval_split != "auto":
-                raise ValueError(
-                    f"data.val_size holds rows out of the training split for evaluation, but data.eval_split "
-                    f"is {self.eval_split!r}; set data.eval_split: auto, or remove data.val_size"
-                )
-        for name in ("max_source_length", "max_target_length", "max_length"):
-            value = getattr(self, name)
-            if isinstance(value, int) and value < 1:
-                raise ValueError(f"data.{name} must be >= 1 or 'auto'")
-        return self
-
-
-def _part(data: DataSection, spec: SourceSpec) -> DataSection:
-    own = {k: getattr(spec, k) for k in _PER_SOURCE if getattr(spec, k) is not None}
-    if spec.eval_split is None:
-        own["eval_split"] = None
-    # Built from validated parts: no re-validation (a copy, not a recipe of its own).
-    return data.model_copy(update={"source": spec.source, **own})
-
-
-def data_parts(data: DataSection) -> list[tuple[str, DataSection, SourceSpec | None]]:
-    """(name, the data section as seen by one source, its mixture entry) for every source: one part with no
-    entry for a single data.source."""
-    if not isinstance(data.source, list):
-        return [(str(data.source), data, None)]
-    return [(spec.display_name(), _part(data, spec), spec) for spec in data.source]
-
-
-class TrainSection(_Section):
+class TrainSection(Section):
     """Optimisation hyper-parameters."""
 
     epochs: int = Field(1, ge=1, description="Passes over the training data (ignored when max_steps is set).")
@@ -527,7 +133,7 @@ class TrainSection(_Section):
     )
 
 
-class CheckpointSection(_Section):
+class CheckpointSection(Section):
     """Resumable checkpoints: DeepSpeed engine state (weights, optimizer, scheduler), sampler position, RNG
     states and loop counters, written atomically under output.dir/checkpoints. See docs/resume.md."""
 
@@ -562,7 +168,7 @@ class CheckpointSection(_Section):
 ZERO_PLUS_PLUS = ("hpz_partition_size", "quantized_weights", "quantized_gradients")
 
 
-class DistributedSection(_Section):
+class DistributedSection(Section):
     """How the work is spread over processes with DeepSpeed ZeRO."""
 
     num_processes: int = Field(
@@ -633,7 +239,7 @@ class DistributedSection(_Section):
         return self
 
 
-class EvalSection(_Section):
+class EvalSection(Section):
     """Evaluation during training, after each epoch and every eval.every steps: loss, and generation
     metrics. See docs/observe.md."""
 
@@ -669,7 +275,7 @@ class EvalSection(_Section):
     micro_batch_size: int | None = Field(None, ge=1, description="Eval batch size; default train's.")
 
 
-class OutputSection(_Section):
+class OutputSection(Section):
     """Where the run directory goes."""
 
     dir: str = Field(
@@ -705,7 +311,7 @@ class OutputSection(_Section):
         return self
 
 
-class Recipe(_Section):
+class Recipe(Section):
     """A complete, validated, frozen training recipe."""
 
     model: ModelSection

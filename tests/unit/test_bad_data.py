@@ -7,7 +7,8 @@ import re
 import pytest
 
 from lorakit.data import prepare_data
-from lorakit.data.sources import MAX_QUOTED, load_split
+from lorakit.data.rows import MAX_QUOTED
+from lorakit.data.sources import load_split
 from lorakit.errors import DataError
 from lorakit.model import load_config, load_tokenizer
 from lorakit.recipe import recipe_from_dict

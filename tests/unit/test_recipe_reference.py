@@ -21,7 +21,7 @@ def _row(page: str, dotted: str) -> str:
 def test_committed_page_matches_the_generator():
     assert DOC.is_file(), f"docs/recipes.md is missing: run `{REGENERATE}`"
     assert DOC.read_text(encoding="utf-8") == generate(), (
-        f"docs/recipes.md is out of date with lorakit/recipe/schema.py: run `{REGENERATE}`"
+        f"docs/recipes.md is out of date with the schema (lorakit/recipe/): run `{REGENERATE}`"
     )
 
 
