@@ -126,8 +126,9 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(reference, cach
     crashed = launch(recipe, fault="crash-save:4")
     assert crashed.returncode != 0
     root = tmp_path / "run" / "checkpoints"
-    # The half-published step 4 is left as a temporary directory; step 2 is intact and the newest.
-    assert (root / ".tmp-step-00000004").is_dir()
+    # Step 2 is intact and the newest; the half-written step 4 was never published, and the launcher removed
+    # it once torchrun had stopped every worker (a launcher killed outright leaves it to the next save's prune).
+    assert not (root / ".tmp-step-00000004").exists() and not (root / "step-00000004").exists()
     assert [c.step for c in complete_checkpoints(tmp_path / "run")] == [2]
 
     resumed = launch(recipe)
