@@ -691,7 +691,9 @@ def write_result(result: dict, output: Path, out_dir: Path | None) -> None:
 def run_gpu_tests(log_path: Path, log) -> dict:
     """pytest -m gpu tests/gpu, output appended to the log; the counts go into the result."""
     start = time.perf_counter()
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider"]
+    # One process on the one GPU, and no pytest-xdist there: the machine has pytest, not the dev extra.
+    command = [sys.executable, "-m", "pytest", "-q", "-o", "addopts=-ra", "-m", "gpu", "tests/gpu"]
+    command += ["-p", "no:cacheprovider"]
     proc = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with open(log_path, "a") as f:
         f.write("\n===== pytest -m gpu tests/gpu\n" + proc.stdout)
