@@ -282,7 +282,8 @@ def save_checkpoint(
     name = f"step-{loop.step:08d}"
     final, tmp = root / name, root / f"{_TMP_PREFIX}{name}"
     # A full disk on any rank: its partial files go, the previous checkpoint stays the newest complete one.
-    # (The other ranks wait at the next barrier until the launcher stops them and removes what they wrote.)
+    # (The other ranks wait at the next barrier until the launcher stops them; lorakit's launcher then removes
+    # what they wrote, and under another launcher the next save's prune does.)
     with storage.writing(
         f"the checkpoint of step {loop.step}", final, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)
     ):
