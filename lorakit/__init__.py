@@ -63,6 +63,15 @@ def compare(run_dirs, **options):
     return _compare(run_dirs, **options)
 
 
+def push(source, repo_id, **options):
+    """Push a run's adapter (or model), its merged export when it has one, or an export directory to the
+    Hugging Face Hub repository `repo_id` in one commit with a model card; returns PushResult. Options:
+    private, revision, create_pr. See lorakit.export.publish and docs/publish.md."""
+    from lorakit.export.publish import push as _push
+
+    return _push(source, repo_id, **options)
+
+
 def prepare(recipe):
     """Tokenize and cache a recipe's data without training. See lorakit.api.prepare."""
     from lorakit.api import prepare as _prepare
@@ -83,5 +92,6 @@ __all__ = [
     "merge",
     "plan",
     "prepare",
+    "push",
     "train",
 ]

@@ -18,7 +18,8 @@ from lorakit.engine.deepspeed_config import check_zero_plus_plus
 from lorakit.engine.job import TrainResult, accelerator_name
 from lorakit.engine.launch import launch_env, launched_distributed, process_group, torchrun_command
 from lorakit.engine.signals import STOP_SIGNALS
-from lorakit.errors import DiskFullError, RunDirError, RunLockedError
+from lorakit.errors import DiskFullError, PublishError, RunDirError, RunLockedError
+from lorakit.export import publish
 from lorakit.model import load_config, load_tokenizer
 from lorakit.observe import trackers
 from lorakit.recipe import Recipe, dump_recipe
@@ -65,6 +66,8 @@ def train(recipe: Recipe) -> TrainResult:
     # Likewise the libraries of output.report_to (wandb, mlflow, tensorboard): a missing one is exit 2 now,
     # not a crash of rank 0 after the model has loaded.
     trackers.require(recipe.output.report_to)
+    if recipe.output.push_to_hub is not None:
+        publish.check_ready()  # HF_HUB_OFFLINE or no token: refused now, not after training
 
     if launched_distributed():
         # Workers of `python -m lorakit.run` find their launcher's lock token in their environment; a job
@@ -97,6 +100,8 @@ def _train_in_group(recipe: Recipe, *, lock_on_rank0: bool) -> TrainResult:
             main = dist.is_main()
         if recipe.output.merge and main:
             result = _recording_exit(run_dir, merge_after_training, recipe, result)
+        if recipe.output.push_to_hub is not None and main:
+            result = _recording_exit(run_dir, publish.push_after_training, recipe, result)
         return result
     finally:
         if lock is not None:
@@ -124,13 +129,13 @@ def _lock_on_rank0(recipe: Recipe) -> runlock.RunLock | None:
 
 
 def _recording_exit(run_dir: Path, fn, *args):
-    """Run `fn(*args)`; a DiskFullError is recorded in run_dir/exit.json for the launcher to exit with its
-    code (any rank may hit it: each writes its own shards)."""
+    """Run `fn(*args)`; a DiskFullError (any rank may hit it: each writes its own shards) or a PublishError
+    (rank 0's push) is recorded in run_dir/exit.json for the launcher to exit with its code."""
     from lorakit.engine.job import EXIT
 
     try:
         return fn(*args)
-    except DiskFullError as e:
+    except (DiskFullError, PublishError) as e:
         with contextlib.suppress(OSError, DiskFullError):
             rundir.write_json(
                 run_dir / EXIT, {"code": e.exit_code, "error": type(e).__name__, "message": str(e)}
@@ -216,5 +221,6 @@ def _raise_worker_exit(run_dir: Path) -> None:
         return
     info = json.loads(path.read_text())
     kinds = {"Preempted": Preempted, "TrainingDiverged": TrainingDiverged, "DiskFullError": DiskFullError}
+    kinds["PublishError"] = PublishError
     if info.get("error") in kinds:
         raise kinds[info["error"]](info["message"])

@@ -7,7 +7,8 @@ An error may name the documentation page that explains the fix:
 Exit codes of the commands (docs/resume.md#exit-codes): 0 done; 2 bad input, a run directory that cannot
 take the run or is locked by another run (every LorakitError unless it says otherwise); 3 a merge whose
 check failed (VerificationError); 4 a non-finite loss (TrainingDiverged); 74 no space left while writing
-(DiskFullError); 75 preempted, relaunch to resume (Preempted); anything else is a crash.
+(DiskFullError); 69 a push to the Hugging Face Hub that did not happen (PublishError); 75 preempted, relaunch
+to resume (Preempted); anything else is a crash.
 """
 
 from __future__ import annotations
@@ -117,3 +118,13 @@ class DiskFullError(LorakitError):
 class MissingExtraError(RecipeError):
     """The recipe asks for an optional backend (output.report_to: wandb, mlflow, ...) whose library is not
     installed; the message names the extra to install. Raised before any training work."""
+
+
+class PublishError(LorakitError):
+    """A push to the Hugging Face Hub did not happen: offline mode, no token, a refused token or repository,
+    an unreachable or interrupted Hub. The local run or export is complete and untouched, so it is neither
+    bad input (2) nor a crash: its own exit code, EX_UNAVAILABLE of sysexits.h. The message says what to do;
+    the same push can be run again with `python -m lorakit.push`."""
+
+    exit_code = 69
+    doc = "docs/publish.md#when-a-push-fails"

@@ -23,6 +23,7 @@ __all__ = [
     "MethodSection",
     "ModelSection",
     "OutputSection",
+    "PushToHubSection",
     "Recipe",
     "SourceSpec",
     "TrainSection",
@@ -275,6 +276,25 @@ class EvalSection(Section):
     micro_batch_size: int | None = Field(None, ge=1, description="Eval batch size; default train's.")
 
 
+class PushToHubSection(Section):
+    """output.push_to_hub: where the trained model goes on the Hugging Face Hub (docs/publish.md)."""
+
+    repo_id: str = Field(
+        pattern=r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$",
+        description="The model repository, OWNER/NAME (your user or organization name); created when it "
+        "does not exist.",
+    )
+    private: bool = Field(
+        False, description="Create the repository private (an existing repository keeps its visibility)."
+    )
+    revision: str | None = Field(
+        None, description="Branch to commit to, created when missing; null: main.", min_length=1
+    )
+    create_pr: bool = Field(
+        False, description="Open a pull request with the commit instead of committing to the branch."
+    )
+
+
 class OutputSection(Section):
     """Where the run directory goes."""
 
@@ -299,6 +319,14 @@ class OutputSection(Section):
         "sharded safetensors in run_dir/merged, in model.dtype, verified like `python -m lorakit.merge` "
         "(rank 0, in the training process); summary.json records merged_dir. See docs/merge.md.",
     )
+    push_to_hub: PushToHubSection | None = Field(
+        None,
+        description="{repo_id, private, revision, create_pr}: at the end of a run whose every check passed "
+        "(the merge's included), rank 0 pushes the adapter (or model), and the merged model with "
+        "output.merge, to the Hugging Face Hub in one commit, with a model card, recipe.yaml and loss.png; "
+        "the token comes from HF_TOKEN or `hf auth login`, checked before training. A failed push leaves the "
+        "run complete (exit code 69; push it again with `python -m lorakit.push`). See docs/publish.md.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> OutputSection:
@@ -307,6 +335,10 @@ class OutputSection(Section):
         if self.merge and not self.save_adapter:
             raise ValueError(
                 "output.merge needs output.save_adapter: true (the merge reads the saved adapter or model)"
+            )
+        if self.push_to_hub is not None and not self.save_adapter:
+            raise ValueError(
+                "output.push_to_hub needs output.save_adapter: true (the push uploads the saved adapter or model)"
             )
         return self
 
