@@ -29,7 +29,8 @@ _ADAPTER_NAMES = {"qlora": "a QLoRA", "ia3": "an IA3"}
 
 def _hub_id(name: str) -> bool:
     # The hub's `base_model` field takes repository ids only, not tiny:* names or local paths.
-    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", name)) and not Path(name).exists()
+    # OWNER/NAME, each starting with a letter or digit (so ./model and ../x are paths).
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", name)) and not Path(name).exists()
 
 
 def model_card(

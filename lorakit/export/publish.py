@@ -202,10 +202,9 @@ def _describe(layout: str) -> str:
 
 
 def _check_repo_id(repo_id: str) -> None:
-    from lorakit.recipe.schema import PushToHubSection
+    from lorakit.recipe.schema import REPO_ID_PATTERN
 
-    pattern = PushToHubSection.model_fields["repo_id"].metadata[0].pattern
-    if not re.fullmatch(pattern, repo_id):
+    if not re.fullmatch(REPO_ID_PATTERN, repo_id):
         raise LorakitError(
             f"{repo_id!r}: a repository id is OWNER/NAME (your user or organization, then the model's name)",
             doc=f"{DOC}#what-is-pushed",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -83,10 +85,17 @@ def _dotted(loc: tuple) -> str:
         elif model is not None and not part.startswith("function-"):
             parts.append(part)
             field = model.model_fields.get(part)
-            annotation = field.annotation if field is not None else None
-            is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
-            model = annotation if is_section else None
+            model = _section_type(field.annotation) if field is not None else None
     return ".".join(parts)
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    """The section a field holds: its type, or X of an optional section `X | None` (output.push_to_hub)."""
+    members = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else ()
+    for option in members or (annotation,):
+        if isinstance(option, type) and issubclass(option, BaseModel):
+            return option if all(m in (option, type(None)) for m in members) else None
+    return None
 
 
 def _validation_lines(err: ValidationError) -> list[str]:

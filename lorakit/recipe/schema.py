@@ -276,11 +276,15 @@ class EvalSection(Section):
     micro_batch_size: int | None = Field(None, ge=1, description="Eval batch size; default train's.")
 
 
+# A Hub repository id: OWNER/NAME (what the Hub accepts for both parts, without its length limits).
+REPO_ID_PATTERN = r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$"
+
+
 class PushToHubSection(Section):
     """output.push_to_hub: where the trained model goes on the Hugging Face Hub (docs/publish.md)."""
 
     repo_id: str = Field(
-        pattern=r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$",
+        pattern=REPO_ID_PATTERN,
         description="The model repository, OWNER/NAME (your user or organization name); created when it "
         "does not exist.",
     )
@@ -321,7 +325,8 @@ class OutputSection(Section):
     )
     push_to_hub: PushToHubSection | None = Field(
         None,
-        description="{repo_id, private, revision, create_pr}: at the end of a run whose every check passed "
+        description="{repo_id: OWNER/NAME (required), private: false, revision: null (main; a branch is "
+        "created when missing), create_pr: false}: at the end of a run whose every check passed "
         "(the merge's included), rank 0 pushes the adapter (or model), and the merged model with "
         "output.merge, to the Hugging Face Hub in one commit, with a model card, recipe.yaml and loss.png; "
         "the token comes from HF_TOKEN or `hf auth login`, checked before training. A failed push leaves the "
