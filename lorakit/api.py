@@ -66,8 +66,7 @@ def train(recipe: Recipe) -> TrainResult:
     # Likewise the libraries of output.report_to (wandb, mlflow, tensorboard): a missing one is exit 2 now,
     # not a crash of rank 0 after the model has loaded.
     trackers.require(recipe.output.report_to)
-    if recipe.output.push_to_hub is not None:
-        publish.check_ready()  # HF_HUB_OFFLINE or no token: refused now, not after training
+    publish.check_before_training(recipe.output.push_to_hub)
 
     if launched_distributed():
         # Workers of `python -m lorakit.run` find their launcher's lock token in their environment; a job

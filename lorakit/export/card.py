@@ -186,7 +186,13 @@ def hub_card(f: HubFacts) -> str:
         lines += ["", "![training loss per step](loss.png)"]
     lines += _evaluation(s, f.images)
     if f.verification:
-        lines += ["", "## Verification", "", "The merged weights were checked against the adapter model:", ""]
+        lines += [
+            "",
+            "## Verification",
+            "",
+            "The export was checked against the model it came from (a fixed probe batch's logits):",
+            "",
+        ]
         lines += [f"- {line}" for line in f.verification]
     if f.recipe_text:
         lines += ["", "## Recipe", "", "```yaml", f.recipe_text.rstrip(), "```"]

@@ -71,6 +71,14 @@ def check_ready() -> str:
     return token
 
 
+def check_before_training(options: Any) -> None:
+    """output.push_to_hub (`options`, None when off): what the push would refuse after training (offline
+    mode, no token) is refused before it, by the process that will push or launch the workers (rank 0, or
+    no launcher: other ranks may not have the token, and need none)."""
+    if options is not None and os.environ.get("RANK", "0") == "0":
+        check_ready()
+
+
 def collect(source: str | Path, repo_id: str) -> Bundle:
     """The files and model card of a push of `source`: a run directory (its adapter or model, and its merged
     export when there is one), or one of its adapter/, model/, merged/ directories, or an adapter or merged
@@ -95,11 +103,11 @@ def collect(source: str | Path, repo_id: str) -> Bundle:
                 "false); there is nothing to push",
                 doc=f"{DOC}#what-is-pushed",
             )
-        if recipe.method.adapter() and merged is not None:
+        if recipe.method.adapter() and merged is not None and _is_model(trained):
             parts, layout = {"": merged, ADAPTER_SUBFOLDER: trained}, "both"
         else:
             parts = {"": merged or trained}
-            layout = "adapter" if recipe.method.adapter() and merged is None else "merged"
+            layout = "merged" if merged is not None or not recipe.method.adapter() else "adapter"
     elif _is_model(p):
         parts, layout = {"": p}, "adapter" if (p / "adapter_config.json").is_file() else "merged"
     else:

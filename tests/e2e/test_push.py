@@ -23,8 +23,8 @@ REPO = f"{USER}/mnli-tiny"
 OVERRIDES = (
     "distributed.num_processes=1",
     "train.max_steps=2",
-    "data.max_samples=128",
-    "data.max_eval_samples=24",
+    "data.max_samples=64",
+    "data.max_eval_samples=12",
     "output.merge=true",
     f"output.push_to_hub.repo_id={REPO}",
     "output.push_to_hub.private=true",
@@ -93,7 +93,7 @@ def test_the_card_tells_what_the_run_did(hub, pushed):
     s = rundir.read_summary(run_dir)
     assert card.startswith("---\nlibrary_name: transformers\n")
     assert "- method: lora: r=16, alpha=32, dropout=0.05, target_modules=all-linear" in card
-    assert "- data: `builtin:mnli_sample`, format instruction: 128 training rows, 24 evaluation rows" in card
+    assert "- data: `builtin:mnli_sample`, format instruction: 64 training rows, 12 evaluation rows" in card
     assert '- labels: ["entailment", "neutral", "contradiction"]' in card
     assert "- trained: 2 optimizer steps (1 epoch, stopped by max_steps)" in card
     assert "- hardware: 1 process on cpu, ZeRO-3, bfloat16" in card and " s of training, " in card
