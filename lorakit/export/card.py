@@ -259,13 +259,24 @@ def _usage(f: HubFacts) -> list[str]:
             ["The adapter, with PEFT on its base model:", "", "```python", "from peft import PeftModel"]
             + [f"from transformers import {auto}, AutoTokenizer", ""]
             + note
-            + [f'base = {auto}.from_pretrained("{f.base_load}")']
+            + [f'base = {auto}.from_pretrained("{f.base_load}"{_base_options(f)})']
             + [f'model = PeftModel.from_pretrained(base, "{f.repo_id}"{sub})']
             + [f'tokenizer = AutoTokenizer.from_pretrained("{f.repo_id}"{sub})']
             + generate
             + ["```"]
         )
     return [line for i, block in enumerate(blocks) for line in ([""] if i else []) + block]
+
+
+def _base_options(f: HubFacts) -> str:
+    """from_pretrained's options for the base the run trained on: its revision, trust_remote_code."""
+    model = getattr(f.recipe, "model", None)
+    options = (
+        f', revision="{model.revision}"'
+        if model is not None and model.revision and f.base_load == f.base_name
+        else ""
+    )
+    return options + (", trust_remote_code=True" if model is not None and model.trust_remote_code else "")
 
 
 def _number(n: Any) -> str:

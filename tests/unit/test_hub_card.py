@@ -72,7 +72,9 @@ ROUGE_SUMMARY = {
 
 
 def test_the_card_of_an_adapter_on_a_hub_base_with_rouge_scores():
-    raw = tiny_recipe_dict(Path("c"), Path("o"), model={"name_or_path": "google/flan-t5-xl"})
+    raw = tiny_recipe_dict(
+        Path("c"), Path("o"), model={"name_or_path": "google/flan-t5-xl", "revision": "v1"}
+    )
     raw["method"].update(use_dora=True)
     recipe = recipe_from_dict(raw)
     facts = HubFacts(
@@ -90,7 +92,7 @@ def test_the_card_of_an_adapter_on_a_hub_base_with_rouge_scores():
     card = hub_card(facts)
     assert card.startswith("---\nbase_model: google/flan-t5-xl\nlibrary_name: peft\n")
     assert "pipeline_tag: text2text-generation" in card
-    assert 'base = AutoModelForSeq2SeqLM.from_pretrained("google/flan-t5-xl")' in card
+    assert 'base = AutoModelForSeq2SeqLM.from_pretrained("google/flan-t5-xl", revision="v1")' in card
     assert 'model = PeftModel.from_pretrained(base, "me/xl-news")\n' in card and "not on the Hub" not in card
     # The prompt of the snippet is the run's template with "..." for its column.
     assert "inputs = tokenizer('Summarize the following news article:\\n...\\nSummary:\\n'," in card
