@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lorakit.model.sequence_parallel import check_sequence_parallel
 from lorakit.planner.activations import Activations, Kernels, Shape, activations
 from lorakit.planner.arch import Arch, arch_from_config, resolve_config
 from lorakit.planner.search import ROW_STEP, candidates, longest_row, overrides, recipe_setup, slowdown
@@ -227,6 +228,7 @@ def plan(
     gpu_cap = parse_bytes(gpu_memory, "gpu_memory")
     cpu_cap = parse_bytes(cpu_memory, "cpu_memory")
     config = resolve_config(recipe, config)
+    check_sequence_parallel(recipe.distributed.sequence_parallel, config)
     arch = arch_from_config(config, recipe.model.trust_remote_code)
     a = _DTYPE_BYTES[recipe.model.dtype]
     notes: list[str] = []
