@@ -1,12 +1,13 @@
 """Sequence parallelism 2 against 1 on a fixed packed row, for each tiny causal kind given:
 
     python -m torch.distributed.run --nproc_per_node=2 -m tests.integration.sequence_parallel_worker \
-        CACHE_DIR OUT_JSON llama qwen2
+        CACHE_DIR OUT_JSON llama qwen2 llama-full
 
 Each rank builds the same LoRA model twice (same seed, so the same adapter init): once as a plain packed
 model (sequence_parallel 1, the whole row on every rank) and once with sequence_parallel 2 (gradient
 checkpointing on), which sees only its half of the row. The split model's loss summed over the two ranks and
-its LoRA gradients summed over the two ranks must equal the whole row's. Then isolation: changing one
+its gradients (LoRA's, or every weight's for `llama-full`) summed over the two ranks must equal the whole
+row's. Then isolation: changing one
 example of the row leaves the other examples' logits (gathered from both ranks) unchanged. Rank 0 writes
 what it measured to OUT_JSON; the test asserts on it.
 """
@@ -35,7 +36,7 @@ def _rows(seed: int, vocab: int) -> list[dict]:
     return rows
 
 
-def _recipe(kind: str, cache_dir: str, sp: int):
+def _recipe(kind: str, cache_dir: str, sp: int, method: str = "lora"):
     from lorakit.recipe import recipe_from_dict
 
     return recipe_from_dict(
@@ -46,7 +47,7 @@ def _recipe(kind: str, cache_dir: str, sp: int):
                 "attention": "sdpa",
                 "gradient_checkpointing": sp > 1,
             },
-            "method": {"kind": "lora", "r": 4, "alpha": 8, "dropout": 0.0},
+            "method": {"kind": method, "r": 4, "alpha": 8, "dropout": 0.0},
             "data": {"source": "builtin:news_summaries", "format": "instruction", "cache_dir": cache_dir},
             "distributed": {"num_processes": 2, "zero_stage": 0, "sequence_parallel": sp},
             "output": {"dir": f"{cache_dir}/unused"},
@@ -69,15 +70,18 @@ def _whole_logits(built, batch, mesh) -> torch.Tensor:
     return torch.cat(parts)[: batch["input_ids"].shape[1]]
 
 
-def check(kind: str, cache_dir: str, mesh) -> dict:
-    """Loss, gradient and isolation differences between sequence_parallel 2 and 1 for one tiny kind."""
+def check(name: str, cache_dir: str, mesh) -> dict:
+    """Loss, gradient and isolation differences between sequence_parallel 2 and 1 for one tiny kind
+    (`llama`, `qwen2`: LoRA; `llama-full`: full fine-tuning)."""
+    kind, _, method = name.partition("-")
+    method = method or "lora"
     from lorakit.data.collate import PackedCausalCollator
     from lorakit.data.sequence_split import split_row
     from lorakit.engine.loss import token_loss_sum
     from lorakit.model import build_model
 
-    whole = build_model(_recipe(kind, cache_dir, 1))
-    split = build_model(_recipe(kind, cache_dir, 2), sp_group=mesh.sp_group)
+    whole = build_model(_recipe(kind, cache_dir, 1, method))
+    split = build_model(_recipe(kind, cache_dir, 2, method), sp_group=mesh.sp_group)
     for b in (whole, split):
         b.model.train()
     vocab = whole.model.config.vocab_size
@@ -147,7 +151,7 @@ def main(cache_dir: str, out: str, kinds: list[str]) -> None:
             # rank 0 only once torch.distributed is up, so a build on rank 1 would lack them.
             from lorakit.testing import resolve_model_source
 
-            for kind in kinds:
+            for kind in {k.partition("-")[0] for k in kinds}:
                 resolve_model_source(f"tiny:{kind}", cache_dir)
         dist.barrier()
         mesh = ParallelDims.build(2)

@@ -1,8 +1,8 @@
 """Sequence parallelism (distributed.sequence_parallel: 2) on 2 CPU processes against 1.
 
 One torchrun launch of sequence_parallel_worker checks the model side on a fixed packed row for a tiny
-Llama and a tiny Qwen2 (fp32, LoRA, gradient checkpointing on the split model): the same loss and the same
-LoRA gradients as the whole row on one rank, and packed examples kept apart across the split. A second
+Llama and a tiny Qwen2 (fp32, LoRA, gradient checkpointing on the split model) and the tiny Llama fully
+fine-tuned: the same loss and the same gradients as the whole row on one rank, and packed examples kept apart across the split. A second
 launch trains a recipe (ZeRO-3, checkpointing) with sequence_parallel 2 to the end and resumed from its
 step-2 checkpoint, against the same recipe on one process.
 """
@@ -24,7 +24,7 @@ from lorakit.recipe import recipe_from_dict
 from tests.conftest import ROOT, tiny_recipe_dict
 from tests.integration.qlora_worker import train_in_one_launch
 
-KINDS = ("llama", "qwen2")
+KINDS = ("llama", "qwen2", "llama-full")
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,12 @@ def measured(cache_dir, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_split_row_gives_the_whole_rows_loss_and_lora_gradients(measured, kind):
+def test_split_row_gives_the_whole_rows_loss_and_gradients(measured, kind):
     m = measured[kind]
     assert m["target_tokens_split"] == m["target_tokens_whole"] > 0
     assert m["loss_split"] == pytest.approx(m["loss_whole"], rel=1e-6)
-    assert m["grad_count"] == 28 and m["grad_norm"] > 0
+    # LoRA: A and B of 7 linears x 2 layers; full fine-tuning: every weight of the tiny Llama.
+    assert m["grad_count"] == (21 if kind.endswith("full") else 28) and m["grad_norm"] > 0
     # Relative to each gradient's largest entry: fp32 sums in another order, nothing more.
     assert m["grad_rel_diff"] < 1e-5
 
