@@ -2,9 +2,9 @@
 
 One torchrun launch of sequence_parallel_worker checks the model side on a fixed packed row for a tiny
 Llama and a tiny Qwen2 (fp32, LoRA, gradient checkpointing on the split model) and the tiny Llama fully
-fine-tuned: the same loss and the same gradients as the whole row on one rank, and packed examples kept apart across the split. A second
-launch trains a recipe (ZeRO-3, checkpointing) with sequence_parallel 2 to the end and resumed from its
-step-2 checkpoint, against the same recipe on one process.
+fine-tuned: the same loss and the same gradients as the whole row on one rank, and packed examples kept
+apart across the split. A second launch trains a recipe (ZeRO-3, checkpointing) with sequence_parallel 2
+to the end and resumed from its step-2 checkpoint, against the same recipe on one process.
 """
 
 from __future__ import annotations
@@ -82,6 +82,10 @@ def _train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rundir.read_metrics(run_dir) if r["kind"] == "train"}
 
 
+def _records(run_dir: Path, kind: str, key: str) -> list:
+    return [r[key] for r in rundir.read_metrics(run_dir) if r["kind"] == kind]
+
+
 @pytest.fixture(scope="module")
 def sp_runs(cache_dir, tmp_path_factory) -> dict[str, Path]:
     """One process, sequence_parallel 1 (in this process); then, in one 2-process launch, sequence_parallel 2
@@ -105,10 +109,11 @@ def test_a_split_run_sees_the_rows_of_one_process_in_the_same_order(sp_runs):
     # Later steps follow the same trajectory (fp32 sums in another order only).
     assert [split[s] for s in sorted(split)] == pytest.approx([one[s] for s in sorted(one)], rel=1e-4)
     # The token counts of every step are the whole rows', counted once per sequence-parallel group.
-    targets = lambda d: [r["target_tokens"] for r in rundir.read_metrics(d) if r["kind"] == "train"]  # noqa: E731
-    assert targets(sp_runs["split"]) == targets(sp_runs["one"])
-    ev = lambda d: [r["loss"] for r in rundir.read_metrics(d) if r["kind"] == "eval"]  # noqa: E731
-    assert ev(sp_runs["split"]) == pytest.approx(ev(sp_runs["one"]), rel=1e-4)
+    assert _records(sp_runs["split"], "train", "target_tokens") == _records(
+        sp_runs["one"], "train", "target_tokens"
+    )
+    evals = _records(sp_runs["split"], "eval", "loss")
+    assert evals and evals == pytest.approx(_records(sp_runs["one"], "eval", "loss"), rel=1e-4)
 
 
 def test_a_split_run_resumes_identically_and_merges(sp_runs):
