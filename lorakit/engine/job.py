@@ -21,6 +21,7 @@ from lorakit import rundir
 from lorakit.data import PreparedData, prepare_data
 from lorakit.data.batching import Batching, make_batching
 from lorakit.data.sampler import ResumableBatchSampler
+from lorakit.data.sequence_split import split_sequences
 from lorakit.engine import checkpoint, dist
 from lorakit.engine.best import BestPolicy
 from lorakit.engine.checkpoint import Checkpoint, LoopState
@@ -34,6 +35,7 @@ from lorakit.engine.loop import (
     TrainingDiverged,
     plan_steps,
 )
+from lorakit.engine.mesh import ParallelDims
 from lorakit.engine.save import save_trained
 from lorakit.engine.schedule import lambda_lr_factory
 from lorakit.engine.signals import StopRequests
@@ -71,12 +73,15 @@ def run_job(recipe: Recipe) -> TrainResult:
     data = prepare_everywhere(recipe, tokenizer, config)
     ds_config = deepspeed_config(recipe, config)
     memory = MemoryProbe(device_kind())
-    built = build_model(recipe, ds_config)
+    # Data-parallel replicas x sequence-parallel groups; the data is split over the replicas.
+    mesh = ParallelDims.build(recipe.distributed.sequence_parallel)
+    built = build_model(recipe, ds_config, sp_group=mesh.sp_group)
     params = count_parameters(built.model)
     log = open_run_dir(recipe, run_dir, ds_config, resume_from)
     batching = make_batching(
-        recipe, data, tokenizer, config, packing=built.packing, world=dist.world_size(), rank=dist.rank()
+        recipe, data, tokenizer, config, packing=built.packing, world=mesh.dp_world, rank=mesh.dp_rank
     )
+    batching = split_sequences(batching, mesh.sp_rank, mesh.sp_world, tokenizer.pad_token_id)
     loader = make_loader(data, batching, seed=recipe.train.seed)
     t = recipe.train
     plan = plan_steps(len(loader.batch_sampler), t.gradient_accumulation_steps, t.epochs, t.max_steps)

@@ -16,6 +16,7 @@ from lorakit.model.adapter import peft_config
 from lorakit.model.attention import choose_attention, packing_enabled
 from lorakit.model.inputs import ModelInputs
 from lorakit.model.quantize import bnb_config, check_keep_in_fp32, keep_standard_4bit_layout, logical_numel
+from lorakit.model.sequence_parallel import check_sequence_parallel, register_sequence_parallel
 from lorakit.recipe.schema import Recipe
 from lorakit.testing import resolve_model_source
 
@@ -91,6 +92,7 @@ def load_config(recipe: Recipe):
             + _remote_code_hint(recipe, e)
         ) from e
     check_weight_files(recipe, source)
+    check_sequence_parallel(recipe.distributed.sequence_parallel, config)
     return source, config
 
 
@@ -105,11 +107,12 @@ def load_tokenizer(recipe: Recipe, source: str):
     return tok
 
 
-def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
+def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = None) -> BuiltModel:
     """Load the base in the recipe's dtype and attention backend, then apply the method.
 
     With ZeRO-3, `ds_config` must be given: HfDeepSpeedConfig is alive during from_pretrained, so each
-    rank materialises only its shard of the base (an 11B model never sits whole on one rank).
+    rank materialises only its shard of the base (an 11B model never sits whole on one rank). With
+    distributed.sequence_parallel > 1, `sp_group` is this rank's sequence-parallel group (engine/mesh.py).
     """
     source, config = load_config(recipe)
     is_enc_dec = bool(getattr(config, "is_encoder_decoder", False))
@@ -122,6 +125,13 @@ def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
         from lorakit.model.varlen import register_varlen_sdpa
 
         attention = register_varlen_sdpa()
+    sp = recipe.distributed.sequence_parallel
+    if sp > 1:
+        if not packing:
+            raise RecipeError("distributed.sequence_parallel > 1 splits packed rows: set data.packing: auto")
+        # Split rows attend through the all-to-all wrapper around lorakit's per-example kernel (on CUDA the
+        # same fused varlen flash kernel flash_attention_2 would use).
+        attention = register_sequence_parallel()
     dtype = getattr(torch, recipe.model.dtype)
     check_keep_in_fp32(model_cls, dtype)
     quant_type = recipe.method.quantization()
@@ -180,7 +190,7 @@ def build_model(recipe: Recipe, ds_config: dict | None = None) -> BuiltModel:
         # Before deepspeed.initialize, so the adapter's weights are still whole on every rank.
         initial = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
     tokenizer = load_tokenizer(recipe, source)
-    inputs = ModelInputs(config, attention, dtype)
+    inputs = ModelInputs(config, attention, dtype, sp_group=sp_group, sp_world=sp)
     return BuiltModel(model, tokenizer, source, attention, is_enc_dec, inputs, packing, hf_ds_config, initial)
 
 

@@ -35,9 +35,13 @@ from typing import Any
 
 import torch
 
+from lorakit.data.sequence_split import SEGMENTS
+from lorakit.model.sequence_parallel import SEQUENCE_PARALLEL, SequenceShard
 from lorakit.model.varlen import VARLEN_SDPA, Seq2SeqSegments, attach_t5_position_bias
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "decoder_input_ids", "decoder_attention_mask")
+# Backends that take a packed row's example boundaries (the sequence-parallel one, for a row not split).
+PER_EXAMPLE = (VARLEN_SDPA, SEQUENCE_PARALLEL)
 # Passed from __call__ to logits for packed encoder-decoder rows; not a model argument.
 CROSS_MASK = "lorakit_cross_attention_mask"
 
@@ -103,8 +107,10 @@ class ModelInputs:
     Built once per model from its config, attention backend and compute dtype.
     """
 
-    def __init__(self, config, attention: str, dtype: torch.dtype):
+    def __init__(self, config, attention: str, dtype: torch.dtype, *, sp_group=None, sp_world: int = 1):
         self.attention, self.dtype = attention, dtype
+        # Sequence parallelism: split rows (lorakit.data.sequence_split) attend over this group.
+        self.sp_group, self.sp_world = sp_group, sp_world
         self.layer_types = sorted(set(getattr(config, "layer_types", None) or [])) or None
         self.config = config
 
@@ -127,7 +133,12 @@ class ModelInputs:
 
     def __call__(self, batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
         out: dict[str, Any] = {k: batch[k].to(device) for k in MODEL_KEYS if k in batch}
-        if "source_segments" in batch and self.attention == VARLEN_SDPA:
+        if SEGMENTS in batch:
+            # A shard of a row split over the sequence-parallel group: attention sees the whole row's
+            # example boundaries after its all-to-all; no mask is built for the shard.
+            out[SEQUENCE_PARALLEL] = SequenceShard(batch[SEGMENTS], self.sp_group, self.sp_world)
+            out["attention_mask"] = torch.ones_like(out["input_ids"])
+        elif "source_segments" in batch and self.attention == VARLEN_SDPA:
             out["lorakit_seq2seq_segments"] = Seq2SeqSegments(
                 _bounds(batch["source_segments"][0]), _bounds(batch["target_segments"][0])
             )
@@ -139,7 +150,7 @@ class ModelInputs:
                 dtype=self.dtype,
             )
             out.update({"attention_mask": encoder, "decoder_attention_mask": decoder, CROSS_MASK: cross})
-        elif "position_ids" in out and "attention_mask" not in out and self.attention == VARLEN_SDPA:
+        elif "position_ids" in out and "attention_mask" not in out and self.attention in PER_EXAMPLE:
             out["lorakit_segments"] = _bounds(example_ids(batch["position_ids"])[0])
             out["attention_mask"] = torch.ones_like(out["input_ids"])
         elif "position_ids" in out and "attention_mask" not in out:

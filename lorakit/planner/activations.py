@@ -24,6 +24,9 @@ The output head keeps the logits (a per vocabulary entry and target token, held 
 through the backward), the fp32 log-softmax (4) and, at the start of the backward, two fp32 gradients of
 the same size (8).
 
+Sequence parallelism over N ranks (causal LMs) divides every per-token term by N: each rank runs the layers
+on 1/N of the row, and attention on 1/N of the heads over the whole row (the same bytes).
+
 With gradient checkpointing (non-reentrant, per layer) only each layer's input (a*h per token) is kept;
 in the backward one layer at a time is recomputed. The peak is the larger of two moments: the start of
 the backward (kept + head) and the backward through the layers (kept + logits + the recomputed layer + the
@@ -48,6 +51,8 @@ class Shape:
     target_len: int | None = None
     # Packed rows: the longest example, which bounds per-example attention; None: the row is one example.
     example_len: int | None = None
+    # distributed.sequence_parallel: the row is split over this many ranks (causal LMs).
+    sequence_parallel: int = 1
 
 
 @dataclass(frozen=True)
@@ -202,12 +207,14 @@ def _finish(layers_kept: int, one_layer: int, outside: int, head: int, logits: i
 
 
 def _causal(arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing: bool) -> Activations:
-    rows, seq = shape.rows, shape.seq_len
-    tokens = rows * seq
+    rows, seq, n = shape.rows, shape.seq_len, shape.sequence_parallel
+    # Sequence parallelism: every layer but attention runs on 1/N of the (padded) row; attention, after
+    # its all-to-all, keeps 1/N of the heads over the whole row: the same bytes as all heads over 1/N.
+    tokens = rows * -(-seq // n)
     # Per-example attention in packed rows (varlen flash, per-example SDPA) sees examples of at most
     # example_len tokens; eager attention over a packed row masks the whole row.
     span = seq if (k.attention == "eager" or not k.packed) else min(shape.example_len or seq, seq)
-    quadratic = rows * arch.heads * seq * span * _per_score(arch, k, a)
+    quadratic = rows * (arch.heads // n) * seq * span * _per_score(arch, k, a)
     shared_mask = 0
     if k.attention == "eager":
         # One 4-D float mask for all layers (packed rows: lorakit's block-diagonal mask).

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lorakit.model.sequence_parallel import check_sequence_parallel
 from lorakit.planner.activations import Activations, Kernels, Shape, activations
 from lorakit.planner.arch import Arch, arch_from_config, resolve_config
-from lorakit.planner.search import candidates, overrides, recipe_setup, slowdown
+from lorakit.planner.search import ROW_STEP, candidates, longest_row, overrides, recipe_setup, slowdown
 from lorakit.planner.states import Item, Setup, counts, model_states
 from lorakit.planner.units import HEADROOM, PlanError, parse_bytes
 
@@ -128,6 +129,10 @@ class MemoryPlan:
     recommendation: Estimate | None
     recommended_overrides: tuple[str, ...]
     assumptions: tuple[str, ...] = field(default=())
+    # Causal LMs on packed rows, with gpu_memory given: the longest row (one document filling it) that the
+    # recipe's setup trains with headroom, at its distributed.sequence_parallel; None otherwise.
+    longest_row: int | None = None
+    sequence_parallel: int = 1
 
     @property
     def fits(self) -> bool | None:
@@ -171,6 +176,8 @@ class MemoryPlan:
             if rec is None
             else {**rec.to_dict(), "overrides": list(self.recommended_overrides)},
             "assumptions": list(self.assumptions),
+            "longest_row": self.longest_row,
+            "sequence_parallel": self.sequence_parallel,
         }
 
     def describe(self) -> str:
@@ -221,6 +228,7 @@ def plan(
     gpu_cap = parse_bytes(gpu_memory, "gpu_memory")
     cpu_cap = parse_bytes(cpu_memory, "cpu_memory")
     config = resolve_config(recipe, config)
+    check_sequence_parallel(recipe.distributed.sequence_parallel, config)
     arch = arch_from_config(config, recipe.model.trust_remote_code)
     a = _DTYPE_BYTES[recipe.model.dtype]
     notes: list[str] = []
@@ -241,6 +249,16 @@ def plan(
         fitting = [e for e in tried if e.fits and e.per_gpu_bytes <= HEADROOM * gpu_cap]
         if fitting:
             best = min(fitting, key=lambda e: round(e.slowdown, 6))
+    longest = None
+    if gpu_cap is not None and kernels.packed and not arch.is_encoder_decoder:
+
+        def fits(tokens: int) -> bool:
+            row = replace(shape, seq_len=tokens, example_len=tokens)
+            e = _estimate(recipe, arch, a, replace(base, max_tokens=tokens), row, kernels, world, gpus,
+                          gpu_cap, cpu_cap, base, nodes)  # fmt: skip
+            return bool(e.fits) and e.per_gpu_bytes <= HEADROOM * gpu_cap
+
+        longest = longest_row(fits, step=ROW_STEP * shape.sequence_parallel)
     c = counts(arch, recipe.method, a, None)
     return MemoryPlan(
         model=recipe.model.name_or_path,
@@ -258,6 +276,8 @@ def plan(
         recommendation=best,
         recommended_overrides=tuple(overrides(best.setup, recipe, base)) if best else (),
         assumptions=tuple(notes),
+        longest_row=longest,
+        sequence_parallel=shape.sequence_parallel,
     )
 
 
@@ -313,7 +333,12 @@ def _shape(
     length = _length(d.max_length, seq_len, arch.max_length, "data.max_length", "--seq-len", notes)
     if packed:
         row = t.max_tokens or t.micro_batch_size * length
-        return Shape(1, row, None, example_len=min(length, row)), kernels, min(length, row)
+        sp = recipe.distributed.sequence_parallel
+        return (
+            Shape(1, row, None, example_len=min(length, row), sequence_parallel=sp),
+            kernels,
+            min(length, row),
+        )
     notes.append("padded batches: planned every row at the full length (the longest row of a batch sets it)")
     return Shape(t.micro_batch_size, length, None), kernels, None
 
@@ -351,9 +376,10 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     if setup.max_tokens:
         scale = setup.max_tokens / shape.seq_len
         this = Shape(1, setup.max_tokens, round(shape.target_len * scale) if shape.target_len else None,
-                     shape.example_len)  # fmt: skip
+                     shape.example_len, shape.sequence_parallel)  # fmt: skip
     else:
-        this = Shape(setup.micro_batch_size, shape.seq_len, shape.target_len, shape.example_len)
+        this = Shape(setup.micro_batch_size, shape.seq_len, shape.target_len, shape.example_len,
+                     shape.sequence_parallel)  # fmt: skip
     act = activations(arch, recipe.method, a, kernels, this, setup.gradient_checkpointing)
 
     def total(where: str, when: str) -> int:

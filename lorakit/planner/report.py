@@ -94,6 +94,12 @@ def describe(plan: MemoryPlan) -> str:
         lines.append("verdict: give --gpu-memory for a verdict and a recommendation")
     else:
         lines.append(f"verdict: the recipe as written {'fits' if fits else 'DOES NOT FIT'}")
+    if plan.longest_row is not None:
+        lines.append(
+            f"the longest row this recipe trains on these GPUs: {plan.longest_row:,} tokens (one document "
+            f"filling a packed row; the recipe's setup, distributed.sequence_parallel "
+            f"{plan.sequence_parallel})"
+        )
     rec = plan.recommendation
     if rec is not None and (rec is not plan.estimate and plan.recommended_overrides):
         lines += ["", f"best setup that fits (expected step time x{rec.slowdown:.2f} of the fastest setup):"]

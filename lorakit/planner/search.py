@@ -113,3 +113,23 @@ def overrides(setup: Setup, recipe, base: Setup) -> list[str]:
     if shrink > 1:
         out.append(f"train.gradient_accumulation_steps={t.gradient_accumulation_steps * shrink}")
     return out
+
+
+# The longest row is searched in multiples of this many tokens (per sequence-parallel rank), up to MAX_ROW.
+ROW_STEP = 1024
+MAX_ROW = 2**24
+
+
+def longest_row(fits, step: int = ROW_STEP, limit: int = MAX_ROW) -> int | None:
+    """The largest multiple of `step` up to `limit` for which `fits(tokens)` holds (memory grows with the
+    row, so `fits` turns false once and stays false); None when not even `step` tokens fit."""
+    if not fits(step):
+        return None
+    lo, hi = 1, 2
+    while hi * step <= limit and fits(hi * step):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit // step + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    return lo * step

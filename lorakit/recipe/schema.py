@@ -208,8 +208,24 @@ class DistributedSection(Section):
         "CPU.",
     )
 
+    sequence_parallel: int = Field(
+        1,
+        ge=1,
+        description="Sequence parallelism (DeepSpeed Ulysses): each packed row is split along the sequence "
+        "over this many consecutive ranks, which exchange attention heads with all-to-alls; each rank holds "
+        "1/N of the row's activations, so rows N times longer train. The ranks of a group see the same "
+        "rows (the data-parallel replicas are the groups). Causal LMs with packed rows on sdpa or "
+        "flash_attention_2; must divide distributed.num_processes and the model's attention and key/value "
+        "heads (checked when the model config loads). 1: off. See docs/long-context.md.",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> DistributedSection:
+        if self.sequence_parallel > 1 and self.num_processes % self.sequence_parallel:
+            raise ValueError(
+                f"distributed.sequence_parallel {self.sequence_parallel} must divide the processes per node "
+                f"(distributed.num_processes {self.num_processes}): a row is split over ranks of one node"
+            )
         if self.offload_optimizer != "none" and self.zero_stage == 0:
             raise ValueError("distributed.offload_optimizer needs zero_stage 1, 2 or 3")
         if self.offload_params != "none" and self.zero_stage != 3:
@@ -385,8 +401,22 @@ class Recipe(Section):
                 "method.use_dora: DoRA on a 4-bit base (kind qlora) fails under ZeRO-3 (peft's DoRA layer reaches "
                 "a 4-bit weight DeepSpeed did not partition); use distributed.zero_stage 2, or kind lora"
             )
+        self._check_sequence_parallel()
         self._check_best()
         return self
+
+    def _check_sequence_parallel(self) -> None:
+        if self.distributed.sequence_parallel == 1:
+            return
+        if self.model.attention == "eager":
+            raise ValueError(
+                "distributed.sequence_parallel > 1 needs model.attention sdpa, flash_attention_2 or auto: "
+                "eager attention over a split row would need the whole row's T x T mask on every rank"
+            )
+        if self.data.packing is False:
+            raise ValueError(
+                "distributed.sequence_parallel > 1 splits packed rows: set data.packing: auto or true"
+            )
 
     def _check_best(self) -> None:
         ck, ev = self.checkpoint, self.eval

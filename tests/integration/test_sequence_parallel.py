@@ -1,0 +1,130 @@
+"""Sequence parallelism (distributed.sequence_parallel: 2) on 2 CPU processes against 1.
+
+One torchrun launch of sequence_parallel_worker checks the model side on a fixed packed row for a tiny
+Llama and a tiny Qwen2 (fp32, LoRA, gradient checkpointing on the split model) and the tiny Llama fully
+fine-tuned: the same loss and the same gradients as the whole row on one rank, and packed examples kept
+apart across the split. A second launch trains a recipe (ZeRO-3, checkpointing) with sequence_parallel 2
+to the end and resumed from its step-2 checkpoint, against the same recipe on one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+import lorakit
+from lorakit import rundir
+from lorakit.engine.launch import torchrun_command
+from lorakit.recipe import recipe_from_dict
+from tests.conftest import ROOT, tiny_recipe_dict
+from tests.integration.qlora_worker import train_in_one_launch
+
+KINDS = ("llama", "qwen2", "llama-full")
+
+
+@pytest.fixture(scope="module")
+def measured(cache_dir, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("sp") / "measured.json"
+    proc = subprocess.run(
+        torchrun_command(2, "tests.integration.sequence_parallel_worker", [str(cache_dir), str(out), *KINDS]),
+        cwd=ROOT,
+        env=os.environ.copy(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_split_row_gives_the_whole_rows_loss_and_gradients(measured, kind):
+    m = measured[kind]
+    assert m["target_tokens_split"] == m["target_tokens_whole"] > 0
+    assert m["loss_split"] == pytest.approx(m["loss_whole"], rel=1e-6)
+    # LoRA: A and B of 7 linears x 2 layers; full fine-tuning: every weight of the tiny Llama.
+    assert m["grad_count"] == (21 if kind.endswith("full") else 28) and m["grad_norm"] > 0
+    # Relative to each gradient's largest entry: fp32 sums in another order, nothing more.
+    assert m["grad_rel_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_split_row_keeps_packed_examples_apart(measured, kind):
+    for changed, diff in measured[kind]["isolation"].items():
+        assert diff["itself"] > 1e-2, changed  # the change is visible where it was made...
+        assert diff["others"] < 1e-5, changed  # ...and nowhere else, on either rank
+
+
+# --- a recipe run: sequence_parallel 2 on 2 processes against 1 process -----------------------------------
+STEPS = 4
+
+
+def _run_recipe(cache_dir, out, sp: int, **train) -> dict:
+    return tiny_recipe_dict(
+        cache_dir,
+        out,
+        model={"name_or_path": "tiny:llama", "gradient_checkpointing": True, "attention": "sdpa"},
+        data={"format": "instruction", "max_length": "auto", "max_samples": 24, "max_eval_samples": 4},
+        train={"max_steps": STEPS, "max_tokens": 256, "gradient_accumulation_steps": 2, **train},
+        distributed={"num_processes": sp, "zero_stage": 3, "sequence_parallel": sp},
+        eval={"generate": False},
+        checkpoint={"every": 2, "keep": 2},
+        output={"merge": sp > 1},
+    )
+
+
+def _train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rundir.read_metrics(run_dir) if r["kind"] == "train"}
+
+
+def _records(run_dir: Path, kind: str, key: str) -> list:
+    return [r[key] for r in rundir.read_metrics(run_dir) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def sp_runs(cache_dir, tmp_path_factory) -> dict[str, Path]:
+    """One process, sequence_parallel 1 (in this process); then, in one 2-process launch, sequence_parallel 2
+    to the end (merging), and the same recipe resumed from the first run's step-2 checkpoint."""
+    base = tmp_path_factory.mktemp("sp-runs")
+    runs = {name: base / name for name in ("one", "split", "resumed")}
+    lorakit.train(recipe_from_dict(_run_recipe(cache_dir, runs["one"], 1)))
+    step2 = runs["split"] / "checkpoints" / "step-00000002"
+    recipes = {
+        base / "split.yaml": _run_recipe(cache_dir, runs["split"], 2),
+        base / "resumed.yaml": _run_recipe(cache_dir, runs["resumed"], 2, resume=str(step2)),
+    }
+    train_in_one_launch(recipes, {"PYTHONPATH": str(ROOT)})
+    return runs
+
+
+def test_a_split_run_sees_the_rows_of_one_process_in_the_same_order(sp_runs):
+    one, split = _train_losses(sp_runs["one"]), _train_losses(sp_runs["split"])
+    assert sorted(split) == list(range(1, STEPS + 1))
+    assert split[1] == pytest.approx(one[1], rel=1e-6)
+    # Later steps follow the same trajectory (fp32 sums in another order only).
+    assert [split[s] for s in sorted(split)] == pytest.approx([one[s] for s in sorted(one)], rel=1e-4)
+    # The token counts of every step are the whole rows', counted once per sequence-parallel group.
+    assert _records(sp_runs["split"], "train", "target_tokens") == _records(
+        sp_runs["one"], "train", "target_tokens"
+    )
+    evals = _records(sp_runs["split"], "eval", "loss")
+    assert evals and evals == pytest.approx(_records(sp_runs["one"], "eval", "loss"), rel=1e-4)
+
+
+def test_a_split_run_resumes_identically_and_merges(sp_runs):
+    split, resumed = sp_runs["split"], sp_runs["resumed"]
+    summary = rundir.read_summary(resumed)
+    assert summary["resumed_from"]["step"] == 2 and summary["steps"] == STEPS
+    after = {s: loss for s, loss in _train_losses(split).items() if s > 2}
+    assert sorted(after) == [3, 4]
+    assert {s: loss for s, loss in _train_losses(resumed).items() if s > 2} == pytest.approx(after, abs=1e-6)
+    a = load_file(str(split / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(resumed / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    merged = rundir.read_summary(split)["merged_dir"]
+    assert (Path(merged) / "config.json").is_file() and list(Path(merged).glob("*.safetensors"))
