@@ -12,6 +12,8 @@ import functools
 import json
 import os
 import shutil
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -220,8 +222,24 @@ def build_tiny_model(kind: str, path: str | os.PathLike, seed: int = 0, **shape:
             # In place, so Qwen2's tied embedding gets the same values.
             with torch.no_grad():
                 torch.nn.init.normal_(model.lm_head.weight, std=config.hidden_size**-0.5)
+    if not model.should_save_on_this_rank(True):
+        # Inside an initialised process group transformers writes model files on global rank 0 only, so a
+        # build on another rank (a user's own torchrun on a fresh cache, or another node's first process)
+        # would leave a directory without config or weights. A fresh process has no group: build there.
+        _build_in_subprocess(kind, path, seed, shape)
+        return model
     model.save_pretrained(str(path))
     return model
+
+
+def _build_in_subprocess(kind: str, path: Path, seed: int, shape: dict) -> None:
+    """build_tiny_model(kind, path, ...) in a new interpreter, outside this process's group."""
+    code = (
+        "import sys, json; from lorakit.testing import build_tiny_model; "
+        "a = json.loads(sys.argv[1]); build_tiny_model(a['kind'], a['path'], seed=a['seed'], **a['shape'])"
+    )
+    args = json.dumps({"kind": kind, "path": str(path), "seed": seed, "shape": shape})
+    subprocess.run([sys.executable, "-c", code, args], check=True)
 
 
 def resolve_model_source(name_or_path: str, cache_dir: str | os.PathLike) -> str:

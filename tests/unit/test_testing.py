@@ -276,3 +276,17 @@ def test_resolve_concurrent_builds_from_two_processes(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(paths[0])
     expected = build_tiny_model("llama", tmp_path / "fresh").state_dict()
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+
+
+def test_resolve_on_a_rank_other_than_0_builds_a_whole_model(tmp_path, monkeypatch):
+    """Under torch.distributed, transformers' save_pretrained writes only on global rank 0, so a rank-1 build
+    once left a directory without config.json or weights (a user's own torchrun on a fresh cache)."""
+    from transformers import PreTrainedModel
+
+    # What transformers decides on rank 1 of an initialised group (rank 0 only writes).
+    monkeypatch.setattr(PreTrainedModel, "should_save_on_this_rank", lambda self, is_main: False)
+    path = Path(resolve_model_source("tiny:qwen2", tmp_path))
+    assert (path / "config.json").is_file() and list(path.glob("*.safetensors"))
+    monkeypatch.undo()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.model_type == "qwen2"
