@@ -34,6 +34,7 @@ from lorakit.engine.loop import (
     TrainingDiverged,
     plan_steps,
 )
+from lorakit.engine.objective import make_objective
 from lorakit.engine.save import save_trained
 from lorakit.engine.schedule import lambda_lr_factory
 from lorakit.engine.signals import StopRequests
@@ -351,6 +352,7 @@ class Job:
             meter=self.meter,
             eval_every=self.recipe.eval.every,
             best=self.best_policy() if evaluates else None,
+            objective=make_objective(self.recipe, self.config),
         )
 
     def train(self, trainer: Trainer) -> None:

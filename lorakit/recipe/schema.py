@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from lorakit.recipe.data_section import DataSection, SourceSpec, data_parts
+from lorakit.recipe.dpo_section import DPO_METRICS, DpoSection, check_objective
 from lorakit.recipe.method import MethodSection
 from lorakit.recipe.section import Section, placeholders
 
@@ -19,6 +20,7 @@ __all__ = [
     "CheckpointSection",
     "DataSection",
     "DistributedSection",
+    "DpoSection",
     "EvalSection",
     "MethodSection",
     "ModelSection",
@@ -123,6 +125,11 @@ class TrainSection(Section):
         description="Stop training cleanly after this many evaluations in a row that did not improve "
         "checkpoint.best_metric (evaluations without that metric do not count); summary.json records "
         "stop_reason early_stopping. Needs checkpoint.best_metric. null: train for every planned step.",
+    )
+    objective: Literal["sft", "dpo"] = Field(
+        "sft",
+        description="sft: token-weighted cross-entropy on the targets; dpo: preference tuning on (prompt, "
+        "chosen, rejected) pairs, configured in the dpo section (docs/dpo.md).",
     )
     resume: str = Field(
         "auto",
@@ -321,6 +328,7 @@ class Recipe(Section):
     distributed: DistributedSection = DistributedSection()
     eval: EvalSection = EvalSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    dpo: DpoSection = DpoSection()
     output: OutputSection
 
     @model_validator(mode="after")
@@ -348,6 +356,7 @@ class Recipe(Section):
                 "method.use_dora: DoRA on a 4-bit base (kind qlora) fails under ZeRO-3 (peft's DoRA layer reaches "
                 "a 4-bit weight DeepSpeed did not partition); use distributed.zero_stage 2, or kind lora"
             )
+        check_objective(self)
         self._check_best()
         return self
 
@@ -380,6 +389,8 @@ class Recipe(Section):
         """`eval.NAME` for every metric this recipe's in-run evaluation reports: loss, and with eval.generate
         the keys of eval.metrics (rouge: rouge1, rouge2, rougeL, rougeLsum)."""
         names = {"eval.loss"}
+        if self.train.objective == "dpo":
+            names |= {f"eval.{key}" for key in DPO_METRICS}
         if self.eval.generate:
             from lorakit.evaluation.scoring import metric_keys
 
