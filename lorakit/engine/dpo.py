@@ -1,8 +1,8 @@
 """Direct preference optimization with an adapter: the reference model is the policy with its adapter off.
 
 For every pair the objective takes the summed log-probability of the chosen and of the rejected response
-under the policy (with grad) and under the reference (the same module inside peft's `disable_adapter()`,
-under no_grad: no second copy of the model), and the loss of the recipe's dpo.loss over the log-ratio
+under the policy (with grad) and under the reference (the same module inside peft's `disable_adapter()`, in
+eval mode and under no_grad: no second copy of the model, no dropout noise), and the loss of the recipe's dpo.loss over the log-ratio
 difference h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected):
 
     sigmoid: -(1 - ls) log sigmoid(beta h) - ls log sigmoid(-beta h)      (ls: dpo.label_smoothing)
@@ -17,6 +17,7 @@ preference_batching).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -59,13 +60,21 @@ def _module(engine):
     return getattr(engine, "module", engine)  # a DeepSpeed engine wraps the (peft) model
 
 
-def adapter_disabled(engine):
-    """The context in which `engine`'s model is its base: peft's disable_adapter()."""
+@contextlib.contextmanager
+def reference_model(engine):
+    """`engine`'s model as the reference: its base (peft's disable_adapter()) in eval mode, so the reference
+    log-probabilities carry no dropout noise; train mode is restored after."""
     module = _module(engine)
     disable = getattr(module, "disable_adapter", None)
     if disable is None:
         raise TypeError("train.objective dpo needs a peft model: its reference is the base, adapter disabled")
-    return disable()
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad(), disable():
+            yield
+    finally:
+        module.train(was_training)
 
 
 class DpoObjective:
@@ -109,7 +118,7 @@ class DpoObjective:
     def pair_terms(self, engine, inputs, batch: dict[str, Any], device):
         """(per-pair losses, chosen rewards, rejected rewards) of one batch."""
         # The reference pass first, every rank alike: the same collective gathers in the same order.
-        with torch.no_grad(), adapter_disabled(engine):
+        with reference_model(engine):
             ref = self.log_probs(engine, inputs, batch, device)
         policy = self.log_probs(engine, inputs, batch, device)
         return preference_loss(

@@ -1,11 +1,11 @@
-"""Generate the builtin `preference_pairs` dataset: (prompt, chosen, rejected) rows for DPO smoke runs.
+"""Generate the builtin `preference_pairs` dataset: (question, chosen, rejected) rows for DPO smoke runs.
 
 Run `python -m lorakit.data.samples.make_preference_pairs` to (re)write preference_pairs/{train,
 validation}.jsonl next to this file; the files are a pure function of SEED.
 
 Why synthetic, and this shape: no dataset can be downloaded here, and a DPO run must show preference
 accuracy rising from 50% to above 90% on held-out pairs with a tiny random model in a few dozen CPU steps.
-The prompt asks to describe a scene (who does what, where). The chosen answer describes it with the
+The question (the prompt) asks to describe a scene (who does what, where). The chosen answer describes it with the
 prompt's own words; the rejected one is unhelpful: a refusal, a change of subject or a vague reply, some
 of them naming the prompt's subject, so the preference is not a single token. A tiny model learns to
 prefer the helpful answer; held-out pairs use the same scene parts in new combinations.
@@ -54,7 +54,7 @@ def make_example(rng: random.Random) -> dict[str, str]:
     scene = f"{subject} {action} {place}"
     verb = "are" if subject.startswith("two") or subject == "the players" else "is"
     return {
-        "prompt": rng.choice(ASKS).format(scene=scene),
+        "question": rng.choice(ASKS).format(scene=scene),
         "chosen": f"{subject[0].upper()}{subject[1:]} {verb} {action} {place}.",
         "rejected": rng.choice(UNHELPFUL).format(subject=subject),
     }
