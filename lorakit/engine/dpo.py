@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from lorakit.data.preference_batching import SIDES
 from lorakit.engine import dist
 from lorakit.engine.loss import sequence_log_probs
+from lorakit.errors import InferenceError
 from lorakit.recipe.dpo_section import DPO_METRICS
 
 
@@ -67,7 +68,10 @@ def reference_model(engine):
     module = _module(engine)
     disable = getattr(module, "disable_adapter", None)
     if disable is None:
-        raise TypeError("train.objective dpo needs a peft model: its reference is the base, adapter disabled")
+        raise InferenceError(
+            "train.objective dpo: the reference model is the base with the adapter turned off, so a DPO run "
+            "is trained and evaluated with its adapter (a run or adapter directory), not a merged model"
+        )
     was_training = module.training
     module.eval()
     try:
