@@ -74,7 +74,8 @@ def test_dpo_zero3_two_processes_learns_the_preference_and_merges(cache_dir, tmp
     )
     assert len(generated.records) == 1 and "nurse" in generated.records[0]["prompt"]
     report = lorakit.compare([result.run_dir], output=tmp_path / "report")
-    assert "eval accuracy" in report.report.read_text()
+    text = report.report.read_text()
+    assert "eval accuracy" in text and "lora (dpo beta=0.1)" in text
 
 
 @pytest.mark.slow

@@ -124,3 +124,17 @@ def test_seq2seq_pairs_share_one_source_row():
     assert batch["chosen_decoder_input_ids"].tolist() == [[0, 7]]
     assert batch["rejected_decoder_input_ids"].tolist() == [[0, 8, 9]]
     assert batch["rejected_labels"].tolist() == [[8, 9, 1]] and batch["num_pairs"] == 1
+
+
+def test_the_shipped_preference_pairs_are_the_generators_output():
+    from lorakit.data.samples import builtin_dataset_dir
+    from lorakit.data.samples.make_preference_pairs import SAMPLES
+
+    for split, rows in SAMPLES.generate().items():
+        path = builtin_dataset_dir("preference_pairs") / f"{split}.jsonl"
+        shipped = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+        assert shipped == rows
+        for r in rows:
+            # The chosen answer describes the question's scene in its words (what makes it learnable).
+            scene = r["chosen"].rstrip(".").replace(" is ", " ", 1).replace(" are ", " ", 1)
+            assert scene.lower() in r["question"].lower() and r["rejected"] != r["chosen"], r
