@@ -108,6 +108,10 @@ def make_batching(
     """Sampler and collators for `data` (PreparedData) on `rank` of `world`: by the model family
     (`config`), and `packing`, what the model build decided (BuiltModel.packing)."""
     t = recipe.train
+    if t.objective == "dpo":
+        from lorakit.data.preference_batching import preference_batching
+
+        return preference_batching(recipe, data, tokenizer, config, packing=packing, world=world, rank=rank)
     if getattr(config, "is_encoder_decoder", False):
         eval_collator = padded_collator(tokenizer, config)
         if packing:

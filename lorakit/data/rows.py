@@ -116,12 +116,19 @@ class RowCollector:
     """Checks rows as they are read and keeps the good ones, applying data.on_bad_rows to the others."""
 
     def __init__(
-        self, data: DataSection, origin: str, unit: str, limit: int | None, labels: list[str] | None = None
+        self,
+        data: DataSection,
+        origin: str,
+        unit: str,
+        limit: int | None,
+        labels: list[str] | None = None,
+        columns: dict[str, str] | None = None,
     ):
-        self.columns = required_columns(data)  # {field: column}
+        # {field: column}; `columns` replaces what data.format reads (preference pairs: data/preference.py).
+        self.columns = columns if columns is not None else required_columns(data)
         self.chat = data.messages_column if data.format == "chat" else None
         # Class ids in these columns become labels[id]; with labels known, a text target must be one of them.
-        self.label_columns, self.labels = label_columns(data), labels
+        self.label_columns, self.labels = (label_columns(data) if columns is None else set()), labels
         self.direct_label = data.target_template is None
         self.policy, self.origin, self.unit, self.limit = data.on_bad_rows, origin, unit, limit
         self.values: dict[str, list] = {c: [] for c in self.columns.values()}

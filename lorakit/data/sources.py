@@ -196,9 +196,11 @@ def _display(source: str, local: Path, file: Path) -> str:
     return source if local.is_file() else str(Path(source) / file.name)
 
 
-def load_split(data: DataSection, split: str, limit: int | None = None) -> SourceRows:
+def load_split(
+    data: DataSection, split: str, limit: int | None = None, columns: dict[str, str] | None = None
+) -> SourceRows:
     """The usable rows of one split of the recipe's source (at most `limit`), checked under
-    data.on_bad_rows; only the columns data.format reads are kept."""
+    data.on_bad_rows; only the columns data.format reads (or `columns`, {field: column}) are kept."""
     local = resolve_local_source(data.source)
     if local is None:
         origin = f"hub dataset {data.source!r}" + (f" (config {data.config!r})" if data.config else "")
@@ -210,10 +212,11 @@ def load_split(data: DataSection, split: str, limit: int | None = None) -> Sourc
                 f"data.source {data.source!r} (config {data.config!r}, split {split!r}): {e}"
             ) from e
         labels = table_label_names(data, ds.features)
-        return _check_table(ds, RowCollector(data, f"{origin} split {split!r}", "row", limit, labels))
+        where = f"{origin} split {split!r}"
+        return _check_table(ds, RowCollector(data, where, "row", limit, labels, columns))
     file = _local_split_file(local, split)
     labels = data.label_names if data.format == "instruction" else None
-    rows = RowCollector(data, _display(data.source, local, file), "line", limit, labels)
+    rows = RowCollector(data, _display(data.source, local, file), "line", limit, labels, columns)
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq
 

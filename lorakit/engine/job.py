@@ -36,6 +36,7 @@ from lorakit.engine.loop import (
     plan_steps,
 )
 from lorakit.engine.mesh import ParallelDims
+from lorakit.engine.objective import make_objective
 from lorakit.engine.save import save_trained
 from lorakit.engine.schedule import lambda_lr_factory
 from lorakit.engine.signals import StopRequests
@@ -356,6 +357,7 @@ class Job:
             meter=self.meter,
             eval_every=self.recipe.eval.every,
             best=self.best_policy() if evaluates else None,
+            objective=make_objective(self.recipe, self.config),
         )
 
     def train(self, trainer: Trainer) -> None:

@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader
 from lorakit.engine import dist
 from lorakit.engine.best import EARLY_STOPPING, BestPolicy, judge
 from lorakit.engine.checkpoint import LoopState
-from lorakit.engine.loss import micro_batch_loss, token_loss_sum
+from lorakit.engine.loss import micro_batch_loss
+from lorakit.engine.objective import SFT, Objective
 from lorakit.errors import LorakitError
 from lorakit.meter import TokenMeter, peak_memory
 
@@ -49,37 +50,46 @@ def accumulation_windows(loader: DataLoader, accumulation: int):
         yield window
 
 
-def train_window(engine, inputs, window: list[dict[str, Any]], meter: TokenMeter) -> dict[str, float]:
+def train_window(
+    engine, inputs, window: list[dict[str, Any]], meter: TokenMeter, objective: Objective = SFT
+) -> dict[str, Any]:
     """Forward/backward every micro-batch of one window and take one optimizer step.
 
-    The loss backpropagated is the sum of token losses over the window on every rank, divided by the
-    number of target tokens in the window on every rank: identical to one big batch holding them all.
+    The loss backpropagated is the sum of the objective's losses (SFT: token losses) over the window on
+    every rank, divided by its units (SFT: target tokens) in the window on every rank: identical to one big
+    batch holding them all. The objective's metric sums are divided alike.
     """
     device = engine.device
     world = dist.world_size()
-    (window_tokens,) = dist.all_reduce([sum(b["num_target_tokens"] for b in window)])
+    window_tokens, window_units = dist.all_reduce(
+        [sum(b["num_target_tokens"] for b in window), sum(objective.units(b) for b in window)]
+    )
     local_loss = 0.0
+    sums: dict[str, Any] = {}
     real = slots = 0
     for i, batch in enumerate(window):
         # The window, not DeepSpeed's micro-step counter, decides when gradients are reduced and applied,
         # so a short last window of an epoch still steps with correctly weighted gradients.
         engine.set_gradient_accumulation_boundary(i == len(window) - 1)
-        logits = inputs.logits(engine, batch, device)
-        loss_sum = token_loss_sum(logits, batch["labels"].to(device))
-        engine.backward(micro_batch_loss(loss_sum, window_tokens, world), scale_wrt_gas=False)
+        loss_sum, metrics = objective.loss(engine, inputs, batch, device)
+        engine.backward(micro_batch_loss(loss_sum, window_units, world), scale_wrt_gas=False)
         engine.step()
         local_loss += float(loss_sum.detach())
+        for name, value in metrics.items():
+            sums[name] = sums.get(name, 0.0) + value
         meter.add(batch)
         real += batch["num_real_tokens"]
         slots += batch["num_token_slots"]
-    loss, real, slots = dist.all_reduce([local_loss, real, slots])
+    names = sorted(sums)
+    loss, real, slots, *values = dist.all_reduce([local_loss, real, slots, *(float(sums[k]) for k in names)])
     norm = engine.get_global_grad_norm()
     return {
-        "loss": loss / max(window_tokens, 1.0),
+        "loss": loss / max(window_units, 1.0),
         "grad_norm": float(norm) if norm is not None else None,
         "target_tokens": int(window_tokens),
         "real_tokens": int(real),
         "token_slots": int(slots),
+        "metrics": {k: v / max(window_units, 1.0) for k, v in zip(names, values, strict=True)},
     }
 
 
@@ -148,6 +158,7 @@ class Trainer:
         meter: TokenMeter | None = None,
         eval_every: int | None = None,
         best: BestPolicy | None = None,
+        objective: Objective = SFT,
     ):
         self.engine, self.inputs, self.loader, self.sampler, self.plan = engine, inputs, loader, sampler, plan
         self.accumulation, self.log, self.evaluate, self.progress = accumulation, log, evaluate, progress
@@ -159,6 +170,7 @@ class Trainer:
         self.meter = meter if meter is not None else TokenMeter()
         self.last_checkpoint = None
         self.eval_every, self.best = eval_every, best
+        self.objective = objective
 
     def run(self) -> None:
         """Train for the planned steps (from where the state says), evaluating after each epoch and every
@@ -177,7 +189,7 @@ class Trainer:
             # loading and collation count towards train_seconds; logging does not.
             start = time.perf_counter()
             for window in accumulation_windows(self.loader, self.accumulation):
-                stats = train_window(self.engine, self.inputs, window, self.meter)
+                stats = train_window(self.engine, self.inputs, window, self.meter, self.objective)
                 seconds = time.perf_counter() - start
                 st.micro_batches_done += len(window)
                 self._account(epoch, stats, seconds)
@@ -247,6 +259,8 @@ class Trainer:
             "target_tokens": stats["target_tokens"],
             # Cumulative useful tokens, so runs compare on a token axis whatever log_every is.
             "tokens": st.global_real_tokens,
+            # The objective's own numbers (DPO: rewards, margin, accuracy); none for SFT.
+            **stats.get("metrics", {}),
         }
         # This process's peaks so far (rank 0's, where records are written; summary.json has every rank's).
         memory = peak_memory()

@@ -74,3 +74,50 @@ def micro_batch_loss(loss_sum: torch.Tensor, window_tokens: float, world_size: i
     token-weighted mean, whatever the split into micro-batches and ranks.
     """
     return loss_sum * (world_size / max(window_tokens, 1.0))
+
+
+class _ChunkedTokenLogProbs(torch.autograd.Function):
+    """Log-probability of each label under (N, V) logits, (N,) fp32, 0 on ignored tokens; one chunk of tokens
+    at a time as _ChunkedTokenCE. Backward: d log p(y) / d logits = onehot(y) - softmax(logits)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk_elements: int) -> torch.Tensor:
+        out = torch.zeros(logits.size(0), dtype=torch.float32, device=logits.device)
+        spans = _chunks(logits.size(0), logits.size(1), chunk_elements)
+        for s, e in spans:
+            out[s:e] = -F.cross_entropy(
+                logits[s:e].float(), labels[s:e], ignore_index=IGNORE_INDEX, reduction="none"
+            )
+        ctx.save_for_backward(logits, labels)
+        ctx.spans = spans
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, labels = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for s, e in ctx.spans:
+            g = -torch.softmax(logits[s:e].float(), dim=-1)
+            y = labels[s:e]
+            target = y != IGNORE_INDEX
+            rows = torch.nonzero(target, as_tuple=True)[0]
+            g[rows, y[rows]] += 1.0
+            g[~target] = 0.0
+            grad[s:e] = (g * grad_out[s:e, None]).to(grad.dtype)
+        return grad, None, None
+
+
+def sequence_log_probs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    sequence_ids: torch.Tensor,
+    num_sequences: int,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """(num_sequences,) fp32 summed log-probabilities of the target tokens (labels != -100) of each sequence;
+    `sequence_ids` (shaped like `labels`) names the sequence of every token: a padded row, or one segment of
+    a packed row. Chunked in fp32 like `token_loss_sum`."""
+    flat = logits.reshape(-1, logits.size(-1))
+    token = _ChunkedTokenLogProbs.apply(flat, labels.reshape(-1).to(logits.device), chunk_elements)
+    index = sequence_ids.reshape(-1).to(logits.device)
+    return torch.zeros(num_sequences, dtype=torch.float32, device=logits.device).index_add(0, index, token)

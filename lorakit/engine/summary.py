@@ -198,7 +198,9 @@ def summarize(
     recipe, world, ckpt, st = job.recipe, dist.world_size(), job.resumed_from, job.state
     return RunSummary(
         method=recipe.method.kind,
-        method_options=recipe.method.options(),
+        # A DPO run reads `lora (dpo beta=0.1)` beside its SFT twin in lorakit.compare.
+        method_options=recipe.method.options()
+        + ([f"dpo beta={recipe.dpo.beta:g}"] if recipe.train.objective == "dpo" else []),
         model=recipe.model.name_or_path,
         model_source=job.built.source,
         attention=job.built.attention,

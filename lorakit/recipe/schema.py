@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from lorakit.recipe.data_section import DataSection, SourceSpec, data_parts
+from lorakit.recipe.dpo_section import DPO_METRICS, DpoSection, check_objective
 from lorakit.recipe.method import MethodSection
 from lorakit.recipe.section import Section, placeholders
 
@@ -19,6 +20,7 @@ __all__ = [
     "CheckpointSection",
     "DataSection",
     "DistributedSection",
+    "DpoSection",
     "EvalSection",
     "MethodSection",
     "ModelSection",
@@ -124,6 +126,11 @@ class TrainSection(Section):
         description="Stop training cleanly after this many evaluations in a row that did not improve "
         "checkpoint.best_metric (evaluations without that metric do not count); summary.json records "
         "stop_reason early_stopping. Needs checkpoint.best_metric. null: train for every planned step.",
+    )
+    objective: Literal["sft", "dpo"] = Field(
+        "sft",
+        description="sft: token-weighted cross-entropy on the targets; dpo: preference tuning on (prompt, "
+        "chosen, rejected) pairs, configured in the dpo section (docs/dpo.md).",
     )
     resume: str = Field(
         "auto",
@@ -374,6 +381,7 @@ class Recipe(Section):
     distributed: DistributedSection = DistributedSection()
     eval: EvalSection = EvalSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    dpo: DpoSection = DpoSection()
     output: OutputSection
 
     @model_validator(mode="after")
@@ -402,6 +410,7 @@ class Recipe(Section):
                 "a 4-bit weight DeepSpeed did not partition); use distributed.zero_stage 2, or kind lora"
             )
         self._check_sequence_parallel()
+        check_objective(self)
         self._check_best()
         return self
 
@@ -416,6 +425,11 @@ class Recipe(Section):
         if self.data.packing is False:
             raise ValueError(
                 "distributed.sequence_parallel > 1 splits packed rows: set data.packing: auto or true"
+            )
+        if self.train.objective != "sft":
+            raise ValueError(
+                "distributed.sequence_parallel > 1 splits SFT rows; train.objective dpo keeps each preference "
+                "pair's sequences whole on one rank: use distributed.sequence_parallel 1 with dpo"
             )
 
     def _check_best(self) -> None:
@@ -447,6 +461,8 @@ class Recipe(Section):
         """`eval.NAME` for every metric this recipe's in-run evaluation reports: loss, and with eval.generate
         the keys of eval.metrics (rouge: rouge1, rouge2, rougeL, rougeLsum)."""
         names = {"eval.loss"}
+        if self.train.objective == "dpo":
+            names |= {f"eval.{key}" for key in DPO_METRICS}
         if self.eval.generate:
             from lorakit.evaluation.scoring import metric_keys
 

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 import lorakit
 import lorakit.engine.loop as loop
+import lorakit.engine.objective as objective
 from lorakit import rundir
 from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.recipe import recipe_from_dict
@@ -46,7 +47,7 @@ def test_nan_loss_stops_with_exit_4_naming_the_step_and_keeps_the_checkpoint(cac
 
 @pytest.mark.slow
 def test_nan_loss_skipped_leaves_weights_finite_and_is_counted(cache_dir, tmp_path, monkeypatch):
-    real = loop.token_loss_sum
+    real = objective.token_loss_sum
     calls = {"n": 0}
 
     def nan_on_third(*args, **kwargs):
@@ -54,7 +55,7 @@ def test_nan_loss_skipped_leaves_weights_finite_and_is_counted(cache_dir, tmp_pa
         out = real(*args, **kwargs)
         return out * float("nan") if calls["n"] == 3 else out
 
-    monkeypatch.setattr(loop, "token_loss_sum", nan_on_third)
+    monkeypatch.setattr(objective, "token_loss_sum", nan_on_third)
     recipe = recipe_from_dict(_raw(cache_dir, tmp_path / "run", on_nonfinite="skip"))
     s = lorakit.train(recipe).summary
     assert s["skipped_steps"] == [3] and s["steps"] == 5
@@ -67,8 +68,8 @@ def test_nan_loss_skipped_leaves_weights_finite_and_is_counted(cache_dir, tmp_pa
 
 @pytest.mark.slow
 def test_too_many_skipped_steps_stop_the_run(cache_dir, tmp_path, monkeypatch):
-    real = loop.token_loss_sum
-    monkeypatch.setattr(loop, "token_loss_sum", lambda *a, **k: real(*a, **k) * float("nan"))
+    real = objective.token_loss_sum
+    monkeypatch.setattr(objective, "token_loss_sum", lambda *a, **k: real(*a, **k) * float("nan"))
     recipe = recipe_from_dict(_raw(cache_dir, tmp_path / "run", on_nonfinite="skip", max_skipped_steps=1))
     with pytest.raises(loop.TrainingDiverged, match=r"more than train.max_skipped_steps=1 .*steps \[1, 2\]"):
         lorakit.train(recipe)

@@ -84,6 +84,10 @@ def test_the_schema_refuses_what_sequence_parallelism_cannot_split(tmp_path):
             dict(distributed={"num_processes": 2, "sequence_parallel": 2}, model={"attention": "eager"}),
             "eager",
         ),
+        (
+            dict(distributed={"num_processes": 2, "sequence_parallel": 2}, train={"objective": "dpo"}),
+            "dpo keeps each preference pair",
+        ),
     ]:
         with pytest.raises(RecipeError, match=message):
             recipe(**sections)

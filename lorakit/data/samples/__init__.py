@@ -16,6 +16,8 @@ BUILTIN_DATASETS: dict[str, str] = {
     "dialogue_summaries": "dialogue_summaries",
     # {split}.parquet: GLUE MNLI's columns and split names (make_mnli_sample.py).
     "mnli_sample": "mnli_sample",
+    # (prompt, chosen, rejected) pairs for DPO (make_preference_pairs.py).
+    "preference_pairs": "preference_pairs",
 }
 
 

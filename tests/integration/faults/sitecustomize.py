@@ -70,9 +70,10 @@ if _spec and os.environ.get("RANK", "0") == "0":
 
         _loop.train_window = _faulty_train_window
     elif _action == "nan":
-        import lorakit.engine.loop as _loop
+        # The SFT objective computes the loss the loop backpropagates.
+        import lorakit.engine.objective as _objective
 
-        _token_loss_sum = _loop.token_loss_sum
+        _token_loss_sum = _objective.token_loss_sum
         _calls = {"n": 0}
 
         def _nan_loss(*args, **kwargs):
@@ -80,7 +81,7 @@ if _spec and os.environ.get("RANK", "0") == "0":
             _calls["n"] += 1
             return out * float("nan") if _calls["n"] == _step else out
 
-        _loop.token_loss_sum = _nan_loss
+        _objective.token_loss_sum = _nan_loss
     elif _action == "crash-save":
         import lorakit.engine.checkpoint as _ckpt
 

@@ -1,0 +1,165 @@
+"""Direct preference optimization with an adapter: the reference model is the policy with its adapter off.
+
+For every pair the objective takes the summed log-probability of the chosen and of the rejected response
+under the policy (with grad) and under the reference (the same module inside peft's `disable_adapter()`, in
+eval mode and under no_grad: no second copy of the model, no dropout noise), and the loss of the recipe's dpo.loss over the log-ratio
+difference h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected):
+
+    sigmoid: -(1 - ls) log sigmoid(beta h) - ls log sigmoid(-beta h)      (ls: dpo.label_smoothing)
+    ipo:     (h - 1 / (2 beta))^2
+
+Rewards are beta x (policy - reference) per response; accuracy counts a pair whose chosen reward is the
+larger one (a tie, as at the start when the adapter's B is zero, counts half: 50% before training). Every
+rank runs the same forwards in the same order for every micro-batch, as ZeRO-3's collective parameter
+gathers require. Encoder-decoders run the encoder once per pair and the decoder twice (lorakit.data.
+preference_batching).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lorakit.data.preference_batching import SIDES
+from lorakit.engine import dist
+from lorakit.engine.loss import sequence_log_probs
+from lorakit.errors import InferenceError
+from lorakit.recipe.dpo_section import DPO_METRICS
+
+
+def preference_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    *,
+    beta: float,
+    loss: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-pair losses, chosen rewards, rejected rewards) from summed sequence log-probabilities."""
+    chosen, rejected = policy_chosen - ref_chosen, policy_rejected - ref_rejected
+    h = chosen - rejected
+    if loss == "ipo":
+        losses = (h - 1.0 / (2.0 * beta)) ** 2
+    else:
+        losses = -(1.0 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
+def metric_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums over pairs of the rewards, margin and accuracy (percent; a tie counts half)."""
+    wins = (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
+    values = (chosen.sum(), rejected.sum(), (chosen - rejected).sum(), 100.0 * wins.sum())
+    return dict(zip(DPO_METRICS, values, strict=True))
+
+
+def _module(engine):
+    return getattr(engine, "module", engine)  # a DeepSpeed engine wraps the (peft) model
+
+
+@contextlib.contextmanager
+def reference_model(engine):
+    """`engine`'s model as the reference: its base (peft's disable_adapter()) in eval mode, so the reference
+    log-probabilities carry no dropout noise; train mode is restored after."""
+    module = _module(engine)
+    disable = getattr(module, "disable_adapter", None)
+    if disable is None:
+        raise InferenceError(
+            "train.objective dpo: the reference model is the base with the adapter turned off, so a DPO run "
+            "is trained and evaluated with its adapter (a run or adapter directory), not a merged model"
+        )
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad(), disable():
+            yield
+    finally:
+        module.train(was_training)
+
+
+class DpoObjective:
+    """The DPO loss over a batch of pairs (lorakit.data.preference_batching's layout); divisor: pairs."""
+
+    name = "dpo"
+
+    def __init__(
+        self, beta: float, loss: str = "sigmoid", label_smoothing: float = 0.0, *, encoder_decoder: bool
+    ):
+        self.beta, self.kind, self.label_smoothing = beta, loss, label_smoothing
+        self.encoder_decoder = encoder_decoder
+
+    def units(self, batch: dict[str, Any]) -> int:
+        return batch["num_pairs"]
+
+    def log_probs(self, engine, inputs, batch: dict[str, Any], device) -> torch.Tensor:
+        """(2 x pairs,) summed response log-probabilities, chosen and rejected of each pair in turn."""
+        if self.encoder_decoder:
+            return self._seq2seq_log_probs(engine, inputs, batch, device)
+        logits = inputs.logits(engine, batch, device)
+        return sequence_log_probs(logits, batch["labels"], batch["sequence_ids"], 2 * batch["num_pairs"])
+
+    def _seq2seq_log_probs(self, engine, inputs, batch: dict[str, Any], device) -> torch.Tensor:
+        kwargs = inputs({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, device)
+        encoder_outputs = _module(engine).get_encoder()(**kwargs)
+        per_side = []
+        for side in SIDES:
+            labels = batch[f"{side}_labels"]
+            logits = engine(
+                encoder_outputs=encoder_outputs,
+                attention_mask=kwargs["attention_mask"],
+                decoder_input_ids=batch[f"{side}_decoder_input_ids"].to(device),
+                decoder_attention_mask=batch[f"{side}_decoder_attention_mask"].to(device),
+                use_cache=False,
+            ).logits
+            rows = torch.arange(labels.size(0))[:, None].expand_as(labels)
+            per_side.append(sequence_log_probs(logits, labels, rows, labels.size(0)))
+        return torch.stack(per_side, dim=1).reshape(-1)
+
+    def pair_terms(self, engine, inputs, batch: dict[str, Any], device):
+        """(per-pair losses, chosen rewards, rejected rewards) of one batch."""
+        # The reference pass first, every rank alike: the same collective gathers in the same order.
+        with reference_model(engine):
+            ref = self.log_probs(engine, inputs, batch, device)
+        policy = self.log_probs(engine, inputs, batch, device)
+        return preference_loss(
+            policy[0::2],
+            policy[1::2],
+            ref[0::2],
+            ref[1::2],
+            beta=self.beta,
+            loss=self.kind,
+            label_smoothing=self.label_smoothing,
+        )
+
+    def loss(self, engine, inputs, batch: dict[str, Any], device) -> tuple[torch.Tensor, dict[str, Any]]:
+        losses, chosen, rejected = self.pair_terms(engine, inputs, batch, device)
+        return losses.sum(), metric_sums(chosen, rejected)
+
+
+@torch.no_grad()
+def evaluate_preferences(engine, inputs, objective: DpoObjective, eval_ds, collator, batch_size: int) -> dict:
+    """The DPO loss, rewards, margin and accuracy over every eval pair (means), the same on every rank;
+    every rank runs the same number of batches (lorakit.evaluation.generate.eval_plan)."""
+    from lorakit.evaluation.generate import eval_plan
+
+    model = _module(engine)
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(1 + len(DPO_METRICS), dtype=torch.float64)
+    pairs = 0
+    for rows, real in eval_plan(len(eval_ds), batch_size, dist.world_size(), dist.rank()):
+        batch = collator([eval_ds[i] for i in rows])
+        losses, chosen, rejected = objective.pair_terms(engine, inputs, batch, engine.device)
+        if real:
+            found = metric_sums(chosen[:real], rejected[:real])
+            values = [losses[:real].sum(), *(found[k] for k in DPO_METRICS)]
+            sums += torch.tensor([float(v) for v in values], dtype=torch.float64)
+            pairs += real
+    total, *rest = dist.all_reduce([pairs, *sums.tolist()])
+    model.train(was_training)
+    names = ("loss", *DPO_METRICS)
+    return {name: value / max(total, 1.0) for name, value in zip(names, rest, strict=True)}

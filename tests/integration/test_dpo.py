@@ -1,0 +1,106 @@
+"""DPO end to end on the builtin preference pairs: 2 processes on ZeRO-3 for a tiny Llama and a tiny T5
+(held-out preference accuracy from 50% to above 90%, the adapter merged and verified, generate and compare
+on the run), and a resumed DPO run identical to the uninterrupted one (1 process)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+
+import lorakit
+from lorakit import rundir
+from lorakit.engine.checkpoint import complete_checkpoints
+from lorakit.recipe.dpo_section import DPO_METRICS
+from tests.conftest import tiny_recipe
+
+
+def _recipe(cache_dir, out, kind: str, **sections):
+    values = {
+        "model": {"name_or_path": f"tiny:{kind}", "gradient_checkpointing": True},
+        "method": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
+        "data": {
+            "source": "builtin:preference_pairs",
+            "input_column": "question",
+            "prompt_template": "{input}\n",
+            "max_samples": 160,
+            "max_eval_samples": 32,
+            "packing": kind != "t5",
+            "max_source_length": "auto",
+            "max_target_length": "auto",
+        },
+        "train": {"objective": "dpo", "max_steps": 12, "lr": 5e-3, "micro_batch_size": 8},
+        "dpo": {"beta": 0.1},
+        "eval": {"generate": False, "every": 6},
+    }
+    for section, extra in sections.items():
+        values[section] = {**values.get(section, {}), **extra}
+    return tiny_recipe(cache_dir, out, **values)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_dpo_zero3_two_processes_learns_the_preference_and_merges(cache_dir, tmp_path, kind):
+    recipe = _recipe(
+        cache_dir,
+        tmp_path / "run",
+        kind,
+        distributed={"num_processes": 2, "zero_stage": 3},
+        output={"merge": True},
+    )
+    result = lorakit.train(recipe)
+    records = rundir.read_metrics(result.run_dir)
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    # eval.every 6 and the first epoch's end, which the family's batching decides.
+    assert evals[0]["step"] == 6 and evals[-1]["step"] == 12
+    for record in (*train, *evals):
+        assert set(DPO_METRICS) <= set(record), record
+    if kind == "llama":
+        # No dropout in the tiny Llama: before the first update the policy is its reference exactly.
+        assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+        assert train[0]["accuracy"] == 50.0 and train[0]["margin"] == 0.0
+    summary = result.summary
+    assert summary["eval"]["accuracy"] > 90, evals
+    assert summary["eval"]["margin"] > 0 and summary["eval"]["loss"] < math.log(2)
+    assert summary["loss"]["last"] < summary["loss"]["first"]
+    assert summary["merged_dir"] and (result.run_dir / "merged" / "config.json").is_file()
+
+    # The run is an ordinary adapter run for generate and compare.
+    # A text line is the value of the one column the prompt template reads (data.input_column).
+    generated = lorakit.generate(
+        result.run_dir, ["Describe the scene: a nurse reading a book at home."], max_new_tokens=4
+    )
+    assert len(generated.records) == 1 and "nurse" in generated.records[0]["prompt"]
+    report = lorakit.compare([result.run_dir], output=tmp_path / "report")
+    text = report.report.read_text()
+    assert "eval accuracy" in text and "lora (dpo beta=0.1)" in text
+
+
+@pytest.mark.slow
+def test_dpo_resume_is_identical(cache_dir, tmp_path):
+    recipe = _recipe(
+        cache_dir,
+        tmp_path / "run",
+        "llama",
+        train={"max_steps": 4},
+        eval={"enabled": False, "every": None},
+        checkpoint={"every": 2, "keep": 2},
+        distributed={"num_processes": 1, "zero_stage": 3},
+    )
+    whole = lorakit.train(recipe)
+    reference = [r for r in rundir.read_metrics(whole.run_dir) if r["kind"] == "train"]
+    adapter = (whole.run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
+    # As if the run had stopped after step 2's checkpoint.
+    found = complete_checkpoints(whole.run_dir)
+    assert [c.step for c in found] == [2, 4]
+    shutil.rmtree(found[-1].path)
+    resumed = lorakit.train(recipe)
+    assert resumed.summary["resumed_from"]["step"] == 2
+    again = [r for r in rundir.read_metrics(resumed.run_dir) if r["kind"] == "train"]
+    keys = ("step", "loss", "grad_norm", *DPO_METRICS)
+    assert [r["step"] for r in again] == [1, 2, 3, 4]
+    flat = [r[k] for r in again for k in keys]
+    assert flat == pytest.approx([r[k] for r in reference for k in keys], abs=1e-6)
+    assert (resumed.run_dir / "adapter" / "adapter_model.safetensors").read_bytes() == adapter
