@@ -23,6 +23,7 @@ __all__ = [
     "MethodSection",
     "ModelSection",
     "OutputSection",
+    "PreflightSection",
     "Recipe",
     "SourceSpec",
     "TrainSection",
@@ -311,6 +312,19 @@ class OutputSection(Section):
         return self
 
 
+class PreflightSection(Section):
+    """Checks of the machine before training starts. See docs/doctor.md."""
+
+    doctor: bool = Field(
+        False,
+        description="Run `python -m lorakit.doctor RECIPE --quick` before training (in the launching process, "
+        "after the run lock is taken): the environment, the packing / loss / merge / accumulation contracts "
+        "on a small model of the recipe's architecture with its kernels and dtype, one block's speed and the "
+        "memory plan. Its report goes to output.dir/doctor; a failed check stops the run (exit code 3) "
+        "before any data or model is loaded. Not run by workers a launcher other than lorakit started.",
+    )
+
+
 class Recipe(Section):
     """A complete, validated, frozen training recipe."""
 
@@ -322,6 +336,7 @@ class Recipe(Section):
     eval: EvalSection = EvalSection()
     checkpoint: CheckpointSection = CheckpointSection()
     output: OutputSection
+    preflight: PreflightSection = PreflightSection()
 
     @model_validator(mode="after")
     def _check(self) -> Recipe:
