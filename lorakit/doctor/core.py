@@ -10,6 +10,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ def detect_device() -> tuple[str, int, str]:
 
 def _guard(section: str, name: str, fn: Callable[[], CheckResult | list[CheckResult]]) -> list[CheckResult]:
     """Run one check; an exception becomes a failed check that names it (a doctor never crashes)."""
+    start = time.perf_counter()
     try:
         out = fn()
     except Exception as e:
@@ -44,7 +46,10 @@ def _guard(section: str, name: str, fn: Callable[[], CheckResult | list[CheckRes
                 traceback=traceback.format_exc(limit=8),
             )
         ]
-    return out if isinstance(out, list) else [out]
+    out = out if isinstance(out, list) else [out]
+    if len(out) == 1 and "seconds_taken" not in out[0].data:
+        out = [replace(out[0], data={**out[0].data, "seconds_taken": round(time.perf_counter() - start, 2)})]
+    return out
 
 
 def _load(recipe):
