@@ -1,10 +1,9 @@
 """python -m lorakit.doctor as a user types it: --quick on the causal quickstart in under a minute on a
-2-core CPU, every check passing; a failed check exits 1 with what it means and what to do."""
+2-core CPU, every check passing (a failing one: tests/unit/test_doctor.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 import resource
 import time
 
@@ -37,18 +36,3 @@ def test_quick_doctor_of_the_causal_quickstart_passes_in_under_a_minute(cache_di
     assert statuses["block forward+backward"] == statuses["run time estimate"] == "pass"
     assert "| contracts | packed == alone | pass |" in (out / "doctor.md").read_text()
     assert "doctor: every check passed" in proc.stdout and "Traceback" not in proc.stderr
-
-
-def test_a_failed_check_exits_1_and_says_what_to_do(tmp_path):
-    # A build lock left by a killed DeepSpeed op build, an hour old: the environment check fails.
-    lock = tmp_path / "extensions" / "cpu_adam" / "lock"
-    lock.parent.mkdir(parents=True)
-    lock.write_text("")
-    old = time.time() - 3600
-    os.utime(lock, (old, old))
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
-    proc = run_cli("lorakit.doctor", "--output", tmp_path / "doctor", env=env, timeout=300)
-    assert proc.returncode == 1, proc.stdout[-4000:] + proc.stderr[-3000:]
-    assert "FAILED environment/extension locks" in proc.stdout and f"rm {lock}" in proc.stdout
-    assert "SKIP  contracts" in proc.stdout  # no recipe: the environment only
-    assert json.loads((tmp_path / "doctor" / "doctor.json").read_text())["ok"] is False

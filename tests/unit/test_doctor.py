@@ -123,6 +123,19 @@ def test_the_doctor_package_is_callable_after_import():
     assert {c.section for c in report.checks} == {"environment"}
 
 
+def test_a_failed_check_exits_1_and_says_what_to_do(tmp_path, monkeypatch, capsys):
+    from lorakit.doctor.cli import main
+
+    # A build lock left by a killed DeepSpeed op build, an hour old: the environment check fails.
+    lock = _lock(tmp_path / "extensions" / "cpu_adam" / "lock", 3600)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    assert main(["--output", str(tmp_path / "doctor")]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED environment/extension locks" in out and f"rm {lock}" in out
+    assert "SKIP  contracts" in out  # no recipe: the environment only
+    assert json.loads((tmp_path / "doctor" / "doctor.json").read_text())["ok"] is False
+
+
 def test_cli_refuses_bad_input(tmp_path, capsys):
     from lorakit.doctor.cli import main
 
