@@ -10,8 +10,10 @@ CPU (tests/integration/test_packed_attention.py, test_packed_seq2seq.py, tests/u
   gradient of the token-weighted mean over the whole window.
 
 Tolerances are relative to the reference's scale (the largest |logit| or |gradient|, at least 1 for logits)
-and set per dtype: float32 compares kernels that should agree to rounding, bf16 keeps 8 bits of mantissa.
-A leaking attention moves logits by 5-50% of their scale, far above every tolerance here.
+and set per dtype, as lorakit.merge's (export/verify.py): float32 compares kernels that agree to rounding,
+bf16 keeps 8 bits of mantissa. Measured on CPU, tiny:llama / tiny:t5 packed against alone: float32 3e-7 /
+6e-7, bf16 0 / 1.1e-2; an attention that leaks across the examples of a row: 1.5 / 1.0 in either dtype, ten
+times the bf16 tolerance.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 
 from lorakit.doctor.result import CheckResult, failed, passed
 from lorakit.engine import loss as loss_fns
+from lorakit.export.verify import RELATIVE_TOLERANCE
 
 SECTION = "contracts"
 # Example lengths of the causal packing contract: longer than tiny:mistral's sliding window (64), so the
@@ -32,8 +35,8 @@ CAUSAL_LENGTHS = (37, 90, 5, 71)
 # (source, target) lengths of the seq2seq contract: sources longer than T5's relative-attention max distance
 # (128), and examples close enough in size that varlen SDPA attends to them in padded groups.
 SEQ2SEQ_PAIRS = ((37, 9), (150, 20), (5, 3), (71, 14), (64, 12), (60, 12), (58, 10), (5, 3))
-# Largest difference allowed, relative to the reference's scale, by compute dtype.
-TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 3e-2}
+# Largest difference allowed, relative to the reference's scale, by compute dtype (module docstring).
+TOLERANCE = RELATIVE_TOLERANCE
 ATTENTION_ADVICE = "use model.attention: sdpa (or eager), and report the backend and versions in doctor.md"
 
 
@@ -205,10 +208,10 @@ def chunked_ce(
 def merge(built, device="cpu", tolerance: float | None = None) -> CheckResult:
     """LoRA merged == adapter: the probe logits of a copy of `built` with the adapter merged into its
     weights (peft's merge_and_unload, as lorakit.merge does) against the adapter model's."""
-    from lorakit.export.verify import RELATIVE_TOLERANCE, compare, probe_batch, probe_logits
+    from lorakit.export.verify import compare, probe_batch, probe_logits
 
     dtype = dtype_name(built.inputs.dtype)
-    tol = RELATIVE_TOLERANCE[dtype] if tolerance is None else tolerance
+    tol = TOLERANCE[dtype] if tolerance is None else tolerance
     config = built.model.config
     batch = {k: v.to(device) for k, v in probe_batch(config, config.vocab_size).items()}
     model = copy.deepcopy(built.model)
@@ -238,7 +241,8 @@ def accumulation(built, rows=None, *, device="cpu", tolerance: float | None = No
     """Token-weighted loss across accumulation: the LoRA gradient of one batch's loss sum / its target
     tokens equals the sum over two micro-batches of very different token counts, each scaled by
     micro_batch_loss (as the loop does), through the recipe's batch layout."""
-    rows = contract_rows(built, seed=2) if rows is None else rows
+    # Four examples (all of the causal ones): the split below is one against the rest.
+    rows = contract_rows(built, seed=2)[:4] if rows is None else rows
     tol = TOLERANCE[dtype_name(built.inputs.dtype)] if tolerance is None else tolerance
     _, collate = collators(built, built.packing)
     trainable = [(n, p) for n, p in built.model.named_parameters() if p.requires_grad]
