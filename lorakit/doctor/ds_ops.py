@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lorakit.doctor.result import CheckResult, failed, passed, skipped
+from lorakit.doctor.result import CheckResult, failed, passed
 
 SECTION = "environment"
 # op name -> DeepSpeed's builder class name.
@@ -98,7 +98,3 @@ def deepspeed_ops(recipe) -> CheckResult:
             ops=states,
         )
     return passed(SECTION, "deepspeed ops", detail, ops=states)
-
-
-def skip_without_recipe(name: str) -> CheckResult:
-    return skipped(SECTION, name, "no recipe given")

@@ -7,7 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lorakit.testing import TINY_KINDS
+from lorakit.testing import TINY_KINDS, TINY_VOCAB_SIZE
+
+# The tiny tokenizer's ids (lorakit.testing.SPECIAL_TOKENS: <pad> 0, </s> 1, <unk> 2, <s> 3).
+SPECIAL_IDS = {"bos_token_id": 3, "eos_token_id": 1, "pad_token_id": 0, "decoder_start_token_id": 0}
 
 # Model types whose small build is lorakit.testing's tiny model of that kind (mT5 is T5's architecture).
 SMALL_KINDS = {**{k: k for k in TINY_KINDS}, "mt5": "t5"}
@@ -28,18 +31,31 @@ def with_model(recipe, name_or_path: str, **model: Any):
     return recipe.model_copy(update=update)
 
 
+# Another architecture's small build: two blocks, hidden size 64, and a sliding window short enough for the
+# contracts' examples to cross it.
+SMALL_WIDTH, SMALL_DEPTH, SMALL_WINDOW = 64, 2, 64
+
+
 def contract_model(recipe, device: str = "cpu"):
     """A small model of the recipe's architecture as training builds it (BuiltModel), ready for the
-    contracts (non-zero adapter, dropout off, train mode), on `device`; None when lorakit has no small
-    build of that architecture."""
+    contracts (non-zero adapter, dropout off, train mode), on `device`: lorakit.testing's tiny model of its
+    kind, else its own config at SMALL_WIDTH and SMALL_DEPTH with random weights, saved to a temporary
+    directory."""
+    import tempfile
+
     from lorakit.doctor.contracts import prepare_for_contract
     from lorakit.model import build_model
     from lorakit.planner.arch import resolve_config
 
-    kind = small_kind(resolve_config(recipe))
-    if kind is None:
-        return None
-    built = build_model(with_model(recipe, f"tiny:{kind}"))
+    config = resolve_config(recipe)
+    kind = small_kind(config)
+    if kind is not None:
+        built = build_model(with_model(recipe, f"tiny:{kind}"))
+    else:
+        with tempfile.TemporaryDirectory(prefix="lorakit-doctor-small-") as tmp:
+            window = {"sliding_window": SMALL_WINDOW} if getattr(config, "sliding_window", None) else {}
+            save_block_model(config, Path(tmp), recipe.model.dtype, SMALL_WIDTH, SMALL_DEPTH, **window)
+            built = build_model(with_model(recipe, tmp))
     built.model.to(device)
     return prepare_for_contract(built)
 
@@ -51,17 +67,19 @@ _WIDTH_KEYS = ("hidden_size", "intermediate_size", "d_model", "d_ff")
 _HEAD_KEYS = ("num_attention_heads", "num_key_value_heads", "num_heads")
 
 
-def block_config(config, max_width: int | None = None) -> tuple[dict[str, Any], float]:
-    """`config` as a dict with one block per stack and a small vocabulary (the head is not the block's
+def block_config(config, max_width: int | None = None, depth: int = 1) -> tuple[dict[str, Any], float]:
+    """`config` as a dict with `depth` blocks per stack and a small vocabulary (the head is not the block's
     work); with `max_width`, widths scaled down so the hidden size is at most that. Returns the dict and the
     scale applied to the widths (1.0 when none)."""
     raw = config.to_dict()
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
     for key in _DEPTH_KEYS:
         if key in raw and raw[key]:
-            raw[key] = 1
+            raw[key] = depth
     if raw.get("layer_types"):
-        raw["layer_types"] = raw["layer_types"][:1]
+        # One layer of each kind the model mixes (full and sliding attention), as far as depth allows.
+        kinds = list(dict.fromkeys(raw["layer_types"]))[:depth]
+        raw["layer_types"] = kinds + kinds[-1:] * (depth - len(kinds))
     hidden = raw.get("hidden_size") or raw.get("d_model")
     scale = 1.0
     if max_width is not None and hidden and hidden > max_width:
@@ -75,19 +93,27 @@ def block_config(config, max_width: int | None = None) -> tuple[dict[str, Any], 
         if raw.get("head_dim") is None and raw.get("num_attention_heads") and raw.get("hidden_size"):
             # Keep the head size of the real model: fewer heads, not narrower ones.
             raw["head_dim"] = config.hidden_size // config.num_attention_heads
-    raw["vocab_size"] = 2000  # lorakit.testing's tokenizer, which build_model loads with it
+    raw["vocab_size"] = TINY_VOCAB_SIZE  # lorakit.testing's tokenizer, which build_model loads with it
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+        # The real model's special ids may lie outside the small vocabulary; the tiny tokenizer's are 0-3.
+        if isinstance(raw.get(key), int) and raw[key] >= TINY_VOCAB_SIZE or isinstance(raw.get(key), list):
+            raw[key] = SPECIAL_IDS.get(key, 1)
     return raw, scale
 
 
-def save_block_model(config, directory: Path, dtype: str, max_width: int | None = None) -> float:
-    """Save a random model of `config` with one block per stack (block_config) and the tiny tokenizer into
-    `directory`, so build_model loads it as it would the real one; returns the width scale."""
+def save_block_model(
+    config, directory: Path, dtype: str, max_width: int | None = None, depth: int = 1, **fields: Any
+) -> float:
+    """Save a random model of `config` with `depth` blocks per stack (block_config; `fields` replace config
+    fields) and the tiny tokenizer into `directory`, so build_model loads it as it would the real one;
+    returns the width scale."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from lorakit.testing import build_tiny_tokenizer
 
-    raw, scale = block_config(config, max_width)
+    raw, scale = block_config(config, max_width, depth)
+    raw.update({k: v for k, v in fields.items() if k in raw})
     model_type = raw.pop("model_type")
     cfg = AutoConfig.for_model(model_type, **raw)
     enc_dec = bool(getattr(cfg, "is_encoder_decoder", False))

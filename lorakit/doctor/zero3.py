@@ -68,7 +68,9 @@ def zero3_save(recipe, processes: int, *, quick: bool) -> CheckResult:
         return skipped(SECTION, NAME, f"method.kind {recipe.method.kind}: the check saves a LoRA adapter")
     kind = small_kind(resolve_config(recipe))
     if kind is None:
-        return skipped(SECTION, NAME, "no small build of this architecture")
+        return skipped(
+            SECTION, NAME, f"{resolve_config(recipe).model_type}: the check trains lorakit's tiny models only"
+        )
     import lorakit
     from lorakit.errors import AdapterError
     from lorakit.export.adapter import check_fits, read_adapter
