@@ -17,6 +17,7 @@ import torch
 
 from lorakit.doctor import contracts, ds_ops, env, speed
 from lorakit.doctor.result import SECTIONS, CheckResult, DoctorReport, failed, passed, skipped
+from lorakit.errors import LorakitError
 
 CRASH_ACTION = "report doctor.md and the traceback in doctor.json as a bug"
 
@@ -35,6 +36,10 @@ def _guard(section: str, name: str, fn: Callable[[], CheckResult | list[CheckRes
     start = time.perf_counter()
     try:
         out = fn()
+    except LorakitError as e:  # the recipe, not this machine: say what the error says
+        link = e.doc_link()
+        return [failed(section, name, str(e), "the recipe cannot be checked as it is",
+                       f"fix the recipe{f' (see {link})' if link else ''} and run the doctor again")]  # fmt: skip
     except Exception as e:
         return [
             failed(
@@ -62,25 +67,30 @@ def _load(recipe):
 
 def environment(recipe) -> list[CheckResult]:
     """The environment section."""
-    checks = [env.python_and_torch, env.packages, lambda: env.gpus(recipe), env.driver, env.flash_attn]
-    checks += [lambda: env.bitsandbytes(recipe), lambda: ds_ops.deepspeed_ops(recipe), env.stale_locks]
+    checks = [
+        ("python + torch", env.python_and_torch),
+        ("libraries", env.packages),
+        ("gpus", lambda: env.gpus(recipe)),
+        ("driver + nccl", env.driver),
+        ("flash-attn", env.flash_attn),
+        ("bitsandbytes", lambda: env.bitsandbytes(recipe)),
+        ("deepspeed ops", lambda: ds_ops.deepspeed_ops(recipe)),
+        ("extension locks", env.stale_locks),
+    ]
     if recipe is not None:
-        checks.append(lambda: env.disk(recipe))
-    names = ["python + torch", "libraries", "gpus", "driver + nccl", "flash-attn", "bitsandbytes",
-             "deepspeed ops", "extension locks", "disk"]  # fmt: skip
-    return [c for name, fn in zip(names, checks, strict=False) for c in _guard("environment", name, fn)]
+        checks.append(("disk", lambda: env.disk(recipe)))
+    return [c for name, fn in checks for c in _guard(env.SECTION, name, fn)]
 
 
 def contract_checks(recipe, device: str, *, processes: int, quick: bool) -> list[CheckResult]:
     """The contracts section on a small model of the recipe's architecture, on `device`."""
-    from lorakit.doctor.models import contract_model
-    from lorakit.planner.arch import resolve_config
+    from lorakit.doctor.models import contract_model, recipe_config
 
-    config = resolve_config(recipe)
+    config = recipe_config(recipe)
     built = contract_model(recipe, device)
-    out = _guard(contracts.SECTION, "packing", lambda: contracts.packing(built, device=device))
+    out = _guard(contracts.SECTION, "packed == alone", lambda: contracts.packing(built, device=device))
     dtype = built.inputs.dtype
-    out += _guard(contracts.SECTION, "chunked CE", lambda: contracts.chunked_ce(config.vocab_size, dtype,
+    out += _guard(contracts.SECTION, "chunked CE == full CE", lambda: contracts.chunked_ce(config.vocab_size, dtype,
                                                                              device=device))  # fmt: skip
     if recipe.method.kind not in ("lora", "qlora"):
         out.append(skipped(contracts.SECTION, "LoRA merged == adapter", f"method.kind {recipe.method.kind}"))
@@ -89,18 +99,22 @@ def contract_checks(recipe, device: str, *, processes: int, quick: bool) -> list
                            "base, which lorakit.merge checks at export"))  # fmt: skip
     else:
         out += _guard(contracts.SECTION, "LoRA merged == adapter", lambda: contracts.merge(built, device))
-    out += _guard(contracts.SECTION, "accumulation", lambda: contracts.accumulation(built, device=device))
+    out += _guard(
+        contracts.SECTION, "token-weighted accumulation", lambda: contracts.accumulation(built, device=device)
+    )
     from lorakit.doctor.zero3 import zero3_save
 
-    out += _guard(contracts.SECTION, "ZeRO-3 save", lambda: zero3_save(recipe, processes, quick=quick))
+    out += _guard(
+        contracts.SECTION, "ZeRO-3 save + reload", lambda: zero3_save(recipe, processes, quick=quick)
+    )
     return out
 
 
 def speed_checks(recipe, device: str, devices: int, device_name: str, *, quick: bool) -> list[CheckResult]:
     """The speed section: the block, the whole run's estimate, all_reduce bandwidth."""
-    from lorakit.planner.arch import resolve_config
+    from lorakit.doctor.models import recipe_config
 
-    config = resolve_config(recipe)
+    config = recipe_config(recipe)
     block: dict = {}
 
     def run_block():
@@ -109,9 +123,12 @@ def speed_checks(recipe, device: str, devices: int, device_name: str, *, quick: 
         return result
 
     out = _guard(speed.SECTION, "block forward+backward", run_block)
+    # The run's processes on this machine: GPUs, as many as the recipe uses; a CPU is one device however
+    # many processes share its cores.
+    run_devices = min(devices, recipe.distributed.num_processes) if device == "cuda" else 1
     if block:
         out += _guard(
-            speed.SECTION, "run time estimate", lambda: speed.run_estimate(recipe, config, block, devices)
+            speed.SECTION, "run time estimate", lambda: speed.run_estimate(recipe, config, block, run_devices)
         )
     out += _guard(speed.SECTION, "all_reduce", lambda: all_reduce(devices, quick=quick))
     return out
@@ -163,18 +180,20 @@ def plan_check(recipe, device: str, devices: int) -> CheckResult:
     recipe's processes)."""
     import psutil
 
+    from lorakit.doctor.models import recipe_config
     from lorakit.planner import plan
     from lorakit.planner.units import PlanError, format_bytes
 
     ram = psutil.virtual_memory().total
     try:
+        config = recipe_config(recipe)
         if device == "cuda":
             memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(devices))
-            p = plan(recipe, gpus=devices, gpu_memory=memory, cpu_memory=ram)
+            p = plan(recipe, gpus=devices, gpu_memory=memory, cpu_memory=ram, config=config)
             where = f"{devices} GPU(s) of {format_bytes(memory)}"
         else:
             procs = recipe.distributed.num_processes
-            p = plan(recipe, gpus=procs, gpu_memory=ram // procs, cpu_memory=ram, device="cpu")
+            p = plan(recipe, gpus=procs, gpu_memory=ram // procs, cpu_memory=ram, device="cpu", config=config)
             where = f"CPU: {format_bytes(ram)} of RAM shared by {procs} process(es)"
     except PlanError as e:
         return skipped("plan", "memory plan", f"the planner cannot plan this recipe: {e}")

@@ -21,6 +21,20 @@ def small_kind(config) -> str | None:
     return SMALL_KINDS.get(getattr(config, "model_type", None))
 
 
+def recipe_config(recipe):
+    """The recipe's model config without weights: the planner's offline lookup (tiny models, a local
+    config.json, its table of known hub models), else the hub (or its local cache) as training loads it."""
+    from lorakit.planner.arch import resolve_config
+    from lorakit.planner.units import PlanError
+
+    try:
+        return resolve_config(recipe)
+    except PlanError:
+        from lorakit.model import load_config
+
+        return load_config(recipe)[1]
+
+
 def with_model(recipe, name_or_path: str, **model: Any):
     """`recipe` with another model.name_or_path (and model keys), LoRA dropout off: what the contracts and
     the speed check build, with everything else (dtype, attention, packing, method) as the recipe says."""
@@ -45,9 +59,8 @@ def contract_model(recipe, device: str = "cpu"):
 
     from lorakit.doctor.contracts import prepare_for_contract
     from lorakit.model import build_model
-    from lorakit.planner.arch import resolve_config
 
-    config = resolve_config(recipe)
+    config = recipe_config(recipe)
     kind = small_kind(config)
     if kind is not None:
         built = build_model(with_model(recipe, f"tiny:{kind}"))

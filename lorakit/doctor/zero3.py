@@ -52,9 +52,8 @@ def _small_recipe(recipe, kind: str, processes: int, out: Path):
 
 def zero3_save(recipe, processes: int, *, quick: bool) -> CheckResult:
     """Train 2 steps under ZeRO-3 on `processes` processes, then read the adapter back and reload it."""
-    from lorakit.doctor.models import small_kind
+    from lorakit.doctor.models import recipe_config, small_kind
     from lorakit.engine.launch import launched_distributed
-    from lorakit.planner.arch import resolve_config
 
     if processes < 2:
         return skipped(SECTION, NAME, "one device: ZeRO-3 partitions nothing (on CPU: --devices 2)")
@@ -66,10 +65,10 @@ def zero3_save(recipe, processes: int, *, quick: bool) -> CheckResult:
         )
     if not recipe.method.adapter() or recipe.method.kind != "lora":
         return skipped(SECTION, NAME, f"method.kind {recipe.method.kind}: the check saves a LoRA adapter")
-    kind = small_kind(resolve_config(recipe))
+    kind = small_kind(recipe_config(recipe))
     if kind is None:
         return skipped(
-            SECTION, NAME, f"{resolve_config(recipe).model_type}: the check trains lorakit's tiny models only"
+            SECTION, NAME, f"{recipe_config(recipe).model_type}: the check trains lorakit's tiny models only"
         )
     import lorakit
     from lorakit.errors import AdapterError
