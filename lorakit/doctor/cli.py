@@ -5,6 +5,7 @@ machine for a recipe before a long run; prints a table, writes doctor.json and d
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lorakit.cli import quiet_libraries, run_cli
@@ -41,6 +42,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides) if args.recipe else None
     report = run_doctor(recipe, quick=args.quick, output=args.output, devices=args.devices, label=args.recipe)
-    print(report.table())
-    print(f"report:   {args.output}/doctor.md, {args.output}/doctor.json")
+    if os.environ.get("RANK", "0") == "0":  # under a launcher, rank 0 speaks for the group
+        print(report.table())
+        print(f"report:   {args.output}/doctor.md, {args.output}/doctor.json")
     return 0 if report.ok else 1

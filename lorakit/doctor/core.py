@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import tempfile
 import time
@@ -139,12 +140,20 @@ def all_reduce(devices: int, *, quick: bool) -> CheckResult:
     from lorakit.engine.launch import launch_env, launched_distributed, torchrun_command
 
     if launched_distributed():
+        # Under a launcher (several nodes, or torchrun on this one): across the launched group.
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            from lorakit.doctor.allreduce import measure
+        from lorakit.doctor.allreduce import measure
+        from lorakit.engine.launch import resolve_backend
 
+        created = not dist.is_initialized()
+        if created:
+            dist.init_process_group(resolve_backend("auto"))
+        try:
             return _bandwidth(measure())
+        finally:
+            if created:
+                dist.destroy_process_group()
     if devices < 2:
         return skipped(
             speed.SECTION, "all_reduce", "one device: nothing to reduce across (--devices N on CPU)"
@@ -229,6 +238,8 @@ def run_doctor(
     all_reduce or ZeRO-3 save, fewer timing iterations (what preflight.doctor runs). `label`: what the
     report calls the recipe (default: its path, else its model)."""
     start = time.perf_counter()
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per process under a launcher
     if label is None and isinstance(recipe, str | Path):
         label = str(recipe)
     recipe = _load(recipe)
@@ -259,6 +270,6 @@ def run_doctor(
         seconds=time.perf_counter() - start,
         versions={**env.versions(), "device": name, "devices": count},
     )
-    if output is not None:
+    if output is not None and os.environ.get("RANK", "0") == "0":
         report.write(output)
     return report

@@ -69,6 +69,17 @@ def gpus(recipe=None) -> CheckResult:
     names = sorted({d["name"] for d in devices})
     detail = f"{len(devices)} x {', '.join(names)}, {devices[0]['memory_bytes'] / 2**30:.0f} GiB, "
     detail += f"compute capability {devices[0]['capability']}"
+    wanted = recipe.distributed.num_processes if recipe is not None else 0
+    if wanted > len(devices):
+        return failed(
+            SECTION,
+            "gpus",
+            detail,
+            f"the recipe starts distributed.num_processes {wanted} processes, one per GPU, on {len(devices)} GPU(s)",
+            f"set distributed.num_processes: {len(devices)} (and raise train.gradient_accumulation_steps to keep "
+            "the step's size), or run on a machine with more GPUs",
+            devices=devices,
+        )
     if recipe is not None and recipe.model.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         return failed(
             SECTION,
