@@ -82,7 +82,7 @@ def train(recipe: Recipe) -> TrainResult:
         if recipe.preflight.doctor:
             from lorakit.doctor.preflight import run_preflight
 
-            run_preflight(recipe)  # docs/doctor.md: a failed check stops here, before any data or model
+            run_preflight(recipe)  # docs/doctor.md: a failed check stops here, before the model loads
         if recipe.distributed.num_processes == 1:
             return _train_in_group(recipe, lock_on_rank0=False)
         return _launch_workers(recipe, lock)

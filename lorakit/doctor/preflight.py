@@ -1,6 +1,7 @@
 """`preflight.doctor: true`: the quick doctor before training, in the launching process once the run lock
-is held. A failed check stops the run (PreflightFailed, exit code 3) before any data or model is loaded;
-the report is in output.dir/doctor."""
+is held. A failed check stops the run (PreflightFailed, exit code 3) before the training model is loaded
+(the data may be tokenized already: the run time estimate reads it, and training then finds it cached); the
+report is in output.dir/doctor."""
 
 from __future__ import annotations
 

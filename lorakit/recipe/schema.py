@@ -321,7 +321,8 @@ class PreflightSection(Section):
         "after the run lock is taken): the environment, the packing / loss / merge / accumulation contracts "
         "on a small model of the recipe's architecture with its kernels and dtype, one block's speed and the "
         "memory plan. Its report goes to output.dir/doctor; a failed check stops the run (exit code 3) "
-        "before any data or model is loaded. Not run by workers a launcher other than lorakit started.",
+        "before the training model is loaded. Under a launcher other than lorakit's (torchrun, the deepspeed "
+        "launcher) it does not run: run the doctor before launching.",
     )
 
 
