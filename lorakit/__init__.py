@@ -72,6 +72,15 @@ def push(source, repo_id, **options):
     return _push(source, repo_id, **options)
 
 
+def doctor(recipe=None, **options):
+    """Check this machine for a recipe before a long run (environment, contracts on a small model of its
+    architecture, one block's speed, the memory plan); returns a DoctorReport (`ok`, `checks`, `write`).
+    Options: quick, output, devices. See lorakit.doctor and docs/doctor.md."""
+    from lorakit.doctor import run_doctor
+
+    return run_doctor(recipe, **options)
+
+
 def prepare(recipe):
     """Tokenize and cache a recipe's data without training. See lorakit.api.prepare."""
     from lorakit.api import prepare as _prepare
@@ -86,6 +95,7 @@ __all__ = [
     "RecipeError",
     "__version__",
     "compare",
+    "doctor",
     "evaluate",
     "generate",
     "load_recipe",

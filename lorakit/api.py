@@ -32,6 +32,14 @@ def prepare(recipe: Recipe) -> PreparedData:
     return prepare_data(recipe, load_tokenizer(recipe, source), config)
 
 
+def doctor(recipe=None, **options):
+    """Check this machine for `recipe` (environment, contracts, speed, memory plan); returns a
+    DoctorReport. Options: quick, output, devices. See lorakit.doctor and docs/doctor.md."""
+    from lorakit.doctor.core import run_doctor
+
+    return run_doctor(recipe, **options)
+
+
 def merge_after_training(recipe: Recipe, result: TrainResult) -> TrainResult:
     """output.merge: merge the saved adapter (or re-export the full model) into run_dir/merged and record
     merged_dir in summary.json. Rank 0, after run_job has returned, so the training model, engine and
@@ -73,6 +81,10 @@ def train(recipe: Recipe) -> TrainResult:
         # that torchrun or the deepspeed launcher started directly takes the lock on rank 0.
         return _train_in_group(recipe, lock_on_rank0=not runlock.held_by_launcher())
     with _guard_run_dir(recipe) as lock:
+        if recipe.preflight.doctor:
+            from lorakit.doctor.preflight import run_preflight
+
+            run_preflight(recipe)  # docs/doctor.md: a failed check stops here, before the model loads
         if recipe.distributed.num_processes == 1:
             return _train_in_group(recipe, lock_on_rank0=False)
         return _launch_workers(recipe, lock)

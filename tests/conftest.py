@@ -93,23 +93,10 @@ def training_config_model(cache_dir: Path, out_dir: Path, backend: str, **model)
 
 def ready_for_contract(built):
     """`built` (a BuiltModel) with a non-zero LoRA update, dropout off and in train mode: what the packing
-    contract tests compare."""
-    import torch
+    contract tests compare (the doctor's contracts prepare their model the same way)."""
+    from lorakit.doctor.contracts import prepare_for_contract
 
-    # LoRA's B starts at zero; give the adapter a real contribution so the contract covers its path.
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in built.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    # Dropout lives in nn.Dropout modules and, for attention weights, as a float on attention modules (T5).
-    for m in built.model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-        elif isinstance(getattr(m, "dropout", None), float):
-            m.dropout = 0.0
-    built.model.train()
-    return built
+    return prepare_for_contract(built)
 
 
 def losses_and_grads(built, rows, collators, *, per_token: bool = True) -> list[tuple[float, int, dict]]:

@@ -26,6 +26,7 @@ __all__ = [
     "ModelSection",
     "OutputSection",
     "PushToHubSection",
+    "PreflightSection",
     "Recipe",
     "SourceSpec",
     "TrainSection",
@@ -371,6 +372,20 @@ class OutputSection(Section):
         return self
 
 
+class PreflightSection(Section):
+    """Checks of the machine before training starts. See docs/doctor.md."""
+
+    doctor: bool = Field(
+        False,
+        description="Run `python -m lorakit.doctor RECIPE --quick` before training (in the launching process, "
+        "after the run lock is taken): the environment, the packing / loss / merge / accumulation contracts "
+        "on a small model of the recipe's architecture with its kernels and dtype, one block's speed and the "
+        "memory plan. Its report goes to output.dir/doctor; a failed check stops the run (exit code 3) "
+        "before the training model is loaded. Under a launcher other than lorakit's (torchrun, the deepspeed "
+        "launcher) it does not run: run the doctor before launching.",
+    )
+
+
 class Recipe(Section):
     """A complete, validated, frozen training recipe."""
 
@@ -383,6 +398,7 @@ class Recipe(Section):
     checkpoint: CheckpointSection = CheckpointSection()
     dpo: DpoSection = DpoSection()
     output: OutputSection
+    preflight: PreflightSection = PreflightSection()
 
     @model_validator(mode="after")
     def _check(self) -> Recipe:

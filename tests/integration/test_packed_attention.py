@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from lorakit.data.collate import IGNORE_INDEX, CausalCollator, PackedCausalCollator
+from lorakit.doctor import contracts
 from lorakit.engine.loss import token_loss_sum
 from tests.conftest import PACKING_BACKENDS, losses_and_grads, training_config_model
 
 CAUSAL_KINDS = ("llama", "mistral", "qwen2")
 # Longer than tiny:mistral's sliding window (64), so the window is exercised inside an example.
-LENGTHS = (37, 90, 5, 71)
+LENGTHS = contracts.CAUSAL_LENGTHS
 TOL = 1e-4
 
 
@@ -65,12 +66,11 @@ def _per_example(built, rows, use_cache: bool = False):
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("kind", CAUSAL_KINDS)
 def test_packed_examples_equal_examples_alone(cache_dir, tmp_path, kind, backend):
+    """The doctor's packing contract (lorakit.doctor.contracts), in float32 on every backend and kind."""
     built = _model(cache_dir, tmp_path, kind, backend)
-    rows = _rows(built.model.config.vocab_size)
-    alone, sliced, _, _ = _per_example(built, rows)
-    for (la, sa), (lp, sp) in zip(alone, sliced, strict=True):
-        assert (la - lp).abs().max().item() < TOL
-        assert abs(sa.item() - sp.item()) < TOL * max(1.0, abs(sa.item()))
+    result = contracts.packing(built, _rows(built.model.config.vocab_size), packed=True, tolerance=TOL)
+    assert result.passed, result.detail
+    assert result.data["examples"] == len(LENGTHS)
 
 
 @pytest.mark.parametrize("backend", ["varlen_sdpa", "sdpa_mask"])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lorakit.data.collate import PackedSeq2SeqCollator, Seq2SeqCollator
+from lorakit.doctor import contracts
 from lorakit.engine.loss import token_loss_sum
 from lorakit.model.varlen import _BUCKET_WASTE, _buckets
 from tests.conftest import (
@@ -20,7 +21,7 @@ from tests.conftest import (
 
 # (source, target) lengths; sources longer than T5's relative-attention max distance (128) on purpose, and
 # examples close enough in size that varlen SDPA attends to them in padded groups (see the test below).
-PAIRS = ((37, 9), (150, 20), (5, 3), (71, 14), (64, 12), (60, 12), (58, 10), (5, 3))
+PAIRS = contracts.SEQ2SEQ_PAIRS
 TOL = 1e-4
 
 
@@ -78,11 +79,11 @@ def test_pairs_exercise_grouped_attention():
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_packed_pairs_equal_pairs_alone(cache_dir, tmp_path, backend):
+    """The doctor's packing contract (lorakit.doctor.contracts), in float32 on every backend."""
     built = _model(cache_dir, tmp_path, backend)
-    alone, sliced, _ = _alone_and_packed(built, _rows())
-    for (la, sa), (lp, sp) in zip(alone, sliced, strict=True):
-        assert (la - lp).abs().max().item() < TOL
-        assert abs(sa.item() - sp.item()) < TOL * max(1.0, abs(sa.item()))
+    result = contracts.packing(built, _rows(), packed=True, tolerance=TOL)
+    assert result.passed, result.detail
+    assert "encoder self, decoder self and cross attention" in result.detail
 
 
 def test_seq2seq_contract_detects_leaks(cache_dir, tmp_path):
