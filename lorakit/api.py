@@ -18,7 +18,14 @@ from lorakit.engine.deepspeed_config import check_zero_plus_plus
 from lorakit.engine.job import TrainResult, accelerator_name
 from lorakit.engine.launch import launch_env, launched_distributed, process_group, torchrun_command
 from lorakit.engine.signals import STOP_SIGNALS
-from lorakit.errors import DiskFullError, RunDirError, RunLockedError
+from lorakit.errors import (
+    DiskFullError,
+    LorakitError,
+    RankFailedError,
+    RunDirError,
+    RunLockedError,
+    WorkerFailedError,
+)
 from lorakit.model import load_config, load_tokenizer
 from lorakit.observe import trackers
 from lorakit.recipe import Recipe, dump_recipe
@@ -88,7 +95,10 @@ def _train_in_group(recipe: Recipe, *, lock_on_rank0: bool) -> TrainResult:
     run_dir = Path(recipe.output.dir).expanduser().resolve()
     lock = None
     try:
-        with process_group(recipe.distributed.backend), warnings.catch_warnings():
+        with (
+            process_group(recipe.distributed.backend, recipe.distributed.timeout_minutes),
+            warnings.catch_warnings(),
+        ):
             # DeepSpeed calls torch.distributed APIs that torch deprecated, and warns on every step.
             warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
             if lock_on_rank0:
@@ -135,6 +145,17 @@ def _recording_exit(run_dir: Path, fn, *args):
             rundir.write_json(
                 run_dir / EXIT, {"code": e.exit_code, "error": type(e).__name__, "message": str(e)}
             )
+        raise
+    except RankFailedError:
+        raise  # the failing rank records the root cause
+    except Exception as e:
+        # A crash on this rank (or a collective that a vanished peer left unfinished): the first rank to
+        # get here records one line naming it, which the launcher prints as the run's error.
+        if not (run_dir / EXIT).exists():
+            code = e.exit_code if isinstance(e, LorakitError) else 1
+            info = {"code": code, "error": "WorkerFailedError", "message": dist.describe_failure(e)}
+            with contextlib.suppress(OSError, DiskFullError):
+                rundir.write_json(run_dir / EXIT, info)
         raise
 
 
@@ -206,8 +227,8 @@ def _run_forwarding_signals(cmd: list[str], env: dict[str, str], started=None) -
 
 
 def _raise_worker_exit(run_dir: Path) -> None:
-    """Re-raise, in the launching process, a worker's preemption, divergence or full disk with its exit
-    code."""
+    """Re-raise, in the launching process, a worker's preemption, divergence, full disk or failure with its
+    exit code (a failure as the one line its rank recorded)."""
     from lorakit.engine.job import EXIT
     from lorakit.engine.loop import Preempted, TrainingDiverged
 
@@ -218,3 +239,5 @@ def _raise_worker_exit(run_dir: Path) -> None:
     kinds = {"Preempted": Preempted, "TrainingDiverged": TrainingDiverged, "DiskFullError": DiskFullError}
     if info.get("error") in kinds:
         raise kinds[info["error"]](info["message"])
+    if info.get("error") == WorkerFailedError.__name__:
+        raise WorkerFailedError(info["message"], exit_code=int(info.get("code", 1)))

@@ -48,7 +48,16 @@ def main(argv: list[str] | None = None) -> int:
                 )
         return 0
 
-    return run_cli(body)
+    code = run_cli(body)
+    from lorakit.engine import dist
+
+    if dist.group_broken():
+        # A peer vanished mid-collective: gloo's teardown of such a group aborts (SIGABRT) and would
+        # replace this exit code; the run's error is already printed and recorded.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

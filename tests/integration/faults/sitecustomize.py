@@ -54,6 +54,9 @@ if _spec and os.environ.get("RANK", "0") == "0":
                 launcher = _ppid(agent)
                 if _action == "term":
                     os.kill(launcher, signal.SIGTERM)
+                    # The request travels launcher -> torchrun -> workers; waiting here until it has reached
+                    # this worker makes the run stop at step N however loaded the machine is.
+                    _await_stop_request()
                 else:
                     workers = [
                         int(p) for p in os.listdir("/proc") if p.isdigit() and _safe_ppid(int(p)) == agent
@@ -61,6 +64,14 @@ if _spec and os.environ.get("RANK", "0") == "0":
                     for pid in [launcher, agent, *(w for w in workers if w != os.getpid()), os.getpid()]:
                         os.kill(pid, signal.SIGKILL)
             return out
+
+        def _await_stop_request(limit=120.0):
+            import time
+
+            owner = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+            deadline = time.monotonic() + limit
+            while owner is not None and owner.received is None and time.monotonic() < deadline:
+                time.sleep(0.05)
 
         def _safe_ppid(pid):
             try:
