@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"merged:   {s['merged_dir']}")
             print(f"metrics:  {result.run_dir / 'metrics.jsonl'}")
             for name, where in (s.get("trackers") or {}).items():
-                print(
-                    f"{name + ':':<10}{where.get('log_dir') or where.get('dir') or where.get('tracking_uri')}"
-                )
+                place = where.get("log_dir") or where.get("dir") or where.get("tracking_uri")
+                failed = f"failed ({where['failed']})" if where.get("failed") else ""
+                print(f"{name + ':':<10}{' '.join(str(x) for x in (place, failed) if x)}")
         return 0
 
     code = run_cli(body)

@@ -2,7 +2,7 @@
 
 A tracker (TensorBoard, W&B, MLflow) is a copy of metrics.jsonl for people to look at; a server that is
 down, a network blip or a full disk under its files must cost a warning, never the run. So:
-- `start_sink` builds a sink with a time limit (wandb.init and MLflow's client retry for minutes when their
+- `start_sinks` builds the sinks at once, with a time limit (wandb.init and MLflow's client retry for minutes when their
   server is unreachable); a sink that fails or does not start in time is left out, with one warning.
 - `GuardedSink` passes records on; a failed write is one warning, after which the sink waits (doubling
   back-off) before it tries again, and after `MAX_FAILURES` failures in a row it disables itself. Remote
@@ -34,37 +34,55 @@ def warn(message: str) -> None:
     warnings.warn(message, TrackerWarning, stacklevel=2)
 
 
-def start_sink(name: str, make: Callable[[], Any], timeout: float) -> tuple[Any | None, str | None]:
-    """Build a sink with `make()` within `timeout` seconds: (sink, None), or (None, why) after a warning.
+def start_sinks(
+    makers: dict[str, Callable[[], Any]], timeout: float
+) -> dict[str, tuple[Any | None, str | None]]:
+    """Build each sink with its maker, all at once, within `timeout` seconds: name -> (sink, None), or
+    (None, why) after one warning.
 
-    A start that runs past the limit is left running in a daemon thread (a library call cannot be
+    A start still running at the limit is left to its daemon thread (a library call cannot be
     interrupted); whatever it builds later is closed, never used."""
-    box: dict[str, Any] = {}
-    abandoned = threading.Event()
+    starts = {name: _Start(name, make) for name, make in makers.items()}
+    deadline = time.monotonic() + timeout
+    out = {}
+    for name, start in starts.items():
+        start.thread.join(max(deadline - time.monotonic(), 0.0))
+        out[name] = start.outcome(timeout)
+        if out[name][0] is None:
+            warn(
+                f"tracker {name} {out[name][1]}; training goes on without it (the records are in metrics.jsonl)"
+            )
+    return out
 
-    def target() -> None:
+
+class _Start:
+    def __init__(self, name: str, make: Callable[[], Any]):
+        self.make, self.box, self.lock = make, {}, threading.Lock()
+        self.abandoned = False
+        self.thread = threading.Thread(target=self._run, name=f"lorakit-{name}-start", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
         try:
-            sink = make()
+            sink = self.make()
         except Exception as e:
-            box["error"] = e
+            self.box["error"] = e
             return
-        if abandoned.is_set():
-            _close_quietly(sink)
-        else:
-            box["sink"] = sink
+        with self.lock:
+            if not self.abandoned:
+                self.box["sink"] = sink
+                return
+        _close_quietly(sink)
 
-    thread = threading.Thread(target=target, name=f"lorakit-{name}-start", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        abandoned.set()
-        why = f"did not start within output.tracker_timeout_seconds={timeout:g}"
-    elif "error" in box:
-        why = f"failed to start: {type(box['error']).__name__}: {_first_line(box['error'])}"
-    else:
-        return box["sink"], None
-    warn(f"tracker {name} {why}; training goes on without it (the records are in metrics.jsonl)")
-    return None, why
+    def outcome(self, timeout: float) -> tuple[Any | None, str | None]:
+        with self.lock:
+            if "sink" in self.box:
+                return self.box["sink"], None
+            if "error" in self.box:
+                e = self.box["error"]
+                return None, f"failed to start: {type(e).__name__}: {_first_line(e)}"
+            self.abandoned = True
+        return None, f"did not start within output.tracker_timeout_seconds={timeout:g}"
 
 
 class GuardedSink:

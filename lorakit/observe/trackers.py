@@ -13,7 +13,7 @@ from typing import Any
 
 from lorakit import rundir
 from lorakit.errors import MissingExtraError
-from lorakit.observe.guard import GuardedSink, start_sink
+from lorakit.observe.guard import GuardedSink, start_sinks
 
 # backend -> (module that must import, what to install)
 REQUIREMENTS = {
@@ -64,9 +64,11 @@ def open_sinks(
     name = run_dir.name
     sinks: list[Any] = []
     where: dict[str, Any] = {}
-    for backend in report_to:
-        make = _maker(backend, run_dir, name, known, fresh, resumed_step, recipe, recipe_yaml, timeout)
-        sink, why = start_sink(backend, make, timeout)
+    makers = {
+        backend: _maker(backend, run_dir, name, known, fresh, resumed_step, recipe, recipe_yaml, timeout)
+        for backend in report_to
+    }
+    for backend, (sink, why) in start_sinks(makers, timeout).items():
         if sink is None:
             where[backend] = {"failed": why}
             continue

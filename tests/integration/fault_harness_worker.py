@@ -6,7 +6,8 @@ or pdsh start them: no agent that stops the other ranks when one fails).
 
 MODE agree: every (phase, failing rank) row of FAULT_ROWS in turn, each in the shape lorakit runs it (rank-0
 work through dist.on_main, every rank's own work through dist.on_every_rank); writes OUT/rank-r.json.
-MODE crash: rank 1 raises in the first step's forward and exits; rank 0 waits in the step's all-reduce.
+MODE raise-R: rank R raises in the first step's forward and exits; the other waits in the step's all-reduce.
+MODE kill-R: rank R SIGKILLs itself in the first step's forward; the other waits in the step's all-reduce.
 MODE stall: rank 1 stalls for 6 s, past the group's timeout (3 s); rank 0 waits in the step's all-reduce.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -69,12 +71,15 @@ def main(mode: str, out: Path) -> None:
         (total,) = dist.all_reduce([1.0])
         results.append(["after", -1, "ok", str(total), 0.0])
     else:
+        action, _, failing = mode.partition("-")
         start = time.monotonic()
         try:
             with dist.phase("training", 1):
-                if me == 1:
-                    if mode == "crash":
+                if me == int(failing or 1):
+                    if action == "raise":
                         raise Injected("injected in the first step")
+                    if action == "kill":
+                        os.kill(os.getpid(), signal.SIGKILL)
                     time.sleep(6)
                 dist.all_reduce([1.0])
             outcome = ["ok", ""]
