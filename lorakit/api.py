@@ -20,6 +20,7 @@ from lorakit.engine.launch import launch_env, launched_distributed, process_grou
 from lorakit.engine.signals import STOP_SIGNALS
 from lorakit.errors import (
     DiskFullError,
+    ExtensionLockError,
     LorakitError,
     RankFailedError,
     RunDirError,
@@ -72,6 +73,7 @@ def train(recipe: Recipe) -> TrainResult:
     # Likewise the libraries of output.report_to (wandb, mlflow, tensorboard): a missing one is exit 2 now,
     # not a crash of rank 0 after the model has loaded.
     trackers.require(recipe.output.report_to)
+    check_extension_locks()
 
     if launched_distributed():
         # Workers of `python -m lorakit.run` find their launcher's lock token in their environment; a job
@@ -81,6 +83,16 @@ def train(recipe: Recipe) -> TrainResult:
         if recipe.distributed.num_processes == 1:
             return _train_in_group(recipe, lock_on_rank0=False)
         return _launch_workers(recipe, lock)
+
+
+def check_extension_locks() -> None:
+    """A stale lock in the torch extensions cache is an error now, naming the file to remove: left alone,
+    the run would wait on it forever while DeepSpeed builds its ops."""
+    from lorakit.engine.extension_locks import describe_stale_locks, stale_locks
+
+    stale = stale_locks()
+    if stale:
+        raise ExtensionLockError(describe_stale_locks(stale))
 
 
 def _guard_run_dir(recipe: Recipe) -> runlock.RunLock:

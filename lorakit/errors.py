@@ -146,3 +146,10 @@ class WorkerFailedError(LorakitError):
     def __init__(self, *args: object, doc: str | None = None, exit_code: int = 1):
         super().__init__(*args, doc=doc)
         self.exit_code = exit_code
+
+
+class ExtensionLockError(LorakitError):
+    """The torch extensions cache holds a lock that no process holds (a killed build's leftover): the
+    run would wait on it forever as DeepSpeed builds its ops. The message names the file to remove."""
+
+    doc = "docs/faults.md#a-stale-torch-extensions-lock"
