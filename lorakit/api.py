@@ -48,7 +48,8 @@ def merge_after_training(recipe: Recipe, result: TrainResult) -> TrainResult:
     from lorakit.export import merge
 
     gc.collect()
-    merged = merge(result.run_dir, result.run_dir / rundir.MERGED, dtype=recipe.model.dtype)
+    # The training job holds the run lock already.
+    merged = merge(result.run_dir, result.run_dir / rundir.MERGED, dtype=recipe.model.dtype, lock=False)
     summary = {**result.summary, "merged_dir": str(merged.output_dir)}
     rundir.write_json(result.run_dir / rundir.SUMMARY, summary)
     return TrainResult(result.run_dir, summary)
