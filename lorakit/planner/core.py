@@ -128,6 +128,8 @@ class MemoryPlan:
     recommendation: Estimate | None
     recommended_overrides: tuple[str, ...]
     assumptions: tuple[str, ...] = field(default=())
+    # distributed.timeout_minutes: how long a collective waits for a stalled or dead rank (docs/faults.md).
+    timeout_minutes: float | None = None
 
     @property
     def fits(self) -> bool | None:
@@ -171,6 +173,7 @@ class MemoryPlan:
             if rec is None
             else {**rec.to_dict(), "overrides": list(self.recommended_overrides)},
             "assumptions": list(self.assumptions),
+            "timeout_minutes": self.timeout_minutes,
         }
 
     def describe(self) -> str:
@@ -258,6 +261,7 @@ def plan(
         recommendation=best,
         recommended_overrides=tuple(overrides(best.setup, recipe, base)) if best else (),
         assumptions=tuple(notes),
+        timeout_minutes=recipe.distributed.timeout_minutes,
     )
 
 
