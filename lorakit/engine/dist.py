@@ -129,6 +129,8 @@ def collective_failure(error: BaseException) -> bool:
 
 def describe_failure(error: BaseException) -> str:
     """One line for the launcher: which rank failed, where, and the error (type and first line)."""
+    if isinstance(error, CollectiveTimeoutError):
+        return _first_line(error)  # already says which rank stopped where, and why
     at = getattr(error, "lorakit_where", None) or where()
     return f"rank {rank()} failed during {at}: {type(error).__name__}: {_first_line(error)}"
 
@@ -147,13 +149,14 @@ def on_main(
     on rank 0 (on every rank with `share`), None elsewhere. `at`: the step, for the error (default: the
     enclosing phase's). Call it on every rank at the same point."""
     result, error = None, None
+    step = _PHASE[1] if at is None else at
     if is_main():
         try:
-            with phase(name, _current_step() if at is None else at):
+            with phase(name, step):
                 result = fn(*args, **kwargs)
         except Exception as e:
             error = e
-    outcomes = _agree(name, error, result if share else None)
+    outcomes = _agree(name, step, error, result if share else None)
     return outcomes[0] if share else result
 
 
@@ -162,23 +165,26 @@ def on_every_rank(name: str, fn: Callable[..., T], *args: Any, at: int | None = 
     raises (the failing rank its own error, the others RankFailedError naming it), so no rank goes on to
     a collective the failed one will never join, and none cleans up what another may still be writing."""
     result, error = None, None
+    step = _PHASE[1] if at is None else at
     try:
-        with phase(name, _current_step() if at is None else at):
+        with phase(name, step):
             result = fn(*args, **kwargs)
     except Exception as e:
         error = e
-    _agree(name, error, None)
+    _agree(name, step, error, None)
     return result
 
 
-def _current_step() -> int | Callable[[], int] | None:
-    return _PHASE[1]
-
-
-def _agree(name: str, error: Exception | None, value: Any) -> list[Any]:
+def _agree(name: str, step, error: Exception | None, value: Any) -> list[Any]:
     """Gather every rank's (failure, value); raise if any rank failed; return the values in rank order."""
     mine = describe_failure(error) if error is not None else None
-    gathered = all_gather_objects((mine, value))
+    try:
+        with phase(name, step):
+            gathered = all_gather_objects((mine, value))
+    except CollectiveTimeoutError:
+        if error is not None:
+            raise error from None  # this rank's own failure is the root cause, not the gather's
+        raise
     if error is not None:
         raise error
     failed = [(r, text) for r, (text, _) in enumerate(gathered) if text is not None]

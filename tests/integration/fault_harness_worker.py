@@ -91,6 +91,9 @@ def main(mode: str, out: Path) -> None:
     (out / f"rank-{me}.json").write_text(json.dumps(results))
     if dist.group_broken():
         os._exit(0)  # as lorakit.run does: gloo's teardown of a group with a vanished peer aborts
+    # As launch.process_group ends a job: every rank still there, then the group is torn down.
+    torch_dist.barrier()
+    torch_dist.destroy_process_group()
 
 
 if __name__ == "__main__":
