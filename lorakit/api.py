@@ -147,29 +147,35 @@ def _lock_on_rank0(recipe: Recipe) -> runlock.RunLock | None:
 
 
 def _recording_exit(run_dir: Path, fn, *args):
-    """Run `fn(*args)`; a DiskFullError is recorded in run_dir/exit.json for the launcher to exit with its
-    code (any rank may hit it: each writes its own shards)."""
+    """Run `fn(*args)`; its failure is recorded in run_dir/exit.json for the launcher to exit with its code
+    and one line (record_failure). Failures inside the job's agreements (engine/dist.py) are recorded the
+    moment they happen, before the agreement's collective, which may never complete."""
+    try:
+        with dist.recording_failures(lambda e: record_failure(run_dir, e)):
+            return fn(*args)
+    except Exception as e:
+        record_failure(run_dir, e)
+        raise
+
+
+def record_failure(run_dir: Path, error: BaseException) -> None:
+    """Write `error` as run_dir/exit.json for the launcher: a full disk (any rank may hit it: each writes its
+    own shards) with its code; a crash, or a collective a vanished peer left unfinished, as one line naming
+    the rank, phase and step, unless a rank recorded its failure first. Another rank's failure
+    (RankFailedError) is that rank's to record."""
     from lorakit.engine.job import EXIT
 
-    try:
-        return fn(*args)
-    except DiskFullError as e:
-        with contextlib.suppress(OSError, DiskFullError):
-            rundir.write_json(
-                run_dir / EXIT, {"code": e.exit_code, "error": type(e).__name__, "message": str(e)}
-            )
-        raise
-    except RankFailedError:
-        raise  # the failing rank records the root cause
-    except Exception as e:
-        # A crash on this rank (or a collective that a vanished peer left unfinished): the first rank to
-        # get here records one line naming it, which the launcher prints as the run's error.
-        if not (run_dir / EXIT).exists():
-            code = e.exit_code if isinstance(e, LorakitError) else 1
-            info = {"code": code, "error": "WorkerFailedError", "message": dist.describe_failure(e)}
-            with contextlib.suppress(OSError, DiskFullError):
-                rundir.write_json(run_dir / EXIT, info)
-        raise
+    if isinstance(error, RankFailedError):
+        return
+    if isinstance(error, DiskFullError):
+        info = {"code": error.exit_code, "error": type(error).__name__, "message": str(error)}
+    elif (run_dir / EXIT).exists():
+        return
+    else:
+        code = error.exit_code if isinstance(error, LorakitError) else 1
+        info = {"code": code, "error": "WorkerFailedError", "message": dist.describe_failure(error)}
+    with contextlib.suppress(OSError, DiskFullError):
+        rundir.write_json(run_dir / EXIT, info)
 
 
 def _launch_workers(recipe: Recipe, lock: runlock.RunLock) -> TrainResult:

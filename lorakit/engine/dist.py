@@ -140,6 +140,28 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
+# Called with a failure of on_main / on_every_rank work as it happens (api records it in exit.json).
+_RECORDERS: list[Callable[[BaseException], None]] = []
+
+
+@contextlib.contextmanager
+def recording_failures(record: Callable[[BaseException], None]) -> Iterator[None]:
+    """Inside the block, `record(error)` is called on the failing rank as soon as on_main / on_every_rank
+    work fails, before the agreement's collective: if another rank is inside a collective of its own
+    (DeepSpeed's, mid-checkpoint) the agreement cannot complete, and the root cause must be on record."""
+    _RECORDERS.append(record)
+    try:
+        yield
+    finally:
+        _RECORDERS.remove(record)
+
+
+def _record(error: BaseException) -> None:
+    for record in list(_RECORDERS):
+        with contextlib.suppress(Exception):
+            record(error)
+
+
 def on_main(
     name: str, fn: Callable[..., T], *args: Any, share: bool = False, at: int | None = None, **kwargs: Any
 ) -> T | None:
@@ -156,6 +178,7 @@ def on_main(
                 result = fn(*args, **kwargs)
         except Exception as e:
             error = e
+            _record(e)
     outcomes = _agree(name, step, error, result if share else None)
     return outcomes[0] if share else result
 
@@ -171,6 +194,7 @@ def on_every_rank(name: str, fn: Callable[..., T], *args: Any, at: int | None = 
             result = fn(*args, **kwargs)
     except Exception as e:
         error = e
+        _record(e)
     _agree(name, step, error, None)
     return result
 
