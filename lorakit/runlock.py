@@ -390,7 +390,16 @@ def holding_run_lock(merge_fn):
         run_dir = next((d for d in (p, p.parent) if (d / rundir.RECIPE).is_file()), None)
         if not lock or run_dir is None:
             return merge_fn(source, output, *args, **kwargs)
-        with RunLock(run_dir, say=lambda line: print(line, file=sys.stderr, flush=True)):
+        held = RunLock(run_dir, say=lambda line: print(line, file=sys.stderr, flush=True))
+        try:
+            held.acquire()
+        except RunDirError:
+            # A run directory this process cannot write (a read-only copy) has no training run writing
+            # into it from here either: merge it without the lock.
             return merge_fn(source, output, *args, **kwargs)
+        try:
+            return merge_fn(source, output, *args, **kwargs)
+        finally:
+            held.release()
 
     return wrapper
