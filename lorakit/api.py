@@ -18,7 +18,16 @@ from lorakit.engine.deepspeed_config import check_zero_plus_plus
 from lorakit.engine.job import TrainResult, accelerator_name
 from lorakit.engine.launch import launch_env, launched_distributed, process_group, torchrun_command
 from lorakit.engine.signals import STOP_SIGNALS
-from lorakit.errors import DiskFullError, PublishError, RunDirError, RunLockedError
+from lorakit.errors import (
+    DiskFullError,
+    ExtensionLockError,
+    LorakitError,
+    PublishError,
+    RankFailedError,
+    RunDirError,
+    RunLockedError,
+    WorkerFailedError,
+)
 from lorakit.export import publish
 from lorakit.model import load_config, load_tokenizer
 from lorakit.observe import trackers
@@ -49,7 +58,8 @@ def merge_after_training(recipe: Recipe, result: TrainResult) -> TrainResult:
     from lorakit.export import merge
 
     gc.collect()
-    merged = merge(result.run_dir, result.run_dir / rundir.MERGED, dtype=recipe.model.dtype)
+    # The training job holds the run lock already.
+    merged = merge(result.run_dir, result.run_dir / rundir.MERGED, dtype=recipe.model.dtype, lock=False)
     summary = {**result.summary, "merged_dir": str(merged.output_dir)}
     rundir.write_json(result.run_dir / rundir.SUMMARY, summary)
     return TrainResult(result.run_dir, summary)
@@ -75,6 +85,7 @@ def train(recipe: Recipe) -> TrainResult:
     # not a crash of rank 0 after the model has loaded.
     trackers.require(recipe.output.report_to)
     publish.check_before_training(recipe.output.push_to_hub)
+    check_extension_locks()
 
     if launched_distributed():
         # Workers of `python -m lorakit.run` find their launcher's lock token in their environment; a job
@@ -90,6 +101,16 @@ def train(recipe: Recipe) -> TrainResult:
         return _launch_workers(recipe, lock)
 
 
+def check_extension_locks() -> None:
+    """A stale lock in the torch extensions cache is an error now, naming the file to remove: left alone,
+    the run would wait on it forever while DeepSpeed builds its ops."""
+    from lorakit.engine.extension_locks import describe_stale_locks, stale_locks
+
+    stale = stale_locks()
+    if stale:
+        raise ExtensionLockError(describe_stale_locks(stale))
+
+
 def _guard_run_dir(recipe: Recipe) -> runlock.RunLock:
     """Check output.dir and data.cache_dir, then take the run lock (a context manager that releases it)."""
     preflight.check_run_paths(recipe)
@@ -102,7 +123,10 @@ def _train_in_group(recipe: Recipe, *, lock_on_rank0: bool) -> TrainResult:
     run_dir = Path(recipe.output.dir).expanduser().resolve()
     lock = None
     try:
-        with process_group(recipe.distributed.backend), warnings.catch_warnings():
+        with (
+            process_group(recipe.distributed.backend, recipe.distributed.timeout_minutes),
+            warnings.catch_warnings(),
+        ):
             # DeepSpeed calls torch.distributed APIs that torch deprecated, and warns on every step.
             warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
             if lock_on_rank0:
@@ -140,18 +164,35 @@ def _lock_on_rank0(recipe: Recipe) -> runlock.RunLock | None:
 
 
 def _recording_exit(run_dir: Path, fn, *args):
-    """Run `fn(*args)`; a DiskFullError (any rank may hit it: each writes its own shards) or a PublishError
-    (rank 0's push) is recorded in run_dir/exit.json for the launcher to exit with its code."""
+    """Run `fn(*args)`; its failure is recorded in run_dir/exit.json for the launcher to exit with its code
+    and one line (record_failure). Failures inside the job's agreements (engine/dist.py) are recorded the
+    moment they happen, before the agreement's collective, which may never complete."""
+    try:
+        with dist.recording_failures(lambda e: record_failure(run_dir, e)):
+            return fn(*args)
+    except Exception as e:
+        record_failure(run_dir, e)
+        raise
+
+
+def record_failure(run_dir: Path, error: BaseException) -> None:
+    """Write `error` as run_dir/exit.json for the launcher: a full disk (any rank may hit it: each writes its
+    own shards) or a failed push (rank 0) with its code and message; a crash, or a collective a vanished
+    peer left unfinished, as one line naming the rank, phase and step, unless a rank recorded its failure first. Another rank's failure
+    (RankFailedError) is that rank's to record."""
     from lorakit.engine.job import EXIT
 
-    try:
-        return fn(*args)
-    except (DiskFullError, PublishError) as e:
-        with contextlib.suppress(OSError, DiskFullError):
-            rundir.write_json(
-                run_dir / EXIT, {"code": e.exit_code, "error": type(e).__name__, "message": str(e)}
-            )
-        raise
+    if isinstance(error, RankFailedError):
+        return
+    if isinstance(error, (DiskFullError, PublishError)):
+        info = {"code": error.exit_code, "error": type(error).__name__, "message": str(error)}
+    elif (run_dir / EXIT).exists():
+        return
+    else:
+        code = error.exit_code if isinstance(error, LorakitError) else 1
+        info = {"code": code, "error": "WorkerFailedError", "message": dist.describe_failure(error)}
+    with contextlib.suppress(OSError, DiskFullError):
+        rundir.write_json(run_dir / EXIT, info)
 
 
 def _launch_workers(recipe: Recipe, lock: runlock.RunLock) -> TrainResult:
@@ -222,8 +263,8 @@ def _run_forwarding_signals(cmd: list[str], env: dict[str, str], started=None) -
 
 
 def _raise_worker_exit(run_dir: Path) -> None:
-    """Re-raise, in the launching process, a worker's preemption, divergence or full disk with its exit
-    code."""
+    """Re-raise, in the launching process, a worker's preemption, divergence, full disk or failure with its
+    exit code (a failure as the one line its rank recorded)."""
     from lorakit.engine.job import EXIT
     from lorakit.engine.loop import Preempted, TrainingDiverged
 
@@ -235,3 +276,5 @@ def _raise_worker_exit(run_dir: Path) -> None:
     kinds["PublishError"] = PublishError
     if info.get("error") in kinds:
         raise kinds[info["error"]](info["message"])
+    if info.get("error") == WorkerFailedError.__name__:
+        raise WorkerFailedError(info["message"], exit_code=int(info.get("code", 1)))

@@ -128,3 +128,39 @@ class PublishError(LorakitError):
 
     exit_code = 69
     doc = "docs/publish.md#when-a-push-fails"
+
+
+class RankFailedError(LorakitError):
+    """Another rank of the group failed (its own error is the root cause, printed once by it and by the
+    launcher); this rank stopped at the collective where it learned so instead of waiting for it.
+
+    Exit code 1, the same as the failing rank's crash, so every process of the run ends with one code."""
+
+    exit_code = 1
+    doc = "docs/faults.md#what-a-failed-rank-does"
+
+
+class CollectiveTimeoutError(LorakitError):
+    """A collective did not complete within distributed.timeout_minutes (or a peer vanished mid-way): the
+    error names the phase and step it was stuck in."""
+
+    exit_code = 1
+    doc = "docs/faults.md#a-stuck-collective"
+
+
+class WorkerFailedError(LorakitError):
+    """A worker of a multi-process run failed: raised by the launching process with the worker's exit code
+    and its one-line root cause (rank, phase, step, error) as the message."""
+
+    doc = "docs/faults.md#what-a-failed-rank-does"
+
+    def __init__(self, *args: object, doc: str | None = None, exit_code: int = 1):
+        super().__init__(*args, doc=doc)
+        self.exit_code = exit_code
+
+
+class ExtensionLockError(LorakitError):
+    """The torch extensions cache holds a lock that no process holds (a killed build's leftover): the
+    run would wait on it forever as DeepSpeed builds its ops. The message names the file to remove."""
+
+    doc = "docs/faults.md#a-stale-torch-extensions-lock"

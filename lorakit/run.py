@@ -43,12 +43,21 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"merged:   {s['merged_dir']}")
             print(f"metrics:  {result.run_dir / 'metrics.jsonl'}")
             for name, where in (s.get("trackers") or {}).items():
-                print(
-                    f"{name + ':':<10}{where.get('log_dir') or where.get('dir') or where.get('tracking_uri')}"
-                )
+                place = where.get("log_dir") or where.get("dir") or where.get("tracking_uri")
+                failed = f"failed ({where['failed']})" if where.get("failed") else ""
+                print(f"{name + ':':<10}{' '.join(str(x) for x in (place, failed) if x)}")
         return 0
 
-    return run_cli(body)
+    code = run_cli(body)
+    from lorakit.engine import dist
+
+    if dist.group_broken():
+        # A peer vanished mid-collective: gloo's teardown of such a group aborts (SIGABRT) and would
+        # replace this exit code; the run's error is already printed and recorded.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

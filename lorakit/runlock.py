@@ -373,3 +373,33 @@ def held_by_launcher(environ: dict[str, str] | None = None) -> bool:
     """Whether this process is a worker of a lorakit launcher that holds the run lock for it."""
     env = os.environ if environ is None else environ
     return bool(env.get(ENV))
+
+
+def holding_run_lock(merge_fn):
+    """Decorate `merge_fn(source, output, ...)` so that, given a run directory (or RUN/adapter, RUN/model),
+    it runs holding that run's lock: a merge never reads an adapter that a training run into the same
+    directory is still writing, and a training run never starts under a merge. `lock=False`: the caller
+    holds it already (output.merge, inside the training job)."""
+    import functools
+
+    from lorakit import rundir
+
+    @functools.wraps(merge_fn)
+    def wrapper(source, output, *args, lock: bool = True, **kwargs):
+        p = Path(source).expanduser().resolve()
+        run_dir = next((d for d in (p, p.parent) if (d / rundir.RECIPE).is_file()), None)
+        if not lock or run_dir is None:
+            return merge_fn(source, output, *args, **kwargs)
+        held = RunLock(run_dir, say=lambda line: print(line, file=sys.stderr, flush=True))
+        try:
+            held.acquire()
+        except RunDirError:
+            # A run directory this process cannot write (a read-only copy) has no training run writing
+            # into it from here either: merge it without the lock.
+            return merge_fn(source, output, *args, **kwargs)
+        try:
+            return merge_fn(source, output, *args, **kwargs)
+        finally:
+            held.release()
+
+    return wrapper

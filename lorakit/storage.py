@@ -21,7 +21,14 @@ from pathlib import Path
 from lorakit.errors import DiskFullError
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
-_FULL_TEXT = ("no space left on device", "disk quota exceeded", "os error 28", "os error 122")
+# datasets checks the space itself before some writes: "Not enough disk space. Needed: ...".
+_FULL_TEXT = (
+    "no space left on device",
+    "disk quota exceeded",
+    "os error 28",
+    "os error 122",
+    "not enough disk space",
+)
 # A writer that failed without saying why, on a filesystem with less than this free, failed for want of
 # space: torch.save stops a few hundred bytes short of what it meant to write.
 NEARLY_FULL_BYTES = 1 << 20

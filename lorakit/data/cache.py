@@ -12,6 +12,8 @@ from typing import Any
 
 import datasets
 
+from lorakit import storage
+
 # Bump when tokenization output changes for the same inputs, so stale caches are not reused.
 # 2: rows are read and checked by lorakit.data.sources (CSV values stay text; bad-row stats).
 FORMAT_VERSION = 2
@@ -50,18 +52,20 @@ def load_cached(path: Path) -> tuple[dict[str, datasets.Dataset], dict[str, Any]
 
 def save_cached(path: Path, splits: dict[str, datasets.Dataset], meta: dict[str, Any]) -> None:
     """Write splits + meta.json atomically: a reader sees a complete entry or none."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
-        for name, ds in splits.items():
-            ds.save_to_disk(str(tmp / name))
-        (tmp / "meta.json").write_text(json.dumps({**meta, "splits": list(splits)}, indent=2))
+    # A full disk is a DiskFullError (exit 74, one line naming data.cache_dir), not a datasets traceback.
+    with storage.writing(f"the tokenized data cache (data.cache_dir) {path.name}", path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
         try:
-            os.rename(tmp, path)
-        except OSError:
-            # Another process finished the same entry first; theirs is equivalent.
-            if not (path / "meta.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+            for name, ds in splits.items():
+                ds.save_to_disk(str(tmp / name))
+            (tmp / "meta.json").write_text(json.dumps({**meta, "splits": list(splits)}, indent=2))
+            try:
+                os.rename(tmp, path)
+            except OSError:
+                # Another process finished the same entry first; theirs is equivalent.
+                if not (path / "meta.json").is_file():
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)

@@ -52,6 +52,7 @@ _FREE_KEYS = {
     ("eval",),
     ("output",),
     ("distributed", "backend"),
+    ("distributed", "timeout_minutes"),
     ("data", "num_proc"),
     ("data", "cache_dir"),
 }
@@ -281,34 +282,61 @@ def save_checkpoint(
     root = checkpoints_dir(run_dir)
     name = f"step-{loop.step:08d}"
     final, tmp = root / name, root / f"{_TMP_PREFIX}{name}"
-    # A full disk on any rank: its partial files go, the previous checkpoint stays the newest complete one.
-    # (The other ranks wait at the next barrier until the launcher stops them; lorakit's launcher then removes
-    # what they wrote, and under another launcher the next save's prune does.)
-    with storage.writing(
-        f"the checkpoint of step {loop.step}", final, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)
-    ):
-        _write_checkpoint(engine, recipe, run_dir, loop, rank_counters, adapter, reason, final, tmp)
+    what = f"the checkpoint of step {loop.step}"
+    # Agreed collectively: every rank writes its part, then all learn whether any failed (a full disk, an
+    # error) before any goes on. Only then, with no rank still writing, does rank 0 remove the partial
+    # directory; the previous checkpoint stays the newest complete one.
+    try:
+        dist.on_main("checkpoint save", _fresh_directory, tmp, at=loop.step)
+        dist.on_every_rank(
+            "checkpoint save",
+            _write_rank_part,
+            engine,
+            tmp,
+            rank_counters,
+            adapter,
+            what,
+            final,
+            at=loop.step,
+        )
+        dist.on_main(
+            "checkpoint save", _publish, recipe, run_dir, loop, reason, final, tmp, what, at=loop.step
+        )
+    except Exception:
+        if dist.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 
-def _write_checkpoint(engine, recipe, run_dir, loop, rank_counters, adapter, reason, final, tmp) -> None:
+def _fresh_directory(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def _write_rank_part(engine, tmp: Path, rank_counters, adapter: bool, what: str, final: Path) -> None:
+    """This rank's share of a checkpoint: its engine partition, RNG states and counters."""
+    with storage.writing(what, final):
+        # Frozen base weights are not state: resume reloads them from model.name_or_path.
+        engine.save_checkpoint(str(tmp), tag=ENGINE, save_latest=False, exclude_frozen_parameters=adapter)
+        write_rank_rng(tmp / "rng", rank_counters)
+
+
+def write_rank_rng(rng_dir: Path, rank_counters: dict[str, Any]) -> None:
+    """This rank's Python, NumPy and torch RNG states and its counters, under `rng_dir`."""
     from safetensors.torch import save_file
 
-    root = final.parent
-    if dist.is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    # Frozen base weights are not state: resume reloads them from model.name_or_path.
-    engine.save_checkpoint(str(tmp), tag=ENGINE, save_latest=False, exclude_frozen_parameters=adapter)
     meta, tensors = _rng_state()
-    rng_dir = tmp / "rng"
     rng_dir.mkdir(exist_ok=True)
     r = dist.rank()
     save_file(tensors, str(rng_dir / f"rank-{r}.safetensors"))
     rundir.write_json(rng_dir / f"rank-{r}.json", {"rng": meta, "counters": rank_counters})
-    dist.barrier()
-    if dist.is_main():
+
+
+def _publish(recipe, run_dir: Path, loop: LoopState, reason: str, final: Path, tmp: Path, what: str) -> None:
+    """Rank 0: state.json last, then the rename that makes the checkpoint complete, then the prune."""
+    root = final.parent
+    with storage.writing(what, final):
         state = {
             "format": FORMAT_VERSION,
             "reason": reason,
@@ -324,8 +352,7 @@ def _write_checkpoint(engine, recipe, run_dir, loop, rank_counters, adapter, rea
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
-        prune(run_dir, recipe.checkpoint.keep)
-    dist.barrier()
+    prune(run_dir, recipe.checkpoint.keep)
 
 
 def prune(run_dir: Path, keep: int) -> None:

@@ -1,11 +1,20 @@
-"""Small torch.distributed helpers that also work with a single process."""
+"""Small torch.distributed helpers that also work with a single process, and the rules that keep a failure
+on one rank from stranding the others: work that only rank 0 does (`on_main`) or that every rank does on
+its own (`on_every_rank`) ends in one collective where every rank learns whether any failed, and `phase`
+labels what the process is doing so a stuck collective's error says where it was stuck."""
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from lorakit.errors import CollectiveTimeoutError, RankFailedError
+
+T = TypeVar("T")
 
 
 def rank() -> int:
@@ -56,3 +65,153 @@ def broadcast_object(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+# What the process is doing now, for error messages: [phase, step or a callable giving it].
+_PHASE: list[Any] = ["start-up", None]
+# Set once a collective failed for want of a peer: such a group cannot be torn down cleanly (gloo's
+# destructor aborts the process), so the CLI ends the process at once with its exit code.
+_BROKEN: list[bool] = [False]
+# Text in a collective's error that says a peer vanished or the collective timed out (gloo raises plain
+# RuntimeErrors; NCCL and the store raise DistError subclasses).
+_COLLECTIVE_TEXT = ("connection closed by peer", "connection reset by peer", "timed out", "broken pipe")
+
+
+def where() -> str:
+    """The current phase (and step, when it has one), e.g. `checkpoint save at step 4`."""
+    name, step = _PHASE
+    step = step() if callable(step) else step
+    return f"{name} at step {step}" if step is not None else name
+
+
+@contextlib.contextmanager
+def phase(name: str, step: int | Callable[[], int] | None = None) -> Iterator[None]:
+    """Label the work of the block as `name` (at `step`, an int or a callable read when an error happens).
+
+    An error raised in the block remembers the phase (for the root-cause line); a collective that failed
+    because a peer died or stalled past distributed.timeout_minutes becomes a CollectiveTimeoutError that
+    names the phase and step, instead of a backend traceback."""
+    previous = list(_PHASE)
+    _PHASE[:] = [name, step]
+    try:
+        yield
+    except CollectiveTimeoutError:
+        raise
+    except Exception as e:
+        if not hasattr(e, "lorakit_where"):
+            e.lorakit_where = where()
+        if collective_failure(e):
+            _BROKEN[0] = True
+            raise CollectiveTimeoutError(
+                f"rank {rank()} stopped during {e.lorakit_where}: a collective did not complete "
+                f"({_first_line(e)}); another rank failed (its error comes first) or stalled longer than "
+                "distributed.timeout_minutes"
+            ) from e
+        raise
+    finally:
+        _PHASE[:] = previous
+
+
+def group_broken() -> bool:
+    """Whether a collective of this process failed because a peer died or stalled (see `phase`)."""
+    return _BROKEN[0]
+
+
+def collective_failure(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed for want of a peer (dead, or past the group's timeout)."""
+    if isinstance(error, RankFailedError):
+        return False
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(t in text for t in _COLLECTIVE_TEXT)
+
+
+def describe_failure(error: BaseException) -> str:
+    """One line for the launcher: which rank failed, where, and the error (type and first line)."""
+    if isinstance(error, CollectiveTimeoutError):
+        return _first_line(error)  # already says which rank stopped where, and why
+    at = getattr(error, "lorakit_where", None) or where()
+    return f"rank {rank()} failed during {at}: {type(error).__name__}: {_first_line(error)}"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+# Called with a failure of on_main / on_every_rank work as it happens (api records it in exit.json).
+_RECORDERS: list[Callable[[BaseException], None]] = []
+
+
+@contextlib.contextmanager
+def recording_failures(record: Callable[[BaseException], None]) -> Iterator[None]:
+    """Inside the block, `record(error)` is called on the failing rank as soon as on_main / on_every_rank
+    work fails, before the agreement's collective: if another rank is inside a collective of its own
+    (DeepSpeed's, mid-checkpoint) the agreement cannot complete, and the root cause must be on record."""
+    _RECORDERS.append(record)
+    try:
+        yield
+    finally:
+        _RECORDERS.remove(record)
+
+
+def _record(error: BaseException) -> None:
+    for record in list(_RECORDERS):
+        with contextlib.suppress(Exception):
+            record(error)
+
+
+def on_main(
+    name: str, fn: Callable[..., T], *args: Any, share: bool = False, at: int | None = None, **kwargs: Any
+) -> T | None:
+    """Run `fn(*args, **kwargs)` on rank 0 only, as phase `name`; every rank then learns its outcome in one
+    collective, so an error on rank 0 stops every rank at once instead of leaving them in the next
+    collective. Rank 0 re-raises its error; the others raise RankFailedError naming it. Returns fn's result
+    on rank 0 (on every rank with `share`), None elsewhere. `at`: the step, for the error (default: the
+    enclosing phase's). Call it on every rank at the same point."""
+    result, error = None, None
+    step = _PHASE[1] if at is None else at
+    if is_main():
+        try:
+            with phase(name, step):
+                result = fn(*args, **kwargs)
+        except Exception as e:
+            error = e
+            _record(e)
+    outcomes = _agree(name, step, error, result if share else None)
+    return outcomes[0] if share else result
+
+
+def on_every_rank(name: str, fn: Callable[..., T], *args: Any, at: int | None = None, **kwargs: Any) -> T:
+    """Run `fn(*args, **kwargs)` on every rank as phase `name`, then agree: if any rank failed, each
+    raises (the failing rank its own error, the others RankFailedError naming it), so no rank goes on to
+    a collective the failed one will never join, and none cleans up what another may still be writing."""
+    result, error = None, None
+    step = _PHASE[1] if at is None else at
+    try:
+        with phase(name, step):
+            result = fn(*args, **kwargs)
+    except Exception as e:
+        error = e
+        _record(e)
+    _agree(name, step, error, None)
+    return result
+
+
+def _agree(name: str, step, error: Exception | None, value: Any) -> list[Any]:
+    """Gather every rank's (failure, value); raise if any rank failed; return the values in rank order."""
+    mine = describe_failure(error) if error is not None else None
+    try:
+        with phase(name, step):
+            gathered = all_gather_objects((mine, value))
+    except CollectiveTimeoutError:
+        if error is not None:
+            raise error from None  # this rank's own failure is the root cause, not the gather's
+        raise
+    if error is not None:
+        raise error
+    failed = [(r, text) for r, (text, _) in enumerate(gathered) if text is not None]
+    if failed:
+        raise RankFailedError(f"{failed[0][1]}; rank {rank()} stopped with it")
+    return [v for _, v in gathered]

@@ -1,10 +1,10 @@
-"""Stale build locks in the torch extensions cache.
+"""Stale locks in the torch extensions cache, found before a run waits on them forever.
 
-DeepSpeed builds its C++/CUDA ops (cpu_adam, fused_adam, the shared-memory collectives on CPU) just in
-time through torch.utils.cpp_extension, which serialises builds of one op with a file named `lock` in the
-op's build directory (torch's FileBaton). A build that is killed (Ctrl-C, OOM, a preempted job) leaves the
-file behind, and every later process that needs the op waits on it forever, silently, at start. A lock is
-stale when it is older than STALE_AFTER_SECONDS and no live process is building in its directory.
+torch builds a JIT extension (DeepSpeed's CPU ops, such as the shared-memory collectives a CPU run builds
+as its process group starts) under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions/pyXY_ACC/NAME),
+holding NAME/lock open while it builds (torch.utils.file_baton.FileBaton) and removing it after. A build
+that was killed leaves the file behind, and every later build of NAME waits for it to vanish, silently and
+forever. A lock that no live process holds open is such a leftover: it is safe to remove.
 """
 
 from __future__ import annotations
@@ -13,70 +13,79 @@ import os
 import time
 from pathlib import Path
 
-# A real build of a DeepSpeed op takes one to a few minutes; a lock older than this with nobody building
-# is left over from a killed one.
-STALE_AFTER_SECONDS = 300
-LOCK_NAME = "lock"
+# Without /proc (or where another user's processes cannot be read) a lock counts as stale only when it is
+# older than this: no extension build takes an hour.
+UNCHECKED_STALE_SECONDS = 3600.0
 
 
 def extensions_root() -> Path:
-    """Where torch builds extensions: TORCH_EXTENSIONS_DIR, else torch's default cache directory
-    (~/.cache/torch_extensions, or under XDG_CACHE_HOME)."""
-    env = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if env:
-        return Path(env).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(cache).expanduser() / "torch_extensions"
+    """TORCH_EXTENSIONS_DIR, or torch's default build root (~/.cache/torch_extensions)."""
+    configured = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if configured:
+        return Path(configured)
+    from torch.utils.cpp_extension import get_default_build_root
 
-
-def _building_dirs() -> list[Path]:
-    """Working directories and command-line paths of live processes (where a build may be running)."""
-    import psutil
-
-    dirs: list[Path] = []
-    for proc in psutil.process_iter():
-        try:
-            dirs.append(Path(proc.cwd()))
-            dirs += [Path(arg) for arg in proc.cmdline() if arg.startswith("/")]
-        except (psutil.Error, OSError, ValueError):
-            continue
-    return dirs
-
-
-def _in_use(build_dir: Path, live: list[Path]) -> bool:
-    return any(p == build_dir or build_dir in p.parents for p in live)
+    return Path(get_default_build_root())
 
 
 def stale_locks(root: Path | None = None) -> list[Path]:
-    """The `lock` files under the extension build directories of `root` (default: extensions_root())
-    that are older than STALE_AFTER_SECONDS while no live process works in their directory."""
-    root = extensions_root() if root is None else Path(root)
+    """The lock files under the torch extensions cache `root` (default: extensions_root()) that no live
+    process holds: leftovers of killed builds, which would make the next build of that extension wait
+    forever. Sorted; [] when there is no cache."""
+    root = Path(root) if root is not None else extensions_root()
     if not root.is_dir():
         return []
-    # Build directories are ROOT/NAME (TORCH_EXTENSIONS_DIR) or ROOT/pyXY_cuZZ/NAME (the default).
-    candidates = sorted({*root.glob(f"*/{LOCK_NAME}"), *root.glob(f"*/*/{LOCK_NAME}")})
-    now = time.time()
-    old = []
-    for lock in candidates:
-        try:
-            age = now - lock.stat().st_mtime
-        except OSError:  # removed by the build that held it, just now
-            continue
-        if age > STALE_AFTER_SECONDS:
-            old.append(lock)
-    if not old:
+    # TORCH_EXTENSIONS_DIR/NAME/lock, or the default root's pyXY_ACC/NAME/lock.
+    locks = sorted({*root.glob("*/lock"), *root.glob("*/*/lock")})
+    if not locks:
         return []
-    live = _building_dirs()
-    return [lock for lock in old if not _in_use(lock.parent, live)]
+    held, complete = _open_files()
+    now = time.time()
+    stale = []
+    for lock in locks:
+        try:
+            resolved = lock.resolve()
+            age = now - lock.stat().st_mtime
+        except OSError:
+            continue  # released while we looked
+        if resolved in held:
+            continue
+        if complete or age > UNCHECKED_STALE_SECONDS:
+            stale.append(lock)
+    return stale
 
 
 def describe_stale_locks(paths: list[Path]) -> str:
-    """What the stale locks mean and what to do, in one paragraph ("" when there are none)."""
+    """One line naming the stale lock file(s) and how to remove them."""
     if not paths:
-        return ""
-    listed = " ".join(str(p) for p in paths)
+        return "no stale locks in the torch extensions cache"
+    names = " ".join(str(p) for p in paths)
     return (
-        f"{len(paths)} stale build lock(s) in the torch extensions cache: a build of a DeepSpeed op was "
-        "killed and left its lock, so the next process that needs that op waits on it forever at start. "
-        f"No process is building there now: remove them (rm {listed})"
+        f"stale torch extension build lock{'s' if len(paths) > 1 else ''} (left by a killed build; "
+        f"the next build would wait on it forever): remove with `rm {names}`"
     )
+
+
+def _open_files() -> tuple[set[Path], bool]:
+    """Every file some process on this machine holds open, and whether every process could be read."""
+    held: set[Path] = set()
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return held, False
+    complete = True
+    for pid in proc.iterdir():
+        if not pid.name.isdigit():
+            continue
+        try:
+            fds = list((pid / "fd").iterdir())
+        except FileNotFoundError:
+            continue  # the process ended
+        except PermissionError:
+            complete = False
+            continue
+        for fd in fds:
+            try:
+                held.add(Path(os.readlink(fd)))
+            except OSError:
+                continue
+    return held, complete

@@ -69,16 +69,19 @@ def run_job(recipe: Recipe) -> TrainResult:
     # Before any work: a checkpoint from another recipe or world size is refused here, not after loading.
     resume_from = checkpoint.find_resume(recipe, run_dir)
     check_group(recipe)
-    source, config = load_config(recipe)
-    tokenizer = load_tokenizer(recipe, source)
+    # Each step ends in a collective where every rank learns whether another failed (engine/dist.py).
+    source, config, tokenizer = dist.on_every_rank("load", _load_config_and_tokenizer, recipe)
     data = prepare_everywhere(recipe, tokenizer, config)
     ds_config = deepspeed_config(recipe, config)
     memory = MemoryProbe(device_kind())
     # Data-parallel replicas x sequence-parallel groups; the data is split over the replicas.
     mesh = ParallelDims.build(recipe.distributed.sequence_parallel)
-    built = build_model(recipe, ds_config, sp_group=mesh.sp_group)
+    built = dist.on_every_rank("load", build_model, recipe, ds_config, sp_group=mesh.sp_group)
     params = count_parameters(built.model)
-    log = open_run_dir(recipe, run_dir, ds_config, resume_from)
+    log = (
+        dist.on_main("tracker start", open_run_dir, recipe, run_dir, ds_config, resume_from)
+        or MetricsLogger()
+    )
     batching = make_batching(
         recipe, data, tokenizer, config, packing=built.packing, world=mesh.dp_world, rank=mesh.dp_rank
     )
@@ -95,10 +98,16 @@ def run_job(recipe: Recipe) -> TrainResult:
     trainer = job.trainer(loader)
     job.train(trainer)
     model_states = memory.model_states()
-    saved = save_trained(engine, built, recipe, run_dir) if recipe.output.save_adapter else {}
+    with dist.phase("adapter save", job.state.step):
+        saved = save_trained(engine, built, recipe, run_dir) if recipe.output.save_adapter else {}
     summary = summarize(job, trainer, memory.peak(model_states), saved, memory.device_kind).to_json()
     job.finish(summary)
     return TrainResult(run_dir, summary)
+
+
+def _load_config_and_tokenizer(recipe: Recipe) -> tuple[Any, Any, Any]:
+    source, config = load_config(recipe)
+    return source, config, load_tokenizer(recipe, source)
 
 
 def _say(line: str) -> None:
@@ -123,12 +132,15 @@ def prepare_everywhere(recipe: Recipe, tokenizer, config) -> PreparedData:
     """The recipe's PreparedData on every rank, tokenized once."""
     # Rank 0 tokenizes (or finds the cache); the others wait and then read its cache entry. Where nodes do
     # not share data.cache_dir, the first process of each other node then tokenizes once for its node.
-    data = prepare_data(recipe, tokenizer, config) if dist.is_main() else None
-    dist.barrier()
-    if data is None and os.environ.get("LOCAL_RANK", "0") == "0":
-        data = prepare_data(recipe, tokenizer, config)
-    dist.barrier()
-    data = data if data is not None else prepare_data(recipe, tokenizer, config)
+    # A failure on any rank reaches the others at the end of each step instead of leaving them at a barrier.
+    data = dist.on_main("prepare", prepare_data, recipe, tokenizer, config)
+    first_on_node = data is None and os.environ.get("LOCAL_RANK", "0") == "0"
+
+    def prepare_if(needed: bool, data: PreparedData | None) -> PreparedData | None:
+        return prepare_data(recipe, tokenizer, config) if needed else data
+
+    data = dist.on_every_rank("prepare", prepare_if, first_on_node, data)
+    data = dist.on_every_rank("prepare", prepare_if, data is None, data)
     if not (dist.world_size() > 1 and data.cache_hit):
         # Under a multi-process launch from lorakit.train, the launcher already reported the data step.
         _say(data.describe())
@@ -174,6 +186,7 @@ def open_run_dir(
         recipe=recipe.model_dump(mode="json"),
         recipe_yaml=resolved,
         resumed_step=resume_from.step if resume_from else None,
+        tracker_timeout=recipe.output.tracker_timeout_seconds,
     )
 
 
@@ -285,7 +298,12 @@ class Job:
                 zero3=self.recipe.distributed.zero_stage == 3,
                 generate=ev.generate and (epoch_end or ev.generate_at == "every_eval"),
             )
-        if outcome.predictions is not None:  # rank 0, eval.generate
+        # Only rank 0 scores generations: every rank must judge the best evaluation on the same numbers.
+        return dist.on_main("eval write", self._write_eval, outcome, epoch, step, share=True, at=step)
+
+    def _write_eval(self, outcome, epoch: int, step: int) -> dict[str, Any]:
+        """Rank 0: the predictions, the classification report and the eval record; returns the metrics."""
+        if outcome.predictions is not None:  # eval.generate
             rundir.write_predictions(self.run_dir, outcome.predictions, outcome.references)
             if outcome.classification is not None:
                 save_classification(
@@ -294,8 +312,7 @@ class Job:
                     self.run_dir / rundir.CONFUSION_MATRIX,
                 )
         self.log({"kind": "eval", "step": step, "epoch": epoch, **outcome.metrics})
-        # Only rank 0 scores generations: every rank must judge the best evaluation on the same numbers.
-        return dist.broadcast_object(outcome.metrics)
+        return outcome.metrics
 
     def save_best(self) -> None:
         """The current weights as run_dir/best, with best.json naming the evaluation (collective)."""
@@ -364,7 +381,7 @@ class Job:
         """Run the loop; a run stopped early (preempted, diverged) leaves exit.json, releases the engine and
         re-raises."""
         try:
-            with self.stops:
+            with self.stops, dist.phase("training", lambda: self.state.step + 1):
                 trainer.run()
         except (Preempted, TrainingDiverged) as e:
             if dist.is_main():
@@ -380,9 +397,10 @@ class Job:
 
     def finish(self, summary: dict[str, Any]) -> None:
         """Rank 0 writes summary.json and closes the metrics; then every rank releases the engine."""
-        if dist.is_main():
-            rundir.write_json(self.run_dir / rundir.SUMMARY, summary)
-            self.log.close()
-            plot_losses(self.run_dir)
-        dist.barrier()
+        dist.on_main("summary", self._write_summary, summary)
         release(self.engine, self.built)
+
+    def _write_summary(self, summary: dict[str, Any]) -> None:
+        rundir.write_json(self.run_dir / rundir.SUMMARY, summary)
+        self.log.close()
+        plot_losses(self.run_dir)

@@ -33,8 +33,11 @@ def resolve_backend(requested: str) -> str:
 
 
 @contextlib.contextmanager
-def process_group(backend: str = "auto") -> Iterator[None]:
+def process_group(backend: str = "auto", timeout_minutes: float | None = None) -> Iterator[None]:
     """Be inside a torch.distributed group that DeepSpeed also knows, for the duration of a job.
+
+    `timeout_minutes` (distributed.timeout_minutes): how long a collective may wait for a rank before it
+    fails with an error, on gloo as on NCCL, instead of hanging.
 
     Under a launcher the group comes from its environment; otherwise a private one-process group is made
     on a free loopback port (and torn down after), so `lorakit.train` works from a notebook.
@@ -60,7 +63,7 @@ def process_group(backend: str = "auto") -> Iterator[None]:
         )
     try:
         if created:
-            _init_deepspeed_distributed(backend)
+            _init_deepspeed_distributed(backend, timeout_minutes)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         yield
@@ -78,8 +81,12 @@ def process_group(backend: str = "auto") -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _init_deepspeed_distributed(backend: str) -> None:
+def _init_deepspeed_distributed(backend: str, timeout_minutes: float | None = None) -> None:
+    import datetime
+
     import deepspeed
+
+    kwargs = {} if timeout_minutes is None else {"timeout": datetime.timedelta(minutes=timeout_minutes)}
 
     # DeepSpeed 0.19 print()s "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" from
     # every CPU process as it sets up its shared-memory collectives (deepspeed/comm/torch.py build_shm_op);
@@ -87,7 +94,7 @@ def _init_deepspeed_distributed(backend: str) -> None:
     captured = io.StringIO()
     try:
         with contextlib.redirect_stdout(captured):
-            deepspeed.init_distributed(dist_backend=backend)
+            deepspeed.init_distributed(dist_backend=backend, **kwargs)
     finally:
         kept = [line for line in captured.getvalue().splitlines(True) if "built successfully" not in line]
         sys.stdout.write("".join(kept))

@@ -110,7 +110,8 @@ def save_trained(
     if recipe.method.adapter():
         state = gather_adapter_state(model)
         out = run_dir / (into or rundir.ADAPTER)
-        if dist.is_main():
+
+        def write_adapter() -> None:
             with storage.writing("the adapter", out), storage.new_directory(out) as tmp:
                 # peft maps parameter names to its adapter format; handing it the gathered tensors means it
                 # never reads the (partitioned, empty) ZeRO-3 parameters itself.
@@ -119,7 +120,9 @@ def save_trained(
                     _write_for_original_base(model, state, built.initial_adapter, tmp)
                 built.tokenizer.save_pretrained(str(tmp))
                 _info(tmp)
-        dist.barrier()
+
+        # Rank 0 writes; its failure reaches every rank in the same collective (engine/dist.py).
+        dist.on_main("adapter save", write_adapter)
         return {"adapter_dir": str(out)}
     out = run_dir / (into or rundir.MODEL)
     state = None
@@ -127,10 +130,12 @@ def save_trained(
         # Collective: gathers module by module into rank 0's CPU memory (None elsewhere). DeepSpeed's
         # public save_16bit_model writes a pickle whatever the file name; we want safetensors.
         state = engine._zero3_consolidated_16bit_state_dict()
-    if dist.is_main():
+
+    def write_model() -> None:
         with storage.writing("the model", out), storage.new_directory(out) as tmp:
             model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
             built.tokenizer.save_pretrained(str(tmp))
             _info(tmp)
-    dist.barrier()
+
+    dist.on_main("model save", write_model)
     return {"model_dir": str(out)}

@@ -29,6 +29,7 @@ from lorakit.export.card import CARD, QLORA_NOTE, model_card
 from lorakit.export.output import atomic_directory, check_output, parse_size
 from lorakit.export.sources import MergeSource, locate
 from lorakit.export.verify import RELATIVE_TOLERANCE, Check, compare, probe_batch, probe_logits
+from lorakit.runlock import holding_run_lock
 
 INDEX = "model.safetensors.index.json"
 
@@ -52,6 +53,7 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
+@holding_run_lock
 def merge(
     source: str | Path,
     output: str | Path,

@@ -79,17 +79,21 @@ class MetricsLogger:
         recipe: dict[str, Any] | None = None,
         recipe_yaml: str = "",
         resumed_step: int | None = None,
+        tracker_timeout: float = 60.0,
     ) -> MetricsLogger:
         """The sinks of a run directory: metrics.jsonl (keeping its first `keep` lines on resume) and the
         trackers of `report_to` (continuing their runs from `resumed_step`, the checkpoint's step, on
-        resume; a fresh run gets `recipe`, the resolved recipe, as their hyper-parameters)."""
+        resume; a fresh run gets `recipe`, the resolved recipe, as their hyper-parameters). A tracker that does
+        not start within `tracker_timeout` seconds is left out, with a warning (observe/guard.py)."""
         from lorakit.observe import trackers
 
         sinks: list[MetricsSink] = [JsonlSink(run_dir / rundir.METRICS, keep=keep)]
         if resumed_step is None:
             trackers.clear(run_dir)
         if report_to:
-            sinks += trackers.open_sinks(report_to, run_dir, recipe or {}, recipe_yaml, resumed_step)
+            sinks += trackers.open_sinks(
+                report_to, run_dir, recipe or {}, recipe_yaml, resumed_step, timeout=tracker_timeout
+            )
         return cls(sinks)
 
     @property

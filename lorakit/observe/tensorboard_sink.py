@@ -46,6 +46,10 @@ class TensorBoardSink:
             self.writer.add_text("recipe", "".join(f"    {line}\n" for line in recipe_yaml.splitlines()))
         self.writer.flush()
 
+    def describe(self) -> dict[str, Any]:
+        """Where the records go, for summary.json."""
+        return {"log_dir": str(self.log_dir)}
+
     def write(self, record: dict[str, Any]) -> None:
         """Add the record's scalars and flush, so a run killed outright loses no step it logged."""
         step, values = scalars(record)

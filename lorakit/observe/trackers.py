@@ -13,6 +13,7 @@ from typing import Any
 
 from lorakit import rundir
 from lorakit.errors import MissingExtraError
+from lorakit.observe.guard import GuardedSink, start_sinks
 
 # backend -> (module that must import, what to install)
 REQUIREMENTS = {
@@ -51,42 +52,82 @@ def open_sinks(
     recipe: dict[str, Any],
     recipe_yaml: str,
     resumed_step: int | None,
+    timeout: float = 60.0,
 ) -> list[Any]:
     """The sinks of `report_to` for rank 0 of a run in `run_dir`; `resumed_step`: the checkpoint's step
     of a resumed run (None: a fresh run, whose trackers start new runs with the recipe as parameters).
-    Records where each went in run_dir/trackers.json."""
+    Each starts within `timeout` seconds or is left out with a warning (observe/guard.py); each is guarded
+    so that its failures never stop training. Records where each went, or why it failed, in
+    run_dir/trackers.json."""
     known = rundir.read_json_if_exists(run_dir / rundir.TRACKERS) or {}
     fresh = resumed_step is None
     name = run_dir.name
     sinks: list[Any] = []
     where: dict[str, Any] = {}
-    for backend in report_to:
-        if backend == "tensorboard":
+    makers = {
+        backend: _maker(backend, run_dir, name, known, fresh, resumed_step, recipe, recipe_yaml, timeout)
+        for backend in report_to
+    }
+    for backend, (sink, why) in start_sinks(makers, timeout).items():
+        if sink is None:
+            where[backend] = {"failed": why}
+            continue
+        where[backend] = sink.describe()
+        sinks.append(
+            GuardedSink(
+                backend,
+                sink,
+                background=backend in REMOTE,
+                close_timeout=timeout,
+                on_failure=lambda backend, message: record_failure(run_dir, backend, message),
+            )
+        )
+    rundir.write_json(run_dir / rundir.TRACKERS, where)
+    return sinks
+
+
+# Trackers that may talk to a server: they write from a thread of their own (observe/guard.py).
+REMOTE = ("wandb", "mlflow")
+
+
+def _maker(backend, run_dir, name, known, fresh, resumed_step, recipe, recipe_yaml, timeout):
+    """A function that builds `backend`'s sink (called in start_sink's thread)."""
+    if backend == "tensorboard":
+
+        def make():
             from lorakit.observe.tensorboard_sink import TensorBoardSink
 
-            log_dir = run_dir / rundir.TENSORBOARD
-            sink = TensorBoardSink(
-                log_dir,
+            return TensorBoardSink(
+                run_dir / rundir.TENSORBOARD,
                 purge_step=None if fresh else resumed_step + 1,
                 params=recipe if fresh else None,
                 recipe_yaml=recipe_yaml if fresh else None,
             )
-            where[backend] = {"log_dir": str(log_dir)}
-        elif backend == "wandb":
+
+    elif backend == "wandb":
+
+        def make():
             from lorakit.observe.wandb_sink import WandbSink
 
             run_id = None if fresh else known.get("wandb", {}).get("id")
-            sink = WandbSink(run_dir, name, run_id=run_id, config=recipe)
-            where[backend] = sink.describe()
-        else:
+            return WandbSink(run_dir, name, run_id=run_id, config=recipe, init_timeout=timeout)
+
+    else:
+
+        def make():
             from lorakit.observe.mlflow_sink import MlflowSink
 
             run_id = None if fresh else known.get("mlflow", {}).get("run_id")
-            sink = MlflowSink(run_dir, name, run_id=run_id, params=recipe)
-            where[backend] = sink.describe()
-        sinks.append(sink)
+            return MlflowSink(run_dir, name, run_id=run_id, params=recipe)
+
+    return make
+
+
+def record_failure(run_dir: Path, backend: str, message: str) -> None:
+    """Note in trackers.json (and so in summary.json) that `backend` failed during the run."""
+    where = rundir.read_json_if_exists(run_dir / rundir.TRACKERS) or {}
+    where.setdefault(backend, {})["failed"] = message
     rundir.write_json(run_dir / rundir.TRACKERS, where)
-    return sinks
 
 
 def where(run_dir: Path) -> dict[str, Any]:

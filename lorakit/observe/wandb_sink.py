@@ -42,11 +42,23 @@ class WandbSink:
     Offline runs are written under `directory`/wandb (`wandb sync DIR/wandb/offline-run-*` uploads them).
     """
 
-    def __init__(self, directory: Path, name: str, *, run_id: str | None, config: dict[str, Any]):
+    def __init__(
+        self,
+        directory: Path,
+        name: str,
+        *,
+        run_id: str | None,
+        config: dict[str, Any],
+        init_timeout: float | None = None,
+    ):
         import wandb
 
         directory.mkdir(parents=True, exist_ok=True)
         kwargs: dict[str, Any] = {}
+        limits: dict[str, Any] = {}
+        if init_timeout is not None:
+            # wandb.init waits 90 s for an unreachable server by default; it gives up with the caller.
+            limits["init_timeout"] = init_timeout
         if not os.environ.get("WANDB_PROJECT"):
             kwargs["project"] = "lorakit"
         self.run = wandb.init(
@@ -57,7 +69,7 @@ class WandbSink:
             mode=default_mode(),
             config=config,
             # No stdout capture (lorakit prints progress itself) and no system-metrics thread.
-            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True, **limits),
             **kwargs,
         )
         self.run.define_metric(STEP)

@@ -133,6 +133,8 @@ class MemoryPlan:
     # recipe's setup trains with headroom, at its distributed.sequence_parallel; None otherwise.
     longest_row: int | None = None
     sequence_parallel: int = 1
+    # distributed.timeout_minutes: how long a collective waits for a stalled or dead rank (docs/faults.md).
+    timeout_minutes: float | None = None
 
     @property
     def fits(self) -> bool | None:
@@ -178,6 +180,7 @@ class MemoryPlan:
             "assumptions": list(self.assumptions),
             "longest_row": self.longest_row,
             "sequence_parallel": self.sequence_parallel,
+            "timeout_minutes": self.timeout_minutes,
         }
 
     def describe(self) -> str:
@@ -278,6 +281,7 @@ def plan(
         assumptions=tuple(notes),
         longest_row=longest,
         sequence_parallel=shape.sequence_parallel,
+        timeout_minutes=recipe.distributed.timeout_minutes,
     )
 
 

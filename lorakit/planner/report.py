@@ -83,7 +83,12 @@ def describe(plan: MemoryPlan) -> str:
         f"{plan.trainable_params:,} trainable",
         f"hardware: {plan.nodes} node(s) x {plan.gpus} GPU(s) of {cap}"
         + (f", {_cap(plan.cpu_memory)} CPU RAM per node" if plan.cpu_memory else "")
-        + f"; attention: {plan.attention}",
+        + f"; attention: {plan.attention}"
+        + (
+            f"; a stalled rank fails collectives after {plan.timeout_minutes:g} min (distributed.timeout_minutes)"
+            if plan.timeout_minutes is not None and plan.gpus * plan.nodes > 1
+            else ""
+        ),
         "",
         "recipe as written:",
     ]

@@ -215,6 +215,16 @@ class DistributedSection(Section):
         "all-to-all (within, then across nodes). Needs GPUs (DeepSpeed's CUDA quantizer kernels); refused on "
         "CPU.",
     )
+    # issue 38: no hang, ever.
+    timeout_minutes: float = Field(
+        30.0,
+        gt=0,
+        description="How long a collective (all-reduce, barrier, broadcast) waits for every process before it "
+        "fails with an error naming the phase and step it was in, instead of hanging: covers a process that "
+        "stalls or dies without its peers noticing (another node, a lost network). Raise it when one "
+        "process legitimately works alone for longer (rank 0 tokenizing a large dataset that "
+        "`python -m lorakit.prepare` did not cache beforehand). See docs/faults.md.",
+    )
 
     sequence_parallel: int = Field(
         1,
@@ -340,6 +350,14 @@ class OutputSection(Section):
         'WANDB_MODE or a W&B login says otherwise; pip install "lorakit[wandb]"), mlflow (a file store in '
         'output.dir/mlruns unless MLFLOW_TRACKING_URI is set; pip install "lorakit[mlflow]"). []: only '
         "metrics.jsonl. See docs/observe.md.",
+    )
+    # issue 38: a tracker never stops training.
+    tracker_timeout_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="How long rank 0 waits for a remote tracker (wandb, mlflow) to start before training "
+        "goes on without it (a warning; summary.json lists it under trackers as failed); the records stay "
+        "in metrics.jsonl. Also the longest a run's end waits for a tracker to take its last records.",
     )
     merge: bool = Field(
         False,

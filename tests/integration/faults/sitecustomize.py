@@ -15,6 +15,11 @@ sets RANK), or a 1-process run (no RANK; a launcher that starts torchrun never t
 LORAKIT_HOLD_UNTIL=PATH (the process that trains rank 0): before the first step, create PATH.waiting and wait
 until PATH exists, so a test can act while a run is known to be training.
 
+LORAKIT_RAISE=PHASE@RANK[:N] (the worker of that rank): raise RuntimeError("injected in PHASE") in the Nth
+(default first) call of the phase's work on that rank: load, prepare, tracker start, first step, tracker log
+(every TensorBoard write fails), eval write, checkpoint save (this rank's part), adapter save; docs/faults.md. With LORAKIT_FAULT_STAMP=PATH
+it appends the time of each injected failure to PATH.
+
 LORAKIT_BNB_AVX512BF16=0|1 (every process): force bitsandbytes' AVX512-BF16 answer (tests/bnb_layout.py).
 """
 
@@ -54,6 +59,9 @@ if _spec and os.environ.get("RANK", "0") == "0":
                 launcher = _ppid(agent)
                 if _action == "term":
                     os.kill(launcher, signal.SIGTERM)
+                    # The request travels launcher -> torchrun -> workers; waiting here until it has reached
+                    # this worker makes the run stop at step N however loaded the machine is.
+                    _await_stop_request()
                 else:
                     workers = [
                         int(p) for p in os.listdir("/proc") if p.isdigit() and _safe_ppid(int(p)) == agent
@@ -61,6 +69,14 @@ if _spec and os.environ.get("RANK", "0") == "0":
                     for pid in [launcher, agent, *(w for w in workers if w != os.getpid()), os.getpid()]:
                         os.kill(pid, signal.SIGKILL)
             return out
+
+        def _await_stop_request(limit=120.0):
+            import time
+
+            owner = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+            deadline = time.monotonic() + limit
+            while owner is not None and owner.received is None and time.monotonic() < deadline:
+                time.sleep(0.05)
 
         def _safe_ppid(pid):
             try:
@@ -112,3 +128,43 @@ if _hold and os.environ.get("RANK", "0") == "0":
         return _held_window(*args, **kwargs)
 
     _hold_loop.train_window = _train_window_after_hold
+
+
+_raise = os.environ.get("LORAKIT_RAISE")
+if _raise:
+    _phase, _where = _raise.split("@")
+    _rank, _, _nth = _where.partition(":")
+    if os.environ.get("RANK", "0") == _rank:
+        import importlib
+
+        # phase -> (module, attribute path) of the work that phase does
+        _targets = {
+            "load": ("lorakit.engine.job", "load_config"),
+            "prepare": ("lorakit.engine.job", "prepare_data"),
+            "tracker start": ("lorakit.engine.job", "open_run_dir"),
+            "first step": ("lorakit.engine.loop", "train_window"),
+            "tracker log": ("lorakit.observe.tensorboard_sink", "TensorBoardSink.write"),
+            "eval write": ("lorakit.engine.job", "Job._write_eval"),
+            "checkpoint save": ("lorakit.engine.checkpoint", "write_rank_rng"),
+            "adapter save": ("lorakit.engine.save", "gather_adapter_state"),
+        }
+        _module, _path = _targets[_phase]
+        _owner = importlib.import_module(_module)
+        *_parents, _attr = _path.split(".")
+        for _p in _parents:
+            _owner = getattr(_owner, _p)
+        _original = getattr(_owner, _attr)
+        _raise_calls = {"n": 0, "at": int(_nth or 1), "every": _phase == "tracker log"}
+
+        def _raising(*args, **kwargs):
+            _raise_calls["n"] += 1
+            if _raise_calls["every"] or _raise_calls["n"] == _raise_calls["at"]:
+                if os.environ.get("LORAKIT_FAULT_STAMP"):
+                    import time
+
+                    with open(os.environ["LORAKIT_FAULT_STAMP"], "a") as f:
+                        f.write(f"{time.time()}\n")
+                raise RuntimeError(f"injected in {_phase}")
+            return _original(*args, **kwargs)
+
+        setattr(_owner, _attr, _raising)
