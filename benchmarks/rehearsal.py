@@ -94,7 +94,11 @@ def build(shape: str, path: Path, shard_size: str = "2GB") -> dict:
     auto = AutoModelForSeq2SeqLM if family == "t5" else AutoModelForCausalLM
     with torch.device("meta"):
         skeleton = auto.from_config(config)
+    # Tied copies are not stored, except T5's head: transformers 5 ties it to `shared` whatever the config
+    # says, unless the checkpoint stores its own with other values, as FLAN-T5's do.
     tied = set(getattr(skeleton, "all_tied_weights_keys", None) or {})
+    if family == "t5":
+        tied.discard("lm_head.weight")
     params = [(k, tuple(p.shape)) for k, p in skeleton.state_dict().items() if k not in tied]
     items = [(k, s, torch.bfloat16) for k, s in params]
     groups = plan_shards(items, parse_size(shard_size))
@@ -327,11 +331,12 @@ def _random_adapter(model: Path, out: Path) -> Path:
     """A rank-16 all-linear LoRA adapter with random B for `model`, built on the meta skeleton (no weights
     loaded): the tensors peft would save."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     config = AutoConfig.from_pretrained(model)
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = auto.from_config(config)
     gen = torch.Generator().manual_seed(0)
     tensors = {}
     for name, mod in skeleton.named_modules():
@@ -345,7 +350,8 @@ def _random_adapter(model: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "adapter_model.safetensors")
     cfg = {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": "all-linear",
-           "base_model_name_or_path": str(model), "task_type": "CAUSAL_LM"}  # fmt: skip
+           "base_model_name_or_path": str(model),
+           "task_type": "SEQ_2_SEQ_LM" if config.is_encoder_decoder else "CAUSAL_LM"}  # fmt: skip
     (out / "adapter_config.json").write_text(json.dumps(cfg))
     return out
 
