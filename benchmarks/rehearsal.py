@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -206,6 +207,7 @@ def train(model: Path, out: Path, steps: int, extra: list[str], env: dict) -> di
         "train.log_every=1", "distributed.num_processes=2", "eval.enabled=false", f"output.dir={out}",
         "output.save_adapter=true", *extra,
     ]  # fmt: skip
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resume of an earlier one
     cmd = [sys.executable, "-m", "lorakit.run", str(ROOT / "recipes" / "flan_t5_xl_lora.yaml"), *overrides]
     step_t: dict[int, float] = {}
     proc = subprocess.Popen(
@@ -294,8 +296,42 @@ def merge(source: Path, out: Path, env: dict, base: Path | None = None) -> dict:
             "tensor_check": next((ln for ln in text.splitlines() if ln.startswith("tensors: ")), None)}  # fmt: skip
 
 
+def plot(results: list[Path], png: Path) -> None:
+    """Per phase: each rank's measured private memory against the plan per device; per step: each rank's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(r.read_text()) for r in results]
+    runs = [r for r in runs if "train" in r]
+    fig, axes = plt.subplots(len(runs), 2, figsize=(11, 3.6 * len(runs)), squeeze=False)
+    for (ax_phase, ax_step), r in zip(axes, runs, strict=True):
+        t, names = r["train"], ["load", "first_step", "steady", "save"]
+        ranks = sorted(t["phases"]["load"])
+        for i, rk in enumerate(ranks):
+            ax_phase.bar([j + 0.35 * i for j in range(len(names))], [t["phases"][n][rk] for n in names], 0.35,
+                         label=rk)  # fmt: skip
+        planned = t["summary"]["planned_per_device_gib"]
+        ax_phase.axhline(planned, color="k", ls="--", label=f"plan per device {planned:.2f} GiB")
+        ax_phase.bar(len(names) + 0.2, r["merge"]["peak_private_gib"], 0.5, color="tab:green", label="merge")
+        ax_phase.set_xticks([*range(len(names)), len(names) + 0.2], [*names, "merge"])
+        ax_phase.set_ylabel("private memory, GiB")
+        ax_phase.set_title(f"{r['shape']}: peak per phase")
+        ax_phase.legend(fontsize=7)
+        steps = sorted(t["per_step"], key=int)
+        for rk in ranks:
+            ax_step.plot([int(s) for s in steps], [t["per_step"][s][rk] for s in steps], marker=".", label=rk)
+        ax_step.set_xlabel("optimizer step")
+        ax_step.set_title("private memory at each step's record")
+        ax_step.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--plot-only", nargs="+", type=Path, help="redraw results/rehearsal.png from result files")
     p.add_argument("--shape", choices=sorted(SHAPES), default="flan-t5-xl-2l")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--work", type=Path, default=Path("/tmp/lorakit-rehearsal"))
@@ -306,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=None, help="results JSON (default results/rehearsal_SHAPE.json)"
     )
     args = p.parse_args(argv)
+    if args.plot_only:
+        plot(args.plot_only, RESULTS / "rehearsal.png")
+        return 0
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
     env.update(dict(e.split("=", 1) for e in args.env))
     model = args.work / args.shape / "base"
