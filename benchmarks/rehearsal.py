@@ -296,6 +296,21 @@ def merge(source: Path, out: Path, env: dict, base: Path | None = None) -> dict:
             "tensor_check": next((ln for ln in text.splitlines() if ln.startswith("tensors: ")), None)}  # fmt: skip
 
 
+def against_plan(result: dict, processes: int = 2) -> dict:
+    """Each phase's peak per rank against the plan per process (on a CPU run the planner's per-node RAM,
+    ~3 GiB of runtime per process included, divided by the processes), and the growth from step 2 to the
+    last step."""
+    t = result["train"]
+    planned = t["summary"]["planned_per_node_cpu_gib"] / processes
+    out = {"planned_per_process_gib": round(planned, 3)}
+    for name, ranks in t["phases"].items():
+        out[name] = {rk: round(v / planned, 3) for rk, v in ranks.items()}
+    steps = sorted(t["per_step"], key=int)
+    first, last = t["per_step"].get("2", t["per_step"][steps[0]]), t["per_step"][steps[-1]]
+    out["growth_step2_to_last_gib"] = {rk: round(last[rk] - first[rk], 3) for rk in last}
+    return out
+
+
 def plot(results: list[Path], png: Path) -> None:
     """Per phase: each rank's measured private memory against the plan per device; per step: each rank's."""
     import matplotlib
@@ -312,12 +327,13 @@ def plot(results: list[Path], png: Path) -> None:
         for i, rk in enumerate(ranks):
             ax_phase.bar([j + 0.35 * i for j in range(len(names))], [t["phases"][n][rk] for n in names], 0.35,
                          label=rk)  # fmt: skip
-        planned = t["summary"]["planned_per_device_gib"]
-        ax_phase.axhline(planned, color="k", ls="--", label=f"plan per device {planned:.2f} GiB")
+        planned = t["summary"]["planned_per_node_cpu_gib"] / 2
+        ax_phase.axhline(planned, color="k", ls="--", label=f"plan per process {planned:.2f} GiB")
         ax_phase.bar(len(names) + 0.2, r["merge"]["peak_private_gib"], 0.5, color="tab:green", label="merge")
         ax_phase.set_xticks([*range(len(names)), len(names) + 0.2], [*names, "merge"])
         ax_phase.set_ylabel("private memory, GiB")
-        ax_phase.set_title(f"{r['shape']}: peak per phase")
+        ax_phase.set_title(f"{r['shape']} ({' '.join(r.get('env') or []) or 'malloc: glibc default'}): peak per phase",
+                           fontsize=9)  # fmt: skip
         ax_phase.legend(fontsize=7)
         steps = sorted(t["per_step"], key=int)
         for rk in ranks:
@@ -343,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.plot_only:
+        for f in args.plot_only:  # older results get the comparison with the plan too
+            r = json.loads(f.read_text())
+            if "train" in r:
+                r["measured_over_planned"] = against_plan(r)
+                f.write_text(json.dumps(r, indent=2) + "\n")
         plot(args.plot_only, RESULTS / "rehearsal.png")
         return 0
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
@@ -360,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         run = args.work / args.shape / "run"
         result["train"] = train(model, run, args.steps, args.override, env)
         result["merge"] = merge(run, args.work / args.shape / "merged", env)
+        result["measured_over_planned"] = against_plan(result)
     out = args.out or RESULTS / f"rehearsal_{args.shape}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
