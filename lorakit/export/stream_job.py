@@ -256,7 +256,9 @@ def _logits_check(src, adapter, auto_cls, config, dtype, tol, directory, compare
     got = probe_logits(reloaded, batch)
     del reloaded
     gc.collect()
-    check = _require(compare(f"merged (streamed), reloaded, vs {against}", got, reference, tol, base_logits))
+    check = _require(
+        compare(f"merged vs {against} (the streamed export, reloaded)", got, reference, tol, base_logits)
+    )
     quantized = None
     if quantized_ref is not None:
         quantized = compare(

@@ -82,7 +82,10 @@ def test_streamed_bfloat16_merge_passes_the_logits_check(cache_dir, tmp_path):
     result = lorakit.merge(adapter, tmp_path / "out", dtype="bfloat16", verify="always")
     (check,) = result.checks
     assert result.strategy == "stream" and check.passed and check.effect_visible
-    assert "merged (streamed), reloaded" in check.name and result.tensors.worst <= 1
+    assert (
+        "merged vs the adapter model (the streamed export, reloaded)" == check.name
+        and result.tensors.worst <= 1
+    )
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     assert "tensors: " in (tmp_path / "out" / "README.md").read_text()
@@ -139,8 +142,6 @@ def test_a_multi_shard_merge_holds_about_one_tensor_not_one_shard(tmp_path):
     print(f"private memory grew {grown / 1e6:.1f} MB; largest shard {largest / 1e6:.1f} MB")
     assert result.shards >= 4 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
     assert grown < 1.5 * largest + adapter_bytes, (grown, largest, adapter_bytes)
-    # Well under one shard: a merge in place in safetensors' file mapping held a whole base shard.
-    assert grown < 0.6 * largest, (grown, largest)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert model.model.layers[3].mlp.down_proj.weight.shape == (512, 1536)
 
@@ -190,3 +191,17 @@ def test_shards_are_planned_like_transformers_and_written_readable(tmp_path):
     incomplete = ShardWriter(tmp_path / "y.safetensors", [("a", (10, 10), torch.float32)])
     with pytest.raises(MergeError, match="got 0 of 1"):
         incomplete.close()
+
+
+def test_the_merge_never_writes_into_the_base_tensor():
+    """safetensors' tensors live in its private file mapping: a merge in place there keeps every written page
+    in memory until the file closes (the first version held a whole base shard that way)."""
+    from lorakit.export.stream import Delta, merge_tensor
+
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(6, 4).to(dtype)
+        before = w.clone()
+        a, b = torch.randn(2, 4), torch.randn(6, 2)
+        merged = merge_tensor(w, Delta("m", a, b, 0.5))
+        assert torch.equal(w, before) and merged.data_ptr() != w.data_ptr() and merged.dtype == torch.float32
+        assert torch.equal(merged, w.float() + (b @ a) * 0.5)  # peft's order of operations, bit for bit
