@@ -20,7 +20,8 @@ def train(recipe):
 def merge(source, output, **options):
     """Merge a run's LoRA adapter into its base (or re-export a full run) as safetensors in `output`,
     verified; returns MergeResult. Options: dtype, max_shard_size, base, force, tolerance,
-    compare_quantized. See lorakit.export.merge."""
+    compare_quantized, strategy (auto | stream | memory), verify (auto | always | never). See
+    lorakit.export.merge."""
     from lorakit.export import merge as _merge
 
     return _merge(source, output, **options)

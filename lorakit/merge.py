@@ -43,6 +43,20 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="QLoRA runs: also report the merged model against the adapter on the 4-bit base (loads it)",
     )
+    p.add_argument(
+        "--strategy",
+        choices=("auto", "stream", "memory"),
+        default="auto",
+        help="stream: shard by shard, one tensor in memory at a time; memory: load the model and merge with "
+        "peft; auto (default): stream unless the merge is not per tensor (DoRA, IA3, ...), saying why",
+    )
+    p.add_argument(
+        "--verify-logits",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="streaming: also load the export and check its logits against the adapter model; auto (default): "
+        "when there is free memory for one copy of the model",
+    )
     return p
 
 
@@ -72,6 +86,8 @@ def _merge(args: argparse.Namespace) -> int:
         force=args.force,
         tolerance=args.tolerance,
         compare_quantized=args.compare_quantized,
+        strategy=args.strategy,
+        verify=args.verify_logits,
     )
     return 0
 

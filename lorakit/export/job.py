@@ -1,8 +1,10 @@
-"""One merge: read and check the adapter, load the base once, merge in place, verify, save atomically, and
-verify the saved copy again after reloading it.
+"""One merge: read and check the adapter, then merge shard by shard (export/stream_job.py, the default) or,
+where the merge is not per tensor, in memory: load the base once, merge in place, verify, save atomically,
+and verify the saved copy again after reloading it.
 
-Memory: one copy of the model at a time. transformers 5 always builds the model on the meta device and
-loads the weights straight into it (low_cpu_mem_usage is the only mode), peft's merge_and_unload folds
+Memory of the in-memory merge: one copy of the model at a time. transformers 5 always builds the model on
+the meta device and loads the weights straight into it (low_cpu_mem_usage is the only mode), peft's
+merge_and_unload folds
 B A x scale into each weight in place, and the reference logits are computed from the same PeftModel before
 merging, so no second copy is ever needed. The merged model is freed before the saved copy is reloaded.
 """
@@ -13,7 +15,7 @@ import gc
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,7 +33,11 @@ from lorakit.export.sources import MergeSource, locate
 from lorakit.export.verify import RELATIVE_TOLERANCE, Check, compare, probe_batch, probe_logits
 from lorakit.runlock import holding_run_lock
 
+if TYPE_CHECKING:
+    from lorakit.export.stream_job import TensorCheck
+
 INDEX = "model.safetensors.index.json"
+STRATEGIES = ("auto", "stream", "memory")
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,10 @@ class MergeResult:
     checks: tuple[Check, ...]
     # QLoRA with compare_quantized: the merged model vs the adapter on the 4-bit base (reported, not gated).
     quantized: Check | None = None
+    # stream (shard by shard) or memory (peft's merge_and_unload on the loaded model).
+    strategy: str = "memory"
+    # The streaming merge's check of every merged tensor against W + scale * B A.
+    tensors: TensorCheck | None = None
 
 
 def _say(line: str) -> None:
@@ -64,6 +74,8 @@ def merge(
     force: bool = False,
     tolerance: float | None = None,
     compare_quantized: bool = False,
+    strategy: str = "auto",
+    verify: str = "auto",
 ) -> MergeResult:
     """Merge the LoRA adapter of a run (or an adapter directory) into its base, or re-export a full
     fine-tuning run, as sharded safetensors with tokenizer, generation config and model card in `output`.
@@ -72,6 +84,9 @@ def merge(
     (default: the run's model.name_or_path, else adapter_config.json's). force: replace a non-empty
     `output`. tolerance: relative logit tolerance (default RELATIVE_TOLERANCE[dtype]). compare_quantized
     (QLoRA): also report the merged model against the adapter on the 4-bit base it was trained with.
+    strategy: auto (shard by shard where the merge is per tensor, else in memory, saying why) | stream |
+    memory. verify (streaming): the whole-model logits check auto (where there is memory for one model
+    copy) | always | never; the in-memory merge always runs it.
     Raises AdapterError / MergeError for bad input and VerificationError when a check fails; `output` is
     then left as it was."""
     src = locate(source, base)
@@ -83,10 +98,33 @@ def merge(
             f"--compare-quantized: {src.path} is a {src.method} run, not QLoRA",
             doc="docs/merge.md#qlora-runs",
         )
+    _check_choice("--strategy", strategy, STRATEGIES)
+    from lorakit.export.stream_job import VERIFY
+
+    _check_choice("--verify-logits", verify, VERIFY)
     protect = [src.path] + ([Path(src.base_source)] if Path(src.base_source).is_dir() else [])
     out = check_output(Path(output), force, protect)
     adapter = read_adapter(src.path) if src.kind == "adapter" else None
     auto_cls, config = auto_model_class(src)
+    if strategy != "memory":
+        from lorakit.export.stream_job import merge_streamed, streaming_plan
+
+        streamed = streaming_plan(src, adapter, auto_cls, config, dtype, strategy == "stream")
+        if streamed is not None:
+            return merge_streamed(
+                streamed,
+                src,
+                adapter,
+                out,
+                force=force,
+                auto_cls=auto_cls,
+                config=config,
+                dtype=dtype,
+                tol=tol,
+                shard_bytes=shard_bytes,
+                verify=verify,
+                compare_quantized=compare_quantized,
+            )
     batch = probe_batch(config, config.vocab_size)
     if adapter is None:
         done = _full_model(src, auto_cls, dtype, batch)
@@ -98,6 +136,13 @@ def merge(
         f"saved:    {out} ({shards} safetensors shard{plural}, {dtype}) + tokenizer, generation config, README.md"
     )
     return MergeResult(out, src.method, src.base_name, dtype, shards, tuple(done.checks), done.quantized)
+
+
+def _check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise MergeError(
+            f"{option} {value!r}: choose one of {', '.join(choices)}", doc="docs/merge.md#options"
+        )
 
 
 def _tolerance(dtype: str, tolerance: float | None) -> float:

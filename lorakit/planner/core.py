@@ -25,6 +25,11 @@ GiB = 2**30
 CUDA_CONTEXT_BYTES = 1 * GiB
 FRAGMENTATION = 0.05
 PROCESS_CPU_BYTES = 3 * GiB
+# A CPU run's process holds no CUDA libraries: ~0.5 GiB of runtime measured per rank (Python, torch,
+# DeepSpeed, transformers), plus ~0.5 GiB that glibc's heap keeps around the allocated tensors (measured
+# at FLAN-T5-XL width on 2 ranks with the launcher's fixed mmap threshold; benchmarks/README.md,
+# rehearsal.py).
+CPU_RUN_PROCESS_BYTES = 1 * GiB
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -401,7 +406,8 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     overhead = int(CUDA_CONTEXT_BYTES + FRAGMENTATION * allocated) if kernels.device == "cuda" else 0
     per_gpu = allocated + overhead
     cpu_train = total("cpu", "resident") + total("cpu", "gradients") + total("cpu", "step")
-    cpu = gpus * (PROCESS_CPU_BYTES + max(cpu_train, total("cpu", "load")))
+    process = CPU_RUN_PROCESS_BYTES if kernels.device == "cpu" else PROCESS_CPU_BYTES
+    cpu = gpus * (process + max(cpu_train, total("cpu", "load")))
     if kernels.device == "cpu":
         # Without a GPU, the "GPU" tensors live in the same RAM.
         cpu += gpus * allocated

@@ -102,8 +102,10 @@ def test_merged_model_loads_and_matches_the_adapter_model(runs, name, dtype, tmp
     out = tmp_path / "merged"
     result = lorakit.merge(run_dir, out, dtype=dtype, compare_quantized=name.endswith("qlora"))
     assert result.output_dir == out.resolve() and result.shards == 1 and result.dtype == dtype
-    merged_check, reloaded_check = result.checks
+    # In memory: merged, then the saved copy reloaded; streamed: the saved copy reloaded (and every tensor).
+    merged_check, reloaded_check = result.checks[0], result.checks[-1]
     assert merged_check.passed and reloaded_check.passed
+    assert result.strategy == "stream" and result.tensors.merged > 0 and result.tensors.worst <= 1
     # The probe sees the adapter (an export of the unmerged base would fail the check), far above the error.
     assert merged_check.effect_visible and merged_check.adapter_effect > 10 * merged_check.max_logit_diff
     if dtype == "float32":
@@ -221,17 +223,25 @@ def test_zeroed_adapter_is_refused(runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_interrupted_save_leaves_nothing(runs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("strategy", ["memory", "stream"])
+def test_interrupted_save_leaves_nothing(runs, tmp_path, monkeypatch, strategy):
     import lorakit.export.job as job
+    import lorakit.export.stream_job as stream_job
 
     def interrupted(model, directory, shard_bytes):
         model.save_pretrained(str(directory), max_shard_size=shard_bytes)  # half the work is on disk
         raise KeyboardInterrupt
 
+    def interrupted_stream(plan, directory, shard_bytes):
+        stream_job_write(plan, directory, shard_bytes)  # the shards are on disk
+        raise KeyboardInterrupt
+
+    stream_job_write = stream_job.write_shards
     monkeypatch.setattr(job, "_save_model", interrupted)
+    monkeypatch.setattr(stream_job, "write_shards", interrupted_stream)
     out = tmp_path / "deeper" / "merged"
     with pytest.raises(KeyboardInterrupt):
-        lorakit.merge(runs["llama-lora"], out)
+        lorakit.merge(runs["llama-lora"], out, strategy=strategy)
     assert not out.exists() and not (tmp_path / "deeper").exists()
     assert list(tmp_path.iterdir()) == []  # no temp directory either
 
@@ -245,9 +255,31 @@ def test_an_export_of_the_unmerged_base_fails_verification(runs, tmp_path, monke
     out = tmp_path / "merged"
     out.mkdir()  # an empty directory may be the target; it must stay as it was
     with pytest.raises(VerificationError, match="merge refused, nothing written") as e:
-        lorakit.merge(runs["t5-qlora"], out, dtype="bfloat16")
+        lorakit.merge(runs["t5-qlora"], out, dtype="bfloat16", strategy="memory")
     assert e.value.exit_code == 3
     assert out.is_dir() and not any(out.iterdir()) and [p.name for p in tmp_path.iterdir()] == ["merged"]
+
+
+@pytest.mark.slow
+def test_a_streamed_merge_that_skips_a_delta_fails_its_tensor_check(runs, tmp_path, monkeypatch):
+    import lorakit.export.stream as stream
+
+    real = stream.merge_tensor
+    # The peer failure, streamed: one module's delta is not added (the base tensor written as it was).
+    skipped = []
+
+    def skip_one(w, delta):
+        if skipped:
+            return real(w, delta)
+        skipped.append(delta.module)
+        return w.float()
+
+    monkeypatch.setattr("lorakit.export.stream_job.merge_tensor", skip_one)
+    out = tmp_path / "merged"
+    with pytest.raises(VerificationError, match="is not W [+] scale [*] B A") as e:
+        lorakit.merge(runs["llama-lora"], out, dtype="bfloat16", verify="never")
+    assert e.value.exit_code == 3 and skipped[0] in str(e.value)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow

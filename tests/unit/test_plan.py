@@ -243,3 +243,16 @@ def test_packed_rows_shrink_to_fit_and_the_overrides_reproduce_the_plan():
     assert again.fits and again.estimate.setup == rec.setup and again.per_gpu_bytes == rec.per_gpu_bytes
     # The same tokens per optimizer step: smaller rows, more accumulation.
     assert fixed.train.max_tokens * fixed.train.gradient_accumulation_steps == 16384 * 2
+
+
+def test_a_cpu_run_counts_a_cpu_process_runtime_not_a_cuda_one():
+    from lorakit.planner.core import CPU_RUN_PROCESS_BYTES, PROCESS_CPU_BYTES
+
+    recipe = _xxl()
+    cuda, cpu = plan(recipe, gpus=2, gpu_memory="40GB"), plan(recipe, gpus=2, device="cpu")
+    # On a CPU the "GPU" tensors are in RAM too; the runtime is 1 GiB a process, not 3 (benchmarks/rehearsal.py).
+    e = cpu.estimate
+    beyond_runtime = cuda.per_node_cpu_bytes - 2 * PROCESS_CPU_BYTES  # the loading peak, the same on both
+    assert beyond_runtime >= 0
+    assert e.per_node_cpu_bytes == 2 * (CPU_RUN_PROCESS_BYTES + e.gpu_allocated) + beyond_runtime
+    assert "~1 GiB per process" in cpu.describe() and "~3 GiB per process" in cuda.describe()

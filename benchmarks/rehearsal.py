@@ -1,0 +1,421 @@
+"""Rehearsal at real shapes on a CPU: a model of a real checkpoint's shape built locally (random weights at
+the family's init scales, sharded safetensors), a short ZeRO-3 LoRA run on 2 processes and a streaming merge,
+with every process's private memory sampled and set against the planner's numbers.
+
+    python benchmarks/rehearsal.py --shape flan-t5-xl-2l --steps 20    # XL width, 2+2 layers
+    python benchmarks/rehearsal.py --shape flan-t5-xl --steps 3         # the 2.85B FLAN-T5-XL shape
+    python benchmarks/rehearsal.py --shape llama3-8b-2l --merge-only    # Llama-3-8B width, 2 layers
+
+Private memory is RssAnon (/proc/PID/status): the process's own pages, without mmapped files (a safetensors
+checkpoint mapped by the loader is page cache, not the process's). Phases of the training run come from the
+run's own records: load (launch to the first step's record), first step, steady state (steps 2..N), save
+(last step to exit); then the merge as its own process. Results go to benchmarks/results/rehearsal_SHAPE.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+GIB = 1 << 30
+
+# name -> (family, config overrides). T5 v1.1 XL (FLAN-T5-XL), Llama-3-8B; "-Nl": fewer layers, same width.
+SHAPES = {
+    "flan-t5-xl": ("t5", {}),
+    "flan-t5-xl-2l": ("t5", dict(num_layers=2, num_decoder_layers=2)),
+    "llama3-8b-2l": ("llama", dict(num_hidden_layers=2)),
+    "tiny": ("t5", dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, num_decoder_layers=2)),
+}
+
+
+def model_config(family: str, tokenizer, **over):
+    """The real model's config (T5 v1.1 XL or Llama-3-8B), with `over` applied."""
+    from transformers import LlamaConfig, T5Config
+
+    if family == "t5":
+        base = dict(
+            vocab_size=32128, d_model=2048, d_kv=64, d_ff=5120, num_layers=24, num_decoder_layers=24,
+            num_heads=32, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+            decoder_start_token_id=tokenizer.pad_token_id, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )  # fmt: skip
+        return T5Config(**{**base, **over})
+    base = dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+        num_key_value_heads=8, num_hidden_layers=32, rope_theta=500000.0, max_position_embeddings=8192,
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    return LlamaConfig(**{**base, **over})
+
+
+def init_std(family: str, key: str, c) -> float | None:
+    """The init scale of a weight (None: a norm, ones). T5: its own init (factor 1); the head at
+    d_model**-0.5 rather than 1.0 so logits stay O(1) on random weights. Llama: 0.02."""
+    if key.endswith("norm.weight"):
+        return None
+    if family == "llama":
+        return 0.02
+    rules = [
+        ("relative_attention_bias", c.d_model**-0.5),
+        (".q.weight", (c.d_model * c.d_kv) ** -0.5),
+        (".k.weight", c.d_model**-0.5),
+        (".v.weight", c.d_model**-0.5),
+        (".o.weight", (c.num_heads * c.d_kv) ** -0.5),
+        (".wo.weight", c.d_ff**-0.5),
+        (".wi", c.d_model**-0.5),
+        ("lm_head", c.d_model**-0.5),
+    ]
+    return next((std for part, std in rules if part in key), 1.0)  # shared embedding: 1.0
+
+
+def build(shape: str, path: Path, shard_size: str = "2GB") -> dict:
+    """Write the model (bf16 safetensors shards, config, generation config, tokenizer) tensor by tensor."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, GenerationConfig
+
+    from lorakit.export.output import parse_size
+    from lorakit.export.shards import ShardWriter, plan_shards, shard_names, write_index
+    from lorakit.testing import build_tiny_tokenizer
+
+    family, over = SHAPES[shape]
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tiny_tokenizer(path, kind=family)
+    config = model_config(family, tok, **over)
+    auto = AutoModelForSeq2SeqLM if family == "t5" else AutoModelForCausalLM
+    with torch.device("meta"):
+        skeleton = auto.from_config(config)
+    # Tied copies are not stored, except T5's head: transformers 5 ties it to `shared` whatever the config
+    # says, unless the checkpoint stores its own with other values, as FLAN-T5's do.
+    tied = set(getattr(skeleton, "all_tied_weights_keys", None) or {})
+    if family == "t5":
+        tied.discard("lm_head.weight")
+    params = [(k, tuple(p.shape)) for k, p in skeleton.state_dict().items() if k not in tied]
+    items = [(k, s, torch.bfloat16) for k, s in params]
+    groups = plan_shards(items, parse_size(shard_size))
+    names = shard_names(len(groups))
+    gen = torch.Generator().manual_seed(0)
+    weight_map, total = {}, 0
+    for name, group in zip(names, groups, strict=True):
+        writer = ShardWriter(path / name, [items[i] for i in group])
+        for i in group:
+            key, s, _ = items[i]
+            std = init_std(family, key, config)
+            if std is None:
+                t = torch.ones(s, dtype=torch.bfloat16)
+            else:  # by blocks of rows, so the float32 draw of a 128k x 4096 embedding never exists whole
+                t = torch.cat(
+                    [(torch.randn((min(8192, s[0] - r), *s[1:]), generator=gen) * std).bfloat16()
+                     for r in range(0, s[0], 8192)]
+                )  # fmt: skip
+            writer.write(key, t)
+            weight_map[key] = name
+        writer.close()
+        total += writer.size
+    if len(groups) > 1:
+        write_index(path, weight_map, total)
+    config.dtype = torch.bfloat16
+    config.architectures = [type(skeleton).__name__]
+    config.save_pretrained(path)
+    GenerationConfig.from_model_config(config).save_pretrained(path)
+    n = sum(torch.Size(s).numel() for _, s in params)
+    return {"shape": shape, "params": n, "bytes": total, "shards": len(groups)}
+
+
+def private_bytes(pid: int) -> int | None:
+    """RssAnon of a process, or None when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class Sampler:
+    """Samples RssAnon of a process tree every `every` seconds: worker ranks by their RANK variable."""
+
+    def __init__(self, root: int, every: float = 0.2):
+        self.root, self.every = root, every
+        self.samples: list[dict] = []  # {t, rank -> bytes}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.t0 = time.monotonic()
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _ranks(self) -> dict[str, int]:
+        import psutil
+
+        try:
+            procs = [psutil.Process(self.root), *psutil.Process(self.root).children(recursive=True)]
+        except psutil.Error:
+            return {}
+        out = {}
+        for p in procs:
+            try:
+                rank = p.environ().get("RANK") if p.pid != self.root else None
+            except psutil.Error:
+                continue
+            out[f"rank{rank}" if rank is not None else f"pid{p.pid}"] = p.pid
+        return out
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            row = {"t": time.monotonic() - self.t0}
+            for name, pid in self._ranks().items():
+                b = private_bytes(pid)
+                if b is not None:
+                    row[name] = b
+            self.samples.append(row)
+
+
+def _metrics_times(run_dir: Path, seen: dict[int, float], t0: float) -> None:
+    f = run_dir / "metrics.jsonl"
+    if not f.is_file():
+        return
+    for line in f.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "train" and rec["step"] not in seen:
+            seen[rec["step"]] = time.monotonic() - t0
+
+
+def train(model: Path, out: Path, steps: int, extra: list[str], env: dict) -> dict:
+    """The ZeRO-3 run on 2 processes; its private memory per rank and per phase."""
+    overrides = [
+        f"model.name_or_path={model}", "data.source=builtin:news_summaries", "data.split=train",
+        "data.eval_split=validation", "data.max_source_length=128", "data.max_target_length=32",
+        "data.packing=false", f"data.max_samples={max(64, 4 * steps)}", "data.num_proc=1",
+        "train.micro_batch_size=1", "train.gradient_accumulation_steps=1", f"train.max_steps={steps}",
+        "train.log_every=1", "distributed.num_processes=2", "eval.enabled=false", f"output.dir={out}",
+        "output.save_adapter=true", *extra,
+    ]  # fmt: skip
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resume of an earlier one
+    cmd = [sys.executable, "-m", "lorakit.run", str(ROOT / "recipes" / "flan_t5_xl_lora.yaml"), *overrides]
+    step_t: dict[int, float] = {}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    with Sampler(proc.pid) as s:
+        while proc.poll() is None:
+            _metrics_times(out, step_t, s.t0)
+            time.sleep(0.2)
+        _metrics_times(out, step_t, s.t0)
+        end = time.monotonic() - s.t0
+    reader.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"training failed ({proc.returncode}):\n" + "".join(lines[-40:]))
+    summary = json.loads((out / "summary.json").read_text())
+    return {"phases": phases(s.samples, step_t, end), "per_step": per_step(s.samples, step_t),
+            "summary": _summary_memory(summary), "seconds": end}  # fmt: skip
+
+
+def _ranks_of(samples: list[dict]) -> list[str]:
+    return sorted({k for row in samples for k in row if k.startswith("rank")})
+
+
+def phases(samples: list[dict], step_t: dict[int, float], end: float) -> dict:
+    """Peak private memory of each rank in each phase (GiB)."""
+    last = max(step_t)
+    bounds = {
+        "load": (0.0, step_t[1] if 1 in step_t else end),
+        "first_step": (step_t.get(1, end) - 1e-9, step_t.get(2, end)),
+        "steady": (step_t.get(2, end), step_t[last]),
+        "save": (step_t[last], end),
+    }
+    out = {}
+    for name, (a, b) in bounds.items():
+        rows = [r for r in samples if a <= r["t"] <= b]
+        out[name] = {
+            rk: round(max((r.get(rk, 0) for r in rows), default=0) / GIB, 3) for rk in _ranks_of(samples)
+        }
+    return out
+
+
+def per_step(samples: list[dict], step_t: dict[int, float]) -> dict:
+    """Each rank's private memory at each step's record (GiB): flat in steady state, or growing."""
+    out = {}
+    for step, t in sorted(step_t.items()):
+        before = [r for r in samples if r["t"] <= t]
+        if before:
+            out[step] = {rk: round(before[-1].get(rk, 0) / GIB, 3) for rk in _ranks_of(samples)}
+    return out
+
+
+def _summary_memory(summary: dict) -> dict:
+    plan = summary.get("plan") or {}
+    recipe = plan.get("recipe") or {}
+    states = sum(i["bytes"] for i in recipe.get("items", []) if i.get("kind") == "state")
+    return {
+        "planned_per_device_gib": round((plan.get("per_gpu_bytes") or 0) / GIB, 3),
+        "planned_per_node_cpu_gib": round((plan.get("per_node_cpu_bytes") or 0) / GIB, 3),
+        "planned_model_states_gib": round(states / GIB, 3),
+        "measured_model_states_gib": round((summary["peak_memory_bytes"].get("model_states") or 0) / GIB, 3),
+        "peak_cpu_rss_gib": round(summary["peak_memory_bytes"]["cpu_rss"] / GIB, 3),
+        "total_params": summary.get("total_params"),
+        "trainable_params": summary.get("trainable_params"),
+    }
+
+
+def merge(source: Path, out: Path, env: dict, base: Path | None = None) -> dict:
+    """python -m lorakit.merge (streaming, no logits check) with its private memory sampled."""
+    cmd = [sys.executable, "-m", "lorakit.merge", str(source), "--output", str(out), "--force",
+           "--verify-logits", "never", "--max-shard-size", "2GB"] + (["--base", str(base)] if base else [])  # fmt: skip
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    with Sampler(proc.pid, every=0.05) as s:
+        text = proc.communicate()[0]
+    if proc.returncode != 0:
+        raise SystemExit(f"merge failed ({proc.returncode}):\n{text[-3000:]}")
+    peak = max((r.get(k, 0) for r in s.samples for k in r if k != "t"), default=0)
+    shards = sorted(out.glob("*.safetensors"))
+    return {"peak_private_gib": round(peak / GIB, 3), "seconds": round(time.monotonic() - t0, 1),
+            "largest_shard_gib": round(max(f.stat().st_size for f in shards) / GIB, 3),
+            "tensor_check": next((ln for ln in text.splitlines() if ln.startswith("tensors: ")), None)}  # fmt: skip
+
+
+def against_plan(result: dict, processes: int = 2) -> dict:
+    """Each phase's peak per rank against the plan per process (on a CPU run the planner's per-node RAM,
+    ~3 GiB of runtime per process included, divided by the processes), and the growth from step 2 to the
+    last step."""
+    t = result["train"]
+    planned = t["summary"]["planned_per_node_cpu_gib"] / processes
+    out = {"planned_per_process_gib": round(planned, 3)}
+    for name, ranks in t["phases"].items():
+        out[name] = {rk: round(v / planned, 3) for rk, v in ranks.items()}
+    steps = sorted(t["per_step"], key=int)
+    first, last = t["per_step"].get("2", t["per_step"][steps[0]]), t["per_step"][steps[-1]]
+    out["growth_step2_to_last_gib"] = {rk: round(last[rk] - first[rk], 3) for rk in last}
+    return out
+
+
+def plot(results: list[Path], png: Path) -> None:
+    """Per phase: each rank's measured private memory against the plan per device; per step: each rank's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(r.read_text()) for r in results]
+    runs = [r for r in runs if "train" in r]
+    fig, axes = plt.subplots(len(runs), 2, figsize=(11, 3.6 * len(runs)), squeeze=False)
+    for (ax_phase, ax_step), r in zip(axes, runs, strict=True):
+        t, names = r["train"], ["load", "first_step", "steady", "save"]
+        ranks = sorted(t["phases"]["load"])
+        for i, rk in enumerate(ranks):
+            ax_phase.bar([j + 0.35 * i for j in range(len(names))], [t["phases"][n][rk] for n in names], 0.35,
+                         label=rk)  # fmt: skip
+        planned = t["summary"]["planned_per_node_cpu_gib"] / 2
+        ax_phase.axhline(planned, color="k", ls="--", label=f"plan per process {planned:.2f} GiB")
+        ax_phase.bar(len(names) + 0.2, r["merge"]["peak_private_gib"], 0.5, color="tab:green", label="merge")
+        ax_phase.set_xticks([*range(len(names)), len(names) + 0.2], [*names, "merge"])
+        ax_phase.set_ylabel("private memory, GiB")
+        ax_phase.set_title(f"{r['shape']} ({' '.join(r.get('env') or []) or 'malloc: glibc default'}): peak per phase",
+                           fontsize=9)  # fmt: skip
+        ax_phase.legend(fontsize=7)
+        steps = sorted(t["per_step"], key=int)
+        for rk in ranks:
+            ax_step.plot([int(s) for s in steps], [t["per_step"][s][rk] for s in steps], marker=".", label=rk)
+        ax_step.set_xlabel("optimizer step")
+        ax_step.set_title("private memory at each step's record")
+        ax_step.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--plot-only", nargs="+", type=Path, help="redraw results/rehearsal.png from result files")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="flan-t5-xl-2l")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--work", type=Path, default=Path("/tmp/lorakit-rehearsal"))
+    p.add_argument("--merge-only", action="store_true", help="no training: merge a random adapter")
+    p.add_argument("--env", action="append", default=[], help="NAME=VALUE for the run's processes")
+    p.add_argument("--override", action="append", default=[], help="recipe override for the run")
+    p.add_argument(
+        "--out", type=Path, default=None, help="results JSON (default results/rehearsal_SHAPE.json)"
+    )
+    args = p.parse_args(argv)
+    if args.plot_only:
+        for f in args.plot_only:  # older results get the comparison with the plan too
+            r = json.loads(f.read_text())
+            if "train" in r:
+                r["measured_over_planned"] = against_plan(r)
+                f.write_text(json.dumps(r, indent=2) + "\n")
+        plot(args.plot_only, RESULTS / "rehearsal.png")
+        return 0
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    env.update(dict(e.split("=", 1) for e in args.env))
+    model = args.work / args.shape / "base"
+    t0 = time.monotonic()
+    built = build(args.shape, model) if not (model / "config.json").is_file() else {"shape": args.shape}
+    built["build_seconds"] = round(time.monotonic() - t0, 1)
+    result = {"shape": args.shape, "model": built, "env": args.env, "overrides": args.override}
+    print(json.dumps(built), flush=True)
+    if args.merge_only:
+        adapter = _random_adapter(model, args.work / args.shape / "adapter")
+        result["merge"] = merge(adapter, args.work / args.shape / "merged", env, base=model)
+    else:
+        run = args.work / args.shape / "run"
+        result["train"] = train(model, run, args.steps, args.override, env)
+        result["merge"] = merge(run, args.work / args.shape / "merged", env)
+        result["measured_over_planned"] = against_plan(result)
+    out = args.out or RESULTS / f"rehearsal_{args.shape}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _random_adapter(model: Path, out: Path) -> Path:
+    """A rank-16 all-linear LoRA adapter with random B for `model`, built on the meta skeleton (no weights
+    loaded): the tensors peft would save."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    config = AutoConfig.from_pretrained(model)
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    with torch.device("meta"):
+        skeleton = auto.from_config(config)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name, mod in skeleton.named_modules():
+        if isinstance(mod, torch.nn.Linear) and not name.endswith("lm_head"):
+            tensors[f"base_model.model.{name}.lora_A.weight"] = (
+                torch.randn(16, mod.in_features, generator=gen) / 64
+            )
+            tensors[f"base_model.model.{name}.lora_B.weight"] = (
+                torch.randn(mod.out_features, 16, generator=gen) / 64
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors")
+    cfg = {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": "all-linear",
+           "base_model_name_or_path": str(model),
+           "task_type": "SEQ_2_SEQ_LM" if config.is_encoder_decoder else "CAUSAL_LM"}  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
