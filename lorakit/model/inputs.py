@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from lorakit.model.varlen import VARLEN_SDPA, Seq2SeqSegments, attach_t5_position_bias
+from lorakit.model.varlen import VARLEN_SDPA, Segments, Seq2SeqSegments, attach_t5_position_bias
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "decoder_input_ids", "decoder_attention_mask")
 # Passed from __call__ to logits for packed encoder-decoder rows; not a model argument.
@@ -140,7 +140,7 @@ class ModelInputs:
             )
             out.update({"attention_mask": encoder, "decoder_attention_mask": decoder, CROSS_MASK: cross})
         elif "position_ids" in out and "attention_mask" not in out and self.attention == VARLEN_SDPA:
-            out["lorakit_segments"] = _bounds(example_ids(batch["position_ids"])[0])
+            out["lorakit_segments"] = Segments(_bounds(example_ids(batch["position_ids"])[0]))
             out["attention_mask"] = torch.ones_like(out["input_ids"])
         elif "position_ids" in out and "attention_mask" not in out:
             mask = self.packed_mask(out["position_ids"])
