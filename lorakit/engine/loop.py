@@ -58,7 +58,9 @@ def train_window(engine, inputs, window: list[dict[str, Any]], meter: TokenMeter
     device = engine.device
     world = dist.world_size()
     (window_tokens,) = dist.all_reduce([sum(b["num_target_tokens"] for b in window)])
-    local_loss = 0.0
+    # Summed on the device: one host sync per window (with the counts below), not one per micro-batch, so
+    # the next forward is queued while the GPU still runs this one.
+    local_loss = None
     real = slots = 0
     for i, batch in enumerate(window):
         # The window, not DeepSpeed's micro-step counter, decides when gradients are reduced and applied,
@@ -68,11 +70,11 @@ def train_window(engine, inputs, window: list[dict[str, Any]], meter: TokenMeter
         loss_sum = token_loss_sum(logits, batch["labels"].to(device))
         engine.backward(micro_batch_loss(loss_sum, window_tokens, world), scale_wrt_gas=False)
         engine.step()
-        local_loss += float(loss_sum.detach())
+        local_loss = loss_sum.detach() if local_loss is None else local_loss + loss_sum.detach()
         meter.add(batch)
         real += batch["num_real_tokens"]
         slots += batch["num_token_slots"]
-    loss, real, slots = dist.all_reduce([local_loss, real, slots])
+    loss, real, slots = dist.all_reduce([float(local_loss), real, slots])
     norm = engine.get_global_grad_norm()
     return {
         "loss": loss / max(window_tokens, 1.0),

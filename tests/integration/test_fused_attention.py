@@ -347,3 +347,29 @@ def test_eager_flex_attention_is_unreachable(monkeypatch):
     ]
     # One block mask per batch and kind, one attention call per layer.
     assert calls == (["mask"] + ["flex"] * 3) * 2
+
+
+@pytest.mark.parametrize("setting, kernel", [(None, fa.FLEX), (0.1, fa.LOOP)])
+def test_flan_t5_dropout_reaches_the_fused_kernels_by_default(
+    cache_dir, tmp_path, monkeypatch, setting, kernel
+):
+    """tiny:t5 has FLAN-T5's dropout_rate 0.1. By default (model.attention_dropout 0) its attention modules
+    drop no attention weights, so training on CUDA reaches FlexAttention, while hidden states are still
+    dropped at 0.1; model.attention_dropout 0.1 keeps the per-example loop. What is decided is what
+    transformers' T5Attention passes the attention function in training: its `dropout` float."""
+    from lorakit.model import build_model
+    from lorakit.recipe import recipe_from_dict
+    from tests.conftest import tiny_recipe_dict
+
+    monkeypatch.setattr(fa, "flex_compile_problem", lambda device: None)  # a CUDA machine with Triton
+    model = {} if setting is None else {"attention_dropout": setting}
+    built = build_model(recipe_from_dict(tiny_recipe_dict(cache_dir, tmp_path, model=model)))
+    assert built.model.config.dropout_rate == 0.1
+    attention = [m for m in built.model.modules() if hasattr(m, "compute_bias")]
+    hidden = [m for m in built.model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert attention and hidden and all(m.p == 0.1 for m in hidden)
+    assert {m.dropout for m in attention} == {setting or 0.0}
+    for m in attention:
+        kind = "cross" if m.is_decoder and not m.is_causal else ("decoder" if m.is_decoder else "encoder")
+        expected = fa.VARLEN if kind == "cross" and kernel == fa.FLEX else kernel
+        assert fa.choose_kernel(kind, CUDA, torch.bfloat16, m.dropout, bias=kind != "cross") == expected
