@@ -140,13 +140,18 @@ def forced(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", CAUSAL_KINDS)
-def test_varlen_causal_path_keeps_examples_apart(cache_dir, tmp_path, forced, kind):
+def test_varlen_causal_path_keeps_examples_apart(cache_dir, tmp_path, forced, monkeypatch, kind):
     """llama, mistral (sliding window 64, shorter than an example here) and qwen2 (grouped KV heads)."""
     forced({"causal": fa.VARLEN})
     built = causal_model(cache_dir, tmp_path, kind, "varlen_sdpa")
+    offsets = []
+    real = fa.cu_seqlens
+    monkeypatch.setattr(fa, "cu_seqlens", lambda *a: offsets.append(a) or real(*a))
     alone, sliced, _, _ = _per_example(built, _rows(built.model.config.vocab_size))
     layers = built.model.config.num_hidden_layers
     assert fa.KERNELS_USED["causal", fa.VARLEN] >= layers and fa.KERNELS_USED["causal", fa.LOOP] == 0
+    # Built once for the packed batch (and copied to the device once), not once per layer or recompute.
+    assert len(offsets) == 1, offsets
     for (la, sa), (lp, sp) in zip(alone, sliced, strict=True):
         assert (la - lp).abs().max().item() < TOL
         assert abs(sa.item() - sp.item()) < TOL * max(1.0, abs(sa.item()))
