@@ -378,3 +378,37 @@ def test_flan_t5_dropout_reaches_the_fused_kernels_by_default(
         kind = "cross" if m.is_decoder and not m.is_causal else ("decoder" if m.is_decoder else "encoder")
         expected = fa.VARLEN if kind == "cross" and kernel == fa.FLEX else kernel
         assert fa.choose_kernel(kind, CUDA, torch.bfloat16, m.dropout, bias=kind != "cross") == expected
+
+
+def test_a_failed_compilation_falls_back_to_the_loop_once(monkeypatch):
+    """A first compiled call that fails (no C++ compiler, a Triton build error): said once, that call and
+    every later one take per-example SDPA, with the same result."""
+
+    def broken_compile(fn, **options):
+        def run(*args, **kwargs):
+            raise RuntimeError("C++ compile error\nmore detail")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(fa, "_FLEX_BROKEN", [])
+    monkeypatch.setattr(fa, "_COMPILED_ONCE", set())
+    monkeypatch.setattr(fa, "_SAID", set())
+    said = []
+    monkeypatch.setattr(fa, "_say", said.append)
+    fa._compiled.cache_clear()
+    module, bounds = _t5_attention(decoder=False), (0, 30, 31, 64)
+    try:
+        before = fa.KERNELS_USED["encoder", fa.LOOP]
+        flex, _ = _self_attention(module, bounds, fa.FLEX, monkeypatch, layers=2)
+    finally:
+        fa._compiled.cache_clear()
+    assert fa.KERNELS_USED["encoder", fa.LOOP] == before + 2
+    loop, _ = _self_attention(module, bounds, fa.LOOP, monkeypatch, layers=1)
+    assert torch.equal(flex[0], loop[0])
+    assert said[0] == (
+        "packed attention: compiling FlexAttention failed: RuntimeError: C++ compile error; "
+        "T5 self-attention takes per-example SDPA instead"
+    )
+    assert len(said) == 2 and "per-example SDPA" in said[1]  # the loop named once, with the reason
+    assert fa.choose_kernel("encoder", CUDA, torch.bfloat16, 0.0, bias=True) == fa.LOOP
