@@ -338,3 +338,26 @@ def _named_grads(model, inputs, batch):
     loss, grads = _loss_and_grads(model, inputs, batch)
     names = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     return loss, dict(zip(names, grads, strict=True))
+
+
+def test_flex_attention_compiles_once_for_rows_of_any_length(cache_dir, tmp_path):
+    """Compiled FlexAttention has dynamic shapes and a bias table of fixed size: packed rows of new lengths
+    reuse the compiled kernels (one recompilation is allowed for the first new length, where dynamo may
+    still specialise a size that happened to coincide)."""
+    from torch._dynamo.utils import counters
+
+    from lorakit.model import fused_attention as fa
+
+    built, _ = _bf16_model(cache_dir, tmp_path, "varlen_sdpa")
+    built.model.eval()
+    start_id = built.model.config.decoder_start_token_id
+    rows = seq2seq_rows(seed=4) + seq2seq_rows(seed=5)
+    graphs = []
+    fa.KERNELS_USED.clear()
+    with torch.no_grad():
+        for n in range(len(rows), len(rows) - 4, -1):  # four rows of different lengths
+            batch = PackedSeq2SeqCollator(4096, 1024, start_id)(rows[:n])
+            built.inputs.logits(built.model, batch, DEVICE)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert fa.KERNELS_USED["encoder", fa.FLEX] > 0 and fa.KERNELS_USED["encoder", fa.LOOP] == 0
+    assert graphs[1] == graphs[2] == graphs[3], graphs
