@@ -106,7 +106,7 @@ def _decide(kind, device, dtype, dropout, bias) -> tuple[str, str]:
         if not varlen_available():
             return LOOP, "this PyTorch has no torch.nn.attention.varlen"
         return VARLEN, ""
-    if kind in ("encoder", "decoder"):
+    if kind in ("encoder", "decoder") and bias:
         problem = flex_compile_problem(device)
         return (LOOP, problem) if problem else (FLEX, "")
     return LOOP, "no fused kernel for this call"
