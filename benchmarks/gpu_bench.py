@@ -688,11 +688,12 @@ def write_result(result: dict, output: Path, out_dir: Path | None) -> None:
         render(sys.modules[__name__], result, path.with_suffix(".png"))
 
 
-def run_gpu_tests(log_path: Path, log) -> dict:
-    """pytest -m gpu tests/gpu, output appended to the log; the counts go into the result."""
+def run_gpu_tests(log_path: Path, log, tests: str = "tests/gpu") -> dict:
+    """pytest -m gpu tests/gpu, output appended to the log; the counts, and whether they passed
+    (gpu_tests_passed), go into the result."""
     start = time.perf_counter()
     # One process on the one GPU, and no pytest-xdist there: the machine has pytest, not the dev extra.
-    command = [sys.executable, "-m", "pytest", "-q", "-o", "addopts=-ra", "-m", "gpu", "tests/gpu"]
+    command = [sys.executable, "-m", "pytest", "-q", "-o", "addopts=-ra", "-m", "gpu", tests]
     command += ["-p", "no:cacheprovider"]
     proc = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with open(log_path, "a") as f:
@@ -700,11 +701,27 @@ def run_gpu_tests(log_path: Path, log) -> dict:
     summary = next((line for line in reversed(proc.stdout.splitlines()) if " in " in line), "").strip("= ")
     log(f"gpu tests: exit code {proc.returncode}: {summary}")
     out = {
-        "command": "python -m pytest -q -m gpu tests/gpu",
+        "command": f"python -m pytest -q -m gpu {tests}",
         "exit_code": proc.returncode,
         "summary": summary,
     }
+    out["passed"] = gpu_tests_passed(out)
     return {**out, "seconds": time.perf_counter() - start}
+
+
+def gpu_tests_passed(gpu_tests: dict) -> bool:
+    """Whether the GPU tests passed: pytest exited 0 and at least one test ran and passed (tests that all
+    skipped, on a machine without CUDA say, checked nothing)."""
+    ran = re.search(r"(\d+) passed", gpu_tests.get("summary") or "")
+    return gpu_tests.get("exit_code") == 0 and ran is not None and int(ran.group(1)) > 0
+
+
+def exit_status(result: dict) -> int:
+    """The script's exit status for a measured result: 1 when a workload failed or is partial, or when GPU
+    tests were asked for (--run-gpu-tests) and did not pass; else 0."""
+    failed = [n for n, w in result["workloads"].items() if w.get("status") in ("failed", "partial")]
+    gpu = result.get("gpu_tests")
+    return 1 if failed or (gpu is not None and not gpu_tests_passed(gpu)) else 0
 
 
 def merge(paths: list[str], output: Path, out_dir: Path | None) -> int:
@@ -823,7 +840,9 @@ def measure(bench) -> int:
         shown = "not measured" if value is None else (f"{value:.1%}" if "side" in t else f"x{value:.2f}")
         log(f"target: {t['what']}: {shown} ({met})")
     log(f"wrote {output} (log {log_path}) in {result['benchmark_wall_seconds']:.0f} s")
-    return 1 if [n for n, w in result["workloads"].items() if w.get("status") in ("failed", "partial")] else 0
+    if result.get("gpu_tests") is not None and not gpu_tests_passed(result["gpu_tests"]):
+        log(f"gpu tests did not pass ({result['gpu_tests']['summary']}): exit status 1")
+    return exit_status(result)
 
 
 def plot(result: dict, plt):

@@ -93,7 +93,8 @@ def training_config_model(cache_dir: Path, out_dir: Path, backend: str, **model)
 
 def ready_for_contract(built):
     """`built` (a BuiltModel) with a non-zero LoRA update, dropout off and in train mode: what the packing
-    contract tests compare (the doctor's contracts prepare their model the same way)."""
+    contract tests compare (the doctor's contracts prepare their model the same way). Attention-probability
+    dropout is already off by default (model.attention_dropout 0, as users get it)."""
     from lorakit.doctor.contracts import prepare_for_contract
 
     return prepare_for_contract(built)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from lorakit.evaluation.runner import run_eval
 from lorakit.meter import TokenMeter
 from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
 from lorakit.model.adapter import optimizer_groups
+from lorakit.model.fused_attention import KERNELS_USED
 from lorakit.model.quantize import describe_quantization, quantization_summary
 from lorakit.observe import MetricsLogger
 from lorakit.observe.plot import plot_losses
@@ -257,6 +259,8 @@ class Job:
     state: LoopState = field(default_factory=LoopState)
     meter: TokenMeter = field(default_factory=TokenMeter)
     stops: StopRequests = field(default_factory=StopRequests)
+    # The packed attention calls made before this job, so summary.json counts this job's own.
+    kernels_before: Counter = field(default_factory=lambda: Counter(KERNELS_USED))
 
     def resume(self, ckpt: Checkpoint | None) -> None:
         """Restore engine, RNG states, loop state and this rank's counts from `ckpt` (collective)."""
@@ -370,7 +374,7 @@ class Job:
             state=self.state,
             checkpointing=Checkpointing(self.save_checkpoint, ck.every, ck.at_epoch_end),
             nonfinite=NonFinitePolicy(t.on_nonfinite, t.max_skipped_steps),
-            stop_requested=self.stops.requested,
+            stop_requested=self.stops.received_here,
             meter=self.meter,
             eval_every=self.recipe.eval.every,
             best=self.best_policy() if evaluates else None,

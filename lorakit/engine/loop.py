@@ -51,20 +51,29 @@ def accumulation_windows(loader: DataLoader, accumulation: int):
 
 
 def train_window(
-    engine, inputs, window: list[dict[str, Any]], meter: TokenMeter, objective: Objective = SFT
+    engine,
+    inputs,
+    window: list[dict[str, Any]],
+    meter: TokenMeter,
+    objective: Objective = SFT,
+    stop_here: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Forward/backward every micro-batch of one window and take one optimizer step.
 
     The loss backpropagated is the sum of the objective's losses (SFT: token losses) over the window on
     every rank, divided by its units (SFT: target tokens) in the window on every rank: identical to one big
-    batch holding them all. The objective's metric sums are divided alike.
+    batch holding them all. The objective's metric sums are divided alike. `stop_here()` (whether this rank was
+    asked to stop, read as the window ends) rides on the window's closing all_reduce: `stop_requested` says whether any rank was, with no
+    collective of its own per step.
     """
     device = engine.device
     world = dist.world_size()
     window_tokens, window_units = dist.all_reduce(
         [sum(b["num_target_tokens"] for b in window), sum(objective.units(b) for b in window)]
     )
-    local_loss = 0.0
+    # Summed on the device: one host sync per window (with the counts below), not one per micro-batch, so
+    # the next forward is queued while the GPU still runs this one.
+    local_loss = None
     sums: dict[str, Any] = {}
     real = slots = 0
     for i, batch in enumerate(window):
@@ -74,14 +83,22 @@ def train_window(
         loss_sum, metrics = objective.loss(engine, inputs, batch, device)
         engine.backward(micro_batch_loss(loss_sum, window_units, world), scale_wrt_gas=False)
         engine.step()
-        local_loss += float(loss_sum.detach())
+        local_loss = loss_sum.detach() if local_loss is None else local_loss + loss_sum.detach()
         for name, value in metrics.items():
             sums[name] = sums.get(name, 0.0) + value
         meter.add(batch)
         real += batch["num_real_tokens"]
         slots += batch["num_token_slots"]
     names = sorted(sums)
-    loss, real, slots, *values = dist.all_reduce([local_loss, real, slots, *(float(sums[k]) for k in names)])
+    loss, real, slots, stops, *values = dist.all_reduce(
+        [
+            float(local_loss),
+            real,
+            slots,
+            float(bool(stop_here and stop_here())),
+            *(float(sums[k]) for k in names),
+        ]
+    )
     norm = engine.get_global_grad_norm()
     return {
         "loss": loss / max(window_units, 1.0),
@@ -90,6 +107,7 @@ def train_window(
         "real_tokens": int(real),
         "token_slots": int(slots),
         "metrics": {k: v / max(window_units, 1.0) for k, v in zip(names, values, strict=True)},
+        "stop_requested": stops > 0,
     }
 
 
@@ -154,6 +172,7 @@ class Trainer:
         state: LoopState | None = None,
         checkpointing: Checkpointing | None = None,
         nonfinite: NonFinitePolicy = NonFinitePolicy(),
+        # Whether this rank was asked to stop (local); train_window shares it with every rank.
         stop_requested: Callable[[], bool] | None = None,
         meter: TokenMeter | None = None,
         eval_every: int | None = None,
@@ -189,7 +208,9 @@ class Trainer:
             # loading and collation count towards train_seconds; logging does not.
             start = time.perf_counter()
             for window in accumulation_windows(self.loader, self.accumulation):
-                stats = train_window(self.engine, self.inputs, window, self.meter, self.objective)
+                stats = train_window(
+                    self.engine, self.inputs, window, self.meter, self.objective, self.stop_requested
+                )
                 seconds = time.perf_counter() - start
                 st.micro_batches_done += len(window)
                 self._account(epoch, stats, seconds)
@@ -202,7 +223,7 @@ class Trainer:
                     self._evaluate(epoch, epoch_end=last)
                 if st.step >= self.plan.total_steps or st.stop_reason is not None:
                     break
-                if self.stop_requested():
+                if stats["stop_requested"]:
                     self._save("preempted")
                     raise Preempted(
                         f"stopped at step {st.step} on request (SIGTERM/SIGUSR1); checkpoint saved to "

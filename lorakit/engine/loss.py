@@ -47,12 +47,11 @@ class _ChunkedTokenCE(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for s, e in ctx.spans:
             g = torch.softmax(logits[s:e].float(), dim=-1)
-            y = labels[s:e]
-            target = y != IGNORE_INDEX
-            rows = torch.nonzero(target, as_tuple=True)[0]
-            g[rows, y[rows]] -= 1.0
-            g[~target] = 0.0
-            grad[s:e] = (g * grad_total).to(grad.dtype)
+            target = (labels[s:e] != IGNORE_INDEX).unsqueeze(1)
+            # Dense ops only: selecting the target rows (nonzero, boolean indexing) waits for the GPU on every
+            # chunk. Ignored rows subtract at index 0 and are zeroed with the rest of their row.
+            g.scatter_add_(1, labels[s:e].clamp_min(0).unsqueeze(1), -target.to(g.dtype))
+            grad[s:e] = (g * (target * grad_total)).to(grad.dtype)
         return grad, None, None
 
 

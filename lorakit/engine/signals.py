@@ -5,15 +5,14 @@ from __future__ import annotations
 import signal
 import threading
 
-from lorakit.engine import dist
-
 # SIGTERM: what Kubernetes, Slurm (scancel, time limits) and torchrun send to end a job.
 # SIGUSR1: what Slurm sends ahead of a time limit with `#SBATCH --signal=USR1@SECONDS`.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class StopRequests:
-    """Installs handlers that note a stop request; `requested()` tells every rank whether any rank got one.
+    """Installs handlers that note a stop request; `received_here()` is this rank's flag, which the loop
+    shares with every rank on each step's closing all_reduce.
 
     A context manager: the previous handlers come back on exit. Outside the main thread (where Python
     cannot install handlers) it never reports a request.
@@ -38,7 +37,7 @@ class StopRequests:
         # Only a flag: the step in flight finishes, then every rank stops at the same step boundary.
         self.received = signum
 
-    def requested(self) -> bool:
-        """Whether any rank was asked to stop (collective: call it on every rank at the same point)."""
-        (flag,) = dist.all_reduce([1.0 if self.received is not None else 0.0], op="max")
-        return flag > 0
+    def received_here(self) -> bool:
+        """Whether this rank was asked to stop (not collective): the loop shares it on the all_reduce that
+        ends each step (engine/loop.train_window), so asking costs no collective of its own."""
+        return self.received is not None

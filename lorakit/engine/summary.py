@@ -15,6 +15,7 @@ import torch
 from lorakit import rundir
 from lorakit.engine import dist
 from lorakit.meter import live_tensor_bytes, peak_memory
+from lorakit.model.fused_attention import kernels_since
 from lorakit.observe import trackers
 
 if TYPE_CHECKING:
@@ -63,6 +64,9 @@ class RunSummary:
     model: str
     model_source: str
     attention: str
+    # Packed rows: {attention kind: {kernel: calls}} (causal, encoder, decoder, cross -> varlen, flex, loop;
+    # lorakit.model.fused_attention), training and evaluation on rank 0; {} without packed rows.
+    attention_kernels: dict[str, dict[str, int]]
     dtype: str
     world_size: int
     zero_stage: int
@@ -204,6 +208,7 @@ def summarize(
         model=recipe.model.name_or_path,
         model_source=job.built.source,
         attention=job.built.attention,
+        attention_kernels=kernels_since(job.kernels_before),
         dtype=recipe.model.dtype,
         world_size=world,
         zero_stage=recipe.distributed.zero_stage,

@@ -267,6 +267,13 @@ def _save_verified(
 
 def _require(check: Check) -> Check:
     _say(check.describe())
+    if not check.passed and not check.closer_than_base:
+        raise VerificationError(
+            f"merge refused, nothing written: {check.describe()}. The adapter's delta did not reach the "
+            "merged weights (or barely moves the logits: then merge with --dtype float32, whose rounding "
+            "noise is far below any adapter's effect)",
+            doc="docs/merge.md#tolerances",
+        )
     if not check.passed:
         raise VerificationError(
             f"merge refused, nothing written: {check.describe()}. The difference exceeds the tolerance: the "

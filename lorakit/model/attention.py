@@ -67,3 +67,25 @@ def packing_enabled(
             doc="docs/packing.md#encoder-decoder-packing-flan-t5",
         )
     return packable if setting == "auto" else bool(setting)
+
+
+def set_attention_dropout(model: torch.nn.Module, p: float) -> int:
+    """model.attention_dropout: the attention-probability dropout of every attention module of `model`;
+    returns how many modules it set.
+
+    T5's attention modules read it from their float `dropout` (set from config.dropout_rate, which also
+    drives the hidden-state nn.Dropout modules, left as they are); Llama-style modules from their float
+    `attention_dropout`. Both are read at each forward, so setting them is configuration, not a patch."""
+    count = 0
+    for module in model.modules():
+        for name in ("dropout", "attention_dropout"):
+            # T5Attention.dropout is a float; elsewhere `dropout` is usually an nn.Dropout, which stays.
+            if isinstance(getattr(module, name, None), float) and _is_attention(module):
+                setattr(module, name, float(p))
+                count += 1
+    return count
+
+
+def _is_attention(module: torch.nn.Module) -> bool:
+    # T5Attention (compute_bias, n_heads) and transformers' Llama-style attention (q_proj / k_proj).
+    return hasattr(module, "compute_bias") or (hasattr(module, "q_proj") and hasattr(module, "k_proj"))

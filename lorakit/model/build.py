@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from lorakit.errors import RecipeError
 from lorakit.model.adapter import peft_config
-from lorakit.model.attention import choose_attention, packing_enabled
+from lorakit.model.attention import choose_attention, packing_enabled, set_attention_dropout
 from lorakit.model.inputs import ModelInputs
 from lorakit.model.quantize import bnb_config, check_keep_in_fp32, keep_standard_4bit_layout, logical_numel
 from lorakit.model.sequence_parallel import check_sequence_parallel, register_sequence_parallel
@@ -169,6 +169,7 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
         restore_untied_head(model, source, recipe.model.revision, ds_config)
     # The KV cache is for generation; in training it changes how packed/masked attention is built.
     model.config.use_cache = False
+    set_attention_dropout(model, recipe.model.attention_dropout)
     if recipe.model.gradient_checkpointing:
         enable_checkpointing(model)
     if recipe.method.adapter():

@@ -1,5 +1,6 @@
 """Fused kernels for packed rows on CUDA, from PyTorch itself (no flash-attn package): variable-length flash
-attention for causal rows and T5 cross-attention, FlexAttention for T5 self-attention with its position bias.
+attention for causal rows and T5 cross-attention, compiled FlexAttention for T5 self-attention with its
+position bias.
 
 lorakit.model.varlen asks `choose_kernel` which path a packed attention call takes:
 
@@ -7,28 +8,54 @@ lorakit.model.varlen asks `choose_kernel` which path a packed attention call tak
   boundaries, cu_seqlens): CUDA, bf16/fp16, no attention dropout, no bias. Causal rows of causal LMs
   (sliding windows through `window_size`, grouped KV heads through `enable_gqa`) and T5's cross-attention
   (decoder examples attend to their own encoder example; T5's cross-attention has no bias).
-- `flex`: FlexAttention with a block mask that keeps attention inside each example (and causal in the
-  decoder) and a score_mod that adds T5's relative position bias, read from a table over distances k - q.
-  T5's bias depends on that distance only, so one table per row gives every example its unpacked bias.
-  CUDA, no attention dropout (FlexAttention has none).
-- `loop`: lorakit.model.varlen's grouped SDPA: every other case (CPU, fp32, attention dropout in training,
-  a PyTorch without the kernel). FLAN-T5 trains with dropout_rate 0.1, which applies to attention weights
-  too: set it to 0 (model config) for the fused T5 paths.
+- `flex`: FlexAttention, compiled (`torch.compile`, dynamic shapes: one compilation per process, not one per
+  row length), with a block mask that keeps attention inside each example (and causal in the decoder) and a
+  score_mod that adds T5's relative position bias, read from a table over distances k - q. T5's bias depends
+  on that distance only, so one table gives every example its unpacked bias. CUDA, no attention dropout
+  (FlexAttention has none). Only the compiled kernel is ever called: eager FlexAttention is PyTorch's
+  unfused reference, which builds fp32 scores of (heads x T x T) for the whole packed row (4 GiB for one
+  4096-token row of FLAN-T5-XXL's 64 heads). Where torch.compile cannot run (no Triton, or the first
+  compilation fails) the call takes the loop, said once on the console.
+- `loop`: lorakit.model.varlen's grouped SDPA: every other case (CPU, fp32 causal rows, attention dropout in
+  training, a PyTorch without the kernels). Attention-probability dropout cannot be applied inside the fused
+  kernels: `model.attention_dropout` (default 0) sets it, and a value above 0 keeps T5 on this path in
+  training. Hidden-state dropout (T5's `dropout_rate`) is applied outside attention and is unaffected.
 
-Which kernel ran is recorded per call kind in KERNELS_USED (read by tests and benchmarks).
+What a batch's packed attention needs (cu_seqlens, the FlexAttention block mask) is built once per batch on
+the device and kept in the batch's segments (`PackedLayout`, in lorakit.model.varlen's segment caches): every
+layer and gradient checkpointing's recompute share it, with no host round trip per layer.
+
+Which kernel ran is counted per call kind in KERNELS_USED (summary.json's `attention_kernels`); the first
+call of each kind with each kernel is named on the console (rank 0).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 VARLEN, FLEX, LOOP = "varlen", "flex", "loop"
 # (attention kind, kernel) -> calls, since the process started.
 KERNELS_USED: Counter = Counter()
+KINDS = {
+    "causal": "causal self-attention",
+    "encoder": "T5 encoder self-attention",
+    "decoder": "T5 decoder self-attention",
+    "cross": "T5 cross-attention",
+}
+KERNEL_NAMES = {
+    VARLEN: "torch varlen_attn (flash, cu_seqlens)",
+    FLEX: "compiled FlexAttention (block mask + position-bias score_mod)",
+    LOOP: "per-example SDPA (lorakit.model.varlen)",
+}
+# (kind, kernel) pairs already named on the console, and why FlexAttention cannot be compiled (once known).
+_SAID: set = set()
+_FLEX_BROKEN: list[str] = []
 
 
 def varlen_available() -> bool:
@@ -41,20 +68,88 @@ def flex_available() -> bool:
     return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 
 
+def flex_compile_problem(device: torch.device) -> str | None:
+    """Why compiled FlexAttention cannot run on `device` (None when it can)."""
+    if not flex_available():
+        return "this PyTorch has no FlexAttention"
+    if _FLEX_BROKEN:
+        return _FLEX_BROKEN[0]
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile does not support this Python"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        return "torch.compile needs Triton on CUDA and it is not installed"
+    return None
+
+
 def choose_kernel(kind: str, device: torch.device, dtype: torch.dtype, dropout: float, *, bias: bool) -> str:
     """The kernel for one packed attention call: VARLEN, FLEX or LOOP (module docstring).
 
     `kind` is causal (a causal LM's row), encoder, decoder (T5 self-attention) or cross (T5); `bias` says
     whether the call carries a position bias (T5 self-attention does)."""
-    if device.type != "cuda" or dropout > 0:
-        return LOOP
+    return _decide(kind, device, dtype, dropout, bias)[0]
+
+
+def _decide(kind, device, dtype, dropout, bias) -> tuple[str, str]:
+    """(kernel, why the loop) for choose_kernel."""
+    if device.type != "cuda":
+        return LOOP, f"{device.type}: the fused kernels are CUDA-only"
+    if dropout > 0:
+        return LOOP, (
+            f"attention dropout {dropout:g} in training, which the fused kernels cannot apply; "
+            "model.attention_dropout: 0 reaches them"
+        )
     if kind in ("causal", "cross") and not bias:
-        if dtype in (torch.bfloat16, torch.float16) and varlen_available():
-            return VARLEN
-        return LOOP
-    if kind in ("encoder", "decoder") and flex_available():
-        return FLEX
-    return LOOP
+        if dtype not in (torch.bfloat16, torch.float16):
+            return LOOP, f"{dtype}: varlen_attn takes bf16 or fp16"
+        if not varlen_available():
+            return LOOP, "this PyTorch has no torch.nn.attention.varlen"
+        return VARLEN, ""
+    if kind in ("encoder", "decoder") and bias:
+        problem = flex_compile_problem(device)
+        return (LOOP, problem) if problem else (FLEX, "")
+    return LOOP, "no fused kernel for this call"
+
+
+def used(kind: str, kernel: str, device: torch.device, dtype: torch.dtype, dropout: float) -> None:
+    """Count one packed attention call of `kind` on `kernel`; the first of each pair is named on the console."""
+    KERNELS_USED[kind, kernel] += 1
+    if (kind, kernel) in _SAID:
+        return
+    _SAID.add((kind, kernel))
+    line = f"packed attention: {KINDS.get(kind, kind)} -> {KERNEL_NAMES[kernel]}"
+    if kernel == LOOP:
+        why = _decide(kind, device, dtype, dropout, kind in ("encoder", "decoder"))[1]
+        line += f" ({why})" if why else ""
+    _say(line)
+
+
+def kernels_since(before: Counter) -> dict[str, dict[str, int]]:
+    """{kind: {kernel: calls}} of the packed attention calls made since `before` (a copy of KERNELS_USED)."""
+    out: dict[str, dict[str, int]] = {}
+    for (kind, kernel), n in sorted((KERNELS_USED - before).items()):
+        out.setdefault(kind, {})[kernel] = n
+    return out
+
+
+def _say(line: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """One packed row's example boundaries on the device, built once per batch and attention kind.
+
+    cu: varlen's cumulative int32 offsets (0, end_1, ..., T); longest: the longest example. block_mask: the
+    FlexAttention block mask of a T5 self-attention (None for varlen calls)."""
+
+    cu: torch.Tensor
+    longest: int
+    block_mask: object = None
 
 
 def cu_seqlens(bounds: Sequence[int], device: torch.device | str) -> tuple[torch.Tensor, int]:
@@ -62,23 +157,27 @@ def cu_seqlens(bounds: Sequence[int], device: torch.device | str) -> tuple[torch
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
     if not lengths or bounds[0] != 0 or min(lengths) < 1:
         raise ValueError(f"example boundaries must start at 0 and increase, got {tuple(bounds)}")
-    return torch.tensor(list(bounds), dtype=torch.int32, device=device), max(lengths)
+    # One host-to-device copy per batch (the layout is cached), not one per layer.
+    return torch.tensor(list(bounds), dtype=torch.int32).to(device, non_blocking=True), max(lengths)
 
 
-def _varlen(q, k, v, q_bounds, k_bounds, scaling, window_size):
+def varlen_layout(bounds: Sequence[int], device) -> PackedLayout:
+    """The PackedLayout of a varlen call over `bounds`."""
+    return PackedLayout(*cu_seqlens(bounds, device))
+
+
+def _varlen(q, k, v, q_layout: PackedLayout, k_layout: PackedLayout, scaling, window_size):
     from torch.nn.attention.varlen import varlen_attn
 
-    cu_q, max_q = cu_seqlens(q_bounds, q.device)
-    cu_k, max_k = cu_seqlens(k_bounds, q.device)
     # (1, H, T, D) -> (T, H, D): varlen takes the row's tokens as one flat sequence.
     out = varlen_attn(
         q[0].transpose(0, 1),
         k[0].transpose(0, 1),
         v[0].transpose(0, 1),
-        cu_q,
-        cu_k,
-        max_q,
-        max_k,
+        q_layout.cu,
+        k_layout.cu,
+        q_layout.longest,
+        k_layout.longest,
         scale=scaling,
         window_size=window_size,
         enable_gqa=k.shape[1] != q.shape[1],
@@ -86,53 +185,129 @@ def _varlen(q, k, v, q_bounds, k_bounds, scaling, window_size):
     return out.unsqueeze(0)  # (1, T, H, D), transformers' attention output layout
 
 
-def varlen_causal(q, k, v, bounds: Sequence[int], scaling: float | None, window: int | None) -> torch.Tensor:
+def varlen_causal(q, k, v, layout: PackedLayout, scaling: float | None, window: int | None) -> torch.Tensor:
     """Causal attention inside each example of a packed row: (1, H, T, D) in, (1, T, H, D) out. `window`:
     a key at most window - 1 tokens before its query (transformers' sliding_window), or None."""
-    KERNELS_USED["causal", VARLEN] += 1
-    return _varlen(q, k, v, bounds, bounds, scaling, (-1, 0) if window is None else (window - 1, 0))
+    return _varlen(q, k, v, layout, layout, scaling, (-1, 0) if window is None else (window - 1, 0))
 
 
-def varlen_cross(q, k, v, q_bounds, k_bounds, scaling: float | None) -> torch.Tensor:
+def varlen_cross(q, k, v, q_layout: PackedLayout, k_layout: PackedLayout, scaling) -> torch.Tensor:
     """T5 cross-attention of a packed row pair: decoder example i attends to all of encoder example i."""
-    KERNELS_USED["cross", VARLEN] += 1
-    return _varlen(q, k, v, q_bounds, k_bounds, scaling, (-1, -1))
+    return _varlen(q, k, v, q_layout, k_layout, scaling, (-1, -1))
 
 
-def bias_table(position_bias: torch.Tensor) -> torch.Tensor:
-    """(H, 2m - 1) bias by distance k - q (index k - q + m - 1) from T5's (1, H, m, m) relative bias of an
-    m-token example: its last row holds distances -(m-1)..0, its first row 0..m-1."""
+def bias_table(position_bias: torch.Tensor, max_distance: int | None = None) -> torch.Tensor:
+    """T5's (1, H, m, m) relative bias of an m-token example as a table by distance k - q.
+
+    Without `max_distance`: (H, 2m - 1), index k - q + m - 1 (the bias's last row holds distances
+    -(m-1)..0, its first row 0..m-1). With it, K: (H, 2K + 1) over distances -K..K, index k - q + K. T5's
+    bucket is the same for every distance of at least relative_attention_max_distance, so reading the
+    distance clamped to +-K is exact for any example length; a table of fixed size keeps the compiled
+    kernel's inputs the same shape for every row."""
     m = position_bias.shape[-1]
-    return torch.cat([position_bias[0, :, m - 1, : m - 1], position_bias[0, :, 0, :]], dim=-1)
+    table = torch.cat([position_bias[0, :, m - 1, : m - 1], position_bias[0, :, 0, :]], dim=-1)
+    if max_distance is None:
+        return table
+    k = max_distance
+    if m - 1 >= k:
+        return table[:, m - 1 - k : m + k]
+    # Distances beyond m - 1 occur only between examples, which the block mask leaves out.
+    pad = k - (m - 1)
+    return torch.cat([table[:, :1].expand(-1, pad), table, table[:, -1:].expand(-1, pad)], dim=-1)
 
 
 def example_index(bounds: Sequence[int], device) -> torch.Tensor:
     """(T,) the example each token of a packed row belongs to."""
-    lengths = torch.tensor([e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)], device=device)
-    return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+    lengths = torch.tensor([e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)])
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
+
+
+@functools.cache
+def _compiled(device_type: str):
+    """(flex_attention, create_block_mask) for `device_type`, each compiled once per process: with dynamic
+    shapes, so rows of any length share one compilation."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    # Static shapes on the CPU, which only tests use (the fused kernels are CUDA-only): in torch 2.13
+    # inductor's C++ FlexAttention template fails to build with symbolic lengths and a mask_mod that reads a
+    # tensor ("'cur_kvSplitSize7' was not declared"); there each row length compiles once.
+    dynamic = device_type != "cpu"
+    # torch.compile(create_block_mask) is what PyTorch now recommends over create_block_mask(_compile=True):
+    # the mask is computed block by block, never as a T x T tensor.
+    return torch.compile(flex_attention, dynamic=dynamic), torch.compile(create_block_mask, dynamic=dynamic)
+
+
+def _keep(span: torch.Tensor):
+    # A closure over this batch's (2, T) tensor only: dynamo guards on its shape (dynamic), not its values,
+    # so a new batch does not recompile.
+    def keep(b, h, q_idx, kv_idx):
+        return (kv_idx >= span[0, q_idx]) & (kv_idx <= span[1, q_idx])
+
+    return keep
+
+
+def _add_bias(table: torch.Tensor, k: int):
+    # k (relative_attention_max_distance) is the model's constant and the table's shape (H, 2k + 1) is
+    # fixed: one compiled kernel for every row. A 0-d tensor offset here made the CPU kernel dense.
+    def add_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, (kv_idx - q_idx).clamp(-k, k) + k]
+
+    return add_bias
+
+
+def flex_layout(bounds: Sequence[int], *, causal: bool, device) -> PackedLayout | None:
+    """The PackedLayout of a T5 self-attention over `bounds`, with its block mask (built compiled; None
+    when compiling fails, said once)."""
+    layout = varlen_layout(bounds, device)
+    n = bounds[-1]
+    idx = example_index(bounds, "cpu")
+    b = torch.tensor(list(bounds))
+    start = b[idx]
+    limit = torch.arange(n) if causal else b[idx + 1] - 1
+    # Where each query's keys start and end: one host-to-device copy per batch and kind.
+    span = torch.stack([start, limit]).to(device, non_blocking=True)
+    _, create_block_mask = _compiled(torch.device(device).type)
+    mask = _first_compile("mask", lambda: create_block_mask(_keep(span), 1, None, n, n, device=device))
+    return None if mask is None else PackedLayout(layout.cu, layout.longest, mask)
 
 
 def flex_self_attention(
-    q, k, v, bounds: Sequence[int], position_bias: torch.Tensor, *, causal: bool, scaling: float | None
-) -> torch.Tensor:
-    """T5 self-attention of a packed row with FlexAttention: attention inside each example (causal in the
-    decoder) plus T5's bias for each pair's distance. (1, H, T, D) in, (1, T, H, D) out."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    q, k, v, layout: PackedLayout, position_bias: torch.Tensor, *, max_distance: int, scaling: float | None
+) -> torch.Tensor | None:
+    """T5 self-attention of a packed row with compiled FlexAttention: attention inside each example (the
+    layout's block mask) plus T5's bias for each pair's distance. (1, H, T, D) in, (1, T, H, D) out; None
+    when compiling fails (said once; the caller takes the loop)."""
+    flex, _ = _compiled(q.device.type)
+    # Contiguous: a strided view of the bias as the kernel's buffer broke inductor's lowering (CPU).
+    table = bias_table(position_bias, max_distance).to(q.dtype).contiguous()
+    out = _first_compile(
+        "flex",
+        lambda: flex(
+            q, k, v, score_mod=_add_bias(table, max_distance), block_mask=layout.block_mask, scale=scaling
+        ),
+    )
+    return None if out is None else out.transpose(1, 2)
 
-    KERNELS_USED["decoder" if causal else "encoder", FLEX] += 1
-    doc = example_index(bounds, q.device)
-    table = bias_table(position_bias).to(q.dtype)
-    offset = table.shape[-1] // 2  # m - 1
-    n = q.shape[2]
 
-    def same_example(b, h, q_idx, kv_idx):
-        keep = doc[q_idx] == doc[kv_idx]
-        return keep & (kv_idx <= q_idx) if causal else keep
+# The compiled functions ("mask", "flex") that have run once in this process.
+_COMPILED_ONCE: set = set()
 
-    def add_bias(score, b, h, q_idx, kv_idx):
-        # Pairs of different examples are masked; clamp keeps their (unused) index inside the table.
-        return score + table[h, (kv_idx - q_idx + offset).clamp(0, 2 * offset)]
 
-    mask = create_block_mask(same_example, 1, None, n, n, device=q.device)
-    out = flex_attention(q, k, v, score_mod=add_bias, block_mask=mask, scale=scaling)
-    return out.transpose(1, 2)
+def _first_compile(name: str, call):
+    """call() of the compiled function `name`, where a failure of its first call means compiling is
+    impossible here: said once, returns None, and every later call takes the loop. Later failures are real
+    errors and raise."""
+    if name in _COMPILED_ONCE:
+        return call()
+    try:
+        out = call()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch.compile raises many kinds (backend, C++ or Triton build)
+        if not _FLEX_BROKEN:
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            _FLEX_BROKEN.append(f"compiling FlexAttention failed: {type(e).__name__}: {first}")
+            _say(f"packed attention: {_FLEX_BROKEN[0]}; T5 self-attention takes per-example SDPA instead")
+        return None
+    _COMPILED_ONCE.add(name)
+    return out

@@ -37,7 +37,7 @@ import torch
 
 from lorakit.data.sequence_split import SEGMENTS
 from lorakit.model.sequence_parallel import SEQUENCE_PARALLEL, SequenceShard
-from lorakit.model.varlen import VARLEN_SDPA, Seq2SeqSegments, attach_t5_position_bias
+from lorakit.model.varlen import VARLEN_SDPA, Segments, Seq2SeqSegments, attach_t5_position_bias
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "decoder_input_ids", "decoder_attention_mask")
 # Backends that take a packed row's example boundaries (the sequence-parallel one, for a row not split).
@@ -136,7 +136,7 @@ class ModelInputs:
         if SEGMENTS in batch:
             # A shard of a row split over the sequence-parallel group: attention sees the whole row's
             # example boundaries after its all-to-all; no mask is built for the shard.
-            out[SEQUENCE_PARALLEL] = SequenceShard(batch[SEGMENTS], self.sp_group, self.sp_world)
+            out[SEQUENCE_PARALLEL] = SequenceShard(Segments(batch[SEGMENTS]), self.sp_group, self.sp_world)
             out["attention_mask"] = torch.ones_like(out["input_ids"])
         elif "source_segments" in batch and self.attention == VARLEN_SDPA:
             out["lorakit_seq2seq_segments"] = Seq2SeqSegments(
@@ -151,7 +151,7 @@ class ModelInputs:
             )
             out.update({"attention_mask": encoder, "decoder_attention_mask": decoder, CROSS_MASK: cross})
         elif "position_ids" in out and "attention_mask" not in out and self.attention in PER_EXAMPLE:
-            out["lorakit_segments"] = _bounds(example_ids(batch["position_ids"])[0])
+            out["lorakit_segments"] = Segments(_bounds(example_ids(batch["position_ids"])[0]))
             out["attention_mask"] = torch.ones_like(out["input_ids"])
         elif "position_ids" in out and "attention_mask" not in out:
             mask = self.packed_mask(out["position_ids"])

@@ -33,13 +33,15 @@ import torch
 
 from lorakit.model.fused_attention import (
     FLEX,
-    KERNELS_USED,
     LOOP,
     VARLEN,
     choose_kernel,
+    flex_layout,
     flex_self_attention,
+    used,
     varlen_causal,
     varlen_cross,
+    varlen_layout,
 )
 
 VARLEN_SDPA = "lorakit_varlen_sdpa"
@@ -90,14 +92,34 @@ class Seq2SeqSegments(tuple):
     """(encoder boundaries, decoder boundaries) of one packed T5 row pair, as `lorakit_seq2seq_segments`.
 
     Every layer of a stack attends over the same examples with the same position bias, so what the
-    attention function derives from them (groups, gather indices, masks) is built once per forward and kept
-    in `cache`, which lives as long as the batch's forward arguments (gradient checkpointing's recompute
-    included)."""
+    attention function derives from them (groups, gather indices, masks, the fused kernels' cu_seqlens and
+    block masks on the device) is built once per forward and kept in `cache`, which lives as long as the
+    batch's forward arguments (gradient checkpointing's recompute included)."""
 
     def __new__(cls, source, target):
         self = super().__new__(cls, (tuple(source), tuple(target)))
         self.cache = {}
         return self
+
+
+class Segments(tuple):
+    """Example boundaries (0, end 1, ..., T) of one packed causal row, as `lorakit_segments`, with a `cache`
+    of what is derived from them once per batch (varlen's cu_seqlens on the device), as Seq2SeqSegments."""
+
+    def __new__(cls, bounds):
+        self = super().__new__(cls, tuple(bounds))
+        self.cache = {}
+        return self
+
+
+def _cached(segments, key, build):
+    """segments.cache[key], built by build() the first time (every time for segments without a cache)."""
+    cache = getattr(segments, "cache", None)
+    if cache is None:
+        return build()
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
 
 
 def _causal(bias: torch.Tensor) -> torch.Tensor:
@@ -121,15 +143,28 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
     else:
         # T5's cross-attention bias is zero (no relative positions between decoder and encoder tokens).
         q_bounds, k_bounds, kind, position_bias = target, source, "cross", None
-    kernel = choose_kernel(kind, query.device, query.dtype, dropout, bias=position_bias is not None)
+    device = query.device
+    kernel = choose_kernel(kind, device, query.dtype, dropout, bias=position_bias is not None)
     if kernel == VARLEN:
-        return varlen_cross(query, key, value, q_bounds, k_bounds, scaling), None
+        used(kind, VARLEN, device, query.dtype, dropout)
+        q_layout = _cached(segments, ("varlen", "target"), lambda: varlen_layout(target, device))
+        k_layout = _cached(segments, ("varlen", "source"), lambda: varlen_layout(source, device))
+        return varlen_cross(query, key, value, q_layout, k_layout, scaling), None
     if kernel == FLEX:
-        out = flex_self_attention(
-            query, key, value, q_bounds, position_bias, causal=kind == "decoder", scaling=scaling
+        layout = _cached(
+            segments, ("flex", kind), lambda: flex_layout(q_bounds, causal=kind == "decoder", device=device)
         )
-        return out, None
-    KERNELS_USED[kind, LOOP] += 1
+        # T5's constant (128 in FLAN-T5): a bias table of one size for every row.
+        distance = getattr(module, "relative_attention_max_distance", None) or position_bias.shape[-1] - 1
+        out = None
+        if layout is not None:
+            out = flex_self_attention(
+                query, key, value, layout, position_bias, max_distance=distance, scaling=scaling
+            )
+        if out is not None:
+            used(kind, FLEX, device, query.dtype, dropout)
+            return out, None
+    used(kind, LOOP, device, query.dtype, dropout)
     cache = getattr(segments, "cache", None)
     cache = {} if cache is None else cache
     q_lengths, k_lengths = _lengths(q_bounds), _lengths(k_bounds)
@@ -157,7 +192,9 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
         mq, mk = max(q_lengths[i] for i in group), max(k_lengths[i] for i in group)
         mask = plan.get(g) if keep else None
         if mask is None:
-            mask = _group_mask(kind, group, k_lengths, mq, mk, bias, query.device, min_value)
+            if (g, "valid") not in plan:
+                plan[g, "valid"] = _padded_keys(kind, group, k_lengths, mk, query.device)
+            mask = _group_mask(kind, mq, mk, bias, plan[g, "valid"], query.device, min_value)
             if keep:
                 plan[g] = mask
         if len(group) == 1:
@@ -176,20 +213,28 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
     return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
-def _group_mask(kind, group, k_lengths, mq, mk, bias, device, min_value):
-    """The attn_mask of one group: its block of the bias, with the padded keys of shorter members masked."""
+def _padded_keys(kind, group, k_lengths, mk, device) -> torch.Tensor | None:
+    """(n, 1, 1, mk) True where a group member's key is real (None when no member is padded, or in the
+    decoder, whose causal mask already hides a shorter example's padded keys)."""
+    lengths = [k_lengths[i] for i in group]
+    if kind == "decoder" or len(group) == 1 or min(lengths) == mk:
+        return None
+    # Built on the host and copied once per group and batch (cached by the caller), not once per layer.
+    valid = torch.arange(mk)[None, :] < torch.tensor(lengths)[:, None]
+    return valid[:, None, None, :].to(device, non_blocking=True)
+
+
+def _group_mask(kind, mq, mk, bias, valid, device, min_value):
+    """The attn_mask of one group: its block of the bias, with the padded keys of shorter members masked.
+    Contiguous: SDPA's fused kernels take a strided mask only through a padded copy, or not at all."""
     if kind == "decoder":
         if bias is None:
             return torch.ones(mq, mk, dtype=torch.bool, device=device).tril()
         # The bias is causal: that also masks a shorter example's padded keys, which lie after its queries.
-        return bias[:, :, :mq, :mk]
-    mask = None if bias is None else bias[:, :, :mq, :mk]
-    lengths = [k_lengths[i] for i in group]
-    if len(group) == 1 or min(lengths) == mk:
+        return bias[:, :, :mq, :mk].contiguous()
+    mask = None if bias is None else bias[:, :, :mq, :mk].contiguous()
+    if valid is None:
         return mask
-    valid = (torch.arange(mk, device=device) < torch.tensor(lengths, device=device)[:, None])[
-        :, None, None, :
-    ]
     return valid if mask is None else mask.masked_fill(~valid, min_value)
 
 
@@ -221,9 +266,12 @@ def varlen_sdpa_attention(
         raise ValueError(f"packed attention expects one row per micro-batch, got {query.shape[0]}")
     window = kwargs.get("sliding_window")
     dropout = dropout if module.training else 0.0
-    if choose_kernel("causal", query.device, query.dtype, dropout, bias=False) == VARLEN:
-        return varlen_causal(query, key, value, segments, scaling, window), None
-    KERNELS_USED["causal", LOOP] += 1
+    device = query.device
+    if choose_kernel("causal", device, query.dtype, dropout, bias=False) == VARLEN:
+        used("causal", VARLEN, device, query.dtype, dropout)
+        layout = _cached(segments, "varlen", lambda: varlen_layout(segments, device))
+        return varlen_causal(query, key, value, layout, scaling, window), None
+    used("causal", LOOP, device, query.dtype, dropout)
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)

@@ -237,7 +237,12 @@ def plan(
     cpu_cap = parse_bytes(cpu_memory, "cpu_memory")
     config = resolve_config(recipe, config)
     check_sequence_parallel(recipe.distributed.sequence_parallel, config)
-    arch = arch_from_config(config, recipe.model.trust_remote_code)
+    # The run's attention-probability dropout is model.attention_dropout (build.set_attention_dropout), not
+    # the config's (FLAN-T5's dropout_rate 0.1 stays for hidden states only).
+    arch = replace(
+        arch_from_config(config, recipe.model.trust_remote_code),
+        attention_dropout=recipe.model.attention_dropout,
+    )
     a = _DTYPE_BYTES[recipe.model.dtype]
     notes: list[str] = []
     shape, kernels, min_tokens = _shape(recipe, arch, seq_len, target_len, device, notes)

@@ -51,6 +51,17 @@ class ModelSection(Section):
         description="Attention backend. auto: flash_attention_2 when flash-attn is importable, a GPU is "
         "present and the model supports it; else sdpa; else eager.",
     )
+    attention_dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on attention probabilities in training. 0 (the default) lets packed rows on a "
+        "CUDA GPU run the fused kernels (varlen_attn, compiled FlexAttention), which cannot apply it. It "
+        "replaces T5's `dropout_rate` for attention weights only: FLAN-T5 (dropout_rate 0.1) still drops "
+        "hidden states (embeddings, attention and feed-forward outputs) at 0.1. Above 0, packed T5 rows take "
+        "per-example SDPA in training, as the console says. Causal LMs: replaces the config's "
+        "`attention_dropout` (0 for Llama, Mistral, Qwen2).",
+    )
     gradient_checkpointing: bool = Field(
         True, description="Non-reentrant activation checkpointing: trades ~30% compute for much less memory."
     )

@@ -73,3 +73,16 @@ def test_committed_result_records_its_setup_and_meets_the_claim():
     assert result["ratios"]["lorakit_zero3_vs_baseline_zero3"]["useful_tokens_per_second"] > 1.0
     # The expert pads about as little as lorakit; what is measured against it is reported, not claimed.
     assert result["padding_efficiency"]["expert"] > 0.9
+
+
+def test_readme_quotes_the_committed_ratios():
+    """README.md's speed-up sentence is the committed result's, to two decimals (no number left behind by an
+    earlier run)."""
+    ratios = json.loads((RESULTS / "seq2seq_padding.json").read_text())["ratios"]
+    zero0 = ratios["lorakit_zero0_vs_baseline"]["useful_tokens_per_second"]
+    zero3 = ratios["lorakit_zero3_vs_baseline_zero3"]["useful_tokens_per_second"]
+    readme = " ".join((RESULTS.parents[1] / "README.md").read_text().split())
+    assert (
+        f"{zero0:.2f}x the useful tokens/s of the padded Seq2SeqTrainer pipeline without ZeRO on either side, "
+        f"{zero3:.2f}x with ZeRO-3 on both"
+    ) in readme

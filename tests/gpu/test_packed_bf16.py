@@ -267,8 +267,9 @@ def _check_step(built, reference, padded, packed):
 
 def test_fused_kernels_run_on_cuda(cache_dir, tmp_path):
     """On CUDA in bf16 the packed paths run PyTorch's fused kernels (lorakit.model.fused_attention): varlen
-    for causal rows and T5 cross-attention, FlexAttention for T5 self-attention (the training configuration
-    has attention dropout off), never the per-example SDPA loop; and they keep the contract."""
+    for causal rows and T5 cross-attention, compiled FlexAttention for T5 self-attention (model.attention_dropout
+    defaults to 0, with tiny:t5's dropout_rate 0.1 left for hidden states), never the per-example SDPA loop;
+    and they keep the contract."""
     from lorakit.model import fused_attention as fa
 
     fa.KERNELS_USED.clear()
@@ -285,11 +286,78 @@ def test_fused_kernels_run_on_cuda(cache_dir, tmp_path):
         assert fa.KERNELS_USED[kind, kernel] > 0 and fa.KERNELS_USED[kind, fa.LOOP] == 0, fa.KERNELS_USED
 
 
+def _full_finetuning_t5(cache_dir, out_dir):
+    """tiny:t5 built for full fine-tuning (every weight trains, T5's relative_attention_bias included) in bf16
+    on the GPU, as training builds it, and its float32 twin."""
+    from lorakit.model import build_model
+    from lorakit.recipe import recipe_from_dict
+
+    raw = tiny_recipe_dict(
+        cache_dir,
+        out_dir,
+        model={"attention": "sdpa", "gradient_checkpointing": True, "dtype": "bfloat16"},
+        method={"kind": "full"},
+        data={"packing": True},
+    )
+    built = ready_for_contract(build_model(recipe_from_dict(raw)))
+    assert built.attention == "lorakit_varlen_sdpa"
+    built.model.to(DEVICE)
+    reference = copy.deepcopy(built.model).float()
+    return built, (reference, ModelInputs(built.inputs.config, built.attention, torch.float32))
+
+
 def test_packed_seq2seq_step_grads_bf16_through_fused_kernels(cache_dir, tmp_path):
-    """T5's packed step (FlexAttention backward into the position-bias table's gradient path, varlen
-    cross-attention) gives the padded step's loss and LoRA gradients within bf16 rounding."""
-    built, reference = _bf16_model(cache_dir, tmp_path, "varlen_sdpa")
+    """T5's packed step with full fine-tuning: FlexAttention's backward reaches the position-bias table and
+    through it T5's relative_attention_bias weights; varlen runs the cross-attention. Loss and every
+    gradient (the bias weights' included) match the padded step's within bf16 rounding."""
+    from lorakit.model import fused_attention as fa
+
+    fa.KERNELS_USED.clear()
+    built, reference = _full_finetuning_t5(cache_dir, tmp_path / "run")
+    bias_weights = [n for n, p in built.model.named_parameters() if "relative_attention_bias" in n]
+    assert len(bias_weights) == 2 and all(built.model.get_parameter(n).requires_grad for n in bias_weights)
     start_id = built.model.config.decoder_start_token_id
     rows = seq2seq_rows(seed=1)
     padded = Seq2SeqCollator(0, start_id)(rows)
-    _check_step(built, reference, padded, PackedSeq2SeqCollator(512, 128, start_id)(rows))
+    packed = PackedSeq2SeqCollator(512, 128, start_id)(rows)
+    _check_step(built, reference, padded, packed)
+    for kind, kernel in (("encoder", fa.FLEX), ("decoder", fa.FLEX), ("cross", fa.VARLEN)):
+        assert fa.KERNELS_USED[kind, kernel] > 0 and fa.KERNELS_USED[kind, fa.LOOP] == 0, fa.KERNELS_USED
+    # The bias weights' own gradients, packed against the float32 reference's padded ones.
+    _, ref_grads = _named_grads(*reference, padded)
+    _, packed_grads = _named_grads(built.model, built.inputs, packed)
+    _, padded_grads = _named_grads(built.model, built.inputs, padded)
+    for name in bias_weights:
+        assert packed_grads[name].abs().max() > 0, name
+        e_packed = _rel([packed_grads[name]], [ref_grads[name]])
+        e_padded = _rel([padded_grads[name]], [ref_grads[name]])
+        assert e_packed <= BF16_FACTOR * e_padded + BF16_ROUNDOFF, (name, e_packed, e_padded)
+
+
+def _named_grads(model, inputs, batch):
+    loss, grads = _loss_and_grads(model, inputs, batch)
+    names = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    return loss, dict(zip(names, grads, strict=True))
+
+
+def test_flex_attention_compiles_once_for_rows_of_any_length(cache_dir, tmp_path):
+    """Compiled FlexAttention has dynamic shapes and a bias table of fixed size: packed rows of new lengths
+    reuse the compiled kernels (one recompilation is allowed for the first new length, where dynamo may
+    still specialise a size that happened to coincide)."""
+    from torch._dynamo.utils import counters
+
+    from lorakit.model import fused_attention as fa
+
+    built, _ = _bf16_model(cache_dir, tmp_path, "varlen_sdpa")
+    built.model.eval()
+    start_id = built.model.config.decoder_start_token_id
+    rows = seq2seq_rows(seed=4) + seq2seq_rows(seed=5)
+    graphs = []
+    fa.KERNELS_USED.clear()
+    with torch.no_grad():
+        for n in range(len(rows), len(rows) - 4, -1):  # four rows of different lengths
+            batch = PackedSeq2SeqCollator(4096, 1024, start_id)(rows[:n])
+            built.inputs.logits(built.model, batch, DEVICE)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert fa.KERNELS_USED["encoder", fa.FLEX] > 0 and fa.KERNELS_USED["encoder", fa.LOOP] == 0
+    assert graphs[1] == graphs[2] == graphs[3], graphs

@@ -10,7 +10,10 @@ from tests.conftest import tiny_recipe
 
 
 @pytest.mark.slow
-def test_train_api_lora_zero2(cache_dir, tmp_path):
+def test_train_api_lora_zero2(cache_dir, tmp_path, capsys, monkeypatch):
+    from lorakit.model import fused_attention
+
+    monkeypatch.setattr(fused_attention, "_SAID", set())  # said once per process: this test's run says it
     recipe = tiny_recipe(
         cache_dir,
         tmp_path / "run",
@@ -26,6 +29,14 @@ def test_train_api_lora_zero2(cache_dir, tmp_path):
     assert s["train_samples"] == 64
     assert s["loss"]["last"] < s["loss"]["first"]
     assert s["zero_stage"] == 2 and s["world_size"] == 1
+    # Packed T5 rows (data.packing auto) on the CPU: the per-example loop for each attention kind, named in
+    # summary.json and, once each, on the console with the reason.
+    assert s["attention"] == "lorakit_varlen_sdpa"
+    assert set(s["attention_kernels"]) == {"encoder", "decoder", "cross"}
+    assert all(set(k) == {"loop"} and k["loop"] > 0 for k in s["attention_kernels"].values())
+    out = capsys.readouterr().out
+    line = "packed attention: T5 encoder self-attention -> per-example SDPA (lorakit.model.varlen) (cpu: "
+    assert out.count(line) == 1, out[-3000:]
     assert {"loss", "rouge1", "exact_match"} <= set(s["eval"])
     evals = [
         json.loads(line)

@@ -205,3 +205,42 @@ def test_atomic_directory_publishes_whole_or_not_at_all(tmp_path):
         (tmp / "b").write_text("newer")
     assert [p.name for p in out.iterdir()] == ["b"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp or old directory left
+
+
+def _unload(peft_model):
+    """A merge that drops the LoRA layers without adding their delta: the base, exported as merged."""
+    return peft_model.unload()
+
+
+def _merge_zeroed(peft_model):
+    """A merge that adds a delta zeroed on the way (lora_B lost before merging)."""
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+    return peft_model.merge_and_unload(safe_merge=True)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("broken_merge", [_unload, _merge_zeroed])
+def test_a_merge_that_did_not_apply_the_adapter_fails_verification(
+    cache_dir, tmp_path, monkeypatch, dtype, broken_merge
+):
+    """An adapter that moves the logits by about 8% of the largest, within bf16's 10% tolerance: its correct
+    merge passes, and a merge that leaves the base as it was fails in both dtypes, since the merged model is
+    no closer to the adapter model than the base is."""
+    import lorakit.export.job as job
+    from lorakit.errors import VerificationError
+    from lorakit.export.verify import EFFECT_SHARE, RELATIVE_TOLERANCE
+
+    adapter = make_adapter(cache_dir, tmp_path / "adapter", scale=0.0025)
+    # The in-memory merge (peft's) is what _merge_weights stands for; the streaming merge's own skipped delta
+    # is tests/integration/test_merge.py's.
+    check = lorakit.merge(adapter, tmp_path / "merged", dtype=dtype, strategy="memory").checks[0]
+    assert check.passed and check.max_logit_diff < EFFECT_SHARE * check.adapter_effect
+    assert check.adapter_effect < RELATIVE_TOLERANCE["bfloat16"] * check.scale  # the old check passed a no-op
+    monkeypatch.setattr(job, "_merge_weights", broken_merge)
+    with pytest.raises(VerificationError, match="hardly closer to the adapter model than the base") as e:
+        lorakit.merge(adapter, tmp_path / "not-merged", dtype=dtype, strategy="memory")
+    assert e.value.exit_code == 3 and "delta did not reach the merged weights" in str(e.value)
+    assert not (tmp_path / "not-merged").exists()

@@ -52,22 +52,20 @@ if _spec and os.environ.get("RANK", "0") == "0":
                 return int(f.read().rsplit(")", 1)[1].split()[1])
 
         def _faulty_train_window(*args, **kwargs):
-            out = _train_window(*args, **kwargs)
             _calls["n"] += 1
-            if _calls["n"] == _step:
+            if _action == "term" and _calls["n"] == _step:
+                # Sent as step N starts: the loop reads each rank's stop request as the step ends (on its
+                # closing all_reduce). The request travels launcher -> torchrun -> workers; waiting here until
+                # it has reached this worker makes the run stop at step N however loaded the machine is.
+                os.kill(_ppid(os.getppid()), signal.SIGTERM)
+                _await_stop_request()
+            out = _train_window(*args, **kwargs)
+            if _action == "kill" and _calls["n"] == _step:
                 agent = os.getppid()  # torchrun, which starts each worker in a session of its own
                 launcher = _ppid(agent)
-                if _action == "term":
-                    os.kill(launcher, signal.SIGTERM)
-                    # The request travels launcher -> torchrun -> workers; waiting here until it has reached
-                    # this worker makes the run stop at step N however loaded the machine is.
-                    _await_stop_request()
-                else:
-                    workers = [
-                        int(p) for p in os.listdir("/proc") if p.isdigit() and _safe_ppid(int(p)) == agent
-                    ]
-                    for pid in [launcher, agent, *(w for w in workers if w != os.getpid()), os.getpid()]:
-                        os.kill(pid, signal.SIGKILL)
+                workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and _safe_ppid(int(p)) == agent]
+                for pid in [launcher, agent, *(w for w in workers if w != os.getpid()), os.getpid()]:
+                    os.kill(pid, signal.SIGKILL)
             return out
 
         def _await_stop_request(limit=120.0):
