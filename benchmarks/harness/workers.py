@@ -82,10 +82,10 @@ def lorakit_worker(spec: dict, at_run_end=None) -> dict:
             if at_run_end is not None:
                 at_run_end(self)
 
-    def counted_window(engine, inputs, batches, meter):
+    def counted_window(engine, inputs, batches, meter, *args, **kwargs):
         if spec.get("count"):
             count_batches(counts, batches, spec["count"])
-        return window(engine, inputs, batches, meter)
+        return window(engine, inputs, batches, meter, *args, **kwargs)
 
     loop.Trainer.run, loop.train_window = timed_run, counted_window
     summary = lorakit.train(recipe_from_dict(spec["recipe"])).summary
