@@ -51,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     code = run_cli(body)
     from lorakit.engine import dist
 
-    if dist.group_broken():
-        # A peer vanished mid-collective: gloo's teardown of such a group aborts (SIGABRT) and would
-        # replace this exit code; the run's error is already printed and recorded.
+    if dist.group_broken() or (code != 0 and dist.initialized()):
+        # A peer vanished mid-collective, or a failing run's peers may already be gone (a run-lock refusal
+        # under a foreign launcher): gloo's teardown of such a group can abort (SIGABRT, "terminate called
+        # without an active exception") and replace this exit code; the error is already printed and recorded.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

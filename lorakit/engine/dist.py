@@ -112,6 +112,11 @@ def phase(name: str, step: int | Callable[[], int] | None = None) -> Iterator[No
         _PHASE[:] = previous
 
 
+def initialized() -> bool:
+    """Whether this process belongs to an initialised process group."""
+    return dist.is_initialized()
+
+
 def group_broken() -> bool:
     """Whether a collective of this process failed because a peer died or stalled (see `phase`)."""
     return _BROKEN[0]

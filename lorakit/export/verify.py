@@ -17,7 +17,9 @@ logits by less than it (an adapter's effect is often a few percent of the larges
 So a merge is also measured against the adapter's own effect, |adapter model - base| on the same probe: the
 merged model must be within EFFECT_SHARE of it from the adapter model. An export of the unmerged base (a
 merge that did not apply the delta) differs by the whole effect and fails in every dtype; a correct merge
-differs by rounding noise, under a tenth of a trained adapter's effect in bf16 (tests/integration/test_merge.py).
+differs by rounding noise: in bf16 a tenth of a trained adapter's effect, and up to about a third for a
+short CPU run's small adapter (docs/flan-t5.md's merge: 0.055 of 0.188), so the bound is half: a merge must
+bring the model at least twice as close to the adapter model as the base is.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 RELATIVE_TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}
-# The most the merged model may differ from the adapter model, as a share of how far the adapter moves the base.
-EFFECT_SHARE = 0.25
+# The most the merged model may differ from the adapter model, as a share of how far the adapter moves the base
+# (a no-op merge is at 1.0; bf16 rounding of a correct one stays near or below a third).
+EFFECT_SHARE = 0.5
 PROBE_ROWS, PROBE_LENGTH, PROBE_SEED = 4, 32, 0
 
 

@@ -26,5 +26,8 @@ def mnli_merged(mnli_run, tmp_path_factory):
     import lorakit
 
     out = tmp_path_factory.mktemp("mnli-export") / "merged"
-    lorakit.merge(mnli_run, out)
+    # peft's in-memory merge: the tests compare greedy outputs token for token with the bf16 adapter model,
+    # and the streaming merge rounds W + delta once from fp32, which can flip a near-tie (1 of 16 rows seen);
+    # the streaming merge has its own tests (tests/unit/test_stream_merge.py).
+    lorakit.merge(mnli_run, out, strategy="memory")
     return out
