@@ -175,15 +175,8 @@ def on_main(
     collective. Rank 0 re-raises its error; the others raise RankFailedError naming it. Returns fn's result
     on rank 0 (on every rank with `share`), None elsewhere. `at`: the step, for the error (default: the
     enclosing phase's). Call it on every rank at the same point."""
-    result, error = None, None
     step = _PHASE[1] if at is None else at
-    if is_main():
-        try:
-            with phase(name, step):
-                result = fn(*args, **kwargs)
-        except Exception as e:
-            error = e
-            _record(e)
+    result, error = _attempt(name, step, fn, args, kwargs) if is_main() else (None, None)
     outcomes = _agree(name, step, error, result if share else None)
     return outcomes[0] if share else result
 
@@ -192,16 +185,21 @@ def on_every_rank(name: str, fn: Callable[..., T], *args: Any, at: int | None = 
     """Run `fn(*args, **kwargs)` on every rank as phase `name`, then agree: if any rank failed, each
     raises (the failing rank its own error, the others RankFailedError naming it), so no rank goes on to
     a collective the failed one will never join, and none cleans up what another may still be writing."""
-    result, error = None, None
     step = _PHASE[1] if at is None else at
-    try:
-        with phase(name, step):
-            result = fn(*args, **kwargs)
-    except Exception as e:
-        error = e
-        _record(e)
+    result, error = _attempt(name, step, fn, args, kwargs)
     _agree(name, step, error, None)
     return result
+
+
+def _attempt(name: str, step, fn: Callable[..., T], args, kwargs) -> tuple[T | None, Exception | None]:
+    """fn(*args, **kwargs) as phase `name`: (its result, None), or (None, its error) recorded as this rank's
+    root cause before the agreement's collective, which may never complete."""
+    try:
+        with phase(name, step):
+            return fn(*args, **kwargs), None
+    except Exception as e:
+        _record(e)
+        return None, e
 
 
 def _agree(name: str, step, error: Exception | None, value: Any) -> list[Any]:
