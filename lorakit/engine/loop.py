@@ -62,9 +62,9 @@ def train_window(
 
     The loss backpropagated is the sum of the objective's losses (SFT: token losses) over the window on
     every rank, divided by its units (SFT: target tokens) in the window on every rank: identical to one big
-    batch holding them all. The objective's metric sums are divided alike. `stop_here()` (whether this rank was
-    asked to stop, read as the window ends) rides on the window's closing all_reduce: `stop_requested` says whether any rank was, with no
-    collective of its own per step.
+    batch holding them all. The objective's metric sums are divided alike. `stop_here()` (whether this rank
+    was asked to stop, read as the window ends) rides on the window's closing all_reduce: the result's
+    `stop_requested` says whether any rank was, with no collective of its own per step.
     """
     device = engine.device
     world = dist.world_size()
