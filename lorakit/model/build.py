@@ -186,6 +186,7 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
         for p in model.parameters():
             if p.requires_grad and p.dtype != dtype:
                 p.data = p.data.to(dtype)
+    _tile_mlps(recipe, config, model)
     initial = None
     if recipe.method.mutates_base():
         # Before deepspeed.initialize, so the adapter's weights are still whole on every rank.
@@ -193,6 +194,19 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
     tokenizer = load_tokenizer(recipe, source)
     inputs = ModelInputs(config, attention, dtype, sp_group=sp_group, sp_world=sp)
     return BuiltModel(model, tokenizer, source, attention, is_enc_dec, inputs, packing, hf_ds_config, initial)
+
+
+def _tile_mlps(recipe: Recipe, config, model) -> None:
+    """model.tiled_mlp: the decoder MLPs over tiles of the sequence (lorakit.model.tiled_mlp), wrapped after
+    peft so that the tiles run its layers."""
+    from lorakit.model.tiled_mlp import apply_tiled_mlp, tile_tokens
+
+    tiles = tile_tokens(recipe, config)
+    if tiles is not None and not apply_tiled_mlp(model, tiles) and recipe.model.tiled_mlp is True:
+        raise RecipeError(
+            f"model.tiled_mlp: true, but {config.model_type!r} has no dense decoder MLP (a `mlp` with a "
+            "down_proj and no experts) to tile; set model.tiled_mlp: auto or false"
+        )
 
 
 def enable_checkpointing(model) -> None:

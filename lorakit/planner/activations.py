@@ -27,6 +27,9 @@ the same size (8).
 Sequence parallelism over N ranks (causal LMs) divides every per-token term by N: each rank runs the layers
 on 1/N of the row, and attention on 1/N of the heads over the whole row (the same bytes).
 
+A tiled MLP (model.tiled_mlp) keeps no MLP activations per token: its input is the norm output already
+counted; one tile's MLP terms (and its feed-forward-wide gradients) are alive while the tile is recomputed.
+
 With gradient checkpointing (non-reentrant, per layer) only each layer's input (a*h per token) is kept;
 in the backward one layer at a time is recomputed. The peak is the larger of two moments: the start of
 the backward (kept + head) and the backward through the layers (kept + logits + the recomputed layer + the
@@ -53,6 +56,8 @@ class Shape:
     example_len: int | None = None
     # distributed.sequence_parallel: the row is split over this many ranks (causal LMs).
     sequence_parallel: int = 1
+    # model.tiled_mlp: tokens per MLP tile (causal LMs); None: the MLP runs over the whole row.
+    mlp_tile: int | None = None
 
 
 @dataclass(frozen=True)
@@ -144,11 +149,20 @@ def _per_score(arch: Arch, k: Kernels, a: int) -> int:
     return a if t5 else 0
 
 
-def causal_layer(arch: Arch, method, a: int, k: Kernels) -> int:
-    """Bytes per token one decoder layer of a causal LM keeps (no checkpointing), scores excluded."""
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2")
+
+
+def causal_mlp(arch: Arch, method, a: int) -> int:
+    """Bytes per token a causal LM's MLP keeps (its LoRA terms included)."""
+    return (4 if arch.gated_mlp else 2) * a * arch.ffn + _lora(arch, method, a, _MLP_NAMES)
+
+
+def causal_layer(arch: Arch, method, a: int, k: Kernels, tiled: bool = False) -> int:
+    """Bytes per token one decoder layer of a causal LM keeps (no checkpointing), scores excluded; `tiled`
+    (model.tiled_mlp): the MLP keeps nothing per token, its tile's share is counted per layer instead."""
     full = method.kind == "full"
-    mlp = (4 if arch.gated_mlp else 2) * a * arch.ffn
-    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc1", "fc2")
+    mlp = 0 if tiled else causal_mlp(arch, method, a)
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
     return 2 * _norm(arch, a, full) + _qkvo(arch, k, a) + mlp + _lora(arch, method, a, names)
 
 
@@ -192,10 +206,11 @@ def _head(arch: Arch, a: int, out_tokens: int) -> tuple[int, int]:
     return logits + out_tokens * arch.vocab * (4 + 8), logits
 
 
-def _working(arch: Arch, a: int, tokens: int) -> int:
+def _working(arch: Arch, a: int, tokens: int, ffn_tokens: int | None = None) -> int:
     # Gradients flowing through one layer: about three feed-forward-wide tensors at once (the gradient of
-    # the MLP product and of its two inputs) and the incoming and outgoing hidden-state gradients.
-    return tokens * a * (3 * arch.ffn + 2 * arch.hidden)
+    # the MLP product and of its two inputs; one tile's with a tiled MLP) and the incoming and outgoing
+    # hidden-state gradients.
+    return a * (3 * arch.ffn * (tokens if ffn_tokens is None else ffn_tokens) + 2 * arch.hidden * tokens)
 
 
 def _finish(layers_kept: int, one_layer: int, outside: int, head: int, logits: int, quadratic: int,
@@ -223,15 +238,17 @@ def _causal(arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing:
         # Padded batches: a boolean mask shared by the layers, converted to model.dtype by every SDPA call.
         shared_mask = rows * seq * seq
         quadratic += rows * seq * seq * a
-    layer = tokens * causal_layer(arch, method, a, k) + quadratic
+    # Tiled MLP: what one tile keeps while it is recomputed in the backward, instead of the whole row's.
+    tile = min(shape.mlp_tile, tokens) if shape.mlp_tile else None
+    mlp_tile = tile * causal_mlp(arch, method, a) if tile else 0
+    layer = tokens * causal_layer(arch, method, a, k, tiled=tile is not None) + quadratic + mlp_tile
     # Final norm (its output too when the head trains), rotary cos/sin shared by the layers.
     full = method.kind == "full"
     outside = tokens * (_norm(arch, a, full, output=full) + 2 * a * arch.head_dim) + shared_mask
     head, logits = _head(arch, a, tokens)
     kept_layers = arch.layers * (tokens * a * arch.hidden if checkpointing else layer)
-    return _finish(
-        kept_layers, layer, outside, head, logits, quadratic, checkpointing, _working(arch, a, tokens)
-    )
+    working = _working(arch, a, tokens, tile)
+    return _finish(kept_layers, layer, outside, head, logits, quadratic, checkpointing, working)
 
 
 def _seq2seq(arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing: bool) -> Activations:

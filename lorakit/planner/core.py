@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lorakit.model.sequence_parallel import check_sequence_parallel
+from lorakit.model.tiled_mlp import planned_tile
 from lorakit.planner.activations import Activations, Kernels, Shape, activations
 from lorakit.planner.arch import Arch, arch_from_config, resolve_config
 from lorakit.planner.search import ROW_STEP, candidates, longest_row, overrides, recipe_setup, slowdown
@@ -394,6 +395,8 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     else:
         this = Shape(setup.micro_batch_size, shape.seq_len, shape.target_len, shape.example_len,
                      shape.sequence_parallel)  # fmt: skip
+    if not arch.is_encoder_decoder:
+        this = replace(this, mlp_tile=planned_tile(recipe, this.seq_len, arch.hidden))
     act = activations(arch, recipe.method, a, kernels, this, setup.gradient_checkpointing)
 
     def total(where: str, when: str) -> int:

@@ -65,6 +65,22 @@ class ModelSection(Section):
     gradient_checkpointing: bool = Field(
         True, description="Non-reentrant activation checkpointing: trades ~30% compute for much less memory."
     )
+    # issue 33: long rows (lorakit.model.tiled_mlp).
+    tiled_mlp: bool | Literal["auto"] = Field(
+        "auto",
+        description="Compute each decoder layer's MLP over tiles of the sequence (ALST's tiled MLP): only one "
+        "tile's intermediate activations (tile x intermediate_size, 14336 wide for Llama-3-8B) are alive at "
+        "a time, for one more MLP forward per step. auto: on with distributed.sequence_parallel > 1 or "
+        "train.max_tokens of 32768 or more; a forward of at most one tile runs the MLP as is. Causal LMs "
+        "with dense MLPs (Llama, Mistral, Qwen2 and the like); works with LoRA, QLoRA, full fine-tuning, "
+        "gradient checkpointing and every ZeRO stage. See docs/long-context.md.",
+    )
+    mlp_tile_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per MLP tile when model.tiled_mlp tiles. null: the model's hidden_size (a "
+        "tile's intermediate is then about one MLP weight matrix).",
+    )
     trust_remote_code: bool = Field(
         False,
         description="Run the Python code a model repository ships (config.json `auto_map`) when loading its "
@@ -77,6 +93,15 @@ class ModelSection(Section):
         "code when read. Off: weights load only from safetensors, and a model that has none is refused with "
         "a message naming this key. What lorakit writes (adapter, full model, merged model) is safetensors.",
     )
+
+    @model_validator(mode="after")
+    def _check_tiles(self) -> ModelSection:
+        if self.mlp_tile_tokens is not None and self.tiled_mlp is False:
+            raise ValueError(
+                "model.mlp_tile_tokens sizes the tiles of model.tiled_mlp, which is false: remove "
+                "mlp_tile_tokens or set tiled_mlp: true (or auto)"
+            )
+        return self
 
 
 class TrainSection(Section):

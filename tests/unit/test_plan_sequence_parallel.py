@@ -16,11 +16,16 @@ CONFIG = tiny_config("llama")
 CONFIG.num_attention_heads = CONFIG.num_key_value_heads = 8
 
 
-def _recipe(tmp_path, sp: int):
+def _recipe(tmp_path, sp: int, tiled_mlp="auto"):
     raw = tiny_recipe_dict(
         tmp_path,
         tmp_path / "run",
-        model={"name_or_path": "tiny:llama", "dtype": "bfloat16", "gradient_checkpointing": True},
+        model={
+            "name_or_path": "tiny:llama",
+            "dtype": "bfloat16",
+            "gradient_checkpointing": True,
+            "tiled_mlp": tiled_mlp,
+        },
         data={"format": "instruction", "max_length": 512},
         train={"max_tokens": 8192},
         distributed={"num_processes": 8, "zero_stage": 3, "sequence_parallel": sp},
@@ -29,9 +34,32 @@ def _recipe(tmp_path, sp: int):
 
 
 def test_activations_per_rank_scale_with_one_over_n(tmp_path):
-    peaks = {sp: plan(_recipe(tmp_path, sp), config=CONFIG).estimate.activations.peak for sp in (1, 2, 8)}
+    def peak(sp: int) -> int:
+        return plan(_recipe(tmp_path, sp, tiled_mlp=False), config=CONFIG).estimate.activations.peak
+
+    peaks = {sp: peak(sp) for sp in (1, 2, 8)}
     assert peaks[2] == pytest.approx(peaks[1] / 2, rel=1e-6)
     assert peaks[8] == pytest.approx(peaks[1] / 8, rel=1e-6)
+
+
+def test_a_tiled_mlp_lowers_the_activation_estimate(tmp_path):
+    """model.tiled_mlp (auto-on with sequence parallelism): the recomputed layer keeps one tile's MLP
+    activations instead of the whole shard's, so the peak falls and the longest row rises."""
+
+    # A wide MLP, so that the layers (not the output head) set the peak.
+    wide = tiny_config("llama")
+    wide.num_attention_heads = wide.num_key_value_heads = 8
+    wide.intermediate_size = 16384
+
+    def estimate(tiled):
+        return plan(_recipe(tmp_path, 2, tiled_mlp=tiled), gpu_memory="3GB", config=wide)
+
+    auto, tiled, untiled = estimate("auto"), estimate(True), estimate(False)
+    assert auto.estimate.activations == tiled.estimate.activations
+    t, u = tiled.estimate.activations, untiled.estimate.activations
+    assert t.kept == u.kept and t.head == u.head  # checkpointing keeps layer inputs only, tiled or not
+    assert t.recompute < u.recompute / 4 and t.peak < u.peak
+    assert tiled.longest_row > 2 * untiled.longest_row
 
 
 def test_the_longest_row_rises_with_n(tmp_path):

@@ -1,0 +1,197 @@
+"""Tiled MLP (ALST's TiledMLP): a decoder layer's MLP computed over tiles of the sequence, so that only one
+tile's intermediate activations are alive at a time.
+
+A long row's MLP is the largest activation of a causal LM: Llama-3-8B's gate and up projections of a
+16k-token row are 16k x 14336 each, several GB with the activation and product autograd keeps. The MLP
+works token by token, so its output over a row is the concatenation of its outputs over tiles of the row.
+`TiledMLP` runs the tiles one after another without keeping any graph (forward under no_grad), keeps only
+its input, and in the backward recomputes each tile with grad and backpropagates it before the next: the
+intermediate is one tile's, the input and its gradient stay whole. The cost is one more MLP forward.
+
+How it composes:
+- It replaces each decoder layer's `mlp` module by a wrapper that adopts the MLP's children under their own
+  names (parameter names, saved adapters and checkpoints are unchanged) and calls the MLP's own forward on
+  each tile; transformers is not patched. It wraps after peft, so the tiles run peft's LoRA layers.
+- Dropout inside the MLP (LoRA's): the backward replays the forward's random stream, so the recomputed
+  tiles drop what the forward dropped.
+- Gradient checkpointing: the checkpointed layer's recompute runs the tiled forward again (three MLP
+  forwards per step in all); nothing else changes.
+- DeepSpeed ZeRO-3: the wrapper is a ZeRO-3 leaf module (deepspeed.utils.set_z3_leaf_module): its
+  parameters are gathered once when the wrapper's forward (or backward) starts and released when it ends,
+  not once per tile, and the number of tiles may differ between ranks (rows of different lengths) without
+  the ranks' all-gathers falling out of step. Each tile's backward adds to the parameters' gradients;
+  `ds_grad_is_ready` (DeepSpeed's flag for such loops) holds ZeRO's gradient reduction until the last tile.
+- ZeRO-2 and no DeepSpeed: the same, the flag is read by ZeRO-2 and ignored elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from lorakit.errors import RecipeError
+
+# auto: tile when one packed row (per rank) holds at least this many tokens, or with sequence parallelism.
+LONG_ROW_TOKENS = 32768
+
+
+def _rng_state(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _replayed(state: tuple | None, device: torch.device):
+    """Run the block on the random stream `state` (as it was at the forward), then put the stream back."""
+    if state is None:
+        yield
+        return
+    cpu, cuda = state
+    devices = [device] if cuda is not None else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
+
+
+class _TiledForward(torch.autograd.Function):
+    """mlp(x) tile by tile along dim -2; backward recomputes each tile (module docstring). `params`: the
+    MLP's trainable parameters, passed so that the output requires grad whenever they do (their gradients
+    are accumulated by the per-tile backward, not returned)."""
+
+    @staticmethod
+    def forward(ctx, mlp: nn.Module, x: torch.Tensor, tile: int, stochastic: bool, *params) -> torch.Tensor:
+        ctx.mlp, ctx.tile, ctx.params = mlp, tile, params
+        ctx.rng = _rng_state(x.device) if stochastic else None
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return torch.cat([mlp(t) for t in x.split(tile, dim=-2)], dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        tiles = x.split(ctx.tile, dim=-2)
+        grads = grad.split(ctx.tile, dim=-2)
+        x_grad = torch.empty_like(x) if ctx.needs_input_grad[1] else None
+        start = 0
+        with _replayed(ctx.rng, x.device):
+            for i, (t, g) in enumerate(zip(tiles, grads, strict=True)):
+                last = i == len(tiles) - 1
+                for p in ctx.params:
+                    # DeepSpeed ZeRO reduces a parameter's gradient each time autograd accumulates it;
+                    # the tiles accumulate it several times in one backward: reduce after the last.
+                    p.ds_grad_is_ready = last
+                t = t.detach().requires_grad_(x_grad is not None)
+                with torch.enable_grad():
+                    out = ctx.mlp(t)
+                torch.autograd.backward(out, g)
+                if x_grad is not None:
+                    n = t.shape[-2]
+                    x_grad.narrow(-2, start, n).copy_(t.grad)
+                    start += n
+        return None, x_grad, None, None, *([None] * len(ctx.params))
+
+
+class TiledMLP(nn.Module):
+    """A decoder layer's MLP computed over tiles of `tile_tokens` tokens along the sequence (module
+    docstring). Its children are the wrapped MLP's, under the same names."""
+
+    def __init__(self, mlp: nn.Module, tile_tokens: int):
+        super().__init__()
+        if tile_tokens < 1:
+            raise ValueError(f"tile_tokens must be at least 1, got {tile_tokens}")
+        # The MLP's children, parameters and buffers become this module's own, under the same names.
+        for name, child in mlp.named_children():
+            self.add_module(name, child)
+        for name, p in mlp.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in mlp.named_buffers(recurse=False):
+            self.register_buffer(name, b, persistent=name not in mlp._non_persistent_buffers_set)
+        # Not a child (its children are already ours): the MLP whose forward runs on each tile.
+        object.__setattr__(self, "inner", mlp)
+        self.tile_tokens = tile_tokens
+        from deepspeed.utils import set_z3_leaf_module
+
+        set_z3_leaf_module(self, True)
+
+    def __setattr__(self, name: str, value) -> None:
+        # A child replaced later (peft's merge_and_unload puts the base layer back) is the MLP's too.
+        if isinstance(value, nn.Module) and name in self.__dict__.get("_modules", {}):
+            setattr(self.inner, name, value)
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("inner")
+            if inner is None:
+                raise
+            # The MLP's plain attributes (config, hidden_size, ...), for code that reads them.
+            return getattr(inner, name)
+
+    def train(self, mode: bool = True) -> TiledMLP:
+        self.inner.training = mode
+        return super().train(mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2] <= self.tile_tokens:
+            return self.inner(x)
+        if not torch.is_grad_enabled():
+            # Evaluation: tiles without a graph, the same working set.
+            return torch.cat([self.inner(t) for t in x.split(self.tile_tokens, dim=-2)], dim=-2)
+        params = [p for p in self.parameters() if p.requires_grad]
+        stochastic = self.training and any(
+            isinstance(m, nn.Dropout) and m.p > 0 for m in self.modules() if m.training
+        )
+        return _TiledForward.apply(self.inner, x, self.tile_tokens, stochastic, *params)
+
+
+def _dense_mlp(module: nn.Module) -> bool:
+    # Gated dense MLPs (Llama, Mistral, Qwen2 and most causal LMs): down_proj and no experts to route to.
+    return hasattr(module, "down_proj") and not hasattr(module, "experts")
+
+
+def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> int:
+    """Replace every decoder layer's dense `mlp` in `model` by a TiledMLP; returns how many were wrapped.
+    Call it after peft (the tiles run peft's layers) and before deepspeed.initialize (ZeRO-3 hooks)."""
+    layers = [m for m in model.modules() if isinstance(getattr(m, "mlp", None), nn.Module)]
+    wrapped = 0
+    for layer in layers:
+        if _dense_mlp(layer.mlp) and not isinstance(layer.mlp, TiledMLP):
+            layer.mlp = TiledMLP(layer.mlp, tile_tokens)
+            wrapped += 1
+    return wrapped
+
+
+def planned_tile(recipe, row_tokens: int | None, hidden_size: int | None) -> int | None:
+    """Tokens per MLP tile for rows of `row_tokens` tokens (None: the recipe's train.max_tokens) of a causal
+    LM with `hidden_size`; None: no tiling. model.tiled_mlp auto tiles with sequence parallelism or rows of
+    LONG_ROW_TOKENS tokens or more."""
+    m = recipe.model
+    if m.tiled_mlp is False:
+        return None
+    if m.tiled_mlp == "auto" and recipe.distributed.sequence_parallel == 1:
+        row = recipe.train.max_tokens if row_tokens is None else row_tokens
+        if row is None or row < LONG_ROW_TOKENS:
+            return None
+    tile = m.mlp_tile_tokens or hidden_size
+    if tile is None:
+        raise RecipeError("model.mlp_tile_tokens: the model config names no hidden_size; set the tile size")
+    return tile
+
+
+def tile_tokens(recipe, config) -> int | None:
+    """The MLP tile size (tokens) the recipe asks for on a model of `config`; None: no tiling."""
+    if getattr(config, "is_encoder_decoder", False):
+        if recipe.model.tiled_mlp is True:
+            raise RecipeError(
+                f"model.tiled_mlp: true tiles causal LMs' decoder MLPs; {config.model_type!r} is an "
+                "encoder-decoder. Set model.tiled_mlp: auto or false"
+            )
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return planned_tile(recipe, None, getattr(text, "hidden_size", None))
