@@ -93,3 +93,23 @@ def split_sequences(batching, sp_rank: int, sp_world: int, pad_id: int | None = 
         raise ValueError("sequence parallelism splits packed causal rows; this batching does not pack")
     collator = SequenceSplit(batching.collator, sp_rank, sp_world, pad_id or 0)
     return dataclasses.replace(batching, collator=collator)
+
+
+# Eval shards: which example of the batch (0, 1, ...) each token belongs to; -1 for the filler.
+EXAMPLE_INDEX = "example_index"
+
+
+def split_eval_rows(rows, rank: int, world: int, pad_id: int = 0) -> dict[str, Any]:
+    """The `rank`-th of `world` shards of eval rows (tokenized causal examples) packed into one row, as
+    training splits its rows; `example_index` says which row each of the shard's tokens belongs to, for
+    per-row losses."""
+    from lorakit.data.collate import PackedCausalCollator
+
+    whole = PackedCausalCollator(sum(len(r["input_ids"]) for r in rows))(rows)
+    shard = split_row(whole, rank, world, pad_id)
+    index = torch.cat([torch.full((len(r["input_ids"]),), i, dtype=torch.long) for i, r in enumerate(rows)])
+    fill = world * shard["input_ids"].shape[1] - index.numel()
+    index = torch.cat([index, torch.full((fill,), -1, dtype=torch.long)])
+    local = shard["input_ids"].shape[1]
+    shard[EXAMPLE_INDEX] = index[rank * local : (rank + 1) * local].unsqueeze(0)
+    return shard

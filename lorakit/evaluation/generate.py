@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from lorakit.data.collate import IGNORE_INDEX, left_pad_prompts
+from lorakit.data.sequence_split import EXAMPLE_INDEX, split_eval_rows
 from lorakit.engine import dist
 from lorakit.engine.loss import token_loss_sum
 
@@ -103,19 +104,32 @@ def evaluate_model(
     names = sorted(set(groups)) if groups is not None else []
     group_sums = [0.0] * (2 * len(names))  # loss sum, tokens per name: one all_reduce for all of them
     predictions: list[tuple[int, str]] = []
-    for rows, real in eval_plan(len(eval_ds), batch_size, dist.world_size(), dist.rank()):
+    # Sequence parallelism: the N ranks of a group take the same rows, packed into one row and split as in
+    # training (each rank's loss is its shard's); the sums over all ranks count every row once.
+    sp = getattr(inputs, "sp_world", 1) if getattr(inputs, "sp_group", None) is not None else 1
+    sp_rank = dist.rank() % sp
+    for rows, real in eval_plan(len(eval_ds), batch_size, dist.world_size() // sp, dist.rank() // sp):
         examples = [eval_ds[i] for i in rows]
-        batch = collator(examples)
+        if sp > 1:
+            batch = split_eval_rows(examples, sp_rank, sp, tokenizer.pad_token_id or 0)
+        else:
+            batch = collator(examples)
         logits = inputs.logits(engine, batch, device)
         if real:
             labels = batch["labels"].to(device)
             loss_sum += float(token_loss_sum(logits, labels))
             tokens += batch["num_target_tokens"]
             for i, row in enumerate(rows[:real] if groups is not None else ()):
-                # Padded eval batches: row i's loss is its own logits against its own labels.
+                # Padded eval batches: row i's loss is its own logits against its own labels; a shard of
+                # packed rows: the tokens of row i it holds.
+                if sp > 1:
+                    mine = batch[EXAMPLE_INDEX][0].to(device) == i
+                    row_logits, row_labels = logits[0][mine], labels[0][mine]
+                else:
+                    row_logits, row_labels = logits[i], labels[i]
                 k = 2 * names.index(groups[row])
-                group_sums[k] += float(token_loss_sum(logits[i], labels[i]))
-                group_sums[k + 1] += float((labels[i] != IGNORE_INDEX).sum())
+                group_sums[k] += float(token_loss_sum(row_logits, row_labels))
+                group_sums[k + 1] += float((row_labels != IGNORE_INDEX).sum())
         if generate:
             causal = "prompt_ids" in examples[0]
             if causal:
@@ -133,7 +147,8 @@ def evaluate_model(
                 # Under ZeRO-3 a rank that finishes early must keep gathering parameters for the others.
                 synced_gpus=zero3 and dist.world_size() > 1,
             )
-            predictions.extend(zip(rows[:real], texts[:real], strict=True))
+            if sp_rank == 0:  # the other ranks of a sequence-parallel group generated the same rows
+                predictions.extend(zip(rows[:real], texts[:real], strict=True))
     loss_sum, tokens, *group_sums = dist.all_reduce([loss_sum, tokens, *group_sums])
     result: dict[str, Any] = {"loss": loss_sum / max(tokens, 1.0), "tokens": int(tokens)}
     if groups is not None:

@@ -19,9 +19,12 @@ How it composes:
 - DeepSpeed ZeRO-3: the wrapper is a ZeRO-3 leaf module (deepspeed.utils.set_z3_leaf_module): its
   parameters are gathered once when the wrapper's forward (or backward) starts and released when it ends,
   not once per tile, and the number of tiles may differ between ranks (rows of different lengths) without
-  the ranks' all-gathers falling out of step. Each tile's backward adds to the parameters' gradients;
-  `ds_grad_is_ready` (DeepSpeed's flag for such loops) holds ZeRO's gradient reduction until the last tile.
-- ZeRO-2 and no DeepSpeed: the same, the flag is read by ZeRO-2 and ignored elsewhere.
+  the ranks' all-gathers falling out of step.
+- Gradients: the backward sums each trainable parameter's gradient over the tiles itself and hands the
+  sum to autograd, which accumulates it once, so ZeRO-2's and ZeRO-3's per-parameter reduction hooks fire
+  once per backward, as for an untiled MLP. (Accumulating tile by tile, as DeepSpeed's own TiledMLP does
+  with its `ds_grad_is_ready` flag, failed here under ZeRO-2 with DeepSpeed 0.19.8: "The parameter ... has
+  already been reduced" in the first backward; ZeRO-2 counts its hooks per backward phase.)
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ def _replayed(state: tuple | None, device: torch.device):
 
 class _TiledForward(torch.autograd.Function):
     """mlp(x) tile by tile along dim -2; backward recomputes each tile (module docstring). `params`: the
-    MLP's trainable parameters, passed so that the output requires grad whenever they do (their gradients
-    are accumulated by the per-tile backward, not returned)."""
+    MLP's trainable parameters, inputs of the function: their gradients are summed over the tiles here and
+    returned, so autograd accumulates each once per backward, as for any other operation."""
 
     @staticmethod
     def forward(ctx, mlp: nn.Module, x: torch.Tensor, tile: int, stochastic: bool, *params) -> torch.Tensor:
@@ -73,26 +76,30 @@ class _TiledForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (x,) = ctx.saved_tensors
-        tiles = x.split(ctx.tile, dim=-2)
-        grads = grad.split(ctx.tile, dim=-2)
-        x_grad = torch.empty_like(x) if ctx.needs_input_grad[1] else None
+        want_x = ctx.needs_input_grad[1]
+        x_grad = torch.empty_like(x) if want_x else None
+        sums: list[torch.Tensor | None] = [None] * len(ctx.params)
         start = 0
         with _replayed(ctx.rng, x.device):
-            for i, (t, g) in enumerate(zip(tiles, grads, strict=True)):
-                last = i == len(tiles) - 1
-                for p in ctx.params:
-                    # DeepSpeed ZeRO reduces a parameter's gradient each time autograd accumulates it;
-                    # the tiles accumulate it several times in one backward: reduce after the last.
-                    p.ds_grad_is_ready = last
-                t = t.detach().requires_grad_(x_grad is not None)
+            for t, g in zip(x.split(ctx.tile, dim=-2), grad.split(ctx.tile, dim=-2), strict=True):
+                t = t.detach().requires_grad_(want_x)
                 with torch.enable_grad():
                     out = ctx.mlp(t)
-                torch.autograd.backward(out, g)
-                if x_grad is not None:
+                # autograd.grad, not backward: nothing is accumulated into the parameters inside the loop,
+                # so DeepSpeed's per-parameter gradient hooks (ZeRO-2's and ZeRO-3's reductions) fire once,
+                # when autograd accumulates what this function returns.
+                got = torch.autograd.grad(
+                    out, ([t] if want_x else []) + list(ctx.params), g, allow_unused=True
+                )
+                if want_x:
                     n = t.shape[-2]
-                    x_grad.narrow(-2, start, n).copy_(t.grad)
+                    x_grad.narrow(-2, start, n).copy_(got[0])
                     start += n
-        return None, x_grad, None, None, *([None] * len(ctx.params))
+                    got = got[1:]
+                for k, gp in enumerate(got):
+                    if gp is not None:
+                        sums[k] = gp if sums[k] is None else sums[k].add_(gp)
+        return None, x_grad, None, None, *sums
 
 
 class TiledMLP(nn.Module):

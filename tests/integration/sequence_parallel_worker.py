@@ -1,15 +1,16 @@
 """Sequence parallelism 2 against 1 on a fixed packed row, for each tiny causal kind given:
 
     python -m torch.distributed.run --nproc_per_node=2 -m tests.integration.sequence_parallel_worker \
-        CACHE_DIR OUT_JSON llama qwen2 llama-full
+        CACHE_DIR OUT_JSON llama qwen2 mistral llama-full llama-qlora
 
 Each rank builds the same LoRA model twice (same seed, so the same adapter init): once as a plain packed
 model (sequence_parallel 1, the whole row on every rank) and once with sequence_parallel 2 (gradient
-checkpointing on), which sees only its half of the row. The split model's loss summed over the two ranks and
-its gradients (LoRA's, or every weight's for `llama-full`) summed over the two ranks must equal the whole
-row's. Then isolation: changing one
-example of the row leaves the other examples' logits (gathered from both ranks) unchanged. Rank 0 writes
-what it measured to OUT_JSON; the test asserts on it.
+checkpointing on, MLPs in tiles of TILE tokens), which sees only its half of the row. The split model's
+loss and its gradients (LoRA's, or every weight's for `llama-full`), summed over the two ranks, must equal
+the whole row's (`llama-qlora`: both on the same 4-bit base). Then isolation: changing one example of the
+row leaves the other examples' logits (gathered from both ranks) unchanged. Last, the split LoRA Llama in
+a ZeRO-2 engine: DeepSpeed's averaged gradients are half the whole row's. Rank 0 writes what it measured to
+OUT_JSON; the test asserts on it.
 """
 
 from __future__ import annotations
@@ -21,14 +22,17 @@ import torch
 import torch.distributed as dist
 
 # Examples of a packed row: the total is odd (one filler token pads it to a multiple of 2) and the second
-# example straddles the split.
-LENGTHS = (23, 17, 31)
+# example straddles the split. tiny:mistral's second example is longer than its 64-token sliding window.
+LENGTHS = {"mistral": (23, 81, 17)}
+DEFAULT_LENGTHS = (23, 17, 31)
+# The split model's MLP tiles (model.mlp_tile_tokens): several per shard, the last one shorter.
+TILE = 8
 
 
-def _rows(seed: int, vocab: int) -> list[dict]:
+def _rows(seed: int, vocab: int, lengths: tuple[int, ...]) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     rows = []
-    for n in LENGTHS:
+    for n in lengths:
         ids = torch.randint(5, vocab, (n,), generator=g).tolist()
         # A prompt part without loss, as the templates make.
         labels = [-100] * 4 + ids[4:]
@@ -36,7 +40,7 @@ def _rows(seed: int, vocab: int) -> list[dict]:
     return rows
 
 
-def _recipe(kind: str, cache_dir: str, sp: int, method: str = "lora"):
+def _recipe(kind: str, cache_dir: str, sp: int, method: str = "lora", zero_stage: int = 0):
     from lorakit.recipe import recipe_from_dict
 
     return recipe_from_dict(
@@ -46,10 +50,12 @@ def _recipe(kind: str, cache_dir: str, sp: int, method: str = "lora"):
                 "dtype": "float32",
                 "attention": "sdpa",
                 "gradient_checkpointing": sp > 1,
+                # The split model computes its MLPs in tiles (model.tiled_mlp auto is on with sp > 1).
+                **({"mlp_tile_tokens": TILE} if sp > 1 else {}),
             },
             "method": {"kind": method, "r": 4, "alpha": 8, "dropout": 0.0},
             "data": {"source": "builtin:news_summaries", "format": "instruction", "cache_dir": cache_dir},
-            "distributed": {"num_processes": 2, "zero_stage": 0, "sequence_parallel": sp},
+            "distributed": {"num_processes": 2, "zero_stage": zero_stage, "sequence_parallel": sp},
             "output": {"dir": f"{cache_dir}/unused"},
         }
     )
@@ -85,14 +91,24 @@ def check(name: str, cache_dir: str, mesh) -> dict:
     for b in (whole, split):
         b.model.train()
     vocab = whole.model.config.vocab_size
+    lengths = LENGTHS.get(kind, DEFAULT_LENGTHS)
     collate = PackedCausalCollator(128)
-    batch = collate(_rows(0, vocab))
+    batch = collate(_rows(0, vocab, lengths))
+    from lorakit.model.tiled_mlp import TiledMLP
+
+    tiled = sum(isinstance(m, TiledMLP) for m in split.model.modules())
+    # The lm_head's output on each rank covers its shard only: no logits of the whole row anywhere.
+    head_tokens = []
+    hook = split.model.get_output_embeddings().register_forward_hook(
+        lambda _m, _i, out: head_tokens.append(out.shape[-2])
+    )
 
     ref = token_loss_sum(whole.inputs.logits(whole.model, batch, "cpu"), batch["labels"])
     ref.backward()
     shard = split_row(batch, mesh.sp_rank, mesh.sp_world)
     loss = token_loss_sum(split.inputs.logits(split.model, shard, "cpu"), shard["labels"])
     loss.backward()
+    hook.remove()
     total = loss.detach().clone()
     dist.all_reduce(total, group=mesh.sp_group)
     tokens = torch.tensor(float(shard["num_target_tokens"]))
@@ -109,14 +125,14 @@ def check(name: str, cache_dir: str, mesh) -> dict:
     split.model.eval()
     before = _whole_logits(split, batch, mesh)
     bounds = [0]
-    for n in LENGTHS:
+    for n in lengths:
         bounds.append(bounds[-1] + n)
     isolation = {}
-    for changed in range(len(LENGTHS)):
-        rows = _rows(0, vocab)
-        rows[changed] = _rows(100 + changed, vocab)[changed]
+    for changed in range(len(lengths)):
+        rows = _rows(0, vocab, lengths)
+        rows[changed] = _rows(100 + changed, vocab, lengths)[changed]
         after = _whole_logits(split, collate(rows), mesh)
-        others = [i for i in range(len(LENGTHS)) if i != changed]
+        others = [i for i in range(len(lengths)) if i != changed]
         isolation[changed] = {
             "others": max(
                 (after[bounds[i] : bounds[i + 1]] - before[bounds[i] : bounds[i + 1]]).abs().max().item()
@@ -138,7 +154,46 @@ def check(name: str, cache_dir: str, mesh) -> dict:
         "grad_count": len(got),
         "grad_norm": sum(g.norm().item() for g in want.values()),
         "isolation": isolation,
+        "tiled_mlps": tiled,
+        "shard_tokens": shard["input_ids"].shape[1],
+        "head_tokens": head_tokens,
     }
+
+
+def check_zero2(cache_dir: str, mesh) -> dict:
+    """The split LoRA Llama (tiled MLPs) in a ZeRO-2 engine: DeepSpeed averages its gradients over the two
+    ranks, which must give half the whole row's (the training loop's token weighting scales by the world)."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    from lorakit.data.collate import PackedCausalCollator
+    from lorakit.data.sequence_split import split_row
+    from lorakit.engine.deepspeed_config import build_ds_config
+    from lorakit.engine.loss import token_loss_sum
+    from lorakit.model import build_model
+
+    whole = build_model(_recipe("llama", cache_dir, 1))
+    recipe = _recipe("llama", cache_dir, 2, zero_stage=2)
+    split = build_model(recipe, sp_group=mesh.sp_group)
+    batch = PackedCausalCollator(128)(_rows(0, whole.model.config.vocab_size, DEFAULT_LENGTHS))
+    whole.model.train()
+    token_loss_sum(whole.inputs.logits(whole.model, batch, "cpu"), batch["labels"]).backward()
+    want = _lora_grads(whole.model)
+    ds_config = build_ds_config(
+        recipe, mesh.world, accelerator="cpu", hidden_size=whole.model.config.hidden_size
+    )
+    trainable = [p for p in split.model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=split.model, model_parameters=trainable, config=ds_config)
+    engine.train()
+    shard = split_row(batch, mesh.sp_rank, mesh.sp_world)
+    engine.backward(token_loss_sum(split.inputs.logits(engine, shard, engine.device), shard["labels"]))
+    worst = 0.0
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            g = 2 * safe_get_full_grad(p)
+            worst = max(worst, (g - want[name]).abs().max().item() / (want[name].abs().max().item() + 1e-12))
+    engine.destroy()
+    return {"grad_rel_diff": worst, "grad_count": len(want)}
 
 
 def main(cache_dir: str, out: str, kinds: list[str]) -> None:
@@ -156,6 +211,7 @@ def main(cache_dir: str, out: str, kinds: list[str]) -> None:
         dist.barrier()
         mesh = ParallelDims.build(2)
         results = {kind: check(kind, cache_dir, mesh) for kind in kinds}
+        results["zero2"] = check_zero2(cache_dir, mesh)
         if mesh.rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f, indent=1)

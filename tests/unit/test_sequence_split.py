@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lorakit.data.collate import IGNORE_INDEX, PackedCausalCollator
-from lorakit.data.sequence_split import SEGMENTS, row_bounds, split_row
+from lorakit.data.sequence_split import EXAMPLE_INDEX, SEGMENTS, row_bounds, split_eval_rows, split_row
 from lorakit.engine.mesh import ParallelDims, check_world
 from lorakit.errors import RecipeError
 from lorakit.model.sequence_parallel import check_sequence_parallel
@@ -36,6 +36,18 @@ def test_shards_put_back_together_are_the_padded_row_and_share_its_counts(world)
     assert all(s[SEGMENTS] == row_bounds(positions) for s in shards)
     for key in ("num_target_tokens", "num_real_tokens", "num_token_slots", "num_examples"):
         assert sum(s[key] for s in shards) == batch[key], key
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_eval_rows_are_packed_then_split_and_say_which_row_each_token_is(world):
+    rows = [{"input_ids": [7] * n, "labels": [-100, *([8] * (n - 1))]} for n in (4, 5, 2)]
+    shards = [split_eval_rows(rows, r, world) for r in range(world)]
+    index = torch.cat([s[EXAMPLE_INDEX][0] for s in shards])
+    assert index.tolist()[:11] == [0] * 4 + [1] * 5 + [2] * 2 and set(index.tolist()[11:]) <= {-1}
+    whole = PackedCausalCollator(11)(rows)
+    assert sum(s["num_target_tokens"] for s in shards) == whole["num_target_tokens"]
+    labels = torch.cat([s["labels"][0] for s in shards])[:11]
+    assert torch.equal(labels, whole["labels"][0])
 
 
 def test_row_bounds_are_the_example_starts():

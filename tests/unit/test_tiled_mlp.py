@@ -58,8 +58,7 @@ def _step(model, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor
     "kind,method,checkpointing",
     [
         ("llama", "lora", False),
-        ("qwen2", "lora", False),
-        ("mistral", "lora", True),
+        ("qwen2", "lora", True),
         ("llama", "full", False),
     ],
 )
