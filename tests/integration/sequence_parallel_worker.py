@@ -9,8 +9,8 @@ checkpointing on, MLPs in tiles of TILE tokens), which sees only its half of the
 loss and its gradients (LoRA's, or every weight's for `llama-full`), summed over the two ranks, must equal
 the whole row's (`llama-qlora`: both on the same 4-bit base). Then isolation: changing one example of the
 row leaves the other examples' logits (gathered from both ranks) unchanged. Last, the split LoRA Llama in
-a ZeRO-2 engine: DeepSpeed's averaged gradients are half the whole row's. Rank 0 writes what it measured to
-OUT_JSON; the test asserts on it.
+a ZeRO-2 engine and the split QLoRA Llama in a ZeRO-3 engine: DeepSpeed's averaged gradients are half the
+whole row's. Rank 0 writes what it measured to OUT_JSON; the test asserts on it.
 """
 
 from __future__ import annotations
@@ -76,6 +76,10 @@ def _whole_logits(built, batch, mesh) -> torch.Tensor:
     return torch.cat(parts)[: batch["input_ids"].shape[1]]
 
 
+# The whole row's gradients of each kind checked, for check_zero2.
+WHOLE_GRADS: dict[str, dict[str, torch.Tensor]] = {}
+
+
 def check(name: str, cache_dir: str, mesh) -> dict:
     """Loss, gradient and isolation differences between sequence_parallel 2 and 1 for one tiny kind
     (`llama`, `qwen2`: LoRA; `llama-full`: full fine-tuning)."""
@@ -115,6 +119,7 @@ def check(name: str, cache_dir: str, mesh) -> dict:
     dist.all_reduce(tokens, group=mesh.sp_group)
 
     want, got = _lora_grads(whole.model), _lora_grads(split.model)
+    WHOLE_GRADS[name] = want
     worst = 0.0
     for name, g in got.items():
         dist.all_reduce(g, group=mesh.sp_group)
@@ -160,39 +165,41 @@ def check(name: str, cache_dir: str, mesh) -> dict:
     }
 
 
-def check_zero2(cache_dir: str, mesh) -> dict:
-    """The split LoRA Llama (tiled MLPs) in a ZeRO-2 engine: DeepSpeed averages its gradients over the two
-    ranks, which must give half the whole row's (the training loop's token weighting scales by the world)."""
+def check_engine(name: str, zero_stage: int, cache_dir: str, mesh) -> dict:
+    """The split model of kind `name` (tiled MLPs) in a DeepSpeed engine of `zero_stage`: DeepSpeed averages
+    its gradients over the two ranks, which must give half the whole row's (the training loop's token
+    weighting scales by the world). Run after check(name), whose whole-row gradients it reuses."""
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from lorakit.data.collate import PackedCausalCollator
     from lorakit.data.sequence_split import split_row
     from lorakit.engine.deepspeed_config import build_ds_config
     from lorakit.engine.loss import token_loss_sum
     from lorakit.model import build_model
+    from lorakit.testing import tiny_config
 
-    whole = build_model(_recipe("llama", cache_dir, 1))
-    recipe = _recipe("llama", cache_dir, 2, zero_stage=2)
-    split = build_model(recipe, sp_group=mesh.sp_group)
-    batch = PackedCausalCollator(128)(_rows(0, whole.model.config.vocab_size, DEFAULT_LENGTHS))
-    whole.model.train()
-    token_loss_sum(whole.inputs.logits(whole.model, batch, "cpu"), batch["labels"]).backward()
-    want = _lora_grads(whole.model)
-    ds_config = build_ds_config(
-        recipe, mesh.world, accelerator="cpu", hidden_size=whole.model.config.hidden_size
-    )
+    kind, _, method = name.partition("-")
+    recipe = _recipe(kind, cache_dir, 2, method or "lora", zero_stage=zero_stage)
+    config = tiny_config(kind)
+    ds_config = build_ds_config(recipe, mesh.world, accelerator="cpu", hidden_size=config.hidden_size)
+    split = build_model(recipe, ds_config, sp_group=mesh.sp_group)
+    batch = PackedCausalCollator(128)(_rows(0, config.vocab_size, LENGTHS.get(kind, DEFAULT_LENGTHS)))
+    want = WHOLE_GRADS[name]
     trainable = [p for p in split.model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=split.model, model_parameters=trainable, config=ds_config)
     engine.train()
     shard = split_row(batch, mesh.sp_rank, mesh.sp_world)
     engine.backward(token_loss_sum(split.inputs.logits(engine, shard, engine.device), shard["labels"]))
     worst = 0.0
-    for name, p in engine.module.named_parameters():
+    for n, p in engine.module.named_parameters():
         if p.requires_grad:
             g = 2 * safe_get_full_grad(p)
-            worst = max(worst, (g - want[name]).abs().max().item() / (want[name].abs().max().item() + 1e-12))
+            worst = max(worst, (g - want[n]).abs().max().item() / (want[n].abs().max().item() + 1e-12))
     engine.destroy()
+    split.hf_ds_config = None
+    unset_hf_deepspeed_config()
     return {"grad_rel_diff": worst, "grad_count": len(want)}
 
 
@@ -211,7 +218,9 @@ def main(cache_dir: str, out: str, kinds: list[str]) -> None:
         dist.barrier()
         mesh = ParallelDims.build(2)
         results = {kind: check(kind, cache_dir, mesh) for kind in kinds}
-        results["zero2"] = check_zero2(cache_dir, mesh)
+        # ZeRO-2 with LoRA; ZeRO-3 with QLoRA (its 4-bit base loaded whole, then partitioned).
+        results["zero2"] = check_engine("llama", 2, cache_dir, mesh)
+        results["zero3-qlora"] = check_engine("llama-qlora", 3, cache_dir, mesh)
         if mesh.rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f, indent=1)

@@ -57,8 +57,9 @@ def test_split_row_gives_the_whole_rows_loss_and_gradients(measured, kind):
     assert m["head_tokens"] and set(m["head_tokens"]) == {m["shard_tokens"]}
 
 
-def test_zero2_averages_the_split_rows_gradients(measured):
-    m = measured["zero2"]
+@pytest.mark.parametrize("engine", ["zero2", "zero3-qlora"])
+def test_deepspeed_averages_the_split_rows_gradients(measured, engine):
+    m = measured[engine]
     assert m["grad_count"] == 28 and m["grad_rel_diff"] < 1e-5
 
 
@@ -83,7 +84,7 @@ def _run_recipe(cache_dir, out, sp: int, **train) -> dict:
             "attention": "sdpa",
             "mlp_tile_tokens": 16,
         },
-        data={"format": "instruction", "max_length": "auto", "max_samples": 24, "max_eval_samples": 4},
+        data={"format": "instruction", "max_length": "auto", "max_samples": 24, "max_eval_samples": 3},
         train={"max_steps": STEPS, "max_tokens": 256, "gradient_accumulation_steps": 2, **train},
         distributed={"num_processes": sp, "zero_stage": 3, "sequence_parallel": sp},
         eval={"generate": True, "max_new_tokens": 4},
@@ -131,7 +132,7 @@ def test_a_split_run_sees_the_rows_of_one_process_in_the_same_order(sp_runs):
     evals = _records(sp_runs["split"], "eval", "loss")
     assert evals and evals == pytest.approx(_records(sp_runs["one"], "eval", "loss"), rel=1e-5)
     predictions = [(sp_runs[r] / rundir.PREDICTIONS).read_text().splitlines() for r in ("split", "one")]
-    assert len(predictions[0]) == 4 and predictions[0] == predictions[1]
+    assert len(predictions[0]) == 3 and predictions[0] == predictions[1]
 
 
 def test_a_split_run_resumes_identically_and_merges(sp_runs):
