@@ -19,7 +19,7 @@ from lorakit.testing import tiny_config
 from tests.conftest import tiny_recipe_dict
 
 # Not a divisor of the row: the last tile is shorter.
-TILE = 7
+TILE = 16
 ROW = 40
 
 
