@@ -72,8 +72,8 @@ class ModelSection(Section):
         "tile's intermediate activations (tile x intermediate_size, 14336 wide for Llama-3-8B) are alive at "
         "a time, for one more MLP forward per step. auto: on with distributed.sequence_parallel > 1 or "
         "train.max_tokens of 32768 or more; a forward of at most one tile runs the MLP as is. Causal LMs "
-        "with dense MLPs (Llama, Mistral, Qwen2 and the like); works with LoRA, QLoRA, full fine-tuning, "
-        "gradient checkpointing and every ZeRO stage. See docs/long-context.md.",
+        "with dense MLPs (Llama, Mistral, Qwen2 and the like); tested with LoRA, QLoRA, full fine-tuning, "
+        "gradient checkpointing, ZeRO-2 and ZeRO-3. See docs/long-context.md.",
     )
     mlp_tile_tokens: int | None = Field(
         None,
