@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lorakit.data.preference_batching import SIDES
+from lorakit.data.preference_shared import PAIR_SPANS
 from lorakit.engine import dist
 from lorakit.engine.loss import sequence_log_probs
 from lorakit.errors import InferenceError
@@ -81,6 +82,16 @@ def reference_model(engine):
         module.train(was_training)
 
 
+def shared_prompt_log_probs(engine, inputs, batch: dict[str, Any], device) -> torch.Tensor:
+    """(2 x pairs,) summed response log-probabilities of a shared-prompt packed row (lorakit.data.
+    preference_shared): each response token scored from the logits at its batch's `target_index`."""
+    from lorakit.model.shared_prompt import shared_prompt_kwargs
+
+    logits = engine(**shared_prompt_kwargs(inputs, batch, device), use_cache=False).logits
+    picked = logits[0].index_select(0, batch["target_index"].to(device))
+    return sequence_log_probs(picked, batch["target_ids"], batch["target_sequence"], 2 * batch["num_pairs"])
+
+
 class DpoObjective:
     """The DPO loss over a batch of pairs (lorakit.data.preference_batching's layout); divisor: pairs."""
 
@@ -99,6 +110,8 @@ class DpoObjective:
         """(2 x pairs,) summed response log-probabilities, chosen and rejected of each pair in turn."""
         if self.encoder_decoder:
             return self._seq2seq_log_probs(engine, inputs, batch, device)
+        if PAIR_SPANS in batch:
+            return shared_prompt_log_probs(engine, inputs, batch, device)
         logits = inputs.logits(engine, batch, device)
         return sequence_log_probs(logits, batch["labels"], batch["sequence_ids"], 2 * batch["num_pairs"])
 

@@ -39,6 +39,13 @@ class DpoSection(Section):
         description="sigmoid: the share of pairs assumed mislabelled (conservative DPO): the loss mixes in "
         "that much of the reversed preference. 0: off.",
     )
+    share_prompt: bool = Field(
+        True,
+        description="Causal LMs that pack: each pair takes one segment of its packed row, prompt then chosen "
+        "then rejected, the rejected tokens attending to the prompt but never to the chosen ones, so the "
+        "prompt is computed and counted once. false: prompt + chosen and prompt + rejected as two sequences. "
+        "The flash_attention_2 backend cannot share it and packs the two (said at start).",
+    )
     chosen_column: str = Field("chosen", description="Column with the preferred response (text).")
     rejected_column: str = Field("rejected", description="Column with the dispreferred response (text).")
 
