@@ -98,10 +98,17 @@ class DpoObjective:
     name = "dpo"
 
     def __init__(
-        self, beta: float, loss: str = "sigmoid", label_smoothing: float = 0.0, *, encoder_decoder: bool
+        self,
+        beta: float,
+        loss: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        *,
+        encoder_decoder: bool,
+        simpo_gamma: float = 0.5,
     ):
         self.beta, self.kind, self.label_smoothing = beta, loss, label_smoothing
         self.encoder_decoder = encoder_decoder
+        self.simpo_gamma = simpo_gamma
 
     def units(self, batch: dict[str, Any]) -> int:
         return batch["num_pairs"]
@@ -134,6 +141,8 @@ class DpoObjective:
 
     def pair_terms(self, engine, inputs, batch: dict[str, Any], device):
         """(per-pair losses, chosen rewards, rejected rewards) of one batch."""
+        if self.kind == "simpo":
+            return self._simpo_terms(engine, inputs, batch, device)
         # The reference pass first, every rank alike: the same collective gathers in the same order.
         with reference_model(engine):
             ref = self.log_probs(engine, inputs, batch, device)
@@ -145,6 +154,22 @@ class DpoObjective:
             ref[1::2],
             beta=self.beta,
             loss=self.kind,
+            label_smoothing=self.label_smoothing,
+        )
+
+    def _simpo_terms(self, engine, inputs, batch: dict[str, Any], device):
+        """SimPO's terms (lorakit.engine.simpo): reference-free, so the adapter is never turned off."""
+        from lorakit.engine.simpo import response_tokens, simpo_loss
+
+        policy = self.log_probs(engine, inputs, batch, device)
+        tokens = response_tokens(batch, self.encoder_decoder).to(policy.device)
+        return simpo_loss(
+            policy[0::2],
+            policy[1::2],
+            tokens[0::2],
+            tokens[1::2],
+            beta=self.beta,
+            gamma=self.simpo_gamma,
             label_smoothing=self.label_smoothing,
         )
 
