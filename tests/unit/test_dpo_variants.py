@@ -1,9 +1,12 @@
-"""Shared-prompt packing of DPO pairs (lorakit.data.preference_shared, lorakit.model.shared_prompt).
+"""Shared-prompt packing of DPO pairs (lorakit.data.preference_shared, lorakit.model.shared_prompt) and
+dpo.loss simpo (lorakit.engine.simpo), on one tiny Llama where they can share it.
 
 A pair packed as [prompt][chosen][rejected] must give every response the log-probability it has after the
 prompt alone: the fixed batch's log-probs, DPO loss and LoRA gradients equal the padded (unpacked) batch's,
 which tests/unit/test_dpo.py checks against a plain reference computation, on every backend that shares
-the prompt; the rejected response never sees the chosen one, and no pair sees a neighbour.
+the prompt; the rejected response never sees the chosen one, and no pair sees a neighbour. SimPO's loss and
+gradients equal its plain formula (each response alone, its log-probability averaged over its tokens),
+without a pass with the adapter turned off.
 """
 
 from __future__ import annotations
@@ -12,16 +15,19 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from lorakit.data.preference_batching import CausalPairCollator, preference_batching
+from lorakit.data.preference_batching import CausalPairCollator, Seq2SeqPairCollator, preference_batching
 from lorakit.data.preference_shared import SharedPromptCollator, shared_lengths
 from lorakit.engine.dpo import DpoObjective
+from lorakit.engine.simpo import response_tokens, simpo_loss
+from lorakit.errors import RecipeError
 from lorakit.model import fused_attention as fa
-from lorakit.model import varlen
 from lorakit.model.shared_prompt import SharedPromptSpans, sharing_problem, tree_mask
 from tests.conftest import tiny_recipe, training_config_model
-from tests.unit.test_dpo import BETA, _assert_same, _loss_and_grads
+from tests.unit.test_dpo import BETA, _assert_same, _logp_alone, _loss_and_grads, _pairs
 
+SIMPO_BETA, SIMPO_GAMMA = 2.0, 0.3
 # (prompt, chosen, rejected) lengths; the last pair is longer than tiny:mistral's sliding window (64), so
 # the window reaches from the rejected response into the prompt.
 SPANS = ((7, 5, 9), (12, 3, 4), (1, 11, 6), (40, 20, 30))
@@ -85,54 +91,65 @@ def _log_probs_loss_grads(built, rows, collator):
     return logps, result
 
 
-@pytest.fixture
-def reference_varlen(monkeypatch):
-    """torch's varlen_attn (CUDA-only) replaced by its documented semantics, taken on this CPU."""
+def _force_reference_varlen(monkeypatch):
+    """torch's varlen_attn (CUDA-only) replaced by its documented semantics, and taken on this CPU."""
     import torch.nn.attention.varlen as torch_varlen
 
+    import lorakit.model.shared_prompt as shared_prompt
     from tests.integration.test_fused_attention import _reference_varlen
 
     monkeypatch.setattr(torch_varlen, "varlen_attn", _reference_varlen)
-    monkeypatch.setattr(varlen, "choose_kernel", lambda *a, **k: fa.VARLEN)
-    import lorakit.model.shared_prompt as sp
-
-    monkeypatch.setattr(sp, "choose_kernel", lambda *a, **k: fa.VARLEN)
+    monkeypatch.setattr(shared_prompt, "choose_kernel", lambda *a, **k: fa.VARLEN)
     fa.KERNELS_USED.clear()
 
 
-@pytest.mark.parametrize(
-    ("kind", "backend", "kernel"),
-    [
-        ("llama", "varlen_sdpa", "loop"),
-        ("llama", "varlen_sdpa", "varlen"),
-        ("llama", "sdpa_mask", None),
-        ("qwen2", "varlen_sdpa", "varlen"),  # grouped KV heads through the gathered keys
-        ("mistral", "eager", None),  # the sliding window across the prompt, additive mask
-        ("mistral", "varlen_sdpa", "loop"),
-    ],
-)
-def test_shared_prompt_equals_unpacked(cache_dir, tmp_path, request, kind, backend, kernel):
-    if kernel == "varlen":
-        request.getfixturevalue("reference_varlen")
-    built = training_config_model(cache_dir, tmp_path / "run", backend, name_or_path=f"tiny:{kind}")
-    rows = _rows(built.model.config.vocab_size)
+def _shared_equals_padded(built, rows):
     padded_logps, padded = _log_probs_loss_grads(built, rows, CausalPairCollator(0))
     shared_logps, shared = _log_probs_loss_grads(built, rows, SharedPromptCollator(max_tokens=512))
     torch.testing.assert_close(shared_logps, padded_logps, atol=1e-5, rtol=1e-5)
     _assert_same(shared, padded)
-    if kernel == "varlen":
-        assert fa.KERNELS_USED["causal", fa.VARLEN] > 0 and fa.KERNELS_USED["causal", fa.LOOP] == 0
 
 
-def test_a_pair_sees_neither_its_chosen_response_nor_its_neighbours(cache_dir, tmp_path):
-    built = training_config_model(cache_dir, tmp_path / "run", "varlen_sdpa", name_or_path="tiny:llama")
-    vocab = built.model.config.vocab_size
+@pytest.fixture(scope="module")
+def llama(cache_dir, tmp_path_factory):
+    """The tiny Llama as packed training builds it (lorakit_varlen_sdpa), shared by this module's tests."""
+    return training_config_model(
+        cache_dir, tmp_path_factory.mktemp("run"), "varlen_sdpa", name_or_path="tiny:llama"
+    )
+
+
+def test_shared_prompt_equals_unpacked_llama(llama, monkeypatch):
+    """Per-group SDPA (the CPU path), then the varlen path against a CPU reference of torch's kernel."""
+    rows = _rows(llama.model.config.vocab_size)
+    _shared_equals_padded(llama, rows)
+    _force_reference_varlen(monkeypatch)
+    _shared_equals_padded(llama, rows)
+    assert fa.KERNELS_USED["causal", fa.VARLEN] > 0 and fa.KERNELS_USED["causal", fa.LOOP] == 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "backend"),
+    [
+        ("qwen2", "varlen_sdpa"),  # grouped KV heads through the gathered keys of the varlen path
+        ("mistral", "varlen_sdpa"),  # the sliding window across the prompt, per-group SDPA
+        ("mistral", "eager"),  # the tree as an additive 4-D mask, with the window
+    ],
+)
+def test_shared_prompt_equals_unpacked(cache_dir, tmp_path, monkeypatch, kind, backend):
+    if kind == "qwen2":
+        _force_reference_varlen(monkeypatch)
+    built = training_config_model(cache_dir, tmp_path / "run", backend, name_or_path=f"tiny:{kind}")
+    _shared_equals_padded(built, _rows(built.model.config.vocab_size))
+
+
+def test_a_pair_sees_neither_its_chosen_response_nor_its_neighbours(llama):
+    vocab = llama.model.config.vocab_size
     objective = DpoObjective(BETA, encoder_decoder=False)
     collate = SharedPromptCollator(max_tokens=512)
 
     def logps(rows):
         with torch.no_grad():
-            return objective.log_probs(built.model, built.inputs, collate(rows), "cpu")
+            return objective.log_probs(llama.model, llama.inputs, collate(rows), "cpu")
 
     rows = _rows(vocab)
     base = logps(rows)
@@ -146,6 +163,34 @@ def test_a_pair_sees_neither_its_chosen_response_nor_its_neighbours(cache_dir, t
     changed = logps(other)
     assert abs(changed[0] - base[0]) > 1e-3
     torch.testing.assert_close(changed[1:], base[1:], atol=1e-5, rtol=0)
+
+
+def _simpo_reference(model, rows) -> torch.Tensor:
+    """Each response alone after its prompt, its log-probability averaged over its tokens."""
+    terms = []
+    for row in rows:
+        chosen, rejected = (
+            _logp_alone(model, row, side, False) / len(row[f"{side}_ids"]) for side in ("chosen", "rejected")
+        )
+        terms.append(-F.logsigmoid(SIMPO_BETA * (chosen - rejected) - SIMPO_GAMMA))
+    return torch.stack(terms).sum()
+
+
+def test_simpo_matches_the_formula_without_a_reference_pass(llama, monkeypatch):
+    model = llama.model
+    rows = _pairs(model.config.vocab_size, seed=2, encoder_decoder=False)
+    reference = _loss_and_grads(model, lambda: _simpo_reference(model, rows))
+
+    def refuse():
+        raise AssertionError("SimPO turned the adapter off: it has no reference model")
+
+    monkeypatch.setattr(model, "disable_adapter", refuse)
+    objective = DpoObjective(SIMPO_BETA, "simpo", encoder_decoder=False, simpo_gamma=SIMPO_GAMMA)
+    for collator in (CausalPairCollator(0), SharedPromptCollator(max_tokens=200)):
+        batch = collator(rows)
+        ours = _loss_and_grads(model, lambda b=batch: objective.loss(model, llama.inputs, b, "cpu")[0])
+        _assert_same(ours, reference)
+    assert reference[0] > 0
 
 
 def test_the_sampler_counts_the_prompt_once(cache_dir, tmp_path, monkeypatch):
@@ -183,3 +228,39 @@ def test_the_sampler_counts_the_prompt_once(cache_dir, tmp_path, monkeypatch):
     monkeypatch.setattr("lorakit.data.preference_shared._say", said.append)
     assert not isinstance(batching().collator, SharedPromptCollator)
     assert said and "flash_attention_2" in said[0] and sharing_problem("lorakit_varlen_sdpa") is None
+
+
+def test_simpo_loss_rewards_and_response_tokens():
+    pc, pr = torch.tensor([-6.0, -2.0]), torch.tensor([-4.0, -9.0])
+    nc, nr = torch.tensor([3.0, 2.0]), torch.tensor([1.0, 3.0])
+    losses, chosen, rejected = simpo_loss(pc, pr, nc, nr, beta=2.0, gamma=0.5, label_smoothing=0.1)
+    z = 2.0 * (pc / nc - pr / nr) - 0.5
+    torch.testing.assert_close(losses, -0.9 * F.logsigmoid(z) - 0.1 * F.logsigmoid(-z))
+    torch.testing.assert_close(chosen, 2.0 * pc / nc)
+    torch.testing.assert_close(rejected, 2.0 * pr / nr)
+    rows = [
+        {"prompt_ids": [5, 6], "chosen_ids": [7, 1], "rejected_ids": [8, 9, 1]},
+        {"prompt_ids": [10], "chosen_ids": [11, 1], "rejected_ids": [1]},
+    ]
+    expected = [2.0, 3.0, 2.0, 1.0]
+    for batch in (CausalPairCollator(0)(rows), SharedPromptCollator(32)(rows)):
+        assert response_tokens(batch, False).tolist() == expected
+    seq2seq = [{"input_ids": [5, 1], "chosen_ids": [7, 1], "rejected_ids": [8, 9, 1]}]
+    assert response_tokens(Seq2SeqPairCollator(0, 0)(seq2seq), True).tolist() == [2.0, 3.0]
+
+
+def test_simpo_gamma_belongs_to_loss_simpo(cache_dir, tmp_path):
+    def recipe(**dpo):
+        return tiny_recipe(
+            cache_dir,
+            tmp_path / "run",
+            model={"name_or_path": "tiny:llama"},
+            data={"source": "builtin:preference_pairs", "input_column": "question"},
+            train={"objective": "dpo", "max_steps": 2},
+            eval={"generate": False},
+            dpo=dpo,
+        )
+
+    assert recipe(loss="simpo", simpo_gamma=1.0, beta=2.0).dpo.simpo_gamma == 1.0
+    with pytest.raises(RecipeError, match="dpo.simpo_gamma applies to loss simpo only"):
+        recipe(simpo_gamma=1.0)
