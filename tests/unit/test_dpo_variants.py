@@ -19,15 +19,17 @@ import torch.nn.functional as F
 
 from lorakit.data.preference_batching import CausalPairCollator, Seq2SeqPairCollator, preference_batching
 from lorakit.data.preference_shared import SharedPromptCollator, shared_lengths
-from lorakit.engine.dpo import DpoObjective
+from lorakit.engine.dpo import DpoObjective, preference_loss, reference_model
 from lorakit.engine.simpo import response_tokens, simpo_loss
 from lorakit.errors import RecipeError
 from lorakit.model import fused_attention as fa
+from lorakit.model.inputs import ModelInputs
 from lorakit.model.shared_prompt import SharedPromptSpans, sharing_problem, tree_mask
 from tests.conftest import tiny_recipe, training_config_model
 from tests.unit.test_dpo import BETA, _assert_same, _logp_alone, _loss_and_grads, _pairs
 
 SIMPO_BETA, SIMPO_GAMMA = 2.0, 0.3
+TOL = 1e-5
 # (prompt, chosen, rejected) lengths; the last pair is longer than tiny:mistral's sliding window (64), so
 # the window reaches from the rejected response into the prompt.
 SPANS = ((7, 5, 9), (12, 3, 4), (1, 11, 6), (40, 20, 30))
@@ -82,13 +84,20 @@ def test_tree_mask():
     assert windowed[4].tolist() == [0, 0, 0, 1, 1]
 
 
-def _log_probs_loss_grads(built, rows, collator):
-    objective = DpoObjective(BETA, encoder_decoder=False)
+def _terms(built, rows, collator, inputs=None):
+    """(policy log-probs, reference log-probs, DPO loss, LoRA gradients) of one batch, `inputs` (default the
+    build's) turning it into forward arguments: the objective's reference and policy passes, its loss."""
+    model, objective = built.model, DpoObjective(BETA, encoder_decoder=False)
     batch = collator(rows)
-    with torch.no_grad():
-        logps = objective.log_probs(built.model, built.inputs, batch, "cpu")
-    result = _loss_and_grads(built.model, lambda: objective.loss(built.model, built.inputs, batch, "cpu")[0])
-    return logps, result
+    inputs = inputs or built.inputs
+    model.zero_grad()
+    with reference_model(model):
+        ref = objective.log_probs(model, inputs, batch, "cpu")
+    policy = objective.log_probs(model, inputs, batch, "cpu")
+    loss = preference_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], beta=BETA)[0].sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return policy.detach(), ref, loss.detach(), grads
 
 
 def _force_reference_varlen(monkeypatch):
@@ -103,11 +112,30 @@ def _force_reference_varlen(monkeypatch):
     fa.KERNELS_USED.clear()
 
 
-def _shared_equals_padded(built, rows):
-    padded_logps, padded = _log_probs_loss_grads(built, rows, CausalPairCollator(0))
-    shared_logps, shared = _log_probs_loss_grads(built, rows, SharedPromptCollator(max_tokens=512))
-    torch.testing.assert_close(shared_logps, padded_logps, atol=1e-5, rtol=1e-5)
-    _assert_same(shared, padded)
+def _shared_equals_padded(built, monkeypatch, paths: tuple[str, ...]):
+    """Shared-prompt rows through each path equal the padded pairs: log-probs, loss, LoRA gradients.
+    loop: per-group SDPA; varlen: the CUDA path's layout against a CPU reference of torch's kernel; sdpa /
+    eager: the tree as a boolean / additive 4-D mask (the model's SDPA takes either)."""
+    rows = _rows(built.model.config.vocab_size)
+    padded = _terms(built, rows, CausalPairCollator(0))
+    assert any("lora_A" in n for n in padded[3])
+    for path in paths:
+        inputs = None
+        if path == "varlen":
+            _force_reference_varlen(monkeypatch)
+        elif path in ("sdpa", "eager"):
+            inputs = ModelInputs(built.model.config, path, torch.float32)
+        shared = _terms(built, rows, SharedPromptCollator(max_tokens=512), inputs)
+        for a, b in zip(shared[:3], padded[:3], strict=True):
+            torch.testing.assert_close(a, b, atol=TOL, rtol=TOL, msg=path)
+        assert shared[3].keys() == padded[3].keys()
+        for name in padded[3]:
+            torch.testing.assert_close(
+                shared[3][name], padded[3][name], atol=TOL, rtol=1e-4, msg=f"{path} {name}"
+            )
+        if path == "varlen":
+            assert fa.KERNELS_USED["causal", fa.VARLEN] > 0 and fa.KERNELS_USED["causal", fa.LOOP] == 0
+            monkeypatch.undo()
 
 
 @pytest.fixture(scope="module")
@@ -119,27 +147,19 @@ def llama(cache_dir, tmp_path_factory):
 
 
 def test_shared_prompt_equals_unpacked_llama(llama, monkeypatch):
-    """Per-group SDPA (the CPU path), then the varlen path against a CPU reference of torch's kernel."""
-    rows = _rows(llama.model.config.vocab_size)
-    _shared_equals_padded(llama, rows)
-    _force_reference_varlen(monkeypatch)
-    _shared_equals_padded(llama, rows)
-    assert fa.KERNELS_USED["causal", fa.VARLEN] > 0 and fa.KERNELS_USED["causal", fa.LOOP] == 0
+    _shared_equals_padded(llama, monkeypatch, ("loop", "varlen", "sdpa"))
 
 
 @pytest.mark.parametrize(
-    ("kind", "backend"),
+    ("kind", "paths"),
     [
-        ("qwen2", "varlen_sdpa"),  # grouped KV heads through the gathered keys of the varlen path
-        ("mistral", "varlen_sdpa"),  # the sliding window across the prompt, per-group SDPA
-        ("mistral", "eager"),  # the tree as an additive 4-D mask, with the window
+        ("qwen2", ("varlen",)),  # grouped KV heads through the gathered keys of the varlen path
+        ("mistral", ("loop", "eager")),  # a sliding window reaching from the rejected tokens into the prompt
     ],
 )
-def test_shared_prompt_equals_unpacked(cache_dir, tmp_path, monkeypatch, kind, backend):
-    if kind == "qwen2":
-        _force_reference_varlen(monkeypatch)
-    built = training_config_model(cache_dir, tmp_path / "run", backend, name_or_path=f"tiny:{kind}")
-    _shared_equals_padded(built, _rows(built.model.config.vocab_size))
+def test_shared_prompt_equals_unpacked(cache_dir, tmp_path, monkeypatch, kind, paths):
+    built = training_config_model(cache_dir, tmp_path / "run", "varlen_sdpa", name_or_path=f"tiny:{kind}")
+    _shared_equals_padded(built, monkeypatch, paths)
 
 
 def test_a_pair_sees_neither_its_chosen_response_nor_its_neighbours(llama):
