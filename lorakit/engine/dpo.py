@@ -7,12 +7,13 @@ difference h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected):
 
     sigmoid: -(1 - ls) log sigmoid(beta h) - ls log sigmoid(-beta h)      (ls: dpo.label_smoothing)
     ipo:     (h - 1 / (2 beta))^2
+    simpo:   reference-free, over mean token log-probabilities (lorakit.engine.simpo)
 
 Rewards are beta x (policy - reference) per response; accuracy counts a pair whose chosen reward is the
 larger one (a tie, as at the start when the adapter's B is zero, counts half: 50% before training). Every
 rank runs the same forwards in the same order for every micro-batch, as ZeRO-3's collective parameter
 gathers require. Encoder-decoders run the encoder once per pair and the decoder twice (lorakit.data.
-preference_batching).
+preference_batching); packed causal rows hold a pair's prompt once (lorakit.data.preference_shared).
 """
 
 from __future__ import annotations

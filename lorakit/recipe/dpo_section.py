@@ -38,8 +38,8 @@ class DpoSection(Section):
         0.0,
         ge=0,
         lt=0.5,
-        description="sigmoid: the share of pairs assumed mislabelled (conservative DPO): the loss mixes in "
-        "that much of the reversed preference. 0: off.",
+        description="sigmoid and simpo: the share of pairs assumed mislabelled (conservative DPO): the loss "
+        "mixes in that much of the reversed preference. 0: off.",
     )
     simpo_gamma: float = Field(
         0.5,
@@ -67,7 +67,9 @@ class DpoSection(Section):
     @model_validator(mode="after")
     def _check(self) -> DpoSection:
         if self.loss == "ipo" and self.label_smoothing:
-            raise ValueError("dpo.label_smoothing applies to loss sigmoid only; set it to 0 with loss ipo")
+            raise ValueError(
+                "dpo.label_smoothing applies to loss sigmoid (and simpo) only; set it to 0 with loss ipo"
+            )
         # By value, not by whether it was given: a resolved recipe.yaml spells every default out.
         if self.loss != "simpo" and self.simpo_gamma != type(self).model_fields["simpo_gamma"].default:
             raise ValueError("dpo.simpo_gamma applies to loss simpo only; remove it or set dpo.loss: simpo")
