@@ -150,6 +150,11 @@ def preference_batching(
     if packing and not getattr(config, "is_encoder_decoder", False):
         # Both sequences of a pair go into one row: a padded micro-batch's worth is twice max_length a pair.
         max_tokens = t.max_tokens or t.micro_batch_size * 2 * data.lengths.max_length
+        from lorakit.data.preference_shared import shared_prompt_batching
+
+        shared = shared_prompt_batching(recipe, data, config, max_tokens, padded, world=world, rank=rank)
+        if shared is not None:
+            return shared
         if max(lengths) > max_tokens:
             raise DataError(
                 f"train.max_tokens={max_tokens} is smaller than the longest preference pair ({max(lengths)} "

@@ -7,12 +7,13 @@ difference h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected):
 
     sigmoid: -(1 - ls) log sigmoid(beta h) - ls log sigmoid(-beta h)      (ls: dpo.label_smoothing)
     ipo:     (h - 1 / (2 beta))^2
+    simpo:   reference-free, over mean token log-probabilities (lorakit.engine.simpo)
 
 Rewards are beta x (policy - reference) per response; accuracy counts a pair whose chosen reward is the
 larger one (a tie, as at the start when the adapter's B is zero, counts half: 50% before training). Every
 rank runs the same forwards in the same order for every micro-batch, as ZeRO-3's collective parameter
 gathers require. Encoder-decoders run the encoder once per pair and the decoder twice (lorakit.data.
-preference_batching).
+preference_batching); packed causal rows hold a pair's prompt once (lorakit.data.preference_shared).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from lorakit.data.preference_batching import SIDES
+from lorakit.data.preference_shared import PAIR_SPANS
 from lorakit.engine import dist
 from lorakit.engine.loss import sequence_log_probs
 from lorakit.errors import InferenceError
@@ -81,16 +83,33 @@ def reference_model(engine):
         module.train(was_training)
 
 
+def shared_prompt_log_probs(engine, inputs, batch: dict[str, Any], device) -> torch.Tensor:
+    """(2 x pairs,) summed response log-probabilities of a shared-prompt packed row (lorakit.data.
+    preference_shared): each response token scored from the logits at its batch's `target_index`."""
+    from lorakit.model.shared_prompt import shared_prompt_kwargs
+
+    logits = engine(**shared_prompt_kwargs(inputs, batch, device), use_cache=False).logits
+    picked = logits[0].index_select(0, batch["target_index"].to(device))
+    return sequence_log_probs(picked, batch["target_ids"], batch["target_sequence"], 2 * batch["num_pairs"])
+
+
 class DpoObjective:
     """The DPO loss over a batch of pairs (lorakit.data.preference_batching's layout); divisor: pairs."""
 
     name = "dpo"
 
     def __init__(
-        self, beta: float, loss: str = "sigmoid", label_smoothing: float = 0.0, *, encoder_decoder: bool
+        self,
+        beta: float,
+        loss: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        *,
+        encoder_decoder: bool,
+        simpo_gamma: float = 0.5,
     ):
         self.beta, self.kind, self.label_smoothing = beta, loss, label_smoothing
         self.encoder_decoder = encoder_decoder
+        self.simpo_gamma = simpo_gamma
 
     def units(self, batch: dict[str, Any]) -> int:
         return batch["num_pairs"]
@@ -99,6 +118,8 @@ class DpoObjective:
         """(2 x pairs,) summed response log-probabilities, chosen and rejected of each pair in turn."""
         if self.encoder_decoder:
             return self._seq2seq_log_probs(engine, inputs, batch, device)
+        if PAIR_SPANS in batch:
+            return shared_prompt_log_probs(engine, inputs, batch, device)
         logits = inputs.logits(engine, batch, device)
         return sequence_log_probs(logits, batch["labels"], batch["sequence_ids"], 2 * batch["num_pairs"])
 
@@ -121,6 +142,8 @@ class DpoObjective:
 
     def pair_terms(self, engine, inputs, batch: dict[str, Any], device):
         """(per-pair losses, chosen rewards, rejected rewards) of one batch."""
+        if self.kind == "simpo":
+            return self._simpo_terms(engine, inputs, batch, device)
         # The reference pass first, every rank alike: the same collective gathers in the same order.
         with reference_model(engine):
             ref = self.log_probs(engine, inputs, batch, device)
@@ -132,6 +155,22 @@ class DpoObjective:
             ref[1::2],
             beta=self.beta,
             loss=self.kind,
+            label_smoothing=self.label_smoothing,
+        )
+
+    def _simpo_terms(self, engine, inputs, batch: dict[str, Any], device):
+        """SimPO's terms (lorakit.engine.simpo): reference-free, so the adapter is never turned off."""
+        from lorakit.engine.simpo import response_tokens, simpo_loss
+
+        policy = self.log_probs(engine, inputs, batch, device)
+        tokens = response_tokens(batch, self.encoder_decoder).to(policy.device)
+        return simpo_loss(
+            policy[0::2],
+            policy[1::2],
+            tokens[0::2],
+            tokens[1::2],
+            beta=self.beta,
+            gamma=self.simpo_gamma,
             label_smoothing=self.label_smoothing,
         )
 

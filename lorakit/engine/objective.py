@@ -56,5 +56,7 @@ def make_objective(recipe, config) -> Objective:
 
         d = recipe.dpo
         encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
-        return DpoObjective(d.beta, d.loss, d.label_smoothing, encoder_decoder=encoder_decoder)
+        return DpoObjective(
+            d.beta, d.loss, d.label_smoothing, encoder_decoder=encoder_decoder, simpo_gamma=d.simpo_gamma
+        )
     return SFT

@@ -204,7 +204,7 @@ def summarize(
         method=recipe.method.kind,
         # A DPO run reads `lora (dpo beta=0.1)` beside its SFT twin in lorakit.compare.
         method_options=recipe.method.options()
-        + ([f"dpo beta={recipe.dpo.beta:g}"] if recipe.train.objective == "dpo" else []),
+        + ([recipe.dpo.label()] if recipe.train.objective == "dpo" else []),
         model=recipe.model.name_or_path,
         model_source=job.built.source,
         attention=job.built.attention,

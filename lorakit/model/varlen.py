@@ -43,6 +43,7 @@ from lorakit.model.fused_attention import (
     varlen_cross,
     varlen_layout,
 )
+from lorakit.model.shared_prompt import SHARED_PROMPT, shared_prompt_attention
 
 VARLEN_SDPA = "lorakit_varlen_sdpa"
 # Examples of a packed T5 row are attended in groups padded to a common size when that adds at most this
@@ -251,6 +252,11 @@ def varlen_sdpa_attention(
     """transformers attention function: (B, H, T, D) inputs -> ((B, T, H, D) output, None)."""
     segments = kwargs.pop("lorakit_segments", None)
     seq2seq = kwargs.pop("lorakit_seq2seq_segments", None)
+    shared = kwargs.pop(SHARED_PROMPT, None)
+    if shared is not None:
+        # Packed DPO pairs whose prompt both responses share (lorakit.model.shared_prompt).
+        window = kwargs.get("sliding_window")
+        return shared_prompt_attention(module, query, key, value, scaling, dropout, shared, window)
     if seq2seq is not None:
         dropout = dropout if module.training else 0.0
         return _seq2seq_attention(

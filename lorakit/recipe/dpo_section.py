@@ -26,26 +26,53 @@ class DpoSection(Section):
         description="Strength of the pull towards the reference: the rewards are beta x (policy - reference) "
         "summed log-probabilities of a response. Smaller lets the policy move further from the base.",
     )
-    loss: Literal["sigmoid", "ipo"] = Field(
+    loss: Literal["sigmoid", "ipo", "simpo"] = Field(
         "sigmoid",
         description="sigmoid: DPO's -log sigmoid(beta x (chosen log-ratio - rejected log-ratio)); ipo: "
         "(log-ratio difference - 1 / (2 beta))^2, which stops pushing once the margin is reached. Log-ratios "
-        "are of summed (not averaged) response log-probabilities.",
+        "are of summed (not averaged) response log-probabilities. simpo: reference-free, -log sigmoid(beta x "
+        "(chosen - rejected mean token log-probability) - dpo.simpo_gamma), no pass with the adapter off; "
+        "its rewards are beta x the mean token log-probability, and SimPO's authors use beta 2 to 10.",
     )
     label_smoothing: float = Field(
         0.0,
         ge=0,
         lt=0.5,
-        description="sigmoid: the share of pairs assumed mislabelled (conservative DPO): the loss mixes in "
-        "that much of the reversed preference. 0: off.",
+        description="sigmoid and simpo: the share of pairs assumed mislabelled (conservative DPO): the loss "
+        "mixes in that much of the reversed preference. 0: off.",
+    )
+    simpo_gamma: float = Field(
+        0.5,
+        ge=0,
+        description="loss simpo: the target margin between the chosen and the rejected reward (SimPO's gamma, "
+        "in reward units: beta x mean token log-probability).",
+    )
+    share_prompt: bool = Field(
+        True,
+        description="Causal LMs that pack: each pair takes one segment of its packed row, prompt then chosen "
+        "then rejected, the rejected tokens attending to the prompt but never to the chosen ones, so the "
+        "prompt is computed and counted once. false: prompt + chosen and prompt + rejected as two sequences. "
+        "The flash_attention_2 backend cannot share it and packs the two (said at start).",
     )
     chosen_column: str = Field("chosen", description="Column with the preferred response (text).")
     rejected_column: str = Field("rejected", description="Column with the dispreferred response (text).")
 
+    def label(self) -> str:
+        """How summary.json's method_options (and so lorakit.compare) name the objective: `dpo beta=0.1`,
+        `dpo ipo beta=0.1`, `dpo simpo beta=2 gamma=0.5`."""
+        loss = "" if self.loss == "sigmoid" else f"{self.loss} "
+        gamma = f" gamma={self.simpo_gamma:g}" if self.loss == "simpo" else ""
+        return f"dpo {loss}beta={self.beta:g}{gamma}"
+
     @model_validator(mode="after")
     def _check(self) -> DpoSection:
         if self.loss == "ipo" and self.label_smoothing:
-            raise ValueError("dpo.label_smoothing applies to loss sigmoid only; set it to 0 with loss ipo")
+            raise ValueError(
+                "dpo.label_smoothing applies to loss sigmoid (and simpo) only; set it to 0 with loss ipo"
+            )
+        # By value, not by whether it was given: a resolved recipe.yaml spells every default out.
+        if self.loss != "simpo" and self.simpo_gamma != type(self).model_fields["simpo_gamma"].default:
+            raise ValueError("dpo.simpo_gamma applies to loss simpo only; remove it or set dpo.loss: simpo")
         if self.chosen_column == self.rejected_column:
             raise ValueError("dpo.chosen_column and dpo.rejected_column name the same column")
         return self

@@ -8,7 +8,7 @@ import itertools
 from pathlib import Path
 
 from lorakit.report.runs import RunRow
-from lorakit.report.table import LOWER_IS_BETTER, eval_names, fmt_count
+from lorakit.report.table import LOWER_IS_BETTER, NO_DIRECTION, eval_names, fmt_count
 
 LOSS = "loss.png"
 EVAL = "eval.png"
@@ -145,13 +145,8 @@ def plot_eval(rows: list[RunRow], path: Path) -> bool:
     fig, axes = _grid(plt, len(metrics))
     for ax, metric in zip(axes, metrics, strict=True):
         better = "lower" if metric in LOWER_IS_BETTER else "higher"
-        _bars(
-            ax,
-            rows,
-            [r.eval.get(metric) for r in rows],
-            f"eval {metric} ({better} is better)",
-            "{:.4g}".format,
-        )
+        title = f"eval {metric}" if metric in NO_DIRECTION else f"eval {metric} ({better} is better)"
+        _bars(ax, rows, [r.eval.get(metric) for r in rows], title, "{:.4g}".format)
     _save(fig, path, plt)
     return True
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from lorakit import rundir
 from lorakit.errors import LorakitError
+from lorakit.recipe.dpo_section import DPO_METRICS
 
 
 class CompareError(LorakitError):
@@ -45,6 +46,9 @@ class RunRow:
     loss_first: float | None = None
     loss_last: float | None = None
     eval: dict[str, float] = field(default_factory=dict)
+    # "dpo" for a preference-tuning run (its records carry DPO's rewards): its eval loss is the DPO loss,
+    # shown as `dpo loss`, apart from an SFT run's cross-entropy.
+    objective: str = "sft"
     train_records: list[dict[str, Any]] = field(default_factory=list)
     eval_records: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -168,7 +172,20 @@ def read_run(path: str | Path, label: str | None = None) -> RunRow:
             for k, v in last.items()
             if k not in ("kind", "step", "epoch") and _number(v, float) is not None
         }
+    if _preference_run(row):
+        row.objective = "dpo"
+        row.eval = {(DPO_LOSS if k == "loss" else k): v for k, v in row.eval.items()}
     return row
+
+
+# The eval metric a DPO run's loss is shown as: not comparable with an SFT run's token cross-entropy.
+DPO_LOSS = "dpo loss"
+
+
+def _preference_run(row: RunRow) -> bool:
+    """Whether the run trained train.objective dpo: its eval or train records carry DPO's rewards."""
+    key = DPO_METRICS[0]
+    return key in row.eval or any(key in r for r in row.train_records)
 
 
 def unique_labels(paths: list[Path]) -> list[str]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from lorakit.report.runs import RunRow
+from lorakit.report.runs import DPO_LOSS, RunRow
 
 NA = "n/a"
-# Eval metrics that are lower-is-better; every other (ROUGE, accuracy, exact match) is higher-is-better.
-LOWER_IS_BETTER = {"loss"}
+# Eval metrics that are lower-is-better; every other (ROUGE, accuracy, exact match, DPO's margin) is
+# higher-is-better, but for DPO's rewards, which are neither (both may fall while the margin grows).
+LOWER_IS_BETTER = {"loss", DPO_LOSS}
+NO_DIRECTION = {"rewards/chosen", "rewards/rejected"}
 
 
 def fmt_count(n: int | float | None) -> str:
@@ -100,6 +102,8 @@ def columns(rows: list[RunRow], price: float) -> tuple[list[str], list[list[str]
         loss = f"{fmt_float(r.loss_first)} -> {fmt_float(r.loss_last)}"
         if r.loss_first is None and r.loss_last is None:
             loss = NA
+        elif r.objective == "dpo":
+            loss += " (dpo)"
         cells.append(
             [
                 r.label,

@@ -226,3 +226,41 @@ def test_default_output_is_compare_report_in_the_working_directory(three_methods
     monkeypatch.setattr(plots, "matplotlib_missing", lambda: "not needed here")  # plots are tested above
     result = lorakit.compare(three_methods[:2])
     assert result.output_dir == tmp_path / "compare-report" and result.report.is_file()
+
+
+def test_a_dpo_run_shows_its_preference_metrics_beside_an_sft_run_of_the_same_base(tmp_path):
+    dpo_eval = {
+        "loss": 0.31,
+        "rewards/chosen": 0.52,
+        "rewards/rejected": -0.41,
+        "margin": 0.93,
+        "accuracy": 96.9,
+    }
+    sft = write_run(tmp_path / "sft", summary("lora", eval={"loss": 1.25}), train_records([2.0, 1.2]))
+    dpo_records = [dict(r, **{"rewards/chosen": 0.1, "margin": 0.2}) for r in train_records([0.69, 0.3])]
+    dpo = write_run(
+        tmp_path / "dpo",
+        summary("lora", method_options=["dpo beta=0.1"], loss={"first": 0.69, "last": 0.3}, eval=dpo_eval),
+        [*dpo_records, {"kind": "eval", "step": 2, "epoch": 0, **dpo_eval}],
+    )
+    result = compare([sft, dpo], output=tmp_path / "report")
+    assert [r.objective for r in result.rows] == ["sft", "dpo"]
+    report = result.report.read_text().splitlines()
+    header = next(line for line in report if line.startswith("| run | method")).split(" | ")
+    # The main table's rows (the relative table's rows come later and start alike).
+    sft_row, dpo_row = (
+        next(line for line in report if line.startswith(f"| {r} |")).split(" | ") for r in ("sft", "dpo")
+    )
+    column = {name: header.index(f"eval {name}") for name in ("loss", "dpo loss", *list(dpo_eval)[1:])}
+    # The DPO loss is its own column: an SFT cross-entropy and a DPO loss are not one quantity.
+    assert sft_row[column["loss"]] == "1.2500" and dpo_row[column["loss"]] == "n/a"
+    assert dpo_row[column["dpo loss"]] == "0.3100" and sft_row[column["dpo loss"]] == "n/a"
+    for name, shown in (("rewards/chosen", "0.52"), ("rewards/rejected", "-0.41"), ("margin", "0.93")):
+        assert dpo_row[column[name]] == shown and sft_row[column[name]] == "n/a"
+    assert dpo_row[column["accuracy"]] == "96.90"
+    assert dpo_row[1] == "lora (dpo beta=0.1)" and "0.6900 -> 0.3000 (dpo)" in dpo_row
+    # Relative to the SFT run: no difference of unlike losses.
+    rel = next(line for line in report if line.startswith("| dpo | ") and "x |" in line)
+    rel_header = next(line for line in report if line.startswith("| run | tokens/s")).split(" | ")
+    assert rel.split(" | ")[rel_header.index("eval loss diff")] == "n/a"
+    assert_png(result.plots["eval.png"])
