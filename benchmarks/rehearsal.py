@@ -36,6 +36,16 @@ SHAPES = {
     "flan-t5-xl-2l": ("t5", dict(num_layers=2, num_decoder_layers=2)),
     "llama3-8b-2l": ("llama", dict(num_hidden_layers=2)),
     "tiny": ("t5", dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, num_decoder_layers=2)),
+    "tiny-llama": (
+        "llama",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+        ),
+    ),  # fmt: skip
 }
 
 
@@ -199,18 +209,26 @@ def _metrics_times(run_dir: Path, seen: dict[int, float], t0: float) -> None:
                 seen[0] = seen[1] - rec["tokens"] / rec["tokens_per_second"]
 
 
-def train(model: Path, out: Path, steps: int, extra: list[str], env: dict) -> dict:
+# The recipe each family trains with, and what makes its rows 128 + 32 tokens, one per micro-batch.
+RECIPES = {
+    "t5": ("flan_t5_xl_lora.yaml", ["data.max_source_length=128", "data.max_target_length=32"]),
+    "llama": ("quickstart_causal.yaml", ["data.max_length=160", "train.max_tokens=null", "train.lr=2e-4"]),
+}
+
+
+def train(model: Path, out: Path, steps: int, extra: list[str], env: dict, family: str = "t5") -> dict:
     """The ZeRO-3 run on 2 processes; its private memory per rank and per phase."""
+    recipe, shape = RECIPES[family]
     overrides = [
         f"model.name_or_path={model}", "data.source=builtin:news_summaries", "data.split=train",
-        "data.eval_split=validation", "data.max_source_length=128", "data.max_target_length=32",
-        "data.packing=false", f"data.max_samples={max(64, 4 * steps)}", "data.num_proc=1",
-        "train.micro_batch_size=1", "train.gradient_accumulation_steps=1", f"train.max_steps={steps}",
-        "train.log_every=1", "distributed.num_processes=2", "eval.enabled=false", f"output.dir={out}",
-        "output.save_adapter=true", *extra,
+        "data.eval_split=validation", *shape, "data.packing=false", f"data.max_samples={max(64, 4 * steps)}",
+        "data.num_proc=1", "train.micro_batch_size=1", "train.gradient_accumulation_steps=1",
+        f"train.max_steps={steps}", "train.log_every=1", "distributed.num_processes=2",
+        "distributed.zero_stage=3", "eval.enabled=false", f"output.dir={out}", "output.save_adapter=true",
+        *extra,
     ]  # fmt: skip
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resume of an earlier one
-    cmd = [sys.executable, "-m", "lorakit.run", str(ROOT / "recipes" / "flan_t5_xl_lora.yaml"), *overrides]
+    cmd = [sys.executable, "-m", "lorakit.run", str(ROOT / "recipes" / recipe), *overrides]
     step_t: dict[int, float] = {}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -408,12 +426,13 @@ def plot(results: list[Path], png: Path) -> None:
             ax_phase.scatter([len(names) + 0.2], [planned["merge"]], marker="_", s=900, color="k", zorder=3)
         ax_phase.set_xticks([*range(len(names)), len(names) + 0.2], [*names, "merge"])
         ax_phase.set_ylabel("private memory, GiB")
-        ax_phase.set_title(f"{r['shape']} ({' '.join(r.get('env') or []) or 'malloc: glibc default'}): peak per phase",
-                           fontsize=9)  # fmt: skip
+        what = r.get("label") or " ".join(r.get("env") or []) or "lorakit's defaults"
+        ax_phase.set_title(f"{r['shape']} ({what}): peak per phase", fontsize=9)
         ax_phase.legend(fontsize=7)
         steps = sorted(t["per_step"], key=int)
         for rk in ranks:
             ax_step.plot([int(s) for s in steps], [t["per_step"][s][rk] for s in steps], marker=".", label=rk)
+        ax_step.set_ylim(bottom=0)
         ax_step.set_xlabel("optimizer step")
         ax_step.set_title("private memory at each step's record")
         ax_step.legend(fontsize=7)
@@ -424,7 +443,10 @@ def plot(results: list[Path], png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plot-only", nargs="+", type=Path, help="redraw results/rehearsal.png from result files")
+    p.add_argument("--replan", action="store_true",
+                   help="with --plot-only: plan each result's run again (its recipe under --work)")  # fmt: skip
     p.add_argument("--shape", choices=sorted(SHAPES), default="flan-t5-xl-2l")
+    p.add_argument("--label", default=None, help="what this run tried, for the plot's titles")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--work", type=Path, default=Path("/tmp/lorakit-rehearsal"))
     p.add_argument("--merge-only", action="store_true", help="no training: merge a random adapter")
@@ -440,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_only:
         for f in args.plot_only:  # older results get the comparison with the plan too
             r = json.loads(f.read_text())
+            if "train" in r and args.replan:  # the planner changed since the run: plan the run's recipe again
+                r["train"]["planned_phases_gib"] = planned_phases(
+                    args.work / r["shape"] / "run" / "recipe.yaml"
+                )
             if "train" in r:
                 r["measured_over_planned"] = against_plan(r)
                 f.write_text(json.dumps(r, indent=2) + "\n")
@@ -451,7 +477,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     built = build(args.shape, model) if not (model / "config.json").is_file() else {"shape": args.shape}
     built["build_seconds"] = round(time.monotonic() - t0, 1)
-    result = {"shape": args.shape, "model": built, "env": args.env, "overrides": args.override}
+    result = {
+        "shape": args.shape,
+        "model": built,
+        "env": args.env,
+        "overrides": args.override,
+        "label": args.label,
+    }
     print(json.dumps(built), flush=True)
     if args.merge_compare:
         result["merge_compare"] = merge_compare(model, args.work / args.shape / "compare", env)
@@ -464,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         result["merge"] = merge(adapter, args.work / args.shape / "merged", env, base=model)
     else:
         run = args.work / args.shape / "run"
-        result["train"] = train(model, run, args.steps, args.override, env)
+        result["train"] = train(model, run, args.steps, args.override, env, SHAPES[args.shape][0])
         result["merge"] = merge(run, args.work / args.shape / "merged", env)
         result["measured_over_planned"] = against_plan(result)
     out = args.out or RESULTS / f"rehearsal_{args.shape}.json"
