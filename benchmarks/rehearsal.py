@@ -36,6 +36,16 @@ SHAPES = {
     "flan-t5-xl-2l": ("t5", dict(num_layers=2, num_decoder_layers=2)),
     "llama3-8b-2l": ("llama", dict(num_hidden_layers=2)),
     "tiny": ("t5", dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, num_decoder_layers=2)),
+    "tiny-llama": (
+        "llama",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+        ),
+    ),  # fmt: skip
 }
 
 
@@ -195,20 +205,30 @@ def _metrics_times(run_dir: Path, seen: dict[int, float], t0: float) -> None:
         rec = json.loads(line)
         if rec.get("kind") == "train" and rec["step"] not in seen:
             seen[rec["step"]] = time.monotonic() - t0
+            if rec["step"] == 1 and rec.get("tokens_per_second"):  # when the first step began
+                seen[0] = seen[1] - rec["tokens"] / rec["tokens_per_second"]
 
 
-def train(model: Path, out: Path, steps: int, extra: list[str], env: dict) -> dict:
+# The recipe each family trains with, and what makes its rows 128 + 32 tokens, one per micro-batch.
+RECIPES = {
+    "t5": ("flan_t5_xl_lora.yaml", ["data.max_source_length=128", "data.max_target_length=32"]),
+    "llama": ("quickstart_causal.yaml", ["data.max_length=160", "train.max_tokens=null", "train.lr=2e-4"]),
+}
+
+
+def train(model: Path, out: Path, steps: int, extra: list[str], env: dict, family: str = "t5") -> dict:
     """The ZeRO-3 run on 2 processes; its private memory per rank and per phase."""
+    recipe, shape = RECIPES[family]
     overrides = [
         f"model.name_or_path={model}", "data.source=builtin:news_summaries", "data.split=train",
-        "data.eval_split=validation", "data.max_source_length=128", "data.max_target_length=32",
-        "data.packing=false", f"data.max_samples={max(64, 4 * steps)}", "data.num_proc=1",
-        "train.micro_batch_size=1", "train.gradient_accumulation_steps=1", f"train.max_steps={steps}",
-        "train.log_every=1", "distributed.num_processes=2", "eval.enabled=false", f"output.dir={out}",
-        "output.save_adapter=true", *extra,
+        "data.eval_split=validation", *shape, "data.packing=false", f"data.max_samples={max(64, 4 * steps)}",
+        "data.num_proc=1", "train.micro_batch_size=1", "train.gradient_accumulation_steps=1",
+        f"train.max_steps={steps}", "train.log_every=1", "distributed.num_processes=2",
+        "distributed.zero_stage=3", "eval.enabled=false", f"output.dir={out}", "output.save_adapter=true",
+        *extra,
     ]  # fmt: skip
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resume of an earlier one
-    cmd = [sys.executable, "-m", "lorakit.run", str(ROOT / "recipes" / "flan_t5_xl_lora.yaml"), *overrides]
+    cmd = [sys.executable, "-m", "lorakit.run", str(ROOT / "recipes" / recipe), *overrides]
     step_t: dict[int, float] = {}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -227,7 +247,15 @@ def train(model: Path, out: Path, steps: int, extra: list[str], env: dict) -> di
         raise SystemExit(f"training failed ({proc.returncode}):\n" + "".join(lines[-40:]))
     summary = json.loads((out / "summary.json").read_text())
     return {"phases": phases(s.samples, step_t, end), "per_step": per_step(s.samples, step_t),
-            "summary": _summary_memory(summary), "seconds": end}  # fmt: skip
+            "summary": _summary_memory(summary), "planned_phases_gib": planned_phases(out / "recipe.yaml"),
+            "seconds": end}  # fmt: skip
+
+
+def planned_phases(recipe: Path) -> dict:
+    """The planner's bytes per process of each phase of this run on CPUs (lorakit/planner/phases.py), GiB."""
+    from lorakit.planner.phases import cpu_phases
+
+    return {k: round(v / GIB, 3) for k, v in cpu_phases(recipe).items()}
 
 
 def _ranks_of(samples: list[dict]) -> list[str]:
@@ -235,11 +263,12 @@ def _ranks_of(samples: list[dict]) -> list[str]:
 
 
 def phases(samples: list[dict], step_t: dict[int, float], end: float) -> dict:
-    """Peak private memory of each rank in each phase (GiB)."""
+    """Peak private memory of each rank in each phase (GiB). Step 0's time is when the first step began (its
+    record's time less its duration), step N's when its record was written."""
     last = max(step_t)
     bounds = {
-        "load": (0.0, step_t[1] if 1 in step_t else end),
-        "first_step": (step_t.get(1, end) - 1e-9, step_t.get(2, end)),
+        "load": (0.0, step_t.get(0, step_t.get(1, end))),
+        "first_step": (step_t.get(0, step_t.get(1, end)), step_t.get(1, end)),
         "steady": (step_t.get(2, end), step_t[last]),
         "save": (step_t[last], end),
     }
@@ -256,6 +285,8 @@ def per_step(samples: list[dict], step_t: dict[int, float]) -> dict:
     """Each rank's private memory at each step's record (GiB): flat in steady state, or growing."""
     out = {}
     for step, t in sorted(step_t.items()):
+        if step == 0:
+            continue
         before = [r for r in samples if r["t"] <= t]
         if before:
             out[step] = {rk: round(before[-1].get(rk, 0) / GIB, 3) for rk in _ranks_of(samples)}
@@ -277,10 +308,12 @@ def _summary_memory(summary: dict) -> dict:
     }
 
 
-def merge(source: Path, out: Path, env: dict, base: Path | None = None) -> dict:
-    """python -m lorakit.merge (streaming, no logits check) with its private memory sampled."""
+def merge(source: Path, out: Path, env: dict, base: Path | None = None, extra: tuple[str, ...] = ()) -> dict:
+    """python -m lorakit.merge (streaming, no logits check unless `extra` asks) with its private memory
+    sampled."""
     cmd = [sys.executable, "-m", "lorakit.merge", str(source), "--output", str(out), "--force",
-           "--verify-logits", "never", "--max-shard-size", "2GB"] + (["--base", str(base)] if base else [])  # fmt: skip
+           "--verify-logits", "never", "--max-shard-size", "2GB", *(["--base", str(base)] if base else []),
+           *extra]  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -293,18 +326,75 @@ def merge(source: Path, out: Path, env: dict, base: Path | None = None) -> dict:
     shards = sorted(out.glob("*.safetensors"))
     return {"peak_private_gib": round(peak / GIB, 3), "seconds": round(time.monotonic() - t0, 1),
             "largest_shard_gib": round(max(f.stat().st_size for f in shards) / GIB, 3),
-            "tensor_check": next((ln for ln in text.splitlines() if ln.startswith("tensors: ")), None)}  # fmt: skip
+            "tensor_check": next((ln for ln in text.splitlines() if ln.startswith("tensors: ")), None),
+            "logits_check": next((ln.strip() for ln in text.splitlines() if "max |logit diff|" in ln), None)}  # fmt: skip
+
+
+def _largest_shard_gib(model: Path) -> float:
+    return round(max(f.stat().st_size for f in model.glob("*.safetensors")) / GIB, 3)
+
+
+def compare_outputs(a: Path, b: Path) -> dict:
+    """Every tensor of two exports, one at a time: equal (bit for bit), or the largest difference."""
+    from safetensors import safe_open
+
+    def index(d: Path) -> dict[str, Path]:
+        out = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(f, "pt") as h:
+                out.update(dict.fromkeys(h.keys(), f))
+        return out
+
+    ia, ib = index(a), index(b)
+    equal, worst, dtypes = 0, 0.0, set()
+    for key in sorted(ia.keys() & ib.keys()):
+        with safe_open(ia[key], "pt") as fa, safe_open(ib[key], "pt") as fb:
+            ta, tb = fa.get_tensor(key), fb.get_tensor(key)
+        dtypes.add(str(ta.dtype))
+        if ta.dtype == tb.dtype and ta.shape == tb.shape and torch.equal(ta, tb):
+            equal += 1
+        else:
+            worst = max(worst, (ta.float() - tb.float()).abs().max().item() if ta.shape == tb.shape else 1e30)
+    return {"tensors": len(ia.keys() & ib.keys()), "identical": equal, "only_in_stream": len(ia.keys() - ib.keys()),
+            "only_in_memory": len(ib.keys() - ia.keys()), "largest_difference": worst, "dtypes": sorted(dtypes)}  # fmt: skip
+
+
+def merge_compare(model: Path, work: Path, env: dict) -> dict:
+    """The streaming and the in-memory merge of one random adapter in float32, compared tensor for tensor;
+    then the bfloat16 streaming merge with the whole-model logits check. Peaks against the must-show bound:
+    1.5 x the base's largest shard + the adapter."""
+    adapter = _random_adapter(model, work / "adapter")
+    adapter_gib = round(sum(f.stat().st_size for f in adapter.glob("*.safetensors")) / GIB, 3)
+    shard = _largest_shard_gib(model)
+    out = {"base_largest_shard_gib": shard, "adapter_gib": adapter_gib,
+           "bound_gib": round(1.5 * shard + adapter_gib, 3)}  # fmt: skip
+    f32 = ("--dtype", "float32")
+    out["stream_fp32"] = merge(
+        adapter, work / "stream32", env, base=model, extra=(*f32, "--strategy", "stream")
+    )
+    out["memory_fp32"] = merge(
+        adapter, work / "memory32", env, base=model, extra=(*f32, "--strategy", "memory")
+    )
+    out["fp32_stream_vs_memory"] = compare_outputs(work / "stream32", work / "memory32")
+    for d in ("stream32", "memory32"):
+        shutil.rmtree(work / d, ignore_errors=True)
+    out["stream_bf16_verified"] = merge(adapter, work / "stream16", env, base=model,
+                                        extra=("--dtype", "bfloat16", "--strategy", "stream", "--verify-logits", "always"))  # fmt: skip
+    return out
 
 
 def against_plan(result: dict, processes: int = 2) -> dict:
-    """Each phase's peak per rank against the plan per process (on a CPU run the planner's per-node RAM,
-    ~3 GiB of runtime per process included, divided by the processes), and the growth from step 2 to the
-    last step."""
+    """Each phase's peak per rank against the plan for that phase per process (planned_phases; results
+    from before it: the planner's per-node RAM divided by the processes), the merge's peak against the
+    merge's plan, and the growth from step 2 to the last step."""
     t = result["train"]
-    planned = t["summary"]["planned_per_node_cpu_gib"] / processes
-    out = {"planned_per_process_gib": round(planned, 3)}
+    single = t["summary"]["planned_per_node_cpu_gib"] / processes
+    planned = t.get("planned_phases_gib") or dict.fromkeys([*t["phases"], "merge"], single)
+    out = {"planned_per_process_gib": planned}
     for name, ranks in t["phases"].items():
-        out[name] = {rk: round(v / planned, 3) for rk, v in ranks.items()}
+        out[name] = {rk: round(v / planned[name], 3) for rk, v in ranks.items()}
+    if result.get("merge") and planned.get("merge"):
+        out["merge"] = round(result["merge"]["peak_private_gib"] / planned["merge"], 3)
     steps = sorted(t["per_step"], key=int)
     first, last = t["per_step"].get("2", t["per_step"][steps[0]]), t["per_step"][steps[-1]]
     out["growth_step2_to_last_gib"] = {rk: round(last[rk] - first[rk], 3) for rk in last}
@@ -327,17 +417,22 @@ def plot(results: list[Path], png: Path) -> None:
         for i, rk in enumerate(ranks):
             ax_phase.bar([j + 0.35 * i for j in range(len(names))], [t["phases"][n][rk] for n in names], 0.35,
                          label=rk)  # fmt: skip
-        planned = t["summary"]["planned_per_node_cpu_gib"] / 2
-        ax_phase.axhline(planned, color="k", ls="--", label=f"plan per process {planned:.2f} GiB")
+        single = t["summary"]["planned_per_node_cpu_gib"] / 2
+        planned = t.get("planned_phases_gib") or dict.fromkeys([*names, "merge"], single)
+        ax_phase.scatter([j + 0.175 for j in range(len(names))], [planned[n] for n in names], marker="_",
+                         s=900, color="k", zorder=3, label="plan per process (phase)")  # fmt: skip
         ax_phase.bar(len(names) + 0.2, r["merge"]["peak_private_gib"], 0.5, color="tab:green", label="merge")
+        if planned.get("merge"):
+            ax_phase.scatter([len(names) + 0.2], [planned["merge"]], marker="_", s=900, color="k", zorder=3)
         ax_phase.set_xticks([*range(len(names)), len(names) + 0.2], [*names, "merge"])
         ax_phase.set_ylabel("private memory, GiB")
-        ax_phase.set_title(f"{r['shape']} ({' '.join(r.get('env') or []) or 'malloc: glibc default'}): peak per phase",
-                           fontsize=9)  # fmt: skip
+        what = r.get("label") or " ".join(r.get("env") or []) or "lorakit's defaults"
+        ax_phase.set_title(f"{r['shape']} ({what}): peak per phase", fontsize=9)
         ax_phase.legend(fontsize=7)
         steps = sorted(t["per_step"], key=int)
         for rk in ranks:
             ax_step.plot([int(s) for s in steps], [t["per_step"][s][rk] for s in steps], marker=".", label=rk)
+        ax_step.set_ylim(bottom=0)
         ax_step.set_xlabel("optimizer step")
         ax_step.set_title("private memory at each step's record")
         ax_step.legend(fontsize=7)
@@ -348,10 +443,16 @@ def plot(results: list[Path], png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plot-only", nargs="+", type=Path, help="redraw results/rehearsal.png from result files")
+    p.add_argument("--replan", action="store_true",
+                   help="with --plot-only: plan each result's run again (its recipe under --work)")  # fmt: skip
     p.add_argument("--shape", choices=sorted(SHAPES), default="flan-t5-xl-2l")
+    p.add_argument("--label", default=None, help="what this run tried, for the plot's titles")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--work", type=Path, default=Path("/tmp/lorakit-rehearsal"))
     p.add_argument("--merge-only", action="store_true", help="no training: merge a random adapter")
+    p.add_argument("--merge-compare", action="store_true",
+                   help="no training: a random adapter merged streaming and in memory in float32, compared "
+                        "tensor for tensor, and streaming in bfloat16 with the logits check (the in-memory merge holds the model in float32: ~12 GiB at the full XL shape, 1.4 GiB at flan-t5-xl-2l)")  # fmt: skip
     p.add_argument("--env", action="append", default=[], help="NAME=VALUE for the run's processes")
     p.add_argument("--override", action="append", default=[], help="recipe override for the run")
     p.add_argument(
@@ -361,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_only:
         for f in args.plot_only:  # older results get the comparison with the plan too
             r = json.loads(f.read_text())
+            if "train" in r and args.replan:  # the planner changed since the run: plan the run's recipe again
+                r["train"]["planned_phases_gib"] = planned_phases(
+                    args.work / r["shape"] / "run" / "recipe.yaml"
+                )
             if "train" in r:
                 r["measured_over_planned"] = against_plan(r)
                 f.write_text(json.dumps(r, indent=2) + "\n")
@@ -372,14 +477,26 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     built = build(args.shape, model) if not (model / "config.json").is_file() else {"shape": args.shape}
     built["build_seconds"] = round(time.monotonic() - t0, 1)
-    result = {"shape": args.shape, "model": built, "env": args.env, "overrides": args.override}
+    result = {
+        "shape": args.shape,
+        "model": built,
+        "env": args.env,
+        "overrides": args.override,
+        "label": args.label,
+    }
     print(json.dumps(built), flush=True)
+    if args.merge_compare:
+        result["merge_compare"] = merge_compare(model, args.work / args.shape / "compare", env)
+        out = args.out or RESULTS / f"rehearsal_{args.shape}_merge.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+        return 0
     if args.merge_only:
         adapter = _random_adapter(model, args.work / args.shape / "adapter")
         result["merge"] = merge(adapter, args.work / args.shape / "merged", env, base=model)
     else:
         run = args.work / args.shape / "run"
-        result["train"] = train(model, run, args.steps, args.override, env)
+        result["train"] = train(model, run, args.steps, args.override, env, SHAPES[args.shape][0])
         result["merge"] = merge(run, args.work / args.shape / "merged", env)
         result["measured_over_planned"] = against_plan(result)
     out = args.out or RESULTS / f"rehearsal_{args.shape}.json"

@@ -107,16 +107,27 @@ def _init_deepspeed_distributed(backend: str, timeout_minutes: float | None = No
 # 2 to step 20 (peak 2.9 GiB) with glibc's default, 0.18 GiB (peak 1.9 GiB) with the threshold fixed at
 # glibc's initial 128 KiB.
 MALLOC_MMAP_THRESHOLD = 128 * 1024
+# Entries kept in oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and in ideep's cache of matmul
+# computations in front of it (LRU_CACHE_CAPACITY), through which torch runs bf16 matmuls on a CPU. Each new
+# shape adds an entry to both (~0.25 MB together at FLAN-T5-XL width) up to 1024 each by default, so a run
+# whose rows vary in length grew ~10 MB a step per rank until ~0.5 GiB (found with heaptrack on
+# benchmarks/rehearsal.py's run: 87% of what the step 3-7 window allocated and never freed came from
+# them). A step of a transformer uses a few dozen distinct matmul shapes, so 64 keeps every reuse within a
+# step and across steps of fixed-shape (packed) rows, and bounds the caches at ~30 MB.
+ONEDNN_CACHE_CAPACITY = 64
 
 
 def launch_env() -> dict[str, str]:
     """The environment for torchrun: this one, with OMP_NUM_THREADS=1 when it is unset (torchrun sets exactly
     that for each worker then, and prints a four-line banner saying so; setting it here keeps the behaviour
-    and drops the banner), and glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_), so the workers' memory
-    stays flat from step to step. Values the user set are kept."""
+    and drops the banner), glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_) and oneDNN's caches capped
+    (ONEDNN_CACHE_CAPACITY), so the workers' memory stays flat from step to step. Values the user set are
+    kept."""
     env = os.environ.copy()
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MALLOC_MMAP_THRESHOLD))
+    env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+    env.setdefault("LRU_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
     return env
 
 

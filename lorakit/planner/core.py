@@ -27,10 +27,10 @@ CUDA_CONTEXT_BYTES = 1 * GiB
 FRAGMENTATION = 0.05
 PROCESS_CPU_BYTES = 3 * GiB
 # A CPU run's process holds no CUDA libraries: ~0.5 GiB of runtime measured per rank (Python, torch,
-# DeepSpeed, transformers), plus ~0.5 GiB that glibc's heap keeps around the allocated tensors (measured
-# at FLAN-T5-XL width on 2 ranks with the launcher's fixed mmap threshold; benchmarks/README.md,
-# rehearsal.py).
-CPU_RUN_PROCESS_BYTES = 1 * GiB
+# DeepSpeed, transformers, the data loader; benchmarks/rehearsal.py, tiny and FLAN-T5-XL-width models, with
+# the launcher's allocator settings). The 1 GiB counted before ZeRO-3's limits were sized from the model
+# included ~0.5 GiB that was the whole model kept gathered (engine/deepspeed_config.py zero3_limits).
+CPU_RUN_PROCESS_BYTES = GiB // 2
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 

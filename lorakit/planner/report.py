@@ -68,7 +68,7 @@ def describe_estimate(e: Estimate, plan: MemoryPlan) -> list[str]:
                  f"{_verdict(e.fits_gpu, e.per_gpu_bytes, plan.gpu_memory)}")  # fmt: skip
     lines.append(f"  CPU RAM per node ({plan.gpus} processes):")
     lines += _breakdown(e, "cpu")
-    runtime = "~3 GiB" if plan.device == "cuda" else "~1 GiB"
+    runtime = "~3 GiB" if plan.device == "cuda" else "~0.5 GiB"
     lines.append(f"    {f'= per node (incl. {runtime} per process)':<46} {format_bytes(e.per_node_cpu_bytes):>12}  "
                  f"{_verdict(e.fits_cpu, e.per_node_cpu_bytes, plan.cpu_memory)}")  # fmt: skip
     if e.nvme_bytes:

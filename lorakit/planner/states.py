@@ -204,12 +204,9 @@ def zero_buffers(c: Counts, setup: Setup, *, world: int, dtype_bytes: int, ds_co
     a, s = dtype_bytes, setup.zero_stage
     items = []
     if s == 3:
-        prefetch = int(zero.get("stage3_prefetch_bucket_size", 5e7))
-        # One module's weights gathered whole (plus what the prefetcher fetches ahead, at most its bucket),
-        # and that module's full gradients before they are reduce-scattered.
-        gathered = c.largest_module + min(prefetch, max(c.total - c.largest_module, 0))
+        gathered = zero3_gathered(c.largest_module, c.total, zero)
         items.append(Item("ZeRO-3 gathered weights", int(gathered * a), "gpu", "forward",
-                          "largest layer + prefetch bucket"))  # fmt: skip
+                          "largest layer + prefetch bucket + reuse window, at most the model"))  # fmt: skip
         items.append(
             Item("ZeRO-3 gathered gradients", int(c.largest_trainable_module * a), "gpu", "backward")
         )
@@ -223,6 +220,18 @@ def zero_buffers(c: Counts, setup: Setup, *, world: int, dtype_bytes: int, ds_co
         items.append(Item(f"ZeRO-{s} reduce buckets", n * a, "gpu", "backward",
                           "reduce_bucket_size x (2 with overlap_comm)", kind="buffer"))  # fmt: skip
     return items
+
+
+def zero3_gathered(largest_module: int, total: int, zero: dict) -> int:
+    """Elements ZeRO-3 holds gathered at once on a rank: the module in use, what the prefetcher fetches ahead
+    (its bucket, within stage3_max_live_parameters), and the parameters kept for a reuse within
+    stage3_max_reuse_distance; never more than the whole model. DeepSpeed's defaults (1e9 each) keep any model
+    under a billion parameters whole (engine/deepspeed_config.py zero3_limits)."""
+    prefetch = min(
+        int(zero.get("stage3_prefetch_bucket_size", 5e7)), int(zero.get("stage3_max_live_parameters", 1e9))
+    )
+    reuse = int(zero.get("stage3_max_reuse_distance", 1e9))
+    return min(total, largest_module + prefetch + reuse)
 
 
 def loading(c: Counts, *, dtype_bytes: int, partitioned_init: bool) -> list[Item]:

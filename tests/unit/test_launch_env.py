@@ -11,3 +11,17 @@ def test_the_mmap_threshold_is_fixed_unless_the_user_set_one(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     env = launch_env()
     assert env["MALLOC_MMAP_THRESHOLD_"] == "4096" and env["OMP_NUM_THREADS"] == "2"
+
+
+def test_onednn_primitive_caches_are_capped_unless_the_user_set_them(monkeypatch):
+    # Without a cap, each new matmul shape of a bf16 CPU run (rows of varying length) adds ~0.25 MB to
+    # oneDNN's and ideep's caches of up to 1024 entries each: ~10 MB a step per rank at FLAN-T5-XL width.
+    from lorakit.engine.launch import ONEDNN_CACHE_CAPACITY
+
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        monkeypatch.delenv(name, raising=False)
+    env = launch_env()
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == env["LRU_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
+    assert 0 < ONEDNN_CACHE_CAPACITY < 1024
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "1024")
+    assert launch_env()["LRU_CACHE_CAPACITY"] == "1024"

@@ -5,7 +5,8 @@ estimate_zero2/zero3_model_states_mem_needs_all_cold print, per GPU and per node
 exactly where both count the same tensors, and differs by exactly one term where DeepSpeed 0.19 allocates
 more than its estimator counts: ZeRO-3 keeps a 16-bit gradient partition (2 bytes per parameter per rank)
 besides the fp32 gradients it makes for the step, which the estimator's 18 bytes per parameter leave out
-(tests/integration/test_plan_measured.py measures it). The planner also counts ZeRO-3's prefetch bucket
+(tests/integration/test_plan_measured.py measures it). The planner also counts ZeRO-3's prefetch bucket, the
+parameters it keeps gathered for a reuse within stage3_max_reuse_distance (about one block)
 and the small parameters every rank keeps whole (tens of MB). The estimator's additional_buffer_factor
 (1.5 by default, applied to CPU numbers) is set to 1 here: the planner states its tolerance separately.
 """
@@ -18,6 +19,7 @@ import pytest
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_cold
 
+from lorakit.engine.deepspeed_config import zero3_limits
 from lorakit.planner import plan
 from lorakit.planner.arch import arch_from_config, known_config
 from lorakit.recipe import load_recipe
@@ -86,7 +88,10 @@ def test_full_training_model_states_agree_with_deepspeed(
     ours_cpu = e.model_state_bytes("cpu") * gpus
     # DeepSpeed prints GiB with 2 decimals: +-0.005 GiB of rounding.
     rounding = 0.006 * GiB
-    explained_gpu = extra_gpu * p_total / gpus
+    # The parameters ZeRO-3 keeps gathered for a reuse within stage3_max_reuse_distance, in bf16 (DeepSpeed's
+    # estimator counts the largest layer only).
+    window = 2 * zero3_limits(arch.hidden)["stage3_max_reuse_distance"] if stage == 3 else 0
+    explained_gpu = extra_gpu * p_total / gpus + window
     if stage == 3:
         # Prefetch bucket and ZeRO-3's persistent small parameters: < 100 MB on these models.
         assert 0 <= ours_gpu - explained_gpu - ds_gpu < 100e6 + rounding
@@ -99,8 +104,9 @@ def test_full_training_model_states_agree_with_deepspeed(
         assert abs(ours_cpu - 16 * p_total) <= gpus
     elif optimizer == "cpu":
         assert abs(ours_cpu - extra_cpu * p_total - ds_cpu) <= rounding * gpus
-    # In relative terms: the planner is never below DeepSpeed's estimate, and at most 12.5% above it.
-    assert ds_gpu <= ours_gpu + rounding and ours_gpu <= 1.125 * ds_gpu + 100e6
+    # In relative terms: the planner is never below DeepSpeed's estimate, and at most 12.5% above it besides
+    # the reuse window.
+    assert ds_gpu <= ours_gpu + rounding and ours_gpu - window <= 1.125 * ds_gpu + 100e6
 
 
 def test_loading_without_partitioned_init_matches_deepspeed_in_fp32():
