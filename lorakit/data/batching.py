@@ -110,8 +110,10 @@ def make_batching(
     t = recipe.train
     if t.objective == "dpo":
         from lorakit.data.preference_batching import preference_batching
+        from lorakit.data.preference_reference import with_reference
 
-        return preference_batching(recipe, data, tokenizer, config, packing=packing, world=world, rank=rank)
+        b = preference_batching(recipe, data, tokenizer, config, packing=packing, world=world, rank=rank)
+        return with_reference(b)
     if getattr(config, "is_encoder_decoder", False):
         eval_collator = padded_collator(tokenizer, config)
         if packing:

@@ -81,16 +81,37 @@ def reference_model(engine):
         module.train(was_training)
 
 
+def cached_reference(batch: dict[str, Any], device) -> torch.Tensor:
+    """The batch's precomputed reference log-probabilities (full fine-tuning), as log_probs lays them out."""
+    from lorakit.data.preference_reference import BATCH_KEY
+
+    if BATCH_KEY not in batch:
+        raise InferenceError(
+            "train.objective dpo with method.kind full scores pairs against the initial model's "
+            "log-probabilities, computed before training for its train and eval pairs; these pairs have none "
+            "(evaluate a full fine-tuning DPO run on the data it was trained with, or train with an adapter)"
+        )
+    return batch[BATCH_KEY].to(device)
+
+
 class DpoObjective:
     """The DPO loss over a batch of pairs (lorakit.data.preference_batching's layout); divisor: pairs."""
 
     name = "dpo"
 
     def __init__(
-        self, beta: float, loss: str = "sigmoid", label_smoothing: float = 0.0, *, encoder_decoder: bool
+        self,
+        beta: float,
+        loss: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        *,
+        encoder_decoder: bool,
+        cached_reference: bool = False,
     ):
         self.beta, self.kind, self.label_smoothing = beta, loss, label_smoothing
         self.encoder_decoder = encoder_decoder
+        # Full fine-tuning: the reference log-probs ride in the batch (lorakit.engine.dpo_reference).
+        self.cached_reference = cached_reference
 
     def units(self, batch: dict[str, Any]) -> int:
         return batch["num_pairs"]
@@ -121,9 +142,12 @@ class DpoObjective:
 
     def pair_terms(self, engine, inputs, batch: dict[str, Any], device):
         """(per-pair losses, chosen rewards, rejected rewards) of one batch."""
-        # The reference pass first, every rank alike: the same collective gathers in the same order.
-        with reference_model(engine):
-            ref = self.log_probs(engine, inputs, batch, device)
+        if self.cached_reference:
+            ref = cached_reference(batch, device)
+        else:
+            # The reference pass first, every rank alike: the same collective gathers in the same order.
+            with reference_model(engine):
+                ref = self.log_probs(engine, inputs, batch, device)
         policy = self.log_probs(engine, inputs, batch, device)
         return preference_loss(
             policy[0::2],
