@@ -154,3 +154,22 @@ def attach_reference(recipe, engine, inputs, objective, source: str, data, colla
         print(f"dpo reference: {state} the initial model's log-probabilities of {counts} pairs at {path}")
     added = {name: add_reference(ds, tables[name], key) for name, ds in splits.items()}
     return dataclasses.replace(data, train=added["train"], eval=added.get("eval"))
+
+
+def reference_from_cache(recipe, source: str, data):
+    """`data` with the reference columns that training cached for it (lorakit.evaluate of a full
+    fine-tuning DPO run, which has only the trained model); InferenceError when there are none."""
+    from lorakit.errors import InferenceError
+
+    path = reference_path(data, reference_key(recipe, source, data))
+    splits = _splits(data)
+    tables = load_tables(path, {name: len(ds) for name, ds in splits.items()})
+    if tables is None:
+        raise InferenceError(
+            "a full fine-tuning DPO run is scored against the initial model's log-probabilities, which "
+            f"training computes for its own train and eval pairs and caches; there are none for these pairs at "
+            f"{path}. Evaluate the run's own eval split with its data.cache_dir, or train with an adapter "
+            "(method.kind lora), whose reference needs no cache"
+        )
+    added = {name: add_reference(ds, tables[name], path.stem) for name, ds in splits.items()}
+    return dataclasses.replace(data, train=added["train"], eval=added.get("eval"))
