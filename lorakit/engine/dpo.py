@@ -124,6 +124,10 @@ class DpoObjective:
         return sequence_log_probs(logits, batch["labels"], batch["sequence_ids"], 2 * batch["num_pairs"])
 
     def _seq2seq_log_probs(self, engine, inputs, batch: dict[str, Any], device) -> torch.Tensor:
+        if "source_segments" in batch:  # packed pairs
+            from lorakit.engine.dpo_seq2seq import packed_seq2seq_log_probs
+
+            return packed_seq2seq_log_probs(engine, inputs, batch, device)
         kwargs = inputs({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, device)
         encoder_outputs = _module(engine).get_encoder()(**kwargs)
         per_side = []
