@@ -27,7 +27,7 @@ def _recipe(cache_dir, out, kind: str, **sections):
             "prompt_template": "{input}\n",
             "max_samples": 160,
             "max_eval_samples": 32,
-            "packing": kind != "t5",
+            "packing": True,
             "max_source_length": "auto",
             "max_target_length": "auto",
         },
