@@ -169,3 +169,28 @@ def test_reference_cached_with_the_dataset_and_keyed_by_model(cache_dir, tmp_pat
     third = _Counting(model)
     attach(third)
     assert third.calls == 3 and len(list((data.path / "reference").iterdir())) == 2
+
+
+def test_ranks_score_their_shares_in_lockstep(cache_dir, tmp_path, monkeypatch):
+    """Each rank scores its share with as many forwards as every other (ZeRO-3 gathers are collective; a
+    rank out of rows runs a stand-in), and the shares add up to the one-process table."""
+    from lorakit.engine import dist
+
+    recipe = _full_recipe(cache_dir, tmp_path, "llama")
+    built, _ = _full_model(recipe)
+    model = built.model.eval()
+    ds = datasets.Dataset.from_list(_pairs(model.config.vocab_size, seed=6, encoder_decoder=False))
+    objective = DpoObjective(BETA, encoder_decoder=False, cached_reference=True)
+    collator = CausalPairCollator(0)
+    whole = compute_reference(model, built.inputs, objective, ds, collator, batch_size=1)
+    shares, calls = [], []
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    for rank in (0, 1):
+        monkeypatch.setattr(dist, "rank", lambda rank=rank: rank)
+        engine = _Counting(model)
+        shares.append(compute_reference(engine, built.inputs, objective, ds, collator, batch_size=1))
+        calls.append(engine.calls)
+    # 3 pairs on 2 ranks, one a batch: rank 0 scores pairs 0 and 2, rank 1 pair 1 and a stand-in.
+    assert calls == [2, 2]
+    assert (shares[1][[0, 2]] == 0).all() and (shares[0][1] == 0).all()
+    torch.testing.assert_close(shares[0] + shares[1], whole, atol=TOL, rtol=TOL)
