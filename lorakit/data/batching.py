@@ -109,9 +109,20 @@ def make_batching(
     (`config`), and `packing`, what the model build decided (BuiltModel.packing)."""
     t = recipe.train
     if t.objective == "dpo":
-        from lorakit.data.preference_batching import preference_batching
+        from lorakit.data.preference_batching import pair_collator, preference_batching
+        from lorakit.data.preference_reference import with_reference
+        from lorakit.data.preference_seq2seq import PackedSeq2SeqPairCollator, pair_lengths
 
-        return preference_batching(recipe, data, tokenizer, config, packing=packing, world=world, rank=rank)
+        if packing and getattr(config, "is_encoder_decoder", False):
+            # Each pair's prompt once in the encoder row, its responses in two decoder rows.
+            padded = pair_collator(tokenizer, config)
+            lengths = pair_lengths(data)
+            b = _seq2seq_packing(
+                recipe, data, config, padded, world, rank, lengths, PackedSeq2SeqPairCollator
+            )
+        else:
+            b = preference_batching(recipe, data, tokenizer, config, packing=packing, world=world, rank=rank)
+        return with_reference(b)
     if getattr(config, "is_encoder_decoder", False):
         eval_collator = padded_collator(tokenizer, config)
         if packing:
@@ -186,12 +197,22 @@ def _target_budget(recipe: Recipe, src: list[int], tgt: list[int], max_src: int,
     return max_tgt
 
 
-def _seq2seq_packing(recipe: Recipe, data, config, eval_collator, world: int, rank: int) -> Batching:
+def _seq2seq_packing(
+    recipe: Recipe,
+    data,
+    config,
+    eval_collator,
+    world: int,
+    rank: int,
+    lengths: tuple[list[int], list[int]] | None = None,
+    make_collator=PackedSeq2SeqCollator,
+) -> Batching:
     """Packed encoder and decoder rows: by default rows of micro_batch_size random examples (the optimizer
     steps of random padded batches, without the padding); with train.max_tokens or max_target_tokens, rows
-    filled to those budgets by the two-capacity multipack sampler."""
+    filled to those budgets by the two-capacity multipack sampler. `lengths` (source, target tokens) and
+    `make_collator` for rows other than SFT's (DPO pairs: lorakit.data.preference_seq2seq)."""
     t = recipe.train
-    src, tgt = _pair_lengths(data)
+    src, tgt = lengths or _pair_lengths(data)
     if t.max_tokens is None and t.max_target_tokens is None:
         sampler = BalancedRandomBatchSampler(
             src,
@@ -204,7 +225,7 @@ def _seq2seq_packing(recipe: Recipe, data, config, eval_collator, world: int, ra
         )
         return Batching(
             sampler,
-            PackedSeq2SeqCollator(None, None, config.decoder_start_token_id),
+            make_collator(None, None, config.decoder_start_token_id),
             eval_collator,
             True,
             efficiency=sampler.efficiency(),
@@ -216,7 +237,7 @@ def _seq2seq_packing(recipe: Recipe, data, config, eval_collator, world: int, ra
     sampler = Seq2SeqMultipackBatchSampler(
         src, tgt, max_src, max_tgt, num_replicas=world, rank=rank, seed=t.seed
     )
-    collator = PackedSeq2SeqCollator(max_src, max_tgt, config.decoder_start_token_id)
+    collator = make_collator(max_src, max_tgt, config.decoder_start_token_id)
     return Batching(
         sampler,
         collator,

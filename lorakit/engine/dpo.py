@@ -93,6 +93,19 @@ def shared_prompt_log_probs(engine, inputs, batch: dict[str, Any], device) -> to
     return sequence_log_probs(picked, batch["target_ids"], batch["target_sequence"], 2 * batch["num_pairs"])
 
 
+def cached_reference(batch: dict[str, Any], device) -> torch.Tensor:
+    """The batch's precomputed reference log-probabilities (full fine-tuning), as log_probs lays them out."""
+    from lorakit.data.preference_reference import BATCH_KEY
+
+    if BATCH_KEY not in batch:
+        raise InferenceError(
+            "train.objective dpo with method.kind full scores pairs against the initial model's "
+            "log-probabilities, computed before training for its train and eval pairs; these pairs have none "
+            "(evaluate a full fine-tuning DPO run on the data it was trained with, or train with an adapter)"
+        )
+    return batch[BATCH_KEY].to(device)
+
+
 class DpoObjective:
     """The DPO loss over a batch of pairs (lorakit.data.preference_batching's layout); divisor: pairs."""
 
@@ -106,10 +119,13 @@ class DpoObjective:
         *,
         encoder_decoder: bool,
         simpo_gamma: float = 0.5,
+        cached_reference: bool = False,
     ):
         self.beta, self.kind, self.label_smoothing = beta, loss, label_smoothing
         self.encoder_decoder = encoder_decoder
         self.simpo_gamma = simpo_gamma
+        # Full fine-tuning: the reference log-probs ride in the batch (lorakit.engine.dpo_reference).
+        self.cached_reference = cached_reference
 
     def units(self, batch: dict[str, Any]) -> int:
         return batch["num_pairs"]
@@ -124,6 +140,10 @@ class DpoObjective:
         return sequence_log_probs(logits, batch["labels"], batch["sequence_ids"], 2 * batch["num_pairs"])
 
     def _seq2seq_log_probs(self, engine, inputs, batch: dict[str, Any], device) -> torch.Tensor:
+        if "source_segments" in batch:  # packed pairs
+            from lorakit.engine.dpo_seq2seq import packed_seq2seq_log_probs
+
+            return packed_seq2seq_log_probs(engine, inputs, batch, device)
         kwargs = inputs({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, device)
         encoder_outputs = _module(engine).get_encoder()(**kwargs)
         per_side = []
@@ -144,9 +164,12 @@ class DpoObjective:
         """(per-pair losses, chosen rewards, rejected rewards) of one batch."""
         if self.kind == "simpo":
             return self._simpo_terms(engine, inputs, batch, device)
-        # The reference pass first, every rank alike: the same collective gathers in the same order.
-        with reference_model(engine):
-            ref = self.log_probs(engine, inputs, batch, device)
+        if self.cached_reference:
+            ref = cached_reference(batch, device)
+        else:
+            # The reference pass first, every rank alike: the same collective gathers in the same order.
+            with reference_model(engine):
+                ref = self.log_probs(engine, inputs, batch, device)
         policy = self.log_probs(engine, inputs, batch, device)
         return preference_loss(
             policy[0::2],

@@ -93,6 +93,15 @@ def run_job(recipe: Recipe) -> TrainResult:
     plan = plan_steps(len(loader.batch_sampler), t.gradient_accumulation_steps, t.epochs, t.max_steps)
     _say(batching.describe(plan, dist.world_size()))
     engine, quantization = start_engine(recipe, built, ds_config, plan)
+    if t.objective == "dpo" and not recipe.method.adapter():
+        # Full fine-tuning DPO: the initial model's log-probabilities, before any step or checkpoint load.
+        from lorakit.engine.dpo_reference import attach_reference
+
+        objective = make_objective(recipe, config)
+        data = attach_reference(
+            recipe, engine, built.inputs, objective, built.source, data, batching.eval_collator
+        )
+        loader = make_loader(data, batching, seed=t.seed)
     job = Job(
         recipe, run_dir, config, tokenizer, data, built, params, batching, plan, engine, quantization, log
     )

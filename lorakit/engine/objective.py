@@ -57,6 +57,11 @@ def make_objective(recipe, config) -> Objective:
         d = recipe.dpo
         encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
         return DpoObjective(
-            d.beta, d.loss, d.label_smoothing, encoder_decoder=encoder_decoder, simpo_gamma=d.simpo_gamma
+            d.beta,
+            d.loss,
+            d.label_smoothing,
+            encoder_decoder=encoder_decoder,
+            simpo_gamma=d.simpo_gamma,
+            cached_reference=not recipe.method.adapter(),
         )
     return SFT

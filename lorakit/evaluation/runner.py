@@ -44,12 +44,13 @@ def run_eval(
         # Preference pairs: the DPO loss, rewards, margin and accuracy (lorakit.engine.dpo), no generation.
         # Pairs are always scored padded (pair_collator), whatever collator the caller made for SFT rows.
         from lorakit.data.preference_batching import pair_collator
+        from lorakit.data.preference_reference import WithReference
         from lorakit.engine.dpo import evaluate_preferences
         from lorakit.engine.objective import make_objective
 
         config = getattr(engine, "module", engine).config
         batch_size = ev.micro_batch_size or recipe.train.micro_batch_size
-        pairs = pair_collator(tokenizer, config)
+        pairs = WithReference(pair_collator(tokenizer, config))
         objective = make_objective(recipe, config)
         return EvalOutcome(evaluate_preferences(engine, inputs, objective, data.eval, pairs, batch_size))
     generate = ev.generate if generate is None else generate

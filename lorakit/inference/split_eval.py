@@ -109,6 +109,10 @@ def evaluate(
     base, config = load_config(recipe)
     tokenizer = load_tokenizer(recipe, base)
     data = prepare_data(recipe, tokenizer, config)
+    if recipe.train.objective == "dpo" and not recipe.method.adapter():
+        from lorakit.engine.dpo_reference import reference_from_cache
+
+        data = reference_from_cache(recipe, base, data)
     _say(data.describe())
     if data.eval is None or len(data.eval) == 0:
         raise InferenceError(f"split {split_name!r}: no rows to evaluate", doc=EVALUATE_DOC)

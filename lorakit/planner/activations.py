@@ -38,7 +38,7 @@ gradients flowing through it), when DeepSpeed's gradient buffers are also alloca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lorakit.planner.arch import Arch
 
@@ -58,6 +58,9 @@ class Shape:
     sequence_parallel: int = 1
     # model.tiled_mlp: tokens per MLP tile (causal LMs); None: the MLP runs over the whole row.
     mlp_tile: int | None = None
+    # Encoder-decoders: decoder passes over one encoder output, all kept for one loss (DPO: chosen and
+    # rejected, 2).
+    decoder_passes: int = 1
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,9 @@ class Activations:
     peak: int
     # The part of one layer's activations that grows with the square of the sequence length.
     quadratic_per_layer: int
+    # A forward under no_grad over the same micro-batch (DPO's reference pass): its logits, one layer's
+    # working tensors and, for encoder-decoders, the encoder output. Nothing is kept from it.
+    no_grad_forward: int = 0
 
 
 def _math_kernel(k: Kernels, dropout: float) -> bool:
@@ -248,19 +254,22 @@ def _causal(arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing:
     head, logits = _head(arch, a, tokens)
     kept_layers = arch.layers * (tokens * a * arch.hidden if checkpointing else layer)
     working = _working(arch, a, tokens, tile)
-    return _finish(kept_layers, layer, outside, head, logits, quadratic, checkpointing, working)
+    act = _finish(kept_layers, layer, outside, head, logits, quadratic, checkpointing, working)
+    return replace(act, no_grad_forward=logits + working)
 
 
 def _seq2seq(arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing: bool) -> Activations:
     rows, src, tgt = shape.rows, shape.seq_len, shape.target_len or shape.seq_len
-    s_tok, t_tok = rows * src, rows * tgt
+    # Every decoder pass keeps its own activations (and logits) until the backward: count its tokens as
+    # decoder tokens; the decoder's attention spans stay those of one pass.
+    s_tok, t_tok = rows * src, rows * tgt * shape.decoder_passes
     # Packed rows with per-example attention: each example attends within itself.
     s_span = min(shape.example_len or src, src) if k.packed and k.attention != "eager" else src
     t_span = tgt if not (k.packed and k.attention != "eager") else max(1, round(tgt * s_span / src))
     score = _per_score(arch, k, a)
     h = arch.heads
     enc_q = rows * h * src * s_span * score
-    dec_q = rows * h * tgt * (t_span + s_span) * score
+    dec_q = shape.decoder_passes * rows * h * tgt * (t_span + s_span) * score
     sub = t5_self_attention(arch, method, a, k) + t5_ff(arch, method, a)
     enc = s_tok * sub + enc_q
     dec = t_tok * (sub + t5_cross_attention(arch, method, a, k, src, tgt)) + dec_q
@@ -280,7 +289,11 @@ def _seq2seq(arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing
         outside += h * (src * s_span + tgt * t_span) * a
     else:
         kept_layers = arch.layers * enc + arch.decoder_layers * dec
-    working = max(_working(arch, a, s_tok), _working(arch, a, t_tok))
-    return _finish(
-        kept_layers, max(enc, dec), outside, head, logits, max(enc_q, dec_q), checkpointing, working
-    )
+    # The backward recomputes (and the gradients flow through) one layer of one pass at a time.
+    passes = shape.decoder_passes
+    working = max(_working(arch, a, s_tok), _working(arch, a, t_tok // passes))
+    act = _finish(
+        kept_layers, max(enc, dec // passes), outside, head, logits, max(enc_q, dec_q // passes),
+        checkpointing, working,
+    )  # fmt: skip
+    return replace(act, no_grad_forward=logits + working + s_tok * a * arch.hidden)

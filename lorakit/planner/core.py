@@ -101,6 +101,7 @@ class Estimate:
                 "at_loss": a.at_loss,
                 "in_layers": a.in_layers,
                 "quadratic_per_layer": a.quadratic_per_layer,
+                "no_grad_forward": a.no_grad_forward,
             },  # fmt: skip
             "items": [
                 {
@@ -141,6 +142,8 @@ class MemoryPlan:
     sequence_parallel: int = 1
     # distributed.timeout_minutes: how long a collective waits for a stalled or dead rank (docs/faults.md).
     timeout_minutes: float | None = None
+    # train.objective: dpo micro-batches hold two sequences per pair and add a no-grad reference forward.
+    objective: str = "sft"
 
     @property
     def fits(self) -> bool | None:
@@ -187,6 +190,7 @@ class MemoryPlan:
             "longest_row": self.longest_row,
             "sequence_parallel": self.sequence_parallel,
             "timeout_minutes": self.timeout_minutes,
+            "objective": self.objective,
         }
 
     def describe(self) -> str:
@@ -293,6 +297,7 @@ def plan(
         longest_row=longest,
         sequence_parallel=shape.sequence_parallel,
         timeout_minutes=recipe.distributed.timeout_minutes,
+        objective=recipe.train.objective,
     )
 
 
@@ -325,6 +330,9 @@ def _shape(
     if attention == "flash_attention_2" and device == "cpu":
         raise PlanError("model.attention flash_attention_2 runs on GPUs only; plan with device='cuda'")
     kernels = Kernels(attention=attention, device=device, packed=packed)
+    if t.objective == "dpo":
+        shape, kernels, min_tokens = _dpo_shape(recipe, arch, seq_len, target_len, kernels, notes)
+        return shape, kernels, min_tokens
     if arch.is_encoder_decoder:
         src = _length(
             d.max_source_length, seq_len, arch.max_length, "data.max_source_length", "--seq-len", notes
@@ -356,6 +364,36 @@ def _shape(
         )
     notes.append("padded batches: planned every row at the full length (the longest row of a batch sets it)")
     return Shape(t.micro_batch_size, length, None), kernels, None
+
+
+def _dpo_shape(recipe, arch: Arch, seq_len, target_len, kernels: Kernels, notes: list):
+    """A DPO micro-batch: two sequences per pair (lorakit.data.preference_batching, preference_seq2seq).
+    Causal LMs: 2 x micro_batch_size rows (packed: a row of train.max_tokens, by default micro_batch_size x
+    2 x data.max_length); encoder-decoders: each prompt once, the decoder twice (chosen and rejected)."""
+    d, t = recipe.data, recipe.train
+    reference = (
+        "the initial model's log-probabilities of every pair, computed by a no-grad pass before training "
+        "and cached with the data (about 32 bytes of CPU RAM a pair per process: not counted here)"
+        if not recipe.method.adapter()
+        else "the reference pass: a no-grad forward with the adapter turned off before each policy forward"
+    )
+    notes.append(f"train.objective dpo: two sequences per pair in every micro-batch; {reference}")
+    if arch.is_encoder_decoder:
+        src = _length(
+            d.max_source_length, seq_len, arch.max_length, "data.max_source_length", "--seq-len", notes
+        )
+        tgt = _length(d.max_target_length, target_len, arch.max_length, "data.max_target_length", "--target-len",
+                      notes)  # fmt: skip
+        if kernels.packed:
+            rows_src = t.max_tokens or t.micro_batch_size * src
+            rows_tgt = t.max_target_tokens or max(tgt, round(rows_src * tgt / src))
+            return Shape(1, rows_src, rows_tgt, example_len=src, decoder_passes=2), kernels, src
+        return Shape(t.micro_batch_size, src, tgt, decoder_passes=2), kernels, None
+    length = _length(d.max_length, seq_len, arch.max_length, "data.max_length", "--seq-len", notes)
+    if kernels.packed:
+        row = t.max_tokens or t.micro_batch_size * 2 * length
+        return Shape(1, row, None, example_len=min(length, row)), kernels, min(length, row)
+    return Shape(2 * t.micro_batch_size, length, None), kernels, None
 
 
 def _variant(recipe, setup: Setup):
@@ -390,11 +428,12 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     )
     if setup.max_tokens:
         scale = setup.max_tokens / shape.seq_len
-        this = Shape(1, setup.max_tokens, round(shape.target_len * scale) if shape.target_len else None,
-                     shape.example_len, shape.sequence_parallel)  # fmt: skip
+        target = round(shape.target_len * scale) if shape.target_len else None
+        this = replace(shape, rows=1, seq_len=setup.max_tokens, target_len=target)
     else:
-        this = Shape(setup.micro_batch_size, shape.seq_len, shape.target_len, shape.example_len,
-                     shape.sequence_parallel)  # fmt: skip
+        # DPO: two sequences per pair (causal rows), or two decoder passes (encoder-decoders).
+        pairs = 2 if recipe.train.objective == "dpo" and not arch.is_encoder_decoder else 1
+        this = replace(shape, rows=pairs * setup.micro_batch_size)
     if not arch.is_encoder_decoder:
         this = replace(this, mlp_tile=planned_tile(recipe, this.seq_len, arch.hidden))
     act = activations(arch, recipe.method, a, kernels, this, setup.gradient_checkpointing)
@@ -405,10 +444,14 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     # Three moments: the start of the backward (the output head's gradients), the backward through the
     # layers (gradients, buckets, a recomputed layer), the optimizer step (fp32 gradients).
     gpu = {when: total("gpu", when) for when in ("resident", "forward", "backward", "gradients", "step")}
+    # DPO adds a no-grad forward (the reference pass, or full fine-tuning's pass before training), before
+    # anything of the micro-batch is kept: never above the training moments, but counted.
+    no_grad = act.no_grad_forward if recipe.train.objective == "dpo" else 0
     train = gpu["resident"] + max(
         gpu["forward"] + act.at_loss,
         gpu["forward"] + gpu["backward"] + gpu["gradients"] + act.in_layers,
         gpu["gradients"] + gpu["step"],
+        gpu["forward"] + no_grad,
     )
     allocated = max(train, total("gpu", "load"))
     overhead = int(CUDA_CONTEXT_BYTES + FRAGMENTATION * allocated) if kernels.device == "cuda" else 0

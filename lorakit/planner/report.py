@@ -51,11 +51,17 @@ def describe_estimate(e: Estimate, plan: MemoryPlan) -> list[str]:
     a = e.activations
     unit = "per GPU" if plan.device == "cuda" else "per process (CPU run)"
     rows = f"{e.shape.rows} x {e.shape.seq_len}" + (f" -> {e.shape.target_len}" if e.shape.target_len else "")
+    if e.shape.decoder_passes > 1:
+        rows += f" x {e.shape.decoder_passes} decoder passes"
     lines = [f"  setup: {e.setup.label()}  (micro-batch of {rows} tokens)", f"  {unit}:"]
     lines += _breakdown(e, "gpu")
     lines.append(f"    {'activations (peak of one micro-batch)':<46} {format_bytes(a.peak):>12}")
     lines.append(f"      kept for the backward {format_bytes(a.kept)}; output head {format_bytes(a.head)}"
                  + (f"; one recomputed layer {format_bytes(a.recompute)}" if a.recompute else ""))  # fmt: skip
+    if plan.objective == "dpo":
+        lines.append(
+            f"      DPO: two sequences per pair; the no-grad reference forward {format_bytes(a.no_grad_forward)}"
+        )
     lines.append(
         f"    {'= allocated peak (torch max_memory_allocated)':<46} {format_bytes(e.gpu_allocated):>12}"
     )

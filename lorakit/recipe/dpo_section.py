@@ -17,8 +17,9 @@ DPO_METRICS = ("rewards/chosen", "rewards/rejected", "margin", "accuracy")
 
 class DpoSection(Section):
     """Direct preference optimization (train.objective: dpo): the policy learns to prefer the chosen
-    response over the rejected one relative to a reference model, the base with the adapter turned off.
-    See docs/dpo.md."""
+    response over the rejected one relative to a reference model: the base with the adapter turned off,
+    or with method.kind full the initial model, its log-probabilities computed once before training and
+    cached with the dataset. See docs/dpo.md."""
 
     beta: float = Field(
         0.1,
@@ -85,11 +86,6 @@ def check_objective(recipe: Recipe) -> None:
             raise ValueError("the dpo section is read only with train.objective: dpo; set it or remove dpo")
         return
     method, data = recipe.method, recipe.data
-    if not method.adapter():
-        raise ValueError(
-            "train.objective dpo needs an adapter (method.kind lora, qlora or ia3): the reference model is "
-            "the base with the adapter turned off; full fine-tuning would need a second copy of the model"
-        )
     if method.lora() and method.init in ("pissa", "olora"):
         raise ValueError(
             f"method.init {method.init} rewrites the base weights, so the base with the adapter turned off is "

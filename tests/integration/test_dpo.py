@@ -1,11 +1,12 @@
 """DPO end to end on the builtin preference pairs: 2 processes on ZeRO-3 for a tiny Llama and a tiny T5
 (held-out preference accuracy from 50% to above 90%, the adapter merged and verified, generate and compare
-on the run), and a resumed DPO run identical to the uninterrupted one (1 process)."""
+on the run); full fine-tuning DPO on its cached reference, which learns and resumes identically (1 process)."""
 
 from __future__ import annotations
 
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +32,7 @@ def _recipe(cache_dir, out, kind: str, **sections):
             "prompt_template": "{input}\n",
             "max_samples": 160,
             "max_eval_samples": 32,
-            "packing": kind != "t5",
+            "packing": True,
             "max_source_length": "auto",
             "max_target_length": "auto",
         },
@@ -86,28 +87,45 @@ def test_dpo_zero3_two_processes_learns_the_preference_and_merges(cache_dir, tmp
 
 
 @pytest.mark.slow
-def test_dpo_resume_is_identical(cache_dir, tmp_path):
+def test_full_fine_tuning_dpo_learns_and_resumes_identically_on_the_cached_reference(cache_dir, tmp_path):
+    """method.kind full: the initial model's log-probabilities are computed once and cached with the data;
+    the held-out accuracy rises, a resumed run reuses the cache and repeats the uninterrupted one, and
+    lorakit.evaluate scores the finished run against the same cache."""
     recipe = _recipe(
         cache_dir,
         tmp_path / "run",
         "llama",
-        train={"max_steps": 4},
-        eval={"enabled": False, "every": None},
+        method={"kind": "full"},
+        train={"max_steps": 4, "lr": 1e-3},
+        eval={"every": 2},
         checkpoint={"every": 2, "keep": 2},
         distributed={"num_processes": 1, "zero_stage": 3},
     )
     whole = lorakit.train(recipe)
-    reference = [r for r in rundir.read_metrics(whole.run_dir) if r["kind"] == "train"]
-    adapter = (whole.run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
+    records = rundir.read_metrics(whole.run_dir)
+    reference = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    # The policy starts as its reference: ln 2 up to the float noise of packed (policy) vs padded (reference)
+    # rows.
+    assert reference[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert abs(reference[0]["margin"]) < 1e-3
+    assert [e["step"] for e in evals] == [2, 4] and evals[-1]["accuracy"] > 90, evals
+    weights = (whole.run_dir / "model" / "model.safetensors").read_bytes()
+    tables = list(Path(whole.summary["data"]["cache_dir"], "reference").iterdir())
+    assert len(tables) == 1
+    written = tables[0].stat().st_mtime_ns
     # As if the run had stopped after step 2's checkpoint.
     found = complete_checkpoints(whole.run_dir)
     assert [c.step for c in found] == [2, 4]
     shutil.rmtree(found[-1].path)
     resumed = lorakit.train(recipe)
     assert resumed.summary["resumed_from"]["step"] == 2
+    assert tables[0].stat().st_mtime_ns == written  # read, not computed again
     again = [r for r in rundir.read_metrics(resumed.run_dir) if r["kind"] == "train"]
     keys = ("step", "loss", "grad_norm", *DPO_METRICS)
     assert [r["step"] for r in again] == [1, 2, 3, 4]
     flat = [r[k] for r in again for k in keys]
     assert flat == pytest.approx([r[k] for r in reference for k in keys], abs=1e-6)
-    assert (resumed.run_dir / "adapter" / "adapter_model.safetensors").read_bytes() == adapter
+    assert (resumed.run_dir / "model" / "model.safetensors").read_bytes() == weights
+    scored = lorakit.evaluate(resumed.run_dir)
+    assert scored.metrics == pytest.approx({k: evals[-1][k] for k in ("loss", *DPO_METRICS)}, abs=1e-4)

@@ -46,7 +46,6 @@ GOOD = {"question": "Describe the scene: a man reading.", "chosen": "A man is re
     ("sections", "message"),
     [
         ({"method": {"init": "pissa"}}, "method.init pissa rewrites the base"),
-        ({"method": {"kind": "full"}}, "needs an adapter"),
         ({"eval": {"generate": True}, "data": {"eval_split": "auto"}}, "eval.generate"),
         ({"dpo": {"loss": "ipo", "label_smoothing": 0.1}}, "label_smoothing applies to loss sigmoid"),
         ({"data": {"train_on_inputs": True}}, "train_on_inputs"),
