@@ -16,9 +16,16 @@ from lorakit.data import PreparedData, prepare_data
 from lorakit.engine import dist
 from lorakit.engine.deepspeed_config import check_zero_plus_plus
 from lorakit.engine.job import TrainResult, accelerator_name
-from lorakit.engine.launch import launch_env, launched_distributed, process_group, torchrun_command
+from lorakit.engine.launch import (
+    launch_env,
+    launched_distributed,
+    process_group,
+    root_cause_line,
+    torchrun_command,
+)
 from lorakit.engine.signals import STOP_SIGNALS
 from lorakit.errors import (
+    CollectiveTimeoutError,
     DiskFullError,
     ExtensionLockError,
     LorakitError,
@@ -191,6 +198,10 @@ def record_failure(run_dir: Path, error: BaseException) -> None:
     else:
         code = error.exit_code if isinstance(error, LorakitError) else 1
         info = {"code": code, "error": "WorkerFailedError", "message": dist.describe_failure(error)}
+        # A collective a vanished peer left unfinished is no root cause: the launcher names the peer if it
+        # died without a record of its own (launch.root_cause_line), saying where this rank was stuck.
+        if isinstance(error, CollectiveTimeoutError):
+            info |= {"peer_lost": True, "rank": dist.rank(), "where": getattr(error, "lorakit_where", None)}
     with contextlib.suppress(OSError, DiskFullError):
         rundir.write_json(run_dir / EXIT, info)
 
@@ -213,16 +224,19 @@ def _launch_workers(recipe: Recipe, lock: runlock.RunLock) -> TrainResult:
     with tempfile.TemporaryDirectory(prefix="lorakit-") as tmp:
         resolved = Path(tmp) / "recipe.yaml"
         resolved.write_text(dump_recipe(recipe))
-        cmd = torchrun_command(recipe.distributed.num_processes, "lorakit.run", [str(resolved), "--worker"])
+        # torchrun through lorakit.engine.agent, which says how each failed rank ended (failures.json).
+        failures = Path(tmp) / "failures.json"
+        cmd = torchrun_command(n, "lorakit.run", [str(resolved), "--worker"], failures)
         # Child processes pick the work up from the cache this process just wrote; the lock token tells them
         # this process holds the run lock for them.
         returncode = _run_forwarding_signals(cmd, {**launch_env(), **lock.environment()}, lock.add_child)
-    _after_workers(run_dir, returncode)
+        _after_workers(run_dir, returncode, json.loads(failures.read_text()) if failures.is_file() else {})
     return TrainResult(run_dir, rundir.read_summary(run_dir))
 
 
-def _after_workers(run_dir: Path, returncode: int) -> None:
-    """Once torchrun has returned: re-raise a worker's failure in this process with its exit code. A rank
+def _after_workers(run_dir: Path, returncode: int, failures: dict | None = None) -> None:
+    """Once torchrun has returned: re-raise a worker's failure in this process with its exit code, or name
+    the rank that died without an error of its own (`failures`, lorakit.engine.agent's report). A rank
     that failed a checkpoint save removes its partial directory, but another rank may still have been writing
     into it; with every worker gone (and the lock still held) this process removes what is left."""
     if returncode == 0:
@@ -230,7 +244,7 @@ def _after_workers(run_dir: Path, returncode: int) -> None:
     from lorakit.engine.checkpoint import remove_partial_saves
 
     remove_partial_saves(run_dir)
-    _raise_worker_exit(run_dir)
+    _raise_worker_exit(run_dir, failures or {})
     raise RuntimeError(f"training failed in a worker process (exit code {returncode}); see the log above")
 
 
@@ -262,16 +276,20 @@ def _run_forwarding_signals(cmd: list[str], env: dict[str, str], started=None) -
             signal.signal(sig, handler)
 
 
-def _raise_worker_exit(run_dir: Path) -> None:
+def _raise_worker_exit(run_dir: Path, failures: dict) -> None:
     """Re-raise, in the launching process, a worker's preemption, divergence, full disk or failure with its
-    exit code (a failure as the one line its rank recorded)."""
+    exit code (a failure as the one line its rank recorded), or name a rank that died without an error of
+    its own (killed by a signal: exit code 1 for the run)."""
     from lorakit.engine.job import EXIT
     from lorakit.engine.loop import Preempted, TrainingDiverged
 
     path = run_dir / EXIT
-    if not path.is_file():
+    info = json.loads(path.read_text()) if path.is_file() else None
+    died = root_cause_line(info, failures)
+    if died is not None:
+        raise WorkerFailedError(died, doc="docs/faults.md#a-rank-that-dies")
+    if info is None:
         return
-    info = json.loads(path.read_text())
     kinds = {"Preempted": Preempted, "TrainingDiverged": TrainingDiverged, "DiskFullError": DiskFullError}
     kinds["PublishError"] = PublishError
     if info.get("error") in kinds:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 from lorakit.cli import quiet_libraries, recipe_parser, run_cli
 
@@ -48,13 +49,32 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name + ':':<10}{' '.join(str(x) for x in (place, failed) if x)}")
         return 0
 
-    code = run_cli(body)
-    from lorakit.engine import dist
+    def reporting() -> int:
+        try:
+            return body()
+        except Exception as e:
+            # Under torchrun: this rank stopped on an error of its own, unlike one that died without one.
+            from lorakit.engine.launch import report_to_agent
 
-    if dist.group_broken() or (code != 0 and dist.initialized()):
-        # A peer vanished mid-collective, or a failing run's peers may already be gone (a run-lock refusal
-        # under a foreign launcher): gloo's teardown of such a group can abort (SIGABRT, "terminate called
-        # without an active exception") and replace this exit code; the error is already printed and recorded.
+            report_to_agent(e)
+            raise
+
+    from lorakit.engine import dist
+    from lorakit.engine.launch import launched_distributed
+
+    try:
+        code = run_cli(reporting)
+    except Exception:
+        if not launched_distributed():
+            raise
+        traceback.print_exc()  # the root cause's traceback, as Python prints it
+        code = 1
+    if dist.group_broken() or (code != 0 and (launched_distributed() or dist.initialized())):
+        # A failed rank of a group ends now, its error printed and recorded. Its peers may be waiting in a
+        # collective until its connections close, and Python's teardown of a training process (garbage
+        # collection over every library's objects) takes seconds, on a loaded machine half a minute; where a
+        # peer vanished mid-collective, gloo's teardown of the group can even abort (SIGABRT, "terminate
+        # called without an active exception") and replace this exit code.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -102,11 +102,17 @@ def phase(name: str, step: int | Callable[[], int] | None = None) -> Iterator[No
             e.lorakit_where = where()
         if collective_failure(e):
             _BROKEN[0] = True
-            raise CollectiveTimeoutError(
+            stopped = CollectiveTimeoutError(
                 f"rank {rank()} stopped during {e.lorakit_where}: a collective did not complete "
                 f"({_first_line(e)}); another rank failed (its error comes first) or stalled longer than "
                 "distributed.timeout_minutes"
-            ) from e
+            )
+            stopped.lorakit_where = e.lorakit_where
+            # On record at once, with where this rank was stuck: under torchrun the agent, which saw the
+            # peer die, ends this process soon, and a peer that died without a word (SIGKILL) has only this
+            # record to say where the run was (launch.root_cause_line).
+            _record(stopped)
+            raise stopped from e
         raise
     finally:
         _PHASE[:] = previous

@@ -9,6 +9,8 @@ import os
 import socket
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -134,12 +136,17 @@ def launch_env() -> dict[str, str]:
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def torchrun_command(num_processes: int, module: str, args: list[str]) -> list[str]:
-    """The command that runs `python -m module args` on `num_processes` local processes."""
+def torchrun_command(
+    num_processes: int, module: str, args: list[str], failures: Path | None = None
+) -> list[str]:
+    """The command that runs `python -m module args` on `num_processes` local processes; with `failures`,
+    through lorakit.engine.agent, which writes there how each failed rank ended (root_cause_line)."""
+    runner = (
+        ["-m", "torch.distributed.run"] if failures is None else ["-m", "lorakit.engine.agent", str(failures)]
+    )
     return [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
+        *runner,
         f"--nproc_per_node={num_processes}",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
@@ -147,3 +154,40 @@ def torchrun_command(num_processes: int, module: str, args: list[str]) -> list[s
         module,
         *args,
     ]
+
+
+def report_to_agent(error: BaseException) -> None:
+    """Under torchrun, leave `error` in this worker's error file (TORCHELASTIC_ERROR_FILE, torch's
+    ErrorHandler): the agent then knows the rank stopped on an error of its own, unlike one that died
+    without one (a signal, os._exit). Call it in the `except` block that caught `error`."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    with contextlib.suppress(Exception):
+        ErrorHandler().record_exception(error)
+
+
+def root_cause_line(recorded: dict[str, Any] | None, failures: dict[str, dict[str, Any]]) -> str | None:
+    """The line naming a rank that died without an error of its own (`failures`: lorakit.engine.agent's
+    report; unreported ranks), when what the workers recorded (`recorded`: exit.json, or None) is no root
+    cause but a survivor's collective that the dead rank left unfinished; None when the record is the
+    root cause or no rank died so. The survivor's record says where it was stuck: the dead rank's phase."""
+    if recorded is not None and not recorded.get("peer_lost"):
+        return None
+    survivor = None if recorded is None else recorded.get("rank")
+    dead = [(int(r), f) for r, f in failures.items() if not f.get("reported") and int(r) != survivor]
+    if not dead:
+        return None
+    # The first to end; at the same second, a signal before an exit code (an abort that followed it).
+    rank, how = min(dead, key=lambda d: (d[1].get("timestamp", 0), d[1]["exitcode"] >= 0, d[0]))
+    code = how["exitcode"]
+    if code < 0:
+        line = f"rank {rank} was killed by {how.get('signal') or 'a signal'} (signal {-code})"
+    else:
+        line = f"rank {rank} exited with code {code} (no error of its own)"
+    if recorded is not None and recorded.get("where"):
+        line += f" during {recorded['where']}"
+    if survivor is not None:
+        line += f"; rank {survivor} stopped with it"
+    return line

@@ -1,100 +1,158 @@
-"""One rank of a 2-process gloo group (no DeepSpeed, no model) that injects failures into the shapes of
-lorakit's phases and records what every rank saw; launched by test_faults.py as plain processes (as srun
-or pdsh start them: no agent that stops the other ranks when one fails).
+"""One rank of a 2-process group that runs lorakit's real training job once per row of docs/faults.md, with
+a failure injected on one rank into the work of that row's phase (tests/fault_injection.py), and records
+what every rank saw. Launched by test_faults.py as plain processes (as srun or pdsh start them: no agent
+that stops the other ranks when one fails).
 
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python fault_harness_worker.py MODE OUT
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python fault_harness_worker.py FAILING CACHE OUT
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python fault_harness_worker.py stall OUT
 
-MODE agree: every (phase, failing rank) row of FAULT_ROWS in turn, each in the shape lorakit runs it (rank-0
-work through dist.on_main, every rank's own work through dist.on_every_rank); writes OUT/rank-r.json.
-MODE raise-R: rank R raises in the first step's forward and exits; the other waits in the step's all-reduce.
-MODE kill-R: rank R SIGKILLs itself in the first step's forward; the other waits in the step's all-reduce.
-MODE stall: rank 1 stalls for 6 s, past the group's timeout (3 s); rank 0 waits in the step's all-reduce.
+The group is lorakit's own (launch.process_group: DeepSpeed over gloo); each row is one job as a worker of
+`python -m lorakit.run` runs it (api._train_in_group: run_job recording exit.json), with its own run
+directory, so the failure travels the job's real call sites, phase labels and agreements. An agreement
+leaves the group working, so the rows share it; each row ends with an all_reduce that proves no rank was
+left in a collective. The last row, an exception in a step's work (outside any agreement), ends the
+processes as in a real run: the failing rank leaves, the other learns it in the step's collective.
+
+Writes OUT/rank-r.json: per row [phase, kind, message, seconds from the failure until this rank stopped,
+after], `after` on rank 0 being what the launcher would end with (its line and exit code, from exit.json)
+and the run's checkpoints.
+
+`stall`: a plain gloo group whose timeout is 3 s (a real job's waits between ranks could pass that on a
+loaded machine); in step 1 (lorakit's phase label), rank 1 stalls for 6 s while rank 0 waits in the step's
+all_reduce. Writes OUT/rank-0.json: [kind, message, seconds].
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 
-# (phase, failing rank, how lorakit runs the phase): the rows of docs/faults.md that are agreements.
-FAULT_ROWS = [
-    ("load", 0, "every"),
-    ("load", 1, "every"),
-    ("prepare", 0, "main"),
-    ("prepare", 1, "every"),
-    ("tracker start", 0, "main"),
-    ("eval write", 0, "main"),
-    ("checkpoint save", 0, "every"),
-    ("checkpoint save", 1, "every"),
-    ("checkpoint save", 0, "main"),
-    ("adapter save", 0, "main"),
-]
+# Rows by failing rank: (phase, which call of its work fails); the last row of each is "step". Rank 1 does
+# none of rank 0's own work: in the RANK0_WORK row all of it fails on rank 1, and the job completes.
+RANK0_WORK = "rank 0's work"
+RANK0_PHASES = ("tracker start", "eval write", "checkpoint publish", "adapter save", "summary")
+ROWS = {
+    0: [
+        ("load", 1),
+        ("prepare", 1),
+        ("tracker start", 1),
+        ("eval write", 1),
+        ("checkpoint save", 2),
+        ("checkpoint publish", 2),
+        ("adapter save", 1),
+        ("summary", 1),
+        ("step", 1),
+    ],
+    1: [("load", 1), ("prepare", 1), ("checkpoint save", 2), (RANK0_WORK, 1), ("step", 1)],
+}
 
 
-class Injected(RuntimeError):
-    """The injected failure."""
+def recipe_for(cache: Path, run_dir: Path):
+    """2 steps, a checkpoint after each, an evaluation (loss only) after the last: every phase once."""
+    from lorakit.recipe import recipe_from_dict
+    from tests.conftest import tiny_recipe_dict
+
+    raw = tiny_recipe_dict(
+        cache,
+        run_dir,
+        train={"max_steps": 2, "micro_batch_size": 4},
+        distributed={"num_processes": 2, "zero_stage": 0, "timeout_minutes": 10},
+        eval={"generate": False},
+        checkpoint={"every": 1, "keep": 3},
+    )
+    return recipe_from_dict(raw)
 
 
-def main(mode: str, out: Path) -> None:
+def launcher_outcome(run_dir: Path) -> list:
+    """What `python -m lorakit.run` ends with after this row: its line and exit code (from exit.json; both
+    ranks stopped on an error of their own, so both reported it to torchrun's agent)."""
+    from lorakit import api
+    from lorakit.errors import WorkerFailedError
+
+    reported = {str(r): {"exitcode": 1, "reported": True} for r in (0, 1)}
+    try:
+        api._raise_worker_exit(run_dir, reported)
+    except WorkerFailedError as e:
+        return [str(e), e.exit_code]
+    return ["no exit.json", None]
+
+
+def main(failing: int, cache: Path, out: Path) -> None:
+    from lorakit import api
+    from lorakit.engine import dist
+    from lorakit.engine.checkpoint import complete_checkpoints
+    from lorakit.engine.launch import process_group
+    from tests.fault_injection import inject
+
+    results = []
+
+    def save() -> None:
+        (out / f"rank-{dist.rank()}.json").write_text(json.dumps(results))
+
+    with process_group("gloo", timeout_minutes=10):
+        me = dist.rank()
+        for phase, nth in ROWS[failing]:
+            run_dir = out / phase.replace(" ", "-").replace("'", "")
+            stamp = out / f"{run_dir.name}.failed-at"
+            phases = RANK0_PHASES if phase == RANK0_WORK else (phase,)
+            undo = [inject(p, nth, stamp=str(stamp)) for p in phases] if me == failing else []
+            try:
+                api._train_in_group(recipe_for(cache, run_dir), lock_on_rank0=False)
+                outcome = ["ok", ""]
+            except Exception as e:
+                outcome = [type(e).__name__, str(e)]
+            finally:
+                for u in undo:
+                    u()
+            # Seconds from the injected failure (on whichever rank) until this rank stopped.
+            took = time.time() - float(stamp.read_text()) if stamp.exists() else None
+            results.append([phase, *outcome, took, None])
+            if phase == "step":
+                break
+            # Every rank is past the row, none left in a collective: the group still works.
+            (total,) = dist.all_reduce([1.0])
+            after = {"group": total}
+            if me == 0:
+                ckpts = run_dir / "checkpoints"
+                after["launcher"] = launcher_outcome(run_dir)
+                after["complete"] = [c.step for c in complete_checkpoints(run_dir)]
+                after["entries"] = sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else []
+            results[-1][-1] = after
+            save()
+        if me == 0:
+            results[-1][-1] = {"launcher": launcher_outcome(out / "step")}
+        save()
+        # As lorakit.run ends a failed rank of a group: at once (no teardown of the group or of Python).
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def stall(out: Path) -> None:
+    import datetime
+
     import torch.distributed as torch_dist
 
     from lorakit.engine import dist
 
     torch_dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
-    me = dist.rank()
-    results = []
-    if mode == "agree":
-        for step, (name, failing, shape) in enumerate(FAULT_ROWS, start=1):
-
-            def work(name=name, failing=failing):
-                if dist.rank() == failing:
-                    raise Injected(f"injected in {name}")
-                return "done"
-
-            start = time.monotonic()
-            try:
-                with dist.phase("training", step):
-                    if shape == "main":
-                        dist.on_main(name, work, at=step)
-                    else:
-                        dist.on_every_rank(name, work, at=step)
-                outcome = ["ok", ""]
-            except Exception as e:
-                outcome = [type(e).__name__, str(e)]
-            results.append([name, failing, *outcome, time.monotonic() - start])
-        # The group still works after every row: all ranks agreed and none is left in a collective.
-        (total,) = dist.all_reduce([1.0])
-        results.append(["after", -1, "ok", str(total), 0.0])
-    else:
-        action, _, failing = mode.partition("-")
-        start = time.monotonic()
-        try:
-            with dist.phase("training", 1):
-                if me == int(failing or 1):
-                    if action == "raise":
-                        raise Injected("injected in the first step")
-                    if action == "kill":
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    time.sleep(6)
-                dist.all_reduce([1.0])
-            outcome = ["ok", ""]
-        except Injected:
-            sys.exit(1)
-        except Exception as e:
-            outcome = [type(e).__name__, str(e)]
-        results.append(["first step", 1, *outcome, time.monotonic() - start])
-    (out / f"rank-{me}.json").write_text(json.dumps(results))
-    if dist.group_broken():
-        os._exit(0)  # as lorakit.run does: gloo's teardown of a group with a vanished peer aborts
-    # As launch.process_group ends a job: every rank still there, then the group is torn down.
-    torch_dist.barrier()
-    torch_dist.destroy_process_group()
+    start = time.monotonic()
+    try:
+        with dist.phase("training", 1):
+            if dist.rank() == 1:
+                time.sleep(6)
+            dist.all_reduce([1.0])
+        outcome = ["ok", ""]
+    except Exception as e:
+        outcome = [type(e).__name__, str(e)]
+    (out / f"rank-{dist.rank()}.json").write_text(json.dumps([*outcome, time.monotonic() - start]))
+    os._exit(0)  # as lorakit.run does: gloo's teardown of a group with a vanished peer aborts
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    if sys.argv[1] == "stall":
+        stall(Path(sys.argv[2]))
+    else:
+        main(int(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))

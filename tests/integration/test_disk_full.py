@@ -29,48 +29,55 @@ WRITERS = {
 }
 
 
-def _recipe(cache_dir: Path, tmp_path: Path, merge: bool) -> Path:
+def _recipe(cache_dir: Path, tmp_path: Path) -> Path:
     raw = tiny_recipe_dict(
         cache_dir,
         tmp_path / "run",
         train={"max_steps": 4},
         eval={"enabled": False},
         checkpoint={"every": 2, "keep": 3},
-        output={"dir": str(tmp_path / "run"), "merge": merge},
+        output={"dir": str(tmp_path / "run"), "merge": True},
     )
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
 
 
-@pytest.mark.parametrize("writer", list(WRITERS))
-def test_a_full_disk_while_writing_exits_74_and_the_relaunch_resumes(writer, cache_dir, tmp_path):
-    pattern, what, final = WRITERS[writer]
+def test_a_full_disk_while_writing_exits_74_and_the_relaunch_resumes(cache_dir, tmp_path):
+    """Each writer in turn, in the order a run writes them: each launch resumes what the previous one left
+    (from its last complete checkpoint) and runs out of space in the next writer; the last one finishes."""
     run = tmp_path / "run"
-    recipe = _recipe(cache_dir, tmp_path, merge=writer == "merged")
-
-    failed = launch(recipe, fault=f"enospc:{pattern}")
-    assert failed.returncode == 74, failed.stderr[-5000:]
-    assert f"error: no space left on the device while writing {what} ({run / final})" in failed.stderr
-    doc = "docs/merge.md#atomic-output" if writer == "merged" else "docs/resume.md#a-full-disk"
-    assert failed.stderr.rstrip().endswith(f"see {doc}")
-    assert "Traceback" not in failed.stderr
-    # Nothing under the final name, no partial leftovers beside it, and the lock is released.
-    assert not (run / final).exists()
-    leftovers = [p.name for p in run.rglob(".*")]
-    assert leftovers == [], leftovers
-    assert not (run / LOCK).exists()
-    expected = [2] if writer == "checkpoint" else [2, 4]
-    assert [c.step for c in complete_checkpoints(run)] == expected
-    if writer == "merged":
-        # Training finished and was recorded; only the export is missing.
-        assert rundir.read_summary(run)["merged_dir"] is None
+    recipe = _recipe(cache_dir, tmp_path)
+    resumes = None  # the checkpoint the next launch resumes from
+    for writer, (pattern, what, final) in WRITERS.items():
+        failed = launch(recipe, fault=f"enospc:{pattern}")
+        assert failed.returncode == 74, failed.stderr[-5000:]
+        assert f"error: no space left on the device while writing {what} ({run / final})" in failed.stderr
+        doc = "docs/merge.md#atomic-output" if writer == "merged" else "docs/resume.md#a-full-disk"
+        assert failed.stderr.rstrip().endswith(f"see {doc}")
+        assert "Traceback" not in failed.stderr
+        # Nothing under the final name, no partial leftovers beside it, and the lock is released.
+        assert not (run / final).exists()
+        leftovers = [p.name for p in run.rglob(".*")]
+        assert leftovers == [], leftovers
+        assert not (run / LOCK).exists()
+        expected = [2] if writer == "checkpoint" else [2, 4]
+        assert [c.step for c in complete_checkpoints(run)] == expected
+        # This launch resumed from where the previous one's full disk left the run, and got past its writer.
+        if resumes is not None:
+            resumed_from = (run / "checkpoints" / f"step-{resumes:08d}").resolve()
+            assert f"resuming from {resumed_from} " in failed.stdout + failed.stderr
+        if writer in ("summary", "merged"):
+            assert (run / "adapter" / "adapter_model.safetensors").is_file()
+        if writer == "merged":
+            # Training finished and was recorded; only the export is missing.
+            assert rundir.read_summary(run)["merged_dir"] is None
+        resumes = expected[-1]
 
     resumed = launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     summary = rundir.read_summary(run)
-    assert summary["resumed_from"]["step"] == expected[-1] and summary["steps"] == 4
+    assert summary["resumed_from"]["step"] == 4 and summary["steps"] == 4
     assert sorted(r["step"] for r in rundir.read_metrics(run) if r["kind"] == "train") == [1, 2, 3, 4]
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
-    if writer == "merged":
-        assert summary["merged_dir"] == str(run / "merged") and (run / "merged" / "config.json").is_file()
+    assert summary["merged_dir"] == str(run / "merged") and (run / "merged" / "config.json").is_file()

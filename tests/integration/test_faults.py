@@ -1,8 +1,9 @@
 """No hang, ever (docs/faults.md): a failure on any rank ends every rank quickly, with one root cause.
 
-The agreement rows run in a light 2-process gloo group (fault_harness_worker.py, no DeepSpeed, no model),
-started as plain processes the way srun or pdsh start them; the rows that need the real job run the tiny
-T5 on 2 processes under lorakit's launcher.
+The rows of an exception in one phase on one rank run lorakit's real training job in a 2-process group
+started as plain processes, the way srun or pdsh start them (fault_harness_worker.py: one job per row, the
+failure injected into that phase's work by tests/fault_injection.py); the rows that need the launcher run
+the tiny T5 on 2 processes under `python -m lorakit.run` (faults/sitecustomize.py injects there).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,78 +21,140 @@ import yaml
 
 from lorakit import rundir
 from lorakit.engine.checkpoint import complete_checkpoints
-from lorakit.engine.launch import free_port
+from lorakit.engine.launch import free_port, launch_env
 from tests.conftest import ROOT, tiny_recipe_dict
-from tests.integration.fault_harness_worker import FAULT_ROWS
+from tests.integration.fault_harness_worker import RANK0_WORK, ROWS
 from tests.process_groups import finish_group, start_group
 
 WORKER = Path(__file__).with_name("fault_harness_worker.py")
 
 
-def _harness(mode: str, out: Path, timeout: float = 60) -> tuple[list[list], list[list], list[int], float]:
-    """Run the harness on 2 plain processes; returns each rank's rows, their exit codes and the seconds
-    until both were gone."""
-    out.mkdir(parents=True, exist_ok=True)
+def _start_harness(args: list[str]) -> list[subprocess.Popen]:
+    """The harness on 2 plain processes (RANK, WORLD_SIZE and the rendezvous in their environment)."""
     port = str(free_port())
-    start = time.monotonic()
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
-        env.update(MASTER_PORT=port, LOCAL_RANK=str(rank), PYTHONPATH=str(ROOT))
-        procs.append(start_group([sys.executable, str(WORKER), mode, str(out)], env, ROOT, merge_stderr=True))
-    done = [finish_group(p, timeout) for p in procs]
-    seconds = time.monotonic() - start
+        env = {**launch_env(), "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+        env.update(MASTER_PORT=port, LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", PYTHONPATH=str(ROOT))
+        procs.append(start_group([sys.executable, str(WORKER), *args], env, ROOT, merge_stderr=True))
+    return procs
+
+
+def _finish(
+    procs: list[subprocess.Popen], timeout: float = 600
+) -> list[tuple[subprocess.CompletedProcess, float]]:
+    """Wait for every process (its group killed past `timeout`); each one's outputs and when it ended."""
+    ended = {}
+
+    def finish(p: subprocess.Popen) -> None:
+        ended[p.pid] = (finish_group(p, timeout), time.time())
+
+    threads = [threading.Thread(target=finish, args=(p,)) for p in procs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [ended[p.pid] for p in procs]
+
+
+def _rows(out: Path, done: list[tuple[subprocess.CompletedProcess, float]]) -> list[list]:
+    """What each rank of a harness launch wrote (its output when it wrote nothing)."""
     rows = [
         json.loads(p.read_text()) if p.exists() else [] for p in (out / "rank-0.json", out / "rank-1.json")
     ]
-    return rows[0], rows[1], [d.returncode for d in done], seconds
+    for (d, _), r in zip(done, rows, strict=True):
+        assert r, d.stdout[-5000:]
+    return rows
 
 
 @pytest.fixture(scope="module")
-def agreement(tmp_path_factory):
-    return _harness("agree", tmp_path_factory.mktemp("agree"))
+def harness(cache_dir, tmp_path_factory):
+    """Both harness launches (rank 0 failing, rank 1 failing), at once; per launch: each rank's rows, the
+    exit codes, and the seconds from the last row's failure until both processes were gone."""
+    outs = {f: tmp_path_factory.mktemp(f"rank{f}-fails") for f in ROWS}
+    procs = [p for f in ROWS for p in _start_harness([str(f), str(cache_dir), str(outs[f])])]
+    done = _finish(procs)
+    results = {}
+    for f in ROWS:
+        mine = done[2 * f : 2 * f + 2]
+        gone = max(t for _, t in mine) - float((outs[f] / "step.failed-at").read_text())
+        results[f] = (_rows(outs[f], mine), [d.returncode for d, _ in mine], gone)
+    return results
 
 
-@pytest.mark.parametrize("row", range(len(FAULT_ROWS)), ids=[f"{n}-rank{r}-{s}" for n, r, s in FAULT_ROWS])
-def test_an_error_on_one_rank_stops_every_rank_at_the_agreement(agreement, row):
-    rank0, rank1, codes, seconds = agreement
-    name, failing, _ = FAULT_ROWS[row]
-    assert codes == [0, 0] and seconds < 60
-    step = row + 1
+# The phase label each row's error names (the step where the job does that work: 2 steps, a checkpoint
+# after each, an evaluation after the last).
+WHERE = {
+    "load": "load",
+    "prepare": "prepare",
+    "tracker start": "tracker start",
+    "eval write": "eval write at step 2",
+    "checkpoint save": "checkpoint save at step 2",
+    "checkpoint publish": "checkpoint save at step 2",
+    "adapter save": "adapter save at step 2",
+    "summary": "summary",
+}
+# The complete checkpoints the failure leaves (the newest is what a relaunch resumes from).
+COMPLETE = {"eval write": [1], "checkpoint save": [1], "checkpoint publish": [1], "adapter save": [1, 2]}
+COMPLETE["summary"] = [1, 2]
+AGREED = [(f, i) for f, rows in ROWS.items() for i in range(len(rows) - 1) if rows[i][0] != RANK0_WORK]
+
+
+@pytest.mark.parametrize(("failing", "row"), AGREED, ids=[f"{ROWS[f][i][0]}-rank{f}" for f, i in AGREED])
+def test_an_error_on_one_rank_stops_every_rank_at_the_agreement(harness, failing, row):
+    (rank0, rank1), _, _ = harness[failing]
+    phase = ROWS[failing][row][0]
+    cause = f"rank {failing} failed during {WHERE[phase]}: RuntimeError: injected in {phase}"
     for rank, rows in ((0, rank0), (1, rank1)):
-        got_name, got_failing, kind, message, took = rows[row]
-        assert (got_name, got_failing) == (name, failing)
-        assert took < 10
+        got_phase, kind, message, took, after = rows[row]
+        assert got_phase == phase and took < 60
         if rank == failing:
             # The failing rank raises its own error, the root cause.
-            assert (kind, message) == ("Injected", f"injected in {name}")
+            assert (kind, message) == ("RuntimeError", f"injected in {phase}")
         else:
             # The others learn it at the agreement: one line naming the rank, the phase, the step, the error.
-            assert kind == "RankFailedError"
-            assert message == (
-                f"rank {failing} failed during {name} at step {step}: Injected: injected in {name}; "
-                f"rank {rank} stopped with it"
-            )
-    # No rank was left in a collective: the group still works after every row.
-    assert rank0[-1][2:4] == rank1[-1][2:4] == ["ok", "2.0"]
+            assert (kind, message) == ("RankFailedError", f"{cause}; rank {rank} stopped with it")
+        # No rank was left in a collective: the group still works after the row.
+        assert after["group"] == 2.0
+    after = rank0[row][-1]
+    # The launcher ends with the root cause, exit code 1; what was complete before stays complete, and a
+    # failed save leaves nothing half-written behind.
+    assert after["launcher"] == [cause, 1]
+    complete = COMPLETE.get(phase, [])
+    assert after["complete"] == complete
+    assert after["entries"] == [f"step-{s:08d}" for s in complete]
 
 
-@pytest.mark.parametrize(("mode", "failing", "code"), [("raise", 0, 1), ("raise", 1, 1), ("kill", 1, -9)])
-def test_a_rank_that_dies_mid_step_ends_the_other_with_the_phase_and_step(tmp_path, mode, failing, code):
-    rows = _harness(f"{mode}-{failing}", tmp_path)
-    codes, seconds = rows[2], rows[3]
+def test_rank_1_does_none_of_rank_0s_work(harness):
+    """Every piece of rank 0's own work (RANK0_PHASES) fails on rank 1, and the job completes."""
+    (rank0, rank1), _, _ = harness[1]
+    row = [r[0] for r in rank1].index(RANK0_WORK)
+    assert rank0[row][1:4] == rank1[row][1:4] == ["ok", "", None]
+    after = rank0[row][-1]
+    assert after["launcher"] == ["no exit.json", None] and after["complete"] == [1, 2]
+
+
+@pytest.mark.parametrize("failing", list(ROWS))
+def test_an_error_in_a_step_ends_the_other_rank_with_the_phase_and_step(harness, failing):
+    rows, codes, gone = harness[failing]
     other = 1 - failing
-    assert codes[failing] == code and codes[other] == 0 and seconds < 60 and rows[failing] == []
-    kind, message = rows[other][0][2:4]
-    assert kind == "CollectiveTimeoutError"
+    # Both processes end within a minute of the failure, with the exit code of lorakit.run.
+    assert codes == [1, 1] and gone < 60
+    assert rows[failing][-1][:3] == ["step", "RuntimeError", "injected in step"]
+    phase, kind, message, took, _ = rows[other][-1]
+    assert (phase, kind) == ("step", "CollectiveTimeoutError") and took < 60
     assert message.startswith(
         f"rank {other} stopped during training at step 1: a collective did not complete"
     )
+    assert rows[0][-1][-1]["launcher"] == [
+        f"rank {failing} failed during training at step 1: RuntimeError: injected in step",
+        1,
+    ]
 
 
 def test_a_stalled_rank_is_an_error_after_the_group_timeout(tmp_path):
-    rank0, _, codes, seconds = _harness("stall", tmp_path)
-    kind, message, took = rank0[0][2:5]
+    rank0, _ = _rows(tmp_path, _finish(_start_harness(["stall", str(tmp_path)]), 60))
+    kind, message, took = rank0
     assert kind == "CollectiveTimeoutError"
     assert message.startswith("rank 0 stopped during training at step 1: a collective did not complete")
     assert "distributed.timeout_minutes" in message
@@ -133,19 +197,24 @@ def _launch(recipe: Path, **env: str) -> tuple[subprocess.CompletedProcess, floa
 
 
 @pytest.mark.slow
-def test_a_failed_checkpoint_part_ends_the_run_and_a_resume_survives_dead_trackers(cache_dir, tmp_path):
+def test_a_killed_rank_is_named_by_the_launcher_and_a_resume_survives_dead_trackers(cache_dir, tmp_path):
     run = tmp_path / "run"
-    stamp = tmp_path / "failed-at"
+    stamp = tmp_path / "killed-at"
     recipe = _run_recipe(cache_dir, run, tmp_path / "recipe.yaml", report_to=[])
-    # Rank 1 fails writing its part of step 2's checkpoint; rank 0 wrote its own part.
-    failed, ended, gone = _launch(recipe, LORAKIT_RAISE="checkpoint save@1:2", LORAKIT_FAULT_STAMP=str(stamp))
+    # Rank 1 is SIGKILLed (as the out-of-memory killer does) as its step 2 starts; rank 0 is then in step
+    # 2's first collective, or about to enter it.
+    failed, ended, gone = _launch(
+        recipe, LORAKIT_RAISE="step@1:2", LORAKIT_RAISE_AS="SIGKILL", LORAKIT_FAULT_STAMP=str(stamp)
+    )
     assert failed.returncode == 1, failed.stderr[-3000:]
     assert gone and ended - float(stamp.read_text()) < 60
     lines = [line for line in failed.stderr.splitlines() if line.strip()]
-    root_cause = "rank 1 failed during checkpoint save at step 2: RuntimeError: injected in checkpoint save"
-    assert lines[-2:] == [f"error: {root_cause}", "see docs/faults.md#what-a-failed-rank-does"]
-    assert failed.stderr.count(root_cause) <= 3  # the launcher's line, rank 1's traceback, rank 0's line
-    # No rank removed what another was writing; the previous checkpoint is complete, nothing half-written.
+    # The run ends with the root cause, the rank that died and how, not with the survivor's collective.
+    assert lines[-2:] == [
+        "error: rank 1 was killed by SIGKILL (signal 9) during training at step 2; rank 0 stopped with it",
+        "see docs/faults.md#a-rank-that-dies",
+    ], failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr and "ChildFailedError" not in failed.stderr
     assert [c.step for c in complete_checkpoints(run)] == [1]
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000001"]
 

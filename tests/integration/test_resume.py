@@ -124,7 +124,13 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_the_relaunch_resumes(reference,
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(reference, cache_dir, tmp_path):
     recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
     crashed = launch(recipe, fault="crash-save:4")
-    assert crashed.returncode != 0
+    assert crashed.returncode == 1, crashed.stderr[-5000:]
+    # The launcher names the rank that ended without an error of its own, and where the run was.
+    assert crashed.stderr.rstrip().splitlines()[-2:] == [
+        "error: rank 0 exited with code 9 (no error of its own) during checkpoint save at step 4; rank 1 "
+        "stopped with it",
+        "see docs/faults.md#a-rank-that-dies",
+    ]
     root = tmp_path / "run" / "checkpoints"
     # Step 2 is intact and the newest; the half-written step 4 was never published, and the launcher removed
     # it once torchrun had stopped every worker (a launcher killed outright leaves it to the next save's prune).

@@ -230,6 +230,9 @@ def test_to_dict_is_json_with_the_agreed_keys_and_describe_reads():
     }  # fmt: skip
     text = p.describe()
     assert "verdict: the recipe as written fits" in text and "framework overhead" in text
+    # docs/faults.md: the plan shows how long a collective waits for a stalled rank.
+    assert d["timeout_minutes"] == 30
+    assert "a stalled rank fails collectives after 30 min (distributed.timeout_minutes)" in text
 
 
 def test_packed_rows_shrink_to_fit_and_the_overrides_reproduce_the_plan():

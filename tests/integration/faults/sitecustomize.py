@@ -16,9 +16,11 @@ LORAKIT_HOLD_UNTIL=PATH (the process that trains rank 0): before the first step,
 until PATH exists, so a test can act while a run is known to be training.
 
 LORAKIT_RAISE=PHASE@RANK[:N] (the worker of that rank): raise RuntimeError("injected in PHASE") in the Nth
-(default first) call of the phase's work on that rank: load, prepare, tracker start, first step, tracker log
-(every TensorBoard write fails), eval write, checkpoint save (this rank's part), adapter save; docs/faults.md. With LORAKIT_FAULT_STAMP=PATH
-it appends the time of each injected failure to PATH.
+(default first) call of the phase's work on that rank (tests/fault_injection.py: load, prepare, tracker
+start, step, tracker log (every TensorBoard write from the Nth on fails), eval write, checkpoint save (this
+rank's part), checkpoint publish, adapter save, summary; docs/faults.md). LORAKIT_RAISE_AS=SIGKILL makes the
+process kill itself there instead, LORAKIT_RAISE_AS=exit:N end with os._exit(N). With
+LORAKIT_FAULT_STAMP=PATH it appends the time of each injected failure to PATH.
 
 LORAKIT_BNB_AVX512BF16=0|1 (every process): force bitsandbytes' AVX512-BF16 answer (tests/bnb_layout.py).
 """
@@ -133,36 +135,11 @@ if _raise:
     _phase, _where = _raise.split("@")
     _rank, _, _nth = _where.partition(":")
     if os.environ.get("RANK", "0") == _rank:
-        import importlib
+        from tests.fault_injection import inject
 
-        # phase -> (module, attribute path) of the work that phase does
-        _targets = {
-            "load": ("lorakit.engine.job", "load_config"),
-            "prepare": ("lorakit.engine.job", "prepare_data"),
-            "tracker start": ("lorakit.engine.job", "open_run_dir"),
-            "first step": ("lorakit.engine.loop", "train_window"),
-            "tracker log": ("lorakit.observe.tensorboard_sink", "TensorBoardSink.write"),
-            "eval write": ("lorakit.engine.job", "Job._write_eval"),
-            "checkpoint save": ("lorakit.engine.checkpoint", "write_rank_rng"),
-            "adapter save": ("lorakit.engine.save", "gather_adapter_state"),
-        }
-        _module, _path = _targets[_phase]
-        _owner = importlib.import_module(_module)
-        *_parents, _attr = _path.split(".")
-        for _p in _parents:
-            _owner = getattr(_owner, _p)
-        _original = getattr(_owner, _attr)
-        _raise_calls = {"n": 0, "at": int(_nth or 1), "every": _phase == "tracker log"}
-
-        def _raising(*args, **kwargs):
-            _raise_calls["n"] += 1
-            if _raise_calls["every"] or _raise_calls["n"] == _raise_calls["at"]:
-                if os.environ.get("LORAKIT_FAULT_STAMP"):
-                    import time
-
-                    with open(os.environ["LORAKIT_FAULT_STAMP"], "a") as f:
-                        f.write(f"{time.time()}\n")
-                raise RuntimeError(f"injected in {_phase}")
-            return _original(*args, **kwargs)
-
-        setattr(_owner, _attr, _raising)
+        inject(
+            _phase,
+            int(_nth or 1),
+            os.environ.get("LORAKIT_RAISE_AS", "raise"),
+            os.environ.get("LORAKIT_FAULT_STAMP"),
+        )
