@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         "--work-dir", default=None, help="where the rows file and outputs go (default: a temp dir)"
     )
     p.add_argument("--output", default=None, help=f"result JSON (default {RESULT.relative_to(ROOT)})")
+    p.add_argument(
+        "--cache-dir", default=None, help="where lorakit's tiny T5 is built or found (default: work dir)"
+    )
     p.add_argument("--smoke", action="store_true", help="500 rows, 1 round: tests the script")
     p.add_argument("--note", default="")
     a = p.parse_args(args)
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(work)
         rows = work / "rows.jsonl"
         write_rows(rows, a.rows)
-        model = Path(resolve_model_source("tiny:t5", str(work / "models")))
+        model = Path(resolve_model_source("tiny:t5", a.cache_dir or str(work / "models")))
         target_cap = longest_target(model)
         rounds = []
         for i in range(a.repeats):

@@ -36,9 +36,10 @@ def test_committed_step_overhead_meets_the_three_percent_target():
     assert result["first_step"]["to_first_step_record_seconds"] > 0
 
 
-def test_prepare_speed_smoke_runs_both_sides_on_the_same_rows(tmp_path):
+def test_prepare_speed_smoke_runs_both_sides_on_the_same_rows(cache_dir, tmp_path):
     out = tmp_path / "ps.json"
-    proc = run_script("prepare_speed", "--smoke", "--work-dir", tmp_path, "--output", out)
+    args = ["--smoke", "--work-dir", tmp_path, "--cache-dir", cache_dir, "--output", out]
+    proc = run_script("prepare_speed", *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     (rnd,) = result["rounds"]
