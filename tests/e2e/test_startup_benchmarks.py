@@ -12,15 +12,13 @@ def test_step_overhead_smoke_times_every_phase_of_every_step(cache_dir, tmp_path
     proc = run_script("step_overhead", "--smoke", "--cache-dir", cache_dir, "--output", out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["imports"]["import lorakit"]["heavy"] == []
-    assert not {"deepspeed", "peft"} & set(result["imports"]["launcher (lorakit.api)"]["heavy"])
     (rank,) = result["phases"]["ranks"]
     calls = rank["calls"]
-    assert rank["steps"] == calls["window"] == calls["record"] == 4 and calls["run"] == 1
+    assert rank["steps"] == calls["window"] == calls["record"] == 2 and calls["run"] == 1
     # One forward, backward and DeepSpeed step per micro-batch; the loader once per window (and once more
     # at an epoch's end).
     micro = calls["forward"]
-    assert micro == calls["backward"] == calls["optimizer"] and micro >= 4 and calls["data"] >= 4
+    assert micro == calls["backward"] == calls["optimizer"] == 4 and calls["data"] >= 2
     for kind in ("wall", "cpu"):
         s = result["phases"]["shares"][0][kind]
         assert 0 < s["per_step_other_share"] < 1 and s["compute"] > 0 and s["eval"] == 0
@@ -34,6 +32,8 @@ def test_committed_step_overhead_meets_the_three_percent_target():
         assert shares["wall"]["per_step_other_share"] < 0.03
         assert shares["cpu"]["per_step_other_share"] < 0.03
     assert result["first_step"]["to_first_step_record_seconds"] > 0
+    assert result["imports"]["import lorakit"]["heavy"] == []
+    assert not {"deepspeed", "peft"} & set(result["imports"]["launcher (lorakit.api)"]["heavy"])
 
 
 def test_prepare_speed_smoke_runs_both_sides_on_the_same_rows(cache_dir, tmp_path):
