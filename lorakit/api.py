@@ -15,7 +15,6 @@ from lorakit import preflight, rundir, runlock
 from lorakit.data import PreparedData, prepare_data
 from lorakit.engine import dist
 from lorakit.engine.deepspeed_config import check_zero_plus_plus
-from lorakit.engine.job import TrainResult, accelerator_name
 from lorakit.engine.launch import (
     launch_env,
     launched_distributed,
@@ -23,6 +22,7 @@ from lorakit.engine.launch import (
     root_cause_line,
     torchrun_command,
 )
+from lorakit.engine.result import EXIT, TrainResult
 from lorakit.engine.signals import STOP_SIGNALS
 from lorakit.errors import (
     CollectiveTimeoutError,
@@ -36,7 +36,7 @@ from lorakit.errors import (
     WorkerFailedError,
 )
 from lorakit.export import publish
-from lorakit.model import load_config, load_tokenizer
+from lorakit.model.source import load_config, load_tokenizer
 from lorakit.observe import trackers
 from lorakit.recipe import Recipe, dump_recipe
 
@@ -187,8 +187,6 @@ def record_failure(run_dir: Path, error: BaseException) -> None:
     own shards) or a failed push (rank 0) with its code and message; a crash, or a collective a vanished
     peer left unfinished, as one line naming the rank, phase and step, unless a rank recorded its failure first. Another rank's failure
     (RankFailedError) is that rank's to record."""
-    from lorakit.engine.job import EXIT
-
     if isinstance(error, RankFailedError):
         return
     if isinstance(error, (DiskFullError, PublishError)):
@@ -209,7 +207,15 @@ def record_failure(run_dir: Path, error: BaseException) -> None:
 def _launch_workers(recipe: Recipe, lock: runlock.RunLock) -> TrainResult:
     # ZeRO++ settings the workers would refuse (qwZ / qgZ on CPU) are refused here, before data and torchrun.
     n = recipe.distributed.num_processes
-    check_zero_plus_plus(recipe, n, n, accelerator_name())
+    d = recipe.distributed
+    # Only ZeRO++'s quantized collectives depend on the accelerator, and asking DeepSpeed which one this is
+    # imports it (seconds, before torchrun starts the workers that import it anyway).
+    accelerator = None
+    if d.quantized_weights or d.quantized_gradients:
+        from lorakit.engine.job import accelerator_name
+
+        accelerator = accelerator_name()
+    check_zero_plus_plus(recipe, n, n, accelerator)
     print(prepare(recipe).describe(), flush=True)
     run_dir = Path(recipe.output.dir).expanduser().resolve()
     from lorakit.engine.checkpoint import find_resume
@@ -217,8 +223,6 @@ def _launch_workers(recipe: Recipe, lock: runlock.RunLock) -> TrainResult:
     # A checkpoint the workers would refuse (another recipe, another world size) is refused here, with
     # exit code 2 and before torchrun starts.
     find_resume(recipe, run_dir, world=recipe.distributed.num_processes)
-    from lorakit.engine.job import EXIT
-
     # A stale exit.json from an earlier launch must not be mistaken for this one's.
     (run_dir / EXIT).unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="lorakit-") as tmp:
@@ -280,7 +284,6 @@ def _raise_worker_exit(run_dir: Path, failures: dict) -> None:
     """Re-raise, in the launching process, a worker's preemption, divergence, full disk or failure with its
     exit code (a failure as the one line its rank recorded), or name a rank that died without an error of
     its own (killed by a signal: exit code 1 for the run)."""
-    from lorakit.engine.job import EXIT
     from lorakit.engine.loop import Preempted, TrainingDiverged
 
     path = run_dir / EXIT

@@ -17,7 +17,7 @@ import numpy as np
 from lorakit.data.rows import BAD_ROWS_DOC, MAX_QUOTED, RowLocator, SourceRows
 from lorakit.data.sources import OVERLONG_DOC, SOURCE
 from lorakit.data.templates import render_prompt, render_target, rows_of
-from lorakit.data.tokenize import Lengths, longest
+from lorakit.data.tokenize import Lengths, longest, map_processes
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection, Recipe
 
@@ -227,7 +227,7 @@ def tokenize_causal(
         with_indices=True,
         remove_columns=[c for c in ds.column_names if c != SOURCE],
         features=features,
-        num_proc=num_proc,
+        num_proc=map_processes(num_proc),
         desc="tokenizing",
         load_from_cache_file=False,
     )

@@ -27,6 +27,22 @@ _FIELD = "_in:"
 _NO_LIMIT = 1_000_000
 
 
+def map_processes(num_proc: int) -> int | None:
+    """datasets.map's num_proc for data.num_proc: None (this process) for 1. datasets 5 runs num_proc=1 in a
+    pool of one worker, which pickles the tokenizer and every batch across to it and back."""
+    return num_proc if num_proc > 1 else None
+
+
+def token_counts(ds: datasets.Dataset, column: str) -> np.ndarray:
+    """The length of every row's list in `column`, read from Arrow's offsets: no row becomes a Python list."""
+    import pyarrow.compute as pc
+
+    if not isinstance(ds, datasets.Dataset):  # plain columns (a dict of lists)
+        return np.fromiter((len(x) for x in ds[column]), dtype=np.int64)
+    lengths = pc.list_value_length(ds.with_format("arrow")[column])
+    return lengths.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+
+
 def model_max_length(tokenizer, model_config) -> int | None:
     """The longest sequence the model was trained for, from its tokenizer and config (None: unknown)."""
     candidates = [getattr(tokenizer, "model_max_length", None)]
@@ -94,7 +110,7 @@ def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: 
         batched=True,
         # A mixture's source names stay with their rows.
         remove_columns=[c for c in ds.column_names if c != SOURCE],
-        num_proc=num_proc,
+        num_proc=map_processes(num_proc),
         desc="tokenizing",
         load_from_cache_file=False,
     )
@@ -139,8 +155,7 @@ def apply_overlong(
 ) -> tuple[datasets.Dataset, int, int]:
     """Rows whose source or target is over its cap: kept for truncate_rows (truncate), removed (drop), or
     a DataError naming the first by file and line (error). Returns (rows, truncated count, dropped count)."""
-    src = np.fromiter((len(x) for x in ds["input_ids"]), dtype=np.int64, count=len(ds))
-    tgt = np.fromiter((len(x) for x in ds["labels"]), dtype=np.int64, count=len(ds))
+    src, tgt = token_counts(ds, "input_ids"), token_counts(ds, "labels")
     over = (src > lengths.max_source_length) | (tgt > lengths.max_target_length)
     n_over = int(over.sum())
     if n_over == 0:
@@ -165,8 +180,7 @@ def prepare_seq2seq(
     """Tokenize, cap and count encoder-decoder splits ("train" and maybe "eval"): (splits, lengths, stats)."""
     tokenized = {k: tokenize_rows(src.rows, data, tokenizer, data.num_proc) for k, src in raw.items()}
     train_tok = tokenized["train"]
-    src_len = np.fromiter((len(x) for x in train_tok["input_ids"]), dtype=np.int64)
-    tgt_len = np.fromiter((len(x) for x in train_tok["labels"]), dtype=np.int64)
+    src_len, tgt_len = token_counts(train_tok, "input_ids"), token_counts(train_tok, "labels")
     lengths = resolve_lengths(data, src_len, tgt_len, model_max)
     overlong: dict[str, Any] = {"policy": data.overlong}
     splits = {}

@@ -105,7 +105,9 @@ def build_ds_config(
     }
 
 
-def check_zero_plus_plus(recipe: Recipe, world_size: int, per_node: int | None, accelerator: str) -> None:
+def check_zero_plus_plus(
+    recipe: Recipe, world_size: int, per_node: int | None, accelerator: str | None
+) -> None:
     """Refuse, before any work, the ZeRO++ settings this group or accelerator cannot run (RecipeError).
 
     The schema cannot know the group: under a launcher the processes per node (`per_node`, None when the
@@ -114,6 +116,7 @@ def check_zero_plus_plus(recipe: Recipe, world_size: int, per_node: int | None, 
     processes per node; DeepSpeed itself only asserts that it divides the world size. qwZ and qgZ load
     DeepSpeed's CUDA quantizer kernels, which its CPU accelerator does not have ("This op had not been
     implemented on CPU backend", raised while loading the model for qwZ, at the first backward for qgZ).
+    `accelerator` None: not asked (no qwZ or qgZ in the recipe).
     """
     d = recipe.distributed
     hpz = d.hpz_partition_size

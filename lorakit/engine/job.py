@@ -38,6 +38,7 @@ from lorakit.engine.loop import (
 )
 from lorakit.engine.mesh import ParallelDims
 from lorakit.engine.objective import make_objective
+from lorakit.engine.result import EXIT, TrainResult
 from lorakit.engine.save import save_trained
 from lorakit.engine.schedule import lambda_lr_factory
 from lorakit.engine.signals import StopRequests
@@ -52,17 +53,6 @@ from lorakit.model.quantize import describe_quantization, quantization_summary
 from lorakit.observe import MetricsLogger
 from lorakit.observe.plot import plot_losses
 from lorakit.recipe import Recipe, dump_recipe
-
-# Written by rank 0 when training stops early with its own exit code (preempted, diverged).
-EXIT = "exit.json"
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """What lorakit.train returns: the run directory and its summary."""
-
-    run_dir: Path
-    summary: dict[str, Any]
 
 
 def run_job(recipe: Recipe) -> TrainResult:

@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from lorakit.errors import RecipeError
 from lorakit.model.adapter import peft_config
 from lorakit.model.attention import choose_attention, packing_enabled, set_attention_dropout
 from lorakit.model.inputs import ModelInputs
 from lorakit.model.quantize import bnb_config, check_keep_in_fp32, keep_standard_4bit_layout, logical_numel
-from lorakit.model.sequence_parallel import check_sequence_parallel, register_sequence_parallel
+from lorakit.model.sequence_parallel import register_sequence_parallel
+
+# load_config and load_tokenizer live in source.py, which the launcher imports without this module's peft.
+from lorakit.model.source import _pickle_refused, load_config, load_tokenizer
 from lorakit.recipe.schema import Recipe
-from lorakit.testing import resolve_model_source
 
 
 @dataclass
@@ -40,71 +41,6 @@ class BuiltModel:
     # method.init pissa / olora: the adapter as initialised (whole, on CPU), which save.py subtracts to
     # save an adapter for the original base (the init rewrote the base weights in place).
     initial_adapter: dict[str, torch.Tensor] | None = None
-
-
-# Weight files read with pickle (torch.load), which can run code while it reads.
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-
-
-def _pickle_refused(name: str, detail: str) -> RecipeError:
-    return RecipeError(
-        f"model.name_or_path {name!r}: {detail}; lorakit loads safetensors weights only, because pickle files "
-        "can run code when they are read. Convert the weights to safetensors, or set model.allow_pickle: true "
-        "if you trust where this checkpoint came from"
-    )
-
-
-def check_weight_files(recipe: Recipe, source: str) -> None:
-    """Refuse a local model directory whose weights are pickle files only, unless model.allow_pickle.
-
-    Hub models are held to the same rule by from_pretrained(use_safetensors=True) in build_model; this
-    check makes a local directory fail before any data is tokenized."""
-    path = Path(source)
-    if recipe.model.allow_pickle or not path.is_dir() or any(path.glob("*.safetensors")):
-        return
-    pickles = sorted(f.name for f in path.iterdir() if f.suffix in _PICKLE_SUFFIXES)
-    if pickles:
-        raise _pickle_refused(
-            recipe.model.name_or_path, f"its weights are pickle files only ({', '.join(pickles)})"
-        )
-
-
-def _remote_code_hint(recipe: Recipe, error: Exception) -> str:
-    if "trust_remote_code" in str(error) and not recipe.model.trust_remote_code:
-        return (
-            "; the repository ships its own Python code, which lorakit runs only with model.trust_remote_code: "
-            "true (set it only if you trust that code: it runs with your permissions)"
-        )
-    return ""
-
-
-def load_config(recipe: Recipe):
-    """The base model's config and its local (or hub) source, without loading weights."""
-    source = resolve_model_source(recipe.model.name_or_path, recipe.data.cache_dir)
-    try:
-        config = AutoConfig.from_pretrained(
-            source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code
-        )
-    except (OSError, ValueError) as e:
-        # A misspelled hub id, a path without config.json, no route to the hub, or refused remote code.
-        raise RecipeError(
-            f"model.name_or_path {recipe.model.name_or_path!r}: cannot load its config: {e}"
-            + _remote_code_hint(recipe, e)
-        ) from e
-    check_weight_files(recipe, source)
-    check_sequence_parallel(recipe.distributed.sequence_parallel, config)
-    return source, config
-
-
-def load_tokenizer(recipe: Recipe, source: str):
-    """The base model's tokenizer."""
-    tok = AutoTokenizer.from_pretrained(
-        source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code
-    )
-    if tok.pad_token_id is None:
-        # Causal tokenizers often ship without one; padding is masked, so EOS is a safe stand-in.
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = None) -> BuiltModel:
