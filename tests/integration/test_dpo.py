@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import lorakit
 from lorakit import rundir
@@ -129,3 +130,43 @@ def test_full_fine_tuning_dpo_learns_and_resumes_identically_on_the_cached_refer
     assert (resumed.run_dir / "model" / "model.safetensors").read_bytes() == weights
     scored = lorakit.evaluate(resumed.run_dir)
     assert scored.metrics == pytest.approx({k: evals[-1][k] for k in ("loss", *DPO_METRICS)}, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_qlora_dpo_on_zero2_starts_at_its_reference_and_resumes_identically(cache_dir, tmp_path):
+    """QLoRA (4-bit base) on ZeRO-2 with shared-prompt rows: the reference is the 4-bit base with the adapter
+    off, so the first step's loss is ln 2; a run resumed from its step-2 checkpoint repeats the
+    uninterrupted one and ends with the same adapter."""
+    from safetensors.torch import load_file
+
+    recipe = _recipe(
+        cache_dir,
+        tmp_path / "run",
+        "llama",
+        model={"dtype": "bfloat16"},
+        method={"kind": "qlora"},
+        data={"max_eval_samples": 8},
+        train={"max_steps": 4},
+        eval={"every": 4},
+        checkpoint={"every": 2, "keep": 2},
+        distributed={"num_processes": 1, "zero_stage": 2},
+    )
+    whole = lorakit.train(recipe)
+    assert whole.summary["method"] == "qlora" and whole.summary["zero_stage"] == 2
+    reference = [r for r in rundir.read_metrics(whole.run_dir) if r["kind"] == "train"]
+    assert reference[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert reference[-1]["loss"] < reference[0]["loss"]
+    adapter = load_file(str(whole.run_dir / "adapter" / "adapter_model.safetensors"))
+    found = complete_checkpoints(whole.run_dir)
+    assert [c.step for c in found] == [2, 4]
+    shutil.rmtree(found[-1].path)
+    resumed = lorakit.train(recipe)
+    assert resumed.summary["resumed_from"]["step"] == 2
+    again = [r for r in rundir.read_metrics(resumed.run_dir) if r["kind"] == "train"]
+    keys = ("step", "loss", "grad_norm", *DPO_METRICS)
+    assert [r[k] for r in again for k in keys] == pytest.approx(
+        [r[k] for r in reference for k in keys], abs=1e-6
+    )
+    again_adapter = load_file(str(resumed.run_dir / "adapter" / "adapter_model.safetensors"))
+    assert again_adapter.keys() == adapter.keys()
+    assert all(torch.equal(again_adapter[k], adapter[k]) for k in adapter)
