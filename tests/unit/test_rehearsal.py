@@ -23,8 +23,10 @@ def test_the_built_model_loads_with_its_own_head_at_init_scales(tmp_path):
 def test_phases_and_steps_from_samples():
     samples = [{"t": t, "rank0": int(g * GIB), "rank1": int(g * GIB)} for t, g in
                [(0.5, 1), (1.0, 2), (2.0, 3), (3.0, 3), (4.0, 3), (5.0, 4)]]  # fmt: skip
-    steps = {1: 1.5, 2: 2.5, 3: 3.5}
+    # Step 0: when the first step began (its record's time less its duration).
+    steps = {0: 0.8, 1: 1.5, 2: 2.5, 3: 3.5}
     got = phases(samples, steps, end=5.0)
-    assert got["load"]["rank0"] == 2 and got["first_step"]["rank0"] == 3 and got["save"]["rank1"] == 4
+    assert [got[p]["rank0"] for p in ("load", "first_step", "steady", "save")] == [1, 2, 3, 4]
+    assert got["save"]["rank1"] == 4
     assert per_step(samples, steps) == {1: {"rank0": 2, "rank1": 2}, 2: {"rank0": 3, "rank1": 3},
                                         3: {"rank0": 3, "rank1": 3}}  # fmt: skip
