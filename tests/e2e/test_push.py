@@ -288,7 +288,7 @@ def test_a_workers_push_failure_is_the_launchers_exit_code(tmp_path):
 
     rundir.write_json(tmp_path / "exit.json", {"code": 69, "error": "PublishError", "message": "no token"})
     with pytest.raises(PublishError, match="no token") as e:
-        _raise_worker_exit(tmp_path)
+        _raise_worker_exit(tmp_path, {})
     assert e.value.exit_code == 69
 
 

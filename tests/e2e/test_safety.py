@@ -14,6 +14,7 @@ import torch
 from lorakit.errors import RecipeError
 from lorakit.model import build as build_module
 from lorakit.model import build_model, load_config
+from lorakit.model import source as source_module
 from lorakit.recipe import load_recipe
 from lorakit.testing import resolve_model_source
 from tests.conftest import tiny_recipe
@@ -56,7 +57,7 @@ def test_pickled_weights_need_allow_pickle(cache_dir, tmp_path, pickled_llama, m
     ):
         load_config(recipe)
     # A hub checkpoint cannot be looked at beforehand: from_pretrained(use_safetensors=True) refuses it.
-    monkeypatch.setattr(build_module, "check_weight_files", lambda recipe, source: None)
+    monkeypatch.setattr(source_module, "check_weight_files", lambda recipe, source: None)
     with pytest.raises(RecipeError, match=r"no safetensors weights found.*model\.allow_pickle: true"):
         build_model(recipe)
     monkeypatch.undo()
@@ -85,8 +86,14 @@ def test_loader_flags_reach_every_from_pretrained(cache_dir, tmp_path, monkeypat
     """trust_remote_code goes to the config, tokenizer and model loaders as the recipe says (False unless
     set), and the model loads from safetensors only unless model.allow_pickle."""
     calls = []
-    for name in ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM"):
-        cls = getattr(build_module, name)
+    # The config and tokenizer load in lorakit.model.source, the model in lorakit.model.build.
+    loaders = {
+        "AutoConfig": source_module,
+        "AutoTokenizer": source_module,
+        "AutoModelForCausalLM": build_module,
+    }
+    for name, module in loaders.items():
+        cls = getattr(module, name)
         real = cls.from_pretrained
 
         def spy(*args, _name=name, _real=real, **kwargs):
