@@ -15,8 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
+from lorakit.data.collate import PackedSeq2SeqCollator
 from lorakit.data.preference_batching import SIDES
 
 
@@ -30,52 +29,35 @@ def pair_lengths(data) -> tuple[list[int], list[int]]:
 
 
 class PackedSeq2SeqPairCollator:
-    """Pairs as one encoder row and a chosen and a rejected decoder row (segments 1..pairs); capacities as
-    lorakit.data.collate.PackedSeq2SeqCollator's (None: the rows' own lengths), each decoder row within
-    `max_target_tokens`."""
+    """Pairs as one encoder row and a chosen and a rejected decoder row (segments 1..pairs): each side is
+    lorakit.data.collate.PackedSeq2SeqCollator's row of (prompt, that side's response), with its capacities
+    (None: the rows' own lengths), so each decoder row stays within `max_target_tokens`."""
 
     def __init__(
         self, max_source_tokens: int | None, max_target_tokens: int | None, decoder_start_token_id: int
     ):
-        self.max_source_tokens, self.max_target_tokens = max_source_tokens, max_target_tokens
-        self.decoder_start_token_id = decoder_start_token_id
+        self.max_source_tokens = max_source_tokens
+        self.side = PackedSeq2SeqCollator(max_source_tokens, max_target_tokens, decoder_start_token_id)
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        src: list[int] = []
-        src_seg: list[int] = []
-        for k, r in enumerate(rows, start=1):
-            src += r["input_ids"]
-            src_seg += [k] * len(r["input_ids"])
-        out: dict[str, Any] = {
-            "input_ids": torch.tensor([src], dtype=torch.long),
-            "source_segments": torch.tensor([src_seg], dtype=torch.long),
-        }
-        cap_src = len(src) if self.max_source_tokens is None else self.max_source_tokens
+        out: dict[str, Any] = {}
         targets = slots = 0
         for side in SIDES:
-            labels: list[int] = []
-            decoder: list[int] = []
-            segments: list[int] = []
-            for k, r in enumerate(rows, start=1):
-                response = list(r[f"{side}_ids"])
-                labels += response
-                decoder += [self.decoder_start_token_id, *response[:-1]]
-                segments += [k] * len(response)
-            cap = len(labels) if self.max_target_tokens is None else self.max_target_tokens
-            if len(src) > cap_src or len(labels) > cap:
-                raise ValueError(
-                    f"packed pair rows of {len(src)} source / {len(labels)} {side} tokens exceed the capacities "
-                    f"{self.max_source_tokens} / {self.max_target_tokens}"
-                )
-            out[f"{side}_labels"] = torch.tensor([labels], dtype=torch.long)
-            out[f"{side}_decoder_input_ids"] = torch.tensor([decoder], dtype=torch.long)
-            out[f"{side}_target_segments"] = torch.tensor([segments], dtype=torch.long)
-            targets += len(labels)
-            slots += cap
+            row = self.side([{"input_ids": r["input_ids"], "labels": r[f"{side}_ids"]} for r in rows])
+            out[f"{side}_labels"] = row["labels"]
+            out[f"{side}_decoder_input_ids"] = row["decoder_input_ids"]
+            out[f"{side}_target_segments"] = row["target_segments"]
+            targets += row["num_target_tokens"]
+            # Each side's slots count the one encoder row too; it is counted once below.
+            slots += row["num_token_slots"]
+        src = row["input_ids"].size(1)
+        cap_src = src if self.max_source_tokens is None else self.max_source_tokens
         out.update(
+            input_ids=row["input_ids"],
+            source_segments=row["source_segments"],
             num_target_tokens=targets,
-            num_real_tokens=len(src) + targets,
-            num_token_slots=cap_src + slots,
+            num_real_tokens=src + targets,
+            num_token_slots=slots - (len(SIDES) - 1) * cap_src,
             num_examples=len(rows),
             num_pairs=len(rows),
         )
