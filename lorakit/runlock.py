@@ -13,7 +13,9 @@ to `run.lock`, which fails if the name exists (on filesystems without hard links
 reader waits for the content). A second run into a held directory stops with RunLockedError (exit code 2)
 naming the holder. A lock whose holder is gone is taken over with a message: on the same host (and PID
 namespace) when none of its processes is alive; from another host (a shared filesystem) when its heartbeat
-is older than `stale_after`. Every exit but SIGKILL (finishing, an error, preemption's exit 75) releases it.
+is older than `stale_after`. A takeover checks and removes the stale lock under an flock of the run
+directory, so two processes racing for it never both win. Every exit but SIGKILL (finishing, an error,
+preemption's exit 75) releases it.
 """
 
 from __future__ import annotations
@@ -124,6 +126,29 @@ def read_holder(path: Path, wait: float = 1.0) -> Holder | None:
             if time.monotonic() >= deadline:
                 return Holder("", "unknown", 0, "unknown", f"(unreadable lock file {path})", mtime)
             time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _takeover_guard(run_dir: Path):
+    """Hold an exclusive flock on the run directory while a stale lock is checked and removed; yields
+    False where the filesystem cannot lock (then the caller takes the unguarded path). The kernel drops the
+    flock when its process dies, so a takeover that was killed leaves nothing stale behind."""
+    import fcntl
+
+    try:
+        fd = os.open(run_dir, os.O_RDONLY)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
 
 
 class RunLock:
@@ -339,6 +364,21 @@ class RunLock:
 
     def _remove(self, holder: Holder) -> bool:
         """Remove `holder`'s stale lock, unless another process replaced it meanwhile."""
+        with _takeover_guard(self.run_dir) as guarded:
+            if guarded:
+                # Every takeover holds the guard, so the lock checked here is the one removed: a lock that a
+                # faster process took over meanwhile (another token) is never touched.
+                current = read_holder(self.path, wait=0.2)
+                if current is None or current.token != holder.token:
+                    return False
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+                return True
+            return self._remove_unguarded(holder)
+
+    def _remove_unguarded(self, holder: Holder) -> bool:
+        # Where the filesystem has no flock: move the lock aside, then check whose it was. A live lock moved
+        # aside by mistake is linked back, but a third process can take the free name in that moment.
         aside = self.run_dir / f".{LOCK}.stale-{uuid.uuid4().hex}"
         try:
             os.rename(self.path, aside)
@@ -346,7 +386,6 @@ class RunLock:
             return False  # someone else removed it first
         moved = read_holder(aside, wait=0.2)
         if moved is not None and moved.token != holder.token:
-            # A new holder took it between our read and the rename: give it back.
             with contextlib.suppress(OSError):
                 os.link(aside, self.path)
             with contextlib.suppress(OSError):

@@ -204,3 +204,48 @@ def test_workers_of_a_lorakit_launcher_see_its_token():
     lock = RunLock("unused")
     env = lock.environment()
     assert runlock.held_by_launcher(env) and not runlock.held_by_launcher({})
+
+
+def test_a_takeover_that_read_a_stale_holder_late_never_lets_a_third_process_in(tmp_path, monkeypatch):
+    # The interleaving behind two winners of a race for a stale lock: B reads the stale holder; A takes it
+    # over and holds the lock; B, acting on what it read, must not move A's lock aside, because a third
+    # process C would find the name free in that moment and take it too.
+    run_dir = tmp_path / "run"
+    stale = _lock_file(run_dir, pid=_dead_pid(), token="stale")
+    late_view = runlock.Holder(**stale)
+    a = RunLock(run_dir, say=lambda line: None).acquire()
+    real_read, real_rename = runlock.read_holder, os.rename
+    views = iter([late_view])
+    monkeypatch.setattr(
+        runlock, "read_holder", lambda path, wait=1.0: next(views, None) or real_read(path, wait)
+    )
+    third = []
+
+    def rename_then_third_tries(src, dst):
+        real_rename(src, dst)
+        if str(src) == str(run_dir / LOCK) and not third:
+            try:
+                third.append(RunLock(run_dir, say=lambda line: None).acquire())
+            except RunLockedError:
+                third.append("refused")
+
+    monkeypatch.setattr(os, "rename", rename_then_third_tries)
+    with pytest.raises(RunLockedError, match="in use by another run"):
+        RunLock(run_dir, say=lambda line: None).acquire()
+    assert all(t == "refused" for t in third)
+    assert read_holder(run_dir / LOCK).token == a.token
+    a.release()
+
+
+def test_where_the_filesystem_cannot_flock_a_stale_lock_is_still_taken_over(tmp_path, monkeypatch):
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    _lock_file(tmp_path / "run", pid=_dead_pid())
+    lines = []
+    with RunLock(tmp_path / "run", say=lines.append) as lock:
+        assert read_holder(lock.path).token == lock.token
+    assert any("taking over" in line for line in lines)
