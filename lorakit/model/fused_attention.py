@@ -6,10 +6,11 @@ lorakit.model.varlen asks `choose_kernel` which path a packed attention call tak
 
 - `varlen`: `torch.nn.attention.varlen.varlen_attn` (PyTorch's flash kernel over cumulative sequence
   boundaries, cu_seqlens): CUDA, bf16/fp16, no attention dropout, no bias. Causal rows of causal LMs
-  (sliding windows through `window_size`, grouped KV heads through `enable_gqa`) and T5's cross-attention
+  (sliding windows through `window_size`, grouped KV heads through `enable_gqa`, or repeated before the
+  call where torch's varlen_attn lacks it, as in torch 2.11) and T5's cross-attention
   (decoder examples attend to their own encoder example; T5's cross-attention has no bias).
-- `flex`: FlexAttention, compiled (`torch.compile`, dynamic shapes: one compilation per process, not one per
-  row length), with a block mask that keeps attention inside each example (and causal in the decoder) and a
+- `flex`: FlexAttention, compiled (`torch.compile` with automatic dynamic shapes: at most two compilations
+  per process, not one per row length), with a block mask that keeps attention inside each example (and causal in the decoder) and a
   score_mod that adds T5's relative position bias, read from a table over distances k - q. T5's bias depends
   on that distance only, so one table gives every example its unpacked bias. CUDA, no attention dropout
   (FlexAttention has none). Only the compiled kernel is ever called: eager FlexAttention is PyTorch's
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -166,21 +168,39 @@ def varlen_layout(bounds: Sequence[int], device) -> PackedLayout:
     return PackedLayout(*cu_seqlens(bounds, device))
 
 
+@functools.cache
+def _varlen_takes_gqa() -> bool:
+    """Whether torch's varlen_attn groups KV heads itself (`enable_gqa`, torch >= 2.12); before that, the
+    grouped heads are repeated here."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
 def _varlen(q, k, v, q_layout: PackedLayout, k_layout: PackedLayout, scaling, window_size):
     from torch.nn.attention.varlen import varlen_attn
 
     # (1, H, T, D) -> (T, H, D): varlen takes the row's tokens as one flat sequence.
+    q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
+    grouped = {}
+    if k.shape[1] != q.shape[1]:
+        if _varlen_takes_gqa():
+            grouped = {"enable_gqa": True}
+        else:
+            # Query head i reads KV head i // group, as enable_gqa and SDPA do.
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     out = varlen_attn(
-        q[0].transpose(0, 1),
-        k[0].transpose(0, 1),
-        v[0].transpose(0, 1),
+        q,
+        k,
+        v,
         q_layout.cu,
         k_layout.cu,
         q_layout.longest,
         k_layout.longest,
         scale=scaling,
         window_size=window_size,
-        enable_gqa=k.shape[1] != q.shape[1],
+        **grouped,
     )
     return out.unsqueeze(0)  # (1, T, H, D), transformers' attention output layout
 
@@ -224,14 +244,18 @@ def example_index(bounds: Sequence[int], device) -> torch.Tensor:
 
 @functools.cache
 def _compiled(device_type: str):
-    """(flex_attention, create_block_mask) for `device_type`, each compiled once per process: with dynamic
-    shapes, so rows of any length share one compilation."""
+    """(flex_attention, create_block_mask) for `device_type`, compiled once per process: rows of a new
+    length recompile at most once, after which the row length is a dynamic dimension."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    # Static shapes on the CPU, which only tests use (the fused kernels are CUDA-only): in torch 2.13
-    # inductor's C++ FlexAttention template fails to build with symbolic lengths and a mask_mod that reads a
-    # tensor ("'cur_kvSplitSize7' was not declared"); there each row length compiles once.
-    dynamic = device_type != "cpu"
+    # CUDA: automatic dynamic shapes (dynamic=None): the first row compiles static, the first row of another
+    # length recompiles with that length symbolic and the bias table's shape still fixed. dynamic=True makes
+    # the table's size symbolic too, and inductor's FlexAttention lowering then fails in torch 2.11 ("'Shape
+    # AsConstantBuffer' object has no attribute 'dtype'", seen on an H200; dynamic=None compiled forward and
+    # backward there). CPU, which only tests use (the fused kernels are CUDA-only): static shapes, because in
+    # torch 2.13 inductor's C++ FlexAttention template fails to build with symbolic lengths and a mask_mod
+    # that reads a tensor ("'cur_kvSplitSize7' was not declared"); there each row length compiles once.
+    dynamic = None if device_type != "cpu" else False
     # torch.compile(create_block_mask) is what PyTorch now recommends over create_block_mask(_compile=True):
     # the mask is computed block by block, never as a T x T tensor.
     return torch.compile(flex_attention, dynamic=dynamic), torch.compile(create_block_mask, dynamic=dynamic)

@@ -341,9 +341,9 @@ def _named_grads(model, inputs, batch):
 
 
 def test_flex_attention_compiles_once_for_rows_of_any_length(cache_dir, tmp_path):
-    """Compiled FlexAttention has dynamic shapes and a bias table of fixed size: packed rows of new lengths
-    reuse the compiled kernels (one recompilation is allowed for the first new length, where dynamo may
-    still specialise a size that happened to coincide)."""
+    """Compiled FlexAttention takes automatic dynamic shapes and a bias table of fixed size: the first row
+    compiles static, the first row of a new length recompiles with the length symbolic, and later rows of
+    new lengths reuse that kernel."""
     from torch._dynamo.utils import counters
 
     from lorakit.model import fused_attention as fa

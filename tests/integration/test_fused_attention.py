@@ -308,7 +308,7 @@ def test_compiled_flex_memory_grows_linearly_with_the_row():
 
 def test_eager_flex_attention_is_unreachable(monkeypatch):
     """On CUDA (device faked through the kernel choice) the T5 self-attention path calls only what
-    torch.compile made of FlexAttention and its block-mask builder (dynamic shapes), never the eager
+    torch.compile made of FlexAttention and its block-mask builder (automatic dynamic shapes), never the eager
     functions, and builds one block mask per batch and attention kind, shared by every layer."""
     import torch.nn.attention.flex_attention as torch_flex
 
@@ -343,12 +343,13 @@ def test_eager_flex_attention_is_unreachable(monkeypatch):
         fa._compiled("cuda")
     finally:
         fa._compiled.cache_clear()  # later tests compile the real functions
-    # The tensors here are on the CPU (static shapes, see fused_attention._compiled); CUDA's are dynamic.
+    # The tensors here are on the CPU (static shapes, see fused_attention._compiled); CUDA's take automatic
+    # dynamic shapes (dynamic=True broke inductor's FlexAttention lowering in torch 2.11 on an H200).
     assert compiled == [
         (eager_flex, {"dynamic": False}),
         (eager_mask, {"dynamic": False}),
-        (eager_flex, {"dynamic": True}),
-        (eager_mask, {"dynamic": True}),
+        (eager_flex, {"dynamic": None}),
+        (eager_mask, {"dynamic": None}),
     ]
     # One block mask per batch and kind, one attention call per layer.
     assert calls == (["mask"] + ["flex"] * 3) * 2
@@ -412,3 +413,25 @@ def test_a_failed_compilation_falls_back_to_the_loop_once(monkeypatch):
     )
     assert len(said) == 2 and "per-example SDPA" in said[1]  # the loop named once, with the reason
     assert fa.choose_kernel("encoder", CUDA, torch.bfloat16, 0.0, bias=True) == fa.LOOP
+
+
+def test_grouped_kv_heads_on_a_varlen_without_enable_gqa(monkeypatch):
+    """torch 2.11's varlen_attn has no `enable_gqa` (seen on the lent H200): the grouped KV heads are repeated
+    before the call, and the output equals the one through a varlen that groups them itself."""
+    import torch.nn.attention.varlen as torch_varlen
+
+    def varlen_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size)
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 30, 16, generator=g)
+    k, v = torch.randn(2, 1, 2, 30, 16, generator=g)
+    layout = fa.varlen_layout([0, 7, 19, 30], "cpu")
+    outs = []
+    for impl in (_reference_varlen, varlen_2_11):
+        monkeypatch.setattr(torch_varlen, "varlen_attn", impl)
+        fa._varlen_takes_gqa.cache_clear()
+        outs.append(fa.varlen_causal(q, k, v, layout, 0.25, None))
+    fa._varlen_takes_gqa.cache_clear()
+    assert outs[0].shape == (1, 30, 8, 16)
+    assert torch.equal(outs[0], outs[1])
