@@ -180,6 +180,19 @@ def test_committed_gpu_result():
     assert headline["measured"] is not None and math.isfinite(headline["measured"])
 
 
+def test_committed_first_lease_result():
+    """The first lease's headline workload (benchmarks/results/gpu_h200_2026-11-26.md): measured on an H200,
+    every side on the same tokens, and the ratio the README states recomputed from the sides."""
+    result = json.loads((RESULTS / "gpu_h200_causal_1b_lora.json").read_text())
+    check_result(result, smoke=False)
+    assert "H200" in result["peak_flops"]["device"] and result["versions"]["torch"].startswith("2.11")
+    sides = result["workloads"]["causal_1b_lora"]["sides"]
+    ratio = sides["lorakit"]["useful_tokens_per_second"] / sides["hf"]["useful_tokens_per_second"]
+    headline = result["targets"]["packed_causal_lora_vs_hf"]
+    assert math.isclose(headline["measured"], ratio) and headline["met"] is (ratio >= 1.5)
+    assert round(ratio, 2) == 3.12  # the number benchmarks/README.md quotes
+
+
 GPU_TEST = """
 import pytest
 
