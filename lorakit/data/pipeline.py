@@ -53,6 +53,12 @@ class PreparedData:
             )
             if "eval_truncated" in over:
                 line += f"; eval {over['eval_truncated']} truncated, {over['eval_dropped']} dropped"
+        targetless = self.stats.get("rows_without_loss", 0)
+        if targetless:
+            line += (
+                f"\nwarning: {targetless} train row(s) have no target tokens (an empty target, or truncation "
+                "cut all of it): they add nothing to the loss. Raise the length cap, or set data.overlong: drop"
+            )
         bad = self.stats.get("bad_rows") or {}
         skipped = bad.get("skipped", 0) + bad.get("eval_skipped", 0)
         if skipped:

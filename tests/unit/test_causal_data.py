@@ -273,6 +273,10 @@ def test_overlong_truncate_and_drop_count_rows(cache_dir, tmp_path, news_lengths
         "eval_dropped": 0,
     }
     assert f"train {over} truncated, 0 dropped; eval {eval_over} truncated, 0 dropped" in cut.describe()
+    # Cut at the median, the news rows lose their whole summary: said, not silent.
+    targetless = sum(all(t == IGNORE_INDEX for t in r["labels"]) for r in cut.train)
+    assert 0 < targetless == cut.stats["rows_without_loss"]
+    assert f"warning: {targetless} train row(s) have no target tokens" in cut.describe()
     dropped, _ = _prepare(
         cache_dir, tmp_path, max_samples=24, max_eval_samples=8, max_length=cap, overlong="drop"
     )
@@ -280,6 +284,7 @@ def test_overlong_truncate_and_drop_count_rows(cache_dir, tmp_path, news_lengths
     assert len(dropped.eval) == 8 - eval_over
     assert (dropped.stats["overlong"]["dropped"], dropped.stats["overlong"]["truncated"]) == (over, 0)
     assert f"train 0 truncated, {over} dropped" in dropped.describe()
+    assert dropped.stats["rows_without_loss"] == 0 and "no target tokens" not in dropped.describe()
 
 
 def test_overlong_error_names_row_length_and_setting(cache_dir, tmp_path, news_lengths):
