@@ -118,10 +118,10 @@ def _peak(head: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor, tiled: b
 
 
 def test_the_memory_peak_no_longer_grows_with_tokens_times_vocabulary():
-    """The head and loss of a row (hidden 16, vocabulary 8192, fp32, the head frozen as with LoRA): untiled, every token
-    adds its logits, their gradient and fp32 working copies; tiled, only hidden-state-wide tensors (the
-    gradient of the hidden states), so a 4 times longer row peaks at about the same bytes: one tile's
-    logits."""
+    """The head and loss of a row (hidden 16, vocabulary 8192, fp32, the head frozen as with LoRA):
+    untiled, every token adds its logits, their gradient and fp32 working copies; tiled, only
+    hidden-state-wide tensors (the gradient of the hidden states), so a 4 times longer row peaks at about
+    the same bytes: one tile's logits."""
     hidden, vocab, tile = 16, 8192, 64
     torch.manual_seed(0)
     linear = torch.nn.Linear(hidden, vocab, bias=False).requires_grad_(False)
