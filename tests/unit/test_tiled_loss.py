@@ -68,6 +68,10 @@ def _grads(model) -> dict[str, torch.Tensor]:
 )
 def test_tiled_loss_equals_the_untiled_loss(kind, method):
     plain, tiled, head = _models(kind, method)
+    # The wrapper keeps the head's parameter names (state dicts, adapters, checkpoints), and Qwen2's tie.
+    assert list(plain.state_dict()) == list(tiled.state_dict())
+    assert (head.weight is tiled.get_input_embeddings().weight) == (kind == "qwen2")
+    assert head._z3_leaf and head.out_features == plain.config.vocab_size
     ids, labels = _batch(plain.config.vocab_size)
     want = token_loss_sum(plain(input_ids=ids, use_cache=False).logits, labels)
     # A scale other than 1, as the loop's token weighting applies.
@@ -94,15 +98,6 @@ def test_tiled_loss_equals_the_untiled_loss(kind, method):
         assert torch.allclose(tiled(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-5)
 
 
-def test_parameter_names_are_unchanged():
-    for method in ("lora-head", "full"):
-        plain, tiled, _ = _models("llama", method)
-        assert list(plain.state_dict()) == list(tiled.state_dict())
-    plain, tiled, head = _models("qwen2", "full")
-    assert head.weight is tiled.get_input_embeddings().weight  # still tied
-    assert head._z3_leaf and head.out_features == plain.config.vocab_size
-
-
 def _peak(head: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor, tiled: bool) -> int:
     """Peak tensor bytes a forward and backward of the head and loss add to `x` and the head's weight."""
     x = x.clone().requires_grad_()
@@ -118,26 +113,26 @@ def _peak(head: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor, tiled: b
 
 
 def test_the_memory_peak_no_longer_grows_with_tokens_times_vocabulary():
-    """The head and loss of a row (hidden 16, vocabulary 8192, fp32, the head frozen as with LoRA):
+    """The head and loss of a row (hidden 16, vocabulary 4096, fp32, the head frozen as with LoRA):
     untiled, every token adds its logits, their gradient and fp32 working copies; tiled, only
     hidden-state-wide tensors (the gradient of the hidden states), so a 4 times longer row peaks at about
     the same bytes: one tile's logits."""
-    hidden, vocab, tile = 16, 8192, 64
+    hidden, vocab, tile = 16, 4096, 32
     torch.manual_seed(0)
     linear = torch.nn.Linear(hidden, vocab, bias=False).requires_grad_(False)
     wrapped = TiledLossHead(copy.deepcopy(linear), tile)
     peaks = {}
-    for tokens in (128, 512):
+    for tokens in (64, 256):
         x = torch.randn(1, tokens, hidden)
         labels = torch.randint(0, vocab, (1, tokens))
         peaks["plain", tokens] = _peak(linear, x, labels, tiled=False)
         peaks["tiled", tokens] = _peak(wrapped, x, labels, tiled=True)
-    grow = {name: (peaks[name, 512] - peaks[name, 128]) / 384 for name in ("plain", "tiled")}
+    grow = {name: (peaks[name, 256] - peaks[name, 64]) / 192 for name in ("plain", "tiled")}
     assert grow["plain"] >= 3 * 4 * vocab
     assert grow["tiled"] <= 4 * 4 * hidden
     # Tiled: a few tile x vocabulary tensors.
-    assert peaks["tiled", 512] <= 6 * 4 * tile * vocab
-    assert peaks["tiled", 512] < peaks["plain", 512] / 5
+    assert peaks["tiled", 256] <= 6 * 4 * tile * vocab
+    assert peaks["tiled", 256] < peaks["plain", 256] / 5
 
 
 def _recipe(tmp_path, sp: int = 1, train: dict | None = None, **model):
