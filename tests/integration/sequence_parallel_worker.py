@@ -10,8 +10,8 @@ row. The split model's
 loss and its gradients (LoRA's, or every weight's for `llama-full`), summed over the two ranks, must equal
 the whole row's (`llama-qlora`: both on the same 4-bit base). Then isolation: changing one example of the
 row leaves the other examples' logits (gathered from both ranks) unchanged. Last, the split LoRA Llama in
-a ZeRO-2 engine and the split QLoRA Llama in a ZeRO-3 engine: DeepSpeed's averaged gradients are half the
-whole row's. Rank 0 writes what it measured to OUT_JSON; the test asserts on it.
+a ZeRO-2 engine, the split QLoRA Llama and the split fully fine-tuned Llama (its head trains through the
+tiled loss) in ZeRO-3 engines: DeepSpeed's averaged gradients are half the whole row's. Rank 0 writes what it measured to OUT_JSON; the test asserts on it.
 """
 
 from __future__ import annotations
@@ -231,6 +231,8 @@ def main(cache_dir: str, out: str, kinds: list[str]) -> None:
         # ZeRO-2 with LoRA; ZeRO-3 with QLoRA (its 4-bit base loaded whole, then partitioned).
         results["zero2"] = check_engine("llama", 2, cache_dir, mesh)
         results["zero3-qlora"] = check_engine("llama-qlora", 3, cache_dir, mesh)
+        # ZeRO-3 with full fine-tuning: the tiled loss's head weight trains and is partitioned.
+        results["zero3-full"] = check_engine("llama-full", 3, cache_dir, mesh)
         if mesh.rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f, indent=1)
