@@ -42,8 +42,16 @@ class SftObjective:
         return batch["num_target_tokens"]
 
     def loss(self, engine, inputs, batch: dict[str, Any], device) -> tuple[torch.Tensor, dict[str, Any]]:
-        logits = inputs.logits(engine, batch, device)
-        return token_loss_sum(logits, batch["labels"].to(device)), {}
+        return causal_loss_sum(engine, inputs, batch, device), {}
+
+
+def causal_loss_sum(engine, inputs, batch: dict[str, Any], device) -> torch.Tensor:
+    """Summed fp32 cross-entropy of a batch's target tokens: through the tiled loss head when the model has
+    one (model.tiled_loss: no logits of the whole row), else over the logits in chunks (engine/loss.py)."""
+    if getattr(inputs, "loss_head", None) is not None:
+        return inputs.token_losses(engine, batch, device).sum()
+    logits = inputs.logits(engine, batch, device)
+    return token_loss_sum(logits, batch["labels"].to(device))
 
 
 SFT = SftObjective()

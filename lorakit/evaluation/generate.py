@@ -76,6 +76,11 @@ def generate_texts(
 
 
 @torch.no_grad()
+def _loss(out: torch.Tensor, labels: torch.Tensor, where, tiled: bool) -> torch.Tensor:
+    """Summed loss of the tokens `where` selects: `out` holds per-token losses (tiled) or logits."""
+    return out[where].sum() if tiled else token_loss_sum(out[where], labels[where])
+
+
 def evaluate_model(
     engine,
     inputs,
@@ -114,22 +119,20 @@ def evaluate_model(
             batch = split_eval_rows(examples, sp_rank, sp, tokenizer.pad_token_id or 0)
         else:
             batch = collator(examples)
-        logits = inputs.logits(engine, batch, device)
+        labels = batch["labels"].to(device)
+        # model.tiled_loss: per-token losses from the tiled head, no logits of the whole row.
+        tiled = getattr(inputs, "loss_head", None) is not None
+        out = inputs.token_losses(engine, batch, device) if tiled else inputs.logits(engine, batch, device)
         if real:
-            labels = batch["labels"].to(device)
-            loss_sum += float(token_loss_sum(logits, labels))
+            loss_sum += float(_loss(out, labels, slice(None), tiled))
             tokens += batch["num_target_tokens"]
             for i, row in enumerate(rows[:real] if groups is not None else ()):
                 # Padded eval batches: row i's loss is its own logits against its own labels; a shard of
                 # packed rows: the tokens of row i it holds.
-                if sp > 1:
-                    mine = batch[EXAMPLE_INDEX][0].to(device) == i
-                    row_logits, row_labels = logits[0][mine], labels[0][mine]
-                else:
-                    row_logits, row_labels = logits[i], labels[i]
+                where = (0, batch[EXAMPLE_INDEX][0].to(device) == i) if sp > 1 else i
                 k = 2 * names.index(groups[row])
-                group_sums[k] += float(token_loss_sum(row_logits, row_labels))
-                group_sums[k + 1] += float((row_labels != IGNORE_INDEX).sum())
+                group_sums[k] += float(_loss(out, labels, where, tiled))
+                group_sums[k + 1] += float((labels[where] != IGNORE_INDEX).sum())
         if generate:
             causal = "prompt_ids" in examples[0]
             if causal:

@@ -123,12 +123,13 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
             if p.requires_grad and p.dtype != dtype:
                 p.data = p.data.to(dtype)
     _tile_mlps(recipe, config, model)
+    loss_head = _tile_loss(recipe, config, model)
     initial = None
     if recipe.method.mutates_base():
         # Before deepspeed.initialize, so the adapter's weights are still whole on every rank.
         initial = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
     tokenizer = load_tokenizer(recipe, source)
-    inputs = ModelInputs(config, attention, dtype, sp_group=sp_group, sp_world=sp)
+    inputs = ModelInputs(config, attention, dtype, sp_group=sp_group, sp_world=sp, loss_head=loss_head)
     return BuiltModel(model, tokenizer, source, attention, is_enc_dec, inputs, packing, hf_ds_config, initial)
 
 
@@ -143,6 +144,20 @@ def _tile_mlps(recipe: Recipe, config, model) -> None:
             f"model.tiled_mlp: true, but {config.model_type!r} has no dense decoder MLP (a `mlp` with a "
             "down_proj and no experts) to tile; set model.tiled_mlp: auto or false"
         )
+
+
+def _tile_loss(recipe: Recipe, config, model):
+    """model.tiled_loss: the output head and cross-entropy over tiles of the sequence
+    (lorakit.model.tiled_loss), wrapped after peft; returns the wrapper, or None for the untiled loss."""
+    from lorakit.model.tiled_loss import apply_tiled_loss, loss_tile_tokens
+
+    tiles = loss_tile_tokens(recipe, config)
+    if tiles is None:
+        return None
+    head = apply_tiled_loss(model, tiles)
+    if head is None and recipe.model.tiled_loss is True:
+        raise RecipeError(f"model.tiled_loss: true, but {config.model_type!r} has no output head to tile")
+    return head
 
 
 def enable_checkpointing(model) -> None:

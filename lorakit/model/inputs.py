@@ -107,8 +107,12 @@ class ModelInputs:
     Built once per model from its config, attention backend and compute dtype.
     """
 
-    def __init__(self, config, attention: str, dtype: torch.dtype, *, sp_group=None, sp_world: int = 1):
+    def __init__(
+        self, config, attention: str, dtype: torch.dtype, *, sp_group=None, sp_world: int = 1, loss_head=None
+    ):
         self.attention, self.dtype = attention, dtype
+        # model.tiled_loss: the model's TiledLossHead (lorakit.model.tiled_loss); None: the loss takes logits.
+        self.loss_head = loss_head
         # Sequence parallelism: split rows (lorakit.data.sequence_split) attend over this group.
         self.sp_group, self.sp_world = sp_group, sp_world
         self.layer_types = sorted(set(getattr(config, "layer_types", None) or [])) or None
@@ -175,3 +179,11 @@ class ModelInputs:
             )
             kwargs.update(encoder_outputs=encoder_outputs, attention_mask=cross)
         return model(**kwargs, use_cache=False).logits
+
+    def token_losses(self, model, batch: dict[str, Any], device: torch.device | str) -> torch.Tensor:
+        """Per-token fp32 cross-entropy of `batch` (shaped like its labels, 0 where they are -100) through
+        the tiled loss head: the forward of `logits` with no logits of the whole row (model.tiled_loss)."""
+        if self.loss_head is None:
+            raise ValueError("token_losses needs the tiled loss head (model.tiled_loss)")
+        with self.loss_head.targets(batch["labels"].to(device)):
+            return self.logits(model, batch, device)

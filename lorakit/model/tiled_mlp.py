@@ -29,35 +29,14 @@ How it composes:
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
 from lorakit.errors import RecipeError
+from lorakit.model.tiling import Adopting, has_dropout, replayed, rng_state
 
 # auto: tile when one packed row (per rank) holds at least this many tokens, or with sequence parallelism.
 LONG_ROW_TOKENS = 32768
-
-
-def _rng_state(device: torch.device) -> tuple:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-@contextlib.contextmanager
-def _replayed(state: tuple | None, device: torch.device):
-    """Run the block on the random stream `state` (as it was at the forward), then put the stream back."""
-    if state is None:
-        yield
-        return
-    cpu, cuda = state
-    devices = [device] if cuda is not None else []
-    with torch.random.fork_rng(devices=devices, device_type=device.type):
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-        yield
 
 
 class _TiledForward(torch.autograd.Function):
@@ -68,7 +47,7 @@ class _TiledForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mlp: nn.Module, x: torch.Tensor, tile: int, stochastic: bool, *params) -> torch.Tensor:
         ctx.mlp, ctx.tile, ctx.params = mlp, tile, params
-        ctx.rng = _rng_state(x.device) if stochastic else None
+        ctx.rng = rng_state(x.device) if stochastic else None
         ctx.save_for_backward(x)
         with torch.no_grad():
             return torch.cat([mlp(t) for t in x.split(tile, dim=-2)], dim=-2)
@@ -80,7 +59,7 @@ class _TiledForward(torch.autograd.Function):
         x_grad = torch.empty_like(x) if want_x else None
         sums: list[torch.Tensor | None] = [None] * len(ctx.params)
         start = 0
-        with _replayed(ctx.rng, x.device):
+        with replayed(ctx.rng, x.device):
             for t, g in zip(x.split(ctx.tile, dim=-2), grad.split(ctx.tile, dim=-2), strict=True):
                 t = t.detach().requires_grad_(want_x)
                 with torch.enable_grad():
@@ -102,47 +81,15 @@ class _TiledForward(torch.autograd.Function):
         return None, x_grad, None, None, *sums
 
 
-class TiledMLP(nn.Module):
+class TiledMLP(Adopting):
     """A decoder layer's MLP computed over tiles of `tile_tokens` tokens along the sequence (module
-    docstring). Its children are the wrapped MLP's, under the same names."""
+    docstring). Its children are the wrapped MLP's, under the same names (lorakit.model.tiling)."""
 
     def __init__(self, mlp: nn.Module, tile_tokens: int):
-        super().__init__()
         if tile_tokens < 1:
             raise ValueError(f"tile_tokens must be at least 1, got {tile_tokens}")
-        # The MLP's children, parameters and buffers become this module's own, under the same names.
-        for name, child in mlp.named_children():
-            self.add_module(name, child)
-        for name, p in mlp.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        for name, b in mlp.named_buffers(recurse=False):
-            self.register_buffer(name, b, persistent=name not in mlp._non_persistent_buffers_set)
-        # Not a child (its children are already ours): the MLP whose forward runs on each tile.
-        object.__setattr__(self, "inner", mlp)
+        super().__init__(mlp)
         self.tile_tokens = tile_tokens
-        from deepspeed.utils import set_z3_leaf_module
-
-        set_z3_leaf_module(self, True)
-
-    def __setattr__(self, name: str, value) -> None:
-        # A child replaced later (peft's merge_and_unload puts the base layer back) is the MLP's too.
-        if isinstance(value, nn.Module) and name in self.__dict__.get("_modules", {}):
-            setattr(self.inner, name, value)
-        super().__setattr__(name, value)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            inner = self.__dict__.get("inner")
-            if inner is None:
-                raise
-            # The MLP's plain attributes (config, hidden_size, ...), for code that reads them.
-            return getattr(inner, name)
-
-    def train(self, mode: bool = True) -> TiledMLP:
-        self.inner.training = mode
-        return super().train(mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-2] <= self.tile_tokens:
@@ -151,10 +98,7 @@ class TiledMLP(nn.Module):
             # Evaluation: tiles without a graph, the same working set.
             return torch.cat([self.inner(t) for t in x.split(self.tile_tokens, dim=-2)], dim=-2)
         params = [p for p in self.parameters() if p.requires_grad]
-        stochastic = self.training and any(
-            isinstance(m, nn.Dropout) and m.p > 0 for m in self.modules() if m.training
-        )
-        return _TiledForward.apply(self.inner, x, self.tile_tokens, stochastic, *params)
+        return _TiledForward.apply(self.inner, x, self.tile_tokens, has_dropout(self), *params)
 
 
 def _dense_mlp(module: nn.Module) -> bool:

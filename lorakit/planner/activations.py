@@ -20,9 +20,13 @@ which PyTorch picks when attention dropout > 0 (12 bytes in bf16, 16 in fp32, me
 Causal LMs on padded batches add the padding mask per layer (rows x L x L, a bytes: SDPA converts the
 boolean mask each call); flash attention and lorakit's per-example SDPA for packed rows keep none.
 
-The output head keeps the logits (a per vocabulary entry and target token, held by the training loop
-through the backward), the fp32 log-softmax (4) and, at the start of the backward, two fp32 gradients of
-the same size (8).
+The output head keeps the logits (a per vocabulary entry and token) for the loss; at the start of the
+backward the loss makes their gradient (a) in one pass over fp32 chunks of CHUNK_ELEMENTS logits
+(lorakit.engine.loss: an fp32 softmax, its product with the incoming gradient, and its cast back: 8 + 2a
+per chunk element; 8 in fp32, where the cast is free). Measured (tests/unit/test_plan.py): 2a per logit
+plus 12 per chunk element in bf16. With the tiled loss (model.tiled_loss) no logits of the row exist: one
+tile's (tile x vocabulary) logits in model dtype, their fp32 copy, log-softmax and gradients, 12 bytes per
+element measured whatever the dtype, and, when the head trains, the running sum of its weight's gradient.
 
 Sequence parallelism over N ranks (causal LMs) divides every per-token term by N: each rank runs the layers
 on 1/N of the row, and attention on 1/N of the heads over the whole row (the same bytes).
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from lorakit.engine.loss import CHUNK_ELEMENTS
 from lorakit.planner.arch import Arch
 
 
@@ -58,6 +63,8 @@ class Shape:
     sequence_parallel: int = 1
     # model.tiled_mlp: tokens per MLP tile (causal LMs); None: the MLP runs over the whole row.
     mlp_tile: int | None = None
+    # model.tiled_loss: tokens per head-and-loss tile (causal LMs); None: logits of the whole row.
+    loss_tile: int | None = None
     # Encoder-decoders: decoder passes over one encoder output, all kept for one loss (DPO: chosen and
     # rejected, 2).
     decoder_passes: int = 1
@@ -79,7 +86,8 @@ class Activations:
     # Kept from the forward until the backward: every layer's saved tensors, or only the layer inputs with
     # checkpointing (plus what lives outside the layers: final norms, encoder output, shared masks).
     kept: int
-    # The output head at the start of the backward: logits + fp32 log-softmax + two fp32 gradients.
+    # The output head at the start of the backward: logits, their gradient and the loss's fp32 chunk (or
+    # one tile's working set with the tiled loss).
     head: int
     # Logits alone (the loop holds them through the whole backward).
     logits: int
@@ -206,10 +214,17 @@ def activations(arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpoint
     return _causal(arch, method, a, k, shape, checkpointing)
 
 
-def _head(arch: Arch, a: int, out_tokens: int) -> tuple[int, int]:
-    """(head bytes at the start of the backward, logits bytes)."""
+def _head(
+    arch: Arch, a: int, out_tokens: int, tile: int | None = None, trains: bool = False, chunk=CHUNK_ELEMENTS
+) -> tuple[int, int]:
+    """(head bytes at the start of the backward, logits bytes); `tile`: the tiled loss's tokens per tile,
+    `trains`: the head's weight trains (full fine-tuning); `chunk`: the loss's fp32 chunk (module
+    docstring)."""
+    if tile:
+        return 12 * min(tile, out_tokens) * arch.vocab + (a * arch.vocab * arch.hidden if trains else 0), 0
     logits = out_tokens * arch.vocab * a
-    return logits + out_tokens * arch.vocab * (4 + 8), logits
+    working = min(out_tokens * arch.vocab, chunk) * (8 + (2 * a if a < 4 else 0))
+    return 2 * logits + working, logits
 
 
 def _working(arch: Arch, a: int, tokens: int, ffn_tokens: int | None = None) -> int:
@@ -251,7 +266,7 @@ def _causal(arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing:
     # Final norm (its output too when the head trains), rotary cos/sin shared by the layers.
     full = method.kind == "full"
     outside = tokens * (_norm(arch, a, full, output=full) + 2 * a * arch.head_dim) + shared_mask
-    head, logits = _head(arch, a, tokens)
+    head, logits = _head(arch, a, tokens, shape.loss_tile, full)
     kept_layers = arch.layers * (tokens * a * arch.hidden if checkpointing else layer)
     working = _working(arch, a, tokens, tile)
     act = _finish(kept_layers, layer, outside, head, logits, quadratic, checkpointing, working)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lorakit.model.sequence_parallel import check_sequence_parallel
+from lorakit.model.tiled_loss import planned_loss_tile
 from lorakit.model.tiled_mlp import planned_tile
 from lorakit.planner.activations import Activations, Kernels, Shape, activations
 from lorakit.planner.arch import Arch, arch_from_config, resolve_config
@@ -435,7 +436,11 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
         pairs = 2 if recipe.train.objective == "dpo" and not arch.is_encoder_decoder else 1
         this = replace(shape, rows=pairs * setup.micro_batch_size)
     if not arch.is_encoder_decoder:
-        this = replace(this, mlp_tile=planned_tile(recipe, this.seq_len, arch.hidden))
+        this = replace(
+            this,
+            mlp_tile=planned_tile(recipe, this.seq_len, arch.hidden),
+            loss_tile=planned_loss_tile(recipe, this.seq_len, arch.vocab, arch.model_type),
+        )
     act = activations(arch, recipe.method, a, kernels, this, setup.gradient_checkpointing)
 
     def total(where: str, when: str) -> int:

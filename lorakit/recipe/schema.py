@@ -81,6 +81,21 @@ class ModelSection(Section):
         description="Tokens per MLP tile when model.tiled_mlp tiles. null: the model's hidden_size (a "
         "tile's intermediate is then about one MLP weight matrix).",
     )
+    tiled_loss: bool | Literal["auto"] = Field(
+        "auto",
+        description="Compute the output head and the cross-entropy over tiles of the sequence (ALST's tiled "
+        "loss): the last hidden states go to the loss, and no logits of the whole row exist (at most one "
+        "tile x vocabulary, in fp32), for one more head forward per step. auto: on with "
+        "distributed.sequence_parallel > 1 or train.max_tokens of 32768 or more, for SFT on causal LMs "
+        "whose logits are the head's output (Llama, Mistral, Mixtral, Qwen2/3, Phi-3, Gemma, OLMo 2). "
+        "Not with train.objective dpo. See docs/long-context.md.",
+    )
+    loss_tile_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per loss tile when model.tiled_loss tiles. null: about 2**25 logits per tile "
+        "(261 tokens of a 128k vocabulary, 1024 of a 32k one).",
+    )
     trust_remote_code: bool = Field(
         False,
         description="Run the Python code a model repository ships (config.json `auto_map`) when loading its "
@@ -100,6 +115,11 @@ class ModelSection(Section):
             raise ValueError(
                 "model.mlp_tile_tokens sizes the tiles of model.tiled_mlp, which is false: remove "
                 "mlp_tile_tokens or set tiled_mlp: true (or auto)"
+            )
+        if self.loss_tile_tokens is not None and self.tiled_loss is False:
+            raise ValueError(
+                "model.loss_tile_tokens sizes the tiles of model.tiled_loss, which is false: remove "
+                "loss_tile_tokens or set tiled_loss: true (or auto)"
             )
         return self
 
@@ -485,6 +505,11 @@ class Recipe(Section):
         return self
 
     def _check_sequence_parallel(self) -> None:
+        if self.model.tiled_loss is True and self.train.objective != "sft":
+            raise ValueError(
+                "model.tiled_loss: true tiles the token cross-entropy of SFT; train.objective dpo needs each "
+                "sequence's log-probabilities from the logits: set model.tiled_loss: auto or false"
+            )
         if self.distributed.sequence_parallel == 1:
             return
         if self.model.attention == "eager":

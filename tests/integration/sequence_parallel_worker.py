@@ -5,12 +5,13 @@
 
 Each rank builds the same LoRA model twice (same seed, so the same adapter init): once as a plain packed
 model (sequence_parallel 1, the whole row on every rank) and once with sequence_parallel 2 (gradient
-checkpointing on, MLPs in tiles of TILE tokens), which sees only its half of the row. The split model's
+checkpointing on, MLPs and the head with its loss in tiles of TILE tokens), which sees only its half of the
+row. The split model's
 loss and its gradients (LoRA's, or every weight's for `llama-full`), summed over the two ranks, must equal
 the whole row's (`llama-qlora`: both on the same 4-bit base). Then isolation: changing one example of the
 row leaves the other examples' logits (gathered from both ranks) unchanged. Last, the split LoRA Llama in
-a ZeRO-2 engine and the split QLoRA Llama in a ZeRO-3 engine: DeepSpeed's averaged gradients are half the
-whole row's. Rank 0 writes what it measured to OUT_JSON; the test asserts on it.
+a ZeRO-2 engine, the split QLoRA Llama and the split fully fine-tuned Llama (its head trains through the
+tiled loss) in ZeRO-3 engines: DeepSpeed's averaged gradients are half the whole row's. Rank 0 writes what it measured to OUT_JSON; the test asserts on it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch.distributed as dist
 # example straddles the split. tiny:mistral's second example is longer than its 64-token sliding window.
 LENGTHS = {"mistral": (23, 81, 17)}
 DEFAULT_LENGTHS = (23, 17, 31)
-# The split model's MLP tiles (model.mlp_tile_tokens): several per shard, the last one shorter.
+# The split model's MLP and loss tiles (model.mlp_tile_tokens, loss_tile_tokens): several per shard, the
+# last one shorter.
 TILE = 8
 
 
@@ -50,8 +52,9 @@ def _recipe(kind: str, cache_dir: str, sp: int, method: str = "lora", zero_stage
                 "dtype": "float32",
                 "attention": "sdpa",
                 "gradient_checkpointing": sp > 1,
-                # The split model computes its MLPs in tiles (model.tiled_mlp auto is on with sp > 1).
-                **({"mlp_tile_tokens": TILE} if sp > 1 else {}),
+                # The split model computes its MLPs, head and loss in tiles (model.tiled_mlp and
+                # model.tiled_loss auto are on with sp > 1).
+                **({"mlp_tile_tokens": TILE, "loss_tile_tokens": TILE} if sp > 1 else {}),
             },
             "method": {"kind": method, "r": 4, "alpha": 8, "dropout": 0.0},
             "data": {"source": "builtin:news_summaries", "format": "instruction", "cache_dir": cache_dir},
@@ -88,7 +91,9 @@ def check(name: str, cache_dir: str, mesh) -> dict:
     from lorakit.data.collate import PackedCausalCollator
     from lorakit.data.sequence_split import split_row
     from lorakit.engine.loss import token_loss_sum
+    from lorakit.engine.objective import causal_loss_sum
     from lorakit.model import build_model
+    from lorakit.model.tiled_loss import TiledLossHead
 
     whole = build_model(_recipe(kind, cache_dir, 1, method))
     split = build_model(_recipe(kind, cache_dir, 2, method), sp_group=mesh.sp_group)
@@ -101,16 +106,18 @@ def check(name: str, cache_dir: str, mesh) -> dict:
     from lorakit.model.tiled_mlp import TiledMLP
 
     tiled = sum(isinstance(m, TiledMLP) for m in split.model.modules())
-    # The lm_head's output on each rank covers its shard only: no logits of the whole row anywhere.
+    # The lm_head's input on each rank covers its shard only: no logits of the whole row anywhere (and with
+    # the tiled loss, only a tile's).
     head_tokens = []
     hook = split.model.get_output_embeddings().register_forward_hook(
-        lambda _m, _i, out: head_tokens.append(out.shape[-2])
+        lambda _m, args, _out: head_tokens.append(args[0].shape[-2])
     )
 
     ref = token_loss_sum(whole.inputs.logits(whole.model, batch, "cpu"), batch["labels"])
     ref.backward()
     shard = split_row(batch, mesh.sp_rank, mesh.sp_world)
-    loss = token_loss_sum(split.inputs.logits(split.model, shard, "cpu"), shard["labels"])
+    # The training objective's loss: through the tiled head (model.tiled_loss), no logits.
+    loss = causal_loss_sum(split.model, split.inputs, shard, "cpu")
     loss.backward()
     hook.remove()
     total = loss.detach().clone()
@@ -160,6 +167,7 @@ def check(name: str, cache_dir: str, mesh) -> dict:
         "grad_norm": sum(g.norm().item() for g in want.values()),
         "isolation": isolation,
         "tiled_mlps": tiled,
+        "tiled_loss": isinstance(split.inputs.loss_head, TiledLossHead) and whole.inputs.loss_head is None,
         "shard_tokens": shard["input_ids"].shape[1],
         "head_tokens": head_tokens,
     }
@@ -176,7 +184,7 @@ def check_engine(name: str, zero_stage: int, cache_dir: str, mesh) -> dict:
     from lorakit.data.collate import PackedCausalCollator
     from lorakit.data.sequence_split import split_row
     from lorakit.engine.deepspeed_config import build_ds_config
-    from lorakit.engine.loss import token_loss_sum
+    from lorakit.engine.objective import causal_loss_sum
     from lorakit.model import build_model
     from lorakit.testing import tiny_config
 
@@ -191,7 +199,9 @@ def check_engine(name: str, zero_stage: int, cache_dir: str, mesh) -> dict:
     engine, *_ = deepspeed.initialize(model=split.model, model_parameters=trainable, config=ds_config)
     engine.train()
     shard = split_row(batch, mesh.sp_rank, mesh.sp_world)
-    engine.backward(token_loss_sum(split.inputs.logits(engine, shard, engine.device), shard["labels"]))
+    # The tiled head and loss (model.tiled_loss auto): under ZeRO-3 its head weight is partitioned.
+    assert split.inputs.loss_head is not None
+    engine.backward(causal_loss_sum(engine, split.inputs, shard, engine.device))
     worst = 0.0
     for n, p in engine.module.named_parameters():
         if p.requires_grad:
@@ -221,6 +231,8 @@ def main(cache_dir: str, out: str, kinds: list[str]) -> None:
         # ZeRO-2 with LoRA; ZeRO-3 with QLoRA (its 4-bit base loaded whole, then partitioned).
         results["zero2"] = check_engine("llama", 2, cache_dir, mesh)
         results["zero3-qlora"] = check_engine("llama-qlora", 3, cache_dir, mesh)
+        # ZeRO-3 with full fine-tuning: the tiled loss's head weight trains and is partitioned.
+        results["zero3-full"] = check_engine("llama-full", 3, cache_dir, mesh)
         if mesh.rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f, indent=1)

@@ -2,10 +2,11 @@
 
 One torchrun launch of sequence_parallel_worker checks the model side on a fixed packed row for a tiny
 Llama, Qwen2 and Mistral (an example longer than its sliding window) (fp32, LoRA, gradient checkpointing
-and tiled MLPs on the split model) and the tiny Llama fully fine-tuned: the same loss and the same gradients
+tiled MLPs and tiled loss on the split model) and the tiny Llama fully fine-tuned: the same loss and the same gradients
 as the whole row on one rank, and packed examples kept apart across the split. A second launch trains a recipe (ZeRO-3, checkpointing) with sequence_parallel 2
-to the end and resumed from its step-2 checkpoint, against the same recipe on one process (its MLPs in
-tiles under ZeRO-3: model.tiled_mlp is auto-on with sequence parallelism, off on one process).
+to the end and resumed from its step-2 checkpoint, against the same recipe on one process (its MLPs, head
+and loss in tiles under ZeRO-3: model.tiled_mlp and model.tiled_loss are auto-on with sequence
+parallelism, off on one process), on a two-source mixture whose eval losses per source must agree too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from lorakit.engine.launch import torchrun_command
 from lorakit.recipe import recipe_from_dict
 from tests.conftest import ROOT, tiny_recipe_dict
 from tests.integration.qlora_worker import train_in_one_launch
+from tests.unit.test_mixture import DIALOGUES, NEWS
 
 KINDS = ("llama", "qwen2", "mistral", "llama-full", "llama-qlora")
 
@@ -52,15 +54,15 @@ def test_split_row_gives_the_whole_rows_loss_and_gradients(measured, kind):
     assert m["grad_count"] == (21 if kind.endswith("full") else 28) and m["grad_norm"] > 0
     # Relative to each gradient's largest entry: fp32 sums in another order, nothing more.
     assert m["grad_rel_diff"] < 1e-5
-    # The split model ran its 2 layers' MLPs in tiles, and its lm_head only over its own shard.
-    assert m["tiled_mlps"] == 2 and m["shard_tokens"] > 8
+    # The split model ran its 2 layers' MLPs in tiles, and its head and loss in tiles of its own shard.
+    assert m["tiled_mlps"] == 2 and m["shard_tokens"] > 8 and m["tiled_loss"]
     assert m["head_tokens"] and set(m["head_tokens"]) == {m["shard_tokens"]}
 
 
-@pytest.mark.parametrize("engine", ["zero2", "zero3-qlora"])
+@pytest.mark.parametrize("engine", ["zero2", "zero3-qlora", "zero3-full"])
 def test_deepspeed_averages_the_split_rows_gradients(measured, engine):
     m = measured[engine]
-    assert m["grad_count"] == 28 and m["grad_rel_diff"] < 1e-5
+    assert m["grad_count"] == (21 if engine.endswith("full") else 28) and m["grad_rel_diff"] < 1e-5
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -71,7 +73,8 @@ def test_split_row_keeps_packed_examples_apart(measured, kind):
 
 
 # --- a recipe run: sequence_parallel 2 on 2 processes against 1 process -----------------------------------
-STEPS = 4
+# Steps 1-2, a checkpoint at 2, and one step after it (what the resumed run repeats).
+STEPS = 3
 
 
 def _run_recipe(cache_dir, out, sp: int, **train) -> dict:
@@ -83,8 +86,15 @@ def _run_recipe(cache_dir, out, sp: int, **train) -> dict:
             "gradient_checkpointing": True,
             "attention": "sdpa",
             "mlp_tile_tokens": 16,
+            "loss_tile_tokens": 16,
         },
-        data={"format": "instruction", "max_length": "auto", "max_samples": 24, "max_eval_samples": 3},
+        data={
+            "source": [NEWS, {**DIALOGUES, "name": "chats"}],
+            "format": "instruction",
+            "max_length": "auto",
+            "max_samples": 24,
+            "max_eval_samples": 2,  # per source
+        },
         train={"max_steps": STEPS, "max_tokens": 256, "gradient_accumulation_steps": 2, **train},
         distributed={"num_processes": sp, "zero_stage": 3, "sequence_parallel": sp},
         eval={"generate": True, "max_new_tokens": 4},
@@ -129,10 +139,13 @@ def test_a_split_run_sees_the_rows_of_one_process_in_the_same_order(sp_runs):
     )
     # Evaluation: the eval rows split over the group as in training give the whole rows' loss; generation
     # runs whole prompts, each group's once.
-    evals = _records(sp_runs["split"], "eval", "loss")
-    assert evals and evals == pytest.approx(_records(sp_runs["one"], "eval", "loss"), rel=1e-5)
+    # Each source's eval loss too, from the tokens of its rows each rank's shard holds.
+    for key in ("loss", "news_summaries/loss", "chats/loss"):
+        evals = _records(sp_runs["split"], "eval", key)
+        assert evals and evals == pytest.approx(_records(sp_runs["one"], "eval", key), rel=1e-5), key
+    assert evals[0] != pytest.approx(_records(sp_runs["split"], "eval", "news_summaries/loss")[0], rel=1e-3)
     predictions = [(sp_runs[r] / rundir.PREDICTIONS).read_text().splitlines() for r in ("split", "one")]
-    assert len(predictions[0]) == 3 and predictions[0] == predictions[1]
+    assert len(predictions[0]) == 4 and predictions[0] == predictions[1]  # 2 rows of each source
 
 
 def test_a_split_run_resumes_identically_and_merges(sp_runs):
@@ -140,7 +153,7 @@ def test_a_split_run_resumes_identically_and_merges(sp_runs):
     summary = rundir.read_summary(resumed)
     assert summary["resumed_from"]["step"] == 2 and summary["steps"] == STEPS
     after = {s: loss for s, loss in _train_losses(split).items() if s > 2}
-    assert sorted(after) == [3, 4]
+    assert sorted(after) == [3]
     assert {s: loss for s, loss in _train_losses(resumed).items() if s > 2} == pytest.approx(after, abs=1e-6)
     a = load_file(str(split / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(resumed / "adapter" / "adapter_model.safetensors"))

@@ -1,10 +1,13 @@
 """The memory planner's parts: sizes, the parameter census, model states, the search and the plan object."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 import lorakit
+from lorakit.engine.loss import CHUNK_ELEMENTS
 from lorakit.planner import PlanError, format_bytes, parse_bytes, plan
 from lorakit.planner.arch import KNOWN_CONFIGS, arch_from_config, known_config
 from lorakit.planner.search import slowdown
@@ -166,9 +169,44 @@ def test_packed_causal_rows_use_max_tokens():
     p = plan(load_recipe(RECIPES / "llama3_8b_lora.yaml"), gpu_memory="80GB")
     assert (p.estimate.shape.rows, p.estimate.shape.seq_len) == (1, 16384)
     assert p.estimate.setup.max_tokens == 16384 and "packed" in p.attention
-    # Llama-3's 128k vocabulary: the logits and their fp32 gradients dominate a 16k-token micro-batch.
+    # Llama-3's 128k vocabulary: the bf16 logits and their gradient (and the loss's fp32 chunk) dominate a
+    # 16k-token micro-batch, whose rows are too short for model.tiled_loss auto.
     a = p.estimate.activations
-    assert a.head == 16384 * 128256 * (2 + 12) and a.head > a.kept
+    assert a.head == 16384 * 128256 * (2 + 2) + 12 * CHUNK_ELEMENTS and a.head > a.kept
+    tiled = plan(load_recipe(RECIPES / "llama3_8b_lora.yaml", ["model.tiled_loss=true"]), gpu_memory="80GB")
+    t = tiled.estimate.activations
+    assert t.logits == 0 and t.head == 12 * (CHUNK_ELEMENTS // 128256) * 128256 and t.peak < a.peak
+
+
+@pytest.mark.parametrize("tile", [None, 64])
+def test_the_head_term_is_what_the_loss_allocates(tile):
+    """The planner's output-head bytes against the peak tensor memory of a bf16 head and loss over a row
+    (hidden 16, so the head's own terms dominate): the chunked loss over logits, and the tiled loss."""
+    from lorakit.engine.loss import token_loss_sum
+    from lorakit.meter import TensorMemoryTracker
+    from lorakit.model.tiled_loss import TiledLossHead
+    from lorakit.planner.activations import _head
+
+    tokens, vocab, hidden = 512, 8192, 16
+    torch.manual_seed(0)
+    head = torch.nn.Linear(hidden, vocab, bias=False).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, tokens))
+    with TensorMemoryTracker("cpu") as t:
+        if tile:
+            wrapped = TiledLossHead(head, tile)
+            with wrapped.targets(labels):
+                loss = wrapped(x).sum()
+        else:
+            # Chunks of 64 tokens, so that several pass, as for any row of a real vocabulary.
+            loss = token_loss_sum(head(x), labels, chunk_elements=64 * vocab)
+        loss.backward()
+        del loss
+        measured = t.peak - t.baseline
+    arch = SimpleNamespace(vocab=vocab, hidden=hidden)
+    planned, _ = _head(arch, 2, tokens, tile, chunk=64 * vocab)
+    # What is left is hidden-state sized (the gradient of x, per-token losses).
+    assert measured * 0.97 <= planned <= measured * 1.02
 
 
 def test_recommendation_is_the_fastest_setup_that_fits_with_headroom():
@@ -236,13 +274,13 @@ def test_to_dict_is_json_with_the_agreed_keys_and_describe_reads():
 
 
 def test_packed_rows_shrink_to_fit_and_the_overrides_reproduce_the_plan():
-    p = plan(RECIPES / "llama3_8b_lora.yaml", gpu_memory="24GB")
-    # 16k-token rows: the head alone (27 GiB) does not fit a 24 GB GPU.
+    p = plan(RECIPES / "llama3_8b_lora.yaml", gpu_memory="16GB")
+    # 16k-token rows: about 20 GiB per GPU (the head's logits, their gradient and the loss's chunk 8 GiB).
     assert p.fits is False and p.recommendation is not None
     rec = p.recommendation
     assert 4096 <= rec.setup.max_tokens < 16384  # never below the longest example (data.max_length)
     fixed = load_recipe(RECIPES / "llama3_8b_lora.yaml", list(p.recommended_overrides))
-    again = plan(fixed, gpu_memory="24GB")
+    again = plan(fixed, gpu_memory="16GB")
     assert again.fits and again.estimate.setup == rec.setup and again.per_gpu_bytes == rec.per_gpu_bytes
     # The same tokens per optimizer step: smaller rows, more accumulation.
     assert fixed.train.max_tokens * fixed.train.gradient_accumulation_steps == 16384 * 2

@@ -25,6 +25,8 @@ def _recipe(tmp_path, sp: int, tiled_mlp="auto"):
             "dtype": "bfloat16",
             "gradient_checkpointing": True,
             "tiled_mlp": tiled_mlp,
+            # The whole row's logits scale with 1/N too; the tiled loss (auto-on with N > 1) is one tile's.
+            "tiled_loss": False,
         },
         data={"format": "instruction", "max_length": 512},
         train={"max_tokens": 8192},
