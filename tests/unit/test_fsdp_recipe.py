@@ -1,0 +1,63 @@
+"""distributed.strategy fsdp in the recipe schema: its section, and what it refuses, naming the alternative."""
+
+from pathlib import Path
+
+import pytest
+
+from lorakit.errors import RecipeError
+from lorakit.recipe import load_recipe
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+
+
+def test_defaults_and_an_fsdp_recipe():
+    base = load_recipe(QUICKSTART, [])
+    assert base.distributed.strategy == "deepspeed"
+    fsdp = load_recipe(
+        QUICKSTART,
+        [
+            "distributed.strategy=fsdp",
+            "distributed.zero_stage=3",
+            "distributed.num_processes=4",
+            "distributed.fsdp.sharding=hybrid",
+            "distributed.fsdp.shard_size=2",
+            "distributed.fsdp.cpu_offload=true",
+        ],
+    )
+    assert (fsdp.distributed.fsdp.sharding, fsdp.distributed.fsdp.shard_size) == ("hybrid", 2)
+    assert fsdp.distributed.fsdp.cpu_offload
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["distributed.fsdp.sharding=hybrid"],
+            r"distributed\.fsdp is read only with distributed\.strategy: fsdp",
+        ),
+        (["distributed.zero_stage=2"], r"zero_stage 2 is a DeepSpeed setting.*strategy deepspeed"),
+        (["distributed.offload_optimizer=cpu"], r"distributed\.offload_optimizer.*fsdp\.cpu_offload: true"),
+        (["distributed.offload_params=cpu"], r"distributed\.offload_params.*fsdp\.cpu_offload: true"),
+        (["distributed.hpz_partition_size=2"], r"hpz_partition_size.*fsdp\.sharding: hybrid"),
+        (["distributed.quantized_weights=true"], r"quantized_weights.*strategy deepspeed"),
+        (["distributed.fsdp.shard_size=2"], r"shard_size applies to sharding: hybrid"),
+        (
+            [
+                "distributed.num_processes=4",
+                "distributed.fsdp.sharding=hybrid",
+                "distributed.fsdp.shard_size=3",
+            ],
+            r"shard_size 3 must divide the processes per node",
+        ),
+        (["method.kind=qlora"], r"qlora is not supported on strategy fsdp.*strategy deepspeed"),
+    ],
+)
+def test_what_fsdp_cannot_do_is_refused_with_the_alternative(overrides, message):
+    # The ZeRO-only overrides alone are valid for the default stage 3 except where the override says.
+    if overrides[0].startswith("distributed.fsdp"):
+        strategy = [] if overrides == ["distributed.fsdp.sharding=hybrid"] else ["distributed.strategy=fsdp"]
+    else:
+        strategy = ["distributed.strategy=fsdp"]
+    with pytest.raises(RecipeError, match=message) as err:
+        load_recipe(QUICKSTART, ["distributed.zero_stage=3", *strategy, *overrides])
+    assert err.value.exit_code == 2
