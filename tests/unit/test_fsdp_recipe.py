@@ -61,3 +61,23 @@ def test_what_fsdp_cannot_do_is_refused_with_the_alternative(overrides, message)
     with pytest.raises(RecipeError, match=message) as err:
         load_recipe(QUICKSTART, ["distributed.zero_stage=3", *strategy, *overrides])
     assert err.value.exit_code == 2
+
+
+def test_doctor_line_names_the_mesh_and_skips_deepspeed_recipes():
+    from lorakit.doctor.backend import fsdp_backend
+
+    assert fsdp_backend(load_recipe(QUICKSTART, [])).status == "skip"
+    hybrid = load_recipe(
+        QUICKSTART,
+        [
+            "distributed.strategy=fsdp",
+            "distributed.num_processes=4",
+            "distributed.fsdp.sharding=hybrid",
+            "distributed.fsdp.shard_size=2",
+        ],
+    )
+    check = fsdp_backend(hybrid)
+    assert check.passed and "shard groups of 2, replicated 2x" in check.detail
+    assert (
+        "full sharding over 2" in fsdp_backend(load_recipe(QUICKSTART, ["distributed.strategy=fsdp"])).detail
+    )
