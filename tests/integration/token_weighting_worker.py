@@ -3,9 +3,9 @@ and the updated (gathered) LoRA weights of each.
 
     python token_weighting_worker.py CACHE OUT MODE
 
-MODE: single (one process: the 6 rows as one batch, and as 2 accumulated micro-batches, ZeRO stage 0) |
-two_ranks (DeepSpeed ZeRO-3, 2 processes) | fsdp (FSDP2 full sharding, 2 processes) | hybrid (FSDP2 hybrid
-sharding, 4 processes: a 2 x 2 mesh). The ranks hold different numbers of rows (1 and 5; 1, 2, 1 and 2).
+MODE: single (one process: the 6 rows as one batch, and as 2 accumulated micro-batches) | two_ranks (2
+processes: DeepSpeed ZeRO-3, then FSDP2 full sharding, written as "fsdp") | hybrid (FSDP2 hybrid sharding, 4
+processes: a 2 x 2 mesh). The ranks hold different numbers of rows (1 and 5; 1, 2, 1 and 2).
 Launched by test_token_weighting.py, under torchrun for the multi-process modes.
 """
 
@@ -24,6 +24,13 @@ MODELS = {
 }
 # Each rank's rows of the 6 (the single process holds them all).
 SPLITS = {"two_ranks": [(0, 1), (1, 6)], "fsdp": [(0, 1), (1, 6)], "hybrid": [(0, 1), (1, 3), (3, 4), (4, 6)]}
+
+# What each launch runs, as (mode, layout): one launch of 2 processes takes both 2-process backends.
+LAUNCHES = {
+    "single": [("single", "one_batch"), ("single", "accumulate")],
+    "two_ranks": [("two_ranks", "split"), ("fsdp", "split")],
+    "hybrid": [("hybrid", "split")],
+}
 
 
 def _recipe(cache: str, out: str, kind: str, mode: str, gas: int):
@@ -129,8 +136,8 @@ def main(cache: str, out: str, mode: str) -> None:
 
     with process_group():
         for kind in MODELS:
-            for layout in ("one_batch", "accumulate") if mode == "single" else ("split",):
-                _step(cache, out, kind, mode, layout)
+            for step_mode, layout in LAUNCHES[mode]:
+                _step(cache, out, kind, step_mode, layout)
 
 
 if __name__ == "__main__":
