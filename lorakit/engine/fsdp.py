@@ -95,6 +95,12 @@ def shard_model(model: torch.nn.Module, mesh, *, dtype: str, cpu_offload: bool) 
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
     _broadcast_trainable(model, mesh.device_type)
+    if param_dtype != torch.float32:
+        # fp32 master weights, as DeepSpeed's bf16 optimizer keeps: the policy computes in param_dtype and
+        # AdamW updates fp32 values (full fine-tuning of a bf16 model would otherwise train in bf16).
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
     blocks = _block_classes(model)
     for m in list(model.modules()):
         if type(m).__name__ in blocks:
@@ -127,8 +133,10 @@ class FsdpEngine:
     """A model sharded by FSDP2 with its AdamW optimizer and LR schedule, answering the calls lorakit's loop,
     checkpoints and saving make of an engine (the DeepSpeed engine's names)."""
 
-    def __init__(self, module, optimizer, scheduler, device, max_grad_norm: float):
+    def __init__(self, module, optimizer, scheduler, device, max_grad_norm: float, save_dtype=None):
         self.module, self.optimizer, self.lr_scheduler = module, optimizer, scheduler
+        # The dtype full_model_state writes floating-point weights in (model.dtype; None: as held).
+        self.save_dtype = save_dtype
         self.device = device
         self.max_grad_norm = max_grad_norm
         self._boundary = True
@@ -219,13 +227,18 @@ class FsdpEngine:
         return str(path), {}
 
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's weights, gathered into rank 0's CPU memory (collective; None elsewhere)."""
+        """The whole model's weights in model.dtype (the fp32 masters cast, as DeepSpeed saves 16-bit weights),
+        gathered into rank 0's CPU memory (collective; None elsewhere)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(
             self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        return state if dist.is_main() else None
+        if not dist.is_main():
+            return None
+        if self.save_dtype is None:
+            return state
+        return {k: v.to(self.save_dtype) if v.is_floating_point() else v for k, v in state.items()}
 
     def destroy(self) -> None:
         """Nothing to undo: FSDP2 leaves no process-wide state behind."""
@@ -248,4 +261,4 @@ def start_fsdp(recipe, built, plan, device_type: str) -> FsdpEngine:
     groups = optimizer_groups(model, recipe.method, t.lr, t.weight_decay)
     optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=t.weight_decay)
     scheduler = lambda_lr_factory(plan.total_steps, t.warmup_ratio, t.lr_schedule)(optimizer)
-    return FsdpEngine(model, optimizer, scheduler, device, t.max_grad_norm)
+    return FsdpEngine(model, optimizer, scheduler, device, t.max_grad_norm, _DTYPES[recipe.model.dtype])

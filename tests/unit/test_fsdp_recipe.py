@@ -81,3 +81,27 @@ def test_doctor_line_names_the_mesh_and_skips_deepspeed_recipes():
     assert (
         "full sharding over 2" in fsdp_backend(load_recipe(QUICKSTART, ["distributed.strategy=fsdp"])).detail
     )
+
+
+def test_plan_shards_states_over_the_mesh_and_recommends_only_fsdp_keys():
+    from lorakit.planner import plan
+
+    xxl = Path(__file__).resolve().parents[2] / "recipes" / "flan_t5_xxl_lora.yaml"
+    fsdp = ["distributed.strategy=fsdp", "distributed.zero_stage=3", "method.kind=full"]
+
+    def states(*overrides, **kw):
+        p = plan(load_recipe(xxl, [*fsdp, *overrides]), gpus=8, nodes=2, **kw)
+        return p, {i.name: i for i in p.estimate.items}
+
+    full, f = states()
+    hybrid, h = states("distributed.fsdp.sharding=hybrid", "distributed.num_processes=8")
+    # Full sharding over all 16 GPUs; hybrid over the 8 of a node (replicated across the 2 nodes).
+    assert h["Adam states (fp32)"].bytes == 2 * f["Adam states (fp32)"].bytes
+    # Each process loads the whole model before sharding it: no zero.Init.
+    assert "whole model in each process's CPU RAM while loading" in f
+    offload, o = states("distributed.fsdp.cpu_offload=true")
+    assert o["Adam states (fp32)"].where == "cpu" and o["trainable weights"].where == "cpu"
+    tight = plan(load_recipe(xxl, fsdp), gpus=8, nodes=2, gpu_memory="40GB", cpu_memory="2000GB")
+    assert not any(
+        k.startswith(("distributed.zero_stage", "distributed.offload")) for k in tight.recommended_overrides
+    )
