@@ -244,6 +244,22 @@ class FsdpEngine:
         """Nothing to undo: FSDP2 leaves no process-wide state behind."""
 
 
+def check_built(built) -> None:
+    """Refuse (RecipeError) what the built model would do that FSDP2 cannot gather for: packed
+    encoder-decoder rows with explicit masks run the encoder on its own, outside the root module's forward,
+    where the root's parameters (the shared embedding) are still sharded."""
+    from lorakit.model.varlen import VARLEN_SDPA
+
+    if built.is_encoder_decoder and built.packing and built.attention != VARLEN_SDPA:
+        from lorakit.errors import RecipeError
+
+        raise RecipeError(
+            f"distributed.strategy fsdp: packed encoder-decoder rows on attention {built.attention} run the "
+            "encoder outside the model's forward, which FSDP2 cannot gather parameters for; use model."
+            "attention sdpa (or auto: per-example attention), data.packing false, or strategy deepspeed"
+        )
+
+
 def start_fsdp(recipe, built, plan, device_type: str) -> FsdpEngine:
     """Shard the built model and wrap it with AdamW over its trainable parameters (LoRA+ groups as with
     DeepSpeed) and the recipe's LR schedule."""
@@ -251,6 +267,7 @@ def start_fsdp(recipe, built, plan, device_type: str) -> FsdpEngine:
     from lorakit.model.adapter import optimizer_groups
 
     d, t = recipe.distributed, recipe.train
+    check_built(built)
     if device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:

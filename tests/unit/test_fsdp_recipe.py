@@ -105,3 +105,22 @@ def test_plan_shards_states_over_the_mesh_and_recommends_only_fsdp_keys():
     assert not any(
         k.startswith(("distributed.zero_stage", "distributed.offload")) for k in tight.recommended_overrides
     )
+
+
+def test_packed_t5_with_explicit_masks_is_refused_on_fsdp():
+    from types import SimpleNamespace
+
+    from lorakit.engine.fsdp import check_built
+    from lorakit.model.varlen import VARLEN_SDPA
+
+    def built(attention, packing=True, enc_dec=True):
+        return SimpleNamespace(is_encoder_decoder=enc_dec, packing=packing, attention=attention)
+
+    with pytest.raises(
+        RecipeError, match=r"attention eager run the encoder outside.*model\.attention sdpa"
+    ) as err:
+        check_built(built("eager"))
+    assert err.value.exit_code == 2
+    # Per-example SDPA (the default for packed T5), unpacked rows and causal models train.
+    for ok in (built(VARLEN_SDPA), built("eager", packing=False), built("eager", enc_dec=False)):
+        check_built(ok)
