@@ -273,7 +273,9 @@ def start_fsdp(recipe, built, plan, device_type: str) -> FsdpEngine:
     else:
         device = torch.device("cpu")
     mesh = device_mesh(d.fsdp.sharding, d.fsdp.shard_size, device_type)
-    model = shard_model(built.model, mesh, dtype=recipe.model.dtype, cpu_offload=d.fsdp.cpu_offload)
+    # Without a GPU the shards live in CPU memory already (and torch's CPUOffloadPolicy needs an accelerator).
+    offload = d.fsdp.cpu_offload and device_type == "cuda"
+    model = shard_model(built.model, mesh, dtype=recipe.model.dtype, cpu_offload=offload)
     # After fully_shard: the optimizer must hold the sharded (DTensor) parameters.
     groups = optimizer_groups(model, recipe.method, t.lr, t.weight_decay)
     optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=t.weight_decay)
