@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from lorakit.doctor import contracts, ds_ops, env, speed
+from lorakit.doctor.backend import fsdp_backend
 from lorakit.doctor.result import SECTIONS, CheckResult, DoctorReport, failed, passed, skipped
 from lorakit.errors import LorakitError
 
@@ -76,6 +77,7 @@ def environment(recipe) -> list[CheckResult]:
         ("flash-attn", env.flash_attn),
         ("bitsandbytes", lambda: env.bitsandbytes(recipe)),
         ("deepspeed ops", lambda: ds_ops.deepspeed_ops(recipe)),
+        ("fsdp", lambda: fsdp_backend(recipe)),
         ("extension locks", env.stale_locks),
     ]
     if recipe is not None:

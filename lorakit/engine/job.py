@@ -24,9 +24,12 @@ from lorakit.data.batching import Batching, make_batching
 from lorakit.data.sampler import ResumableBatchSampler
 from lorakit.data.sequence_split import split_sequences
 from lorakit.engine import checkpoint, dist
+
+# accelerator_name: re-exported, lorakit.api and the tests import it from here.
+from lorakit.engine.backend import accelerator_name as accelerator_name
+from lorakit.engine.backend import backend_for, device_kind
 from lorakit.engine.best import BestPolicy
 from lorakit.engine.checkpoint import Checkpoint, LoopState
-from lorakit.engine.deepspeed_config import build_ds_config, check_zero_plus_plus
 from lorakit.engine.loop import (
     Checkpointing,
     NonFinitePolicy,
@@ -40,14 +43,12 @@ from lorakit.engine.mesh import ParallelDims
 from lorakit.engine.objective import make_objective
 from lorakit.engine.result import EXIT, TrainResult
 from lorakit.engine.save import save_trained
-from lorakit.engine.schedule import lambda_lr_factory
 from lorakit.engine.signals import StopRequests
 from lorakit.engine.summary import MemoryProbe, summarize
 from lorakit.evaluation.classify import save_classification
 from lorakit.evaluation.runner import run_eval
 from lorakit.meter import TokenMeter
 from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
-from lorakit.model.adapter import optimizer_groups
 from lorakit.model.fused_attention import KERNELS_USED
 from lorakit.model.quantize import describe_quantization, quantization_summary
 from lorakit.observe import MetricsLogger
@@ -60,18 +61,23 @@ def run_job(recipe: Recipe) -> TrainResult:
     run_dir = Path(recipe.output.dir).expanduser().resolve()
     # Before any work: a checkpoint from another recipe or world size is refused here, not after loading.
     resume_from = checkpoint.find_resume(recipe, run_dir)
-    check_group(recipe)
+    backend = backend_for(recipe)
+    backend.check_group()
     # Each step ends in a collective where every rank learns whether another failed (engine/dist.py).
     source, config, tokenizer = dist.on_every_rank("load", _load_config_and_tokenizer, recipe)
     data = prepare_everywhere(recipe, tokenizer, config)
-    ds_config = deepspeed_config(recipe, config)
+    ds_config = backend.config(config)
     memory = MemoryProbe(device_kind())
     # Data-parallel replicas x sequence-parallel groups; the data is split over the replicas.
     mesh = ParallelDims.build(recipe.distributed.sequence_parallel)
-    built = dist.on_every_rank("load", build_model, recipe, ds_config, sp_group=mesh.sp_group)
+    built = dist.on_every_rank(
+        "load", build_model, recipe, backend.load_config(ds_config), sp_group=mesh.sp_group
+    )
     params = count_parameters(built.model)
     log = (
-        dist.on_main("tracker start", open_run_dir, recipe, run_dir, ds_config, resume_from)
+        dist.on_main(
+            "tracker start", open_run_dir, recipe, run_dir, ds_config, resume_from, backend.config_file
+        )
         or MetricsLogger()
     )
     batching = make_batching(
@@ -82,7 +88,7 @@ def run_job(recipe: Recipe) -> TrainResult:
     t = recipe.train
     plan = plan_steps(len(loader.batch_sampler), t.gradient_accumulation_steps, t.epochs, t.max_steps)
     _say(batching.describe(plan, dist.world_size()))
-    engine, quantization = start_engine(recipe, built, ds_config, plan)
+    engine, quantization = start_engine(recipe, backend, built, ds_config, plan)
     if t.objective == "dpo" and not recipe.method.adapter():
         # Full fine-tuning DPO: the initial model's log-probabilities, before any step or checkpoint load.
         from lorakit.engine.dpo_reference import attach_reference
@@ -117,18 +123,6 @@ def _say(line: str) -> None:
         print(line, flush=True)
 
 
-def accelerator_name() -> str:
-    """DeepSpeed's accelerator for this machine: `cuda`, or `cpu` where there is no GPU."""
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().device_name()
-
-
-def device_kind() -> str:
-    """Where the run's tensors live, as torch names the device type: `cpu` or `cuda`."""
-    return "cpu" if accelerator_name() == "cpu" else "cuda"
-
-
 def prepare_everywhere(recipe: Recipe, tokenizer, config) -> PreparedData:
     """The recipe's PreparedData on every rank, tokenized once."""
     # Rank 0 tokenizes (or finds the cache); the others wait and then read its cache entry. Where nodes do
@@ -148,25 +142,16 @@ def prepare_everywhere(recipe: Recipe, tokenizer, config) -> PreparedData:
     return data
 
 
-def check_group(recipe: Recipe) -> None:
-    """The ZeRO++ settings this process group or accelerator cannot run are refused before any work."""
-    # torchrun says LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
-    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
-    check_zero_plus_plus(recipe, dist.world_size(), int(per_node) if per_node else None, accelerator_name())
-
-
-def deepspeed_config(recipe: Recipe, config) -> dict[str, Any]:
-    """The recipe's DeepSpeed config for this group and accelerator (buckets sized by the hidden size)."""
-    hidden = getattr(config, "d_model", None) or getattr(config, "hidden_size", None)
-    return build_ds_config(recipe, dist.world_size(), accelerator=accelerator_name(), hidden_size=hidden)
-
-
 def open_run_dir(
-    recipe: Recipe, run_dir: Path, ds_config: dict, resume_from: Checkpoint | None
+    recipe: Recipe,
+    run_dir: Path,
+    ds_config: dict,
+    resume_from: Checkpoint | None,
+    config_file: str = rundir.DS_CONFIG,
 ) -> MetricsLogger:
     """Rank 0 clears what an earlier run left for this one to write, writes the resolved recipe and the
-    DeepSpeed config, and opens the metrics and the trackers of output.report_to (continuing them on
-    resume); returns the MetricsLogger (one without sinks on the other ranks)."""
+    backend's config (as `config_file`), and opens the metrics and the trackers of output.report_to
+    (continuing them on resume); returns the MetricsLogger (one without sinks on the other ranks)."""
     if not dist.is_main():
         return MetricsLogger()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -179,7 +164,7 @@ def open_run_dir(
         shutil.rmtree(run_dir / rundir.BEST, ignore_errors=True)
     resolved = dump_recipe(recipe)
     rundir.write_text(run_dir / rundir.RECIPE, resolved)
-    rundir.write_json(run_dir / rundir.DS_CONFIG, ds_config)
+    rundir.write_json(run_dir / config_file, ds_config)
     return MetricsLogger.for_run(
         run_dir,
         keep=resume_from.state["loop"]["metrics_records"] if resume_from else None,
@@ -204,21 +189,12 @@ def make_loader(data: PreparedData, batching: Batching, seed: int) -> DataLoader
 
 
 def start_engine(
-    recipe: Recipe, built: BuiltModel, ds_config: dict, plan: StepPlan
+    recipe: Recipe, backend, built: BuiltModel, ds_config: dict, plan: StepPlan
 ) -> tuple[Any, dict | None]:
-    """deepspeed.initialize over the trainable parameters with the recipe's LR schedule; returns the engine
+    """The backend's engine over the trainable parameters with the recipe's LR schedule; returns the engine
     and, for QLoRA, the quantization summary (printed)."""
-    import deepspeed
-
-    t = recipe.train
-    engine, *_ = deepspeed.initialize(
-        model=built.model,
-        # The trainable parameters; with LoRA+ (method.lr_ratio_b) in groups, each with its own lr.
-        model_parameters=optimizer_groups(built.model, recipe.method, t.lr, t.weight_decay),
-        config=ds_config,
-        lr_scheduler=lambda_lr_factory(plan.total_steps, t.warmup_ratio, t.lr_schedule),
-    )
-    # After deepspeed.initialize, so under ZeRO-3 it counts the partitioned base through ds_numel.
+    engine = backend.start(built, ds_config, plan)
+    # After the engine starts, so under ZeRO-3 it counts the partitioned base through ds_numel.
     quantization = quantization_summary(engine.module, recipe) if recipe.method.quantization() else None
     if quantization:
         _say(describe_quantization(quantization))

@@ -25,6 +25,10 @@ def _gathered(params: list[torch.nn.Parameter]):
     return contextlib.nullcontext()
 
 
+def _whole(p: torch.nn.Parameter) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
 def _expected_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
     return tuple(getattr(p, "ds_shape", p.shape))
 
@@ -40,7 +44,8 @@ def gather_adapter_state(model) -> dict[str, torch.Tensor]:
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     with _gathered(list(trainable.values())):
         expected = {n: _expected_shape(p) for n, p in trainable.items()}
-        full = {n: p.detach().to("cpu", copy=True) for n, p in trainable.items()}
+        # FSDP2 holds DTensor shards: full_tensor() gathers each whole from every rank (collective).
+        full = {n: _whole(p).detach().to("cpu", copy=True) for n, p in trainable.items()}
     for name, tensor in full.items():
         if tensor.numel() == 0 or tuple(tensor.shape) != expected[name]:
             raise IncompleteSaveError(
@@ -126,7 +131,10 @@ def save_trained(
         return {"adapter_dir": str(out)}
     out = run_dir / (into or rundir.MODEL)
     state = None
-    if recipe.distributed.zero_stage == 3:
+    if hasattr(engine, "full_model_state"):
+        # FSDP2 (engine/fsdp.py): gathered from every rank's shards into rank 0's CPU memory (collective).
+        state = engine.full_model_state()
+    elif recipe.distributed.zero_stage == 3:
         # Collective: gathers module by module into rank 0's CPU memory (None elsewhere). DeepSpeed's
         # public save_16bit_model writes a pickle whatever the file name; we want safetensors.
         state = engine._zero3_consolidated_16bit_state_dict()

@@ -264,7 +264,9 @@ def plan(
     best = None
     if gpu_cap is not None:
         # Recommend only setups with headroom for the model's error; the recipe's own setup first on ties.
-        tried = [own] + [e for e in map(estimate, candidates(base, min_tokens=min_tokens)) if e.setup != base]
+        fsdp = recipe.distributed.strategy == "fsdp"
+        options = candidates(base, min_tokens=min_tokens, fsdp=fsdp)
+        tried = [own] + [e for e in map(estimate, options) if e.setup != base]
         fitting = [e for e in tried if e.fits and e.per_gpu_bytes <= HEADROOM * gpu_cap]
         if fitting:
             best = min(fitting, key=lambda e: round(e.slowdown, 6))
@@ -423,9 +425,14 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     zero = ds_config["zero_optimization"]
     threshold = int(zero.get("stage3_param_persistence_threshold", 1e5)) if setup.zero_stage == 3 else None
     c = counts(arch, recipe.method, a, threshold)
-    partitioned_init = setup.zero_stage == 3 and recipe.method.kind != "qlora"
+    d = recipe.distributed
+    # FSDP2 loads the whole model in each process and shards it afterwards; hybrid sharding keeps one copy
+    # per shard group (fsdp.shard_size, default the GPUs per node).
+    fsdp = d.strategy == "fsdp"
+    partitioned_init = setup.zero_stage == 3 and recipe.method.kind != "qlora" and not fsdp
+    shards = (d.fsdp.shard_size or gpus) if fsdp and d.fsdp.sharding == "hybrid" else world
     items = model_states(
-        c, setup, world=world, dtype_bytes=a, ds_config=ds_config, partitioned_init=partitioned_init
+        c, setup, world=shards, dtype_bytes=a, ds_config=ds_config, partitioned_init=partitioned_init
     )
     if setup.max_tokens:
         scale = setup.max_tokens / shape.seq_len

@@ -23,12 +23,14 @@ from lorakit.planner.states import Setup
 
 
 def recipe_setup(recipe) -> Setup:
-    """The setup a recipe asks for."""
+    """The setup a recipe asks for. FSDP2 (distributed.strategy fsdp) is planned as ZeRO-3's layout, its
+    cpu_offload as offloading both the optimizer and the parameters."""
     d = recipe.distributed
+    fsdp_offload = "cpu" if d.strategy == "fsdp" and d.fsdp.cpu_offload else None
     return Setup(
         zero_stage=d.zero_stage,
-        offload_optimizer=d.offload_optimizer,
-        offload_params=d.offload_params,
+        offload_optimizer=fsdp_offload or d.offload_optimizer,
+        offload_params=fsdp_offload or d.offload_params,
         micro_batch_size=recipe.train.micro_batch_size,
         max_tokens=None,
         gradient_checkpointing=recipe.model.gradient_checkpointing,
@@ -54,9 +56,12 @@ def slowdown(setup: Setup, reference: Setup, *, adapter: bool, nodes: int) -> fl
     return factor
 
 
-def candidates(base: Setup, *, min_tokens: int | None, offload_device: str = "cpu") -> list[Setup]:
+def candidates(
+    base: Setup, *, min_tokens: int | None, offload_device: str = "cpu", fsdp: bool = False
+) -> list[Setup]:
     """Every setup the planner tries: ZeRO-2 and 3, each offload level, with and without checkpointing,
-    and micro-batches (or packed rows) halved down to 1 (or to the longest example)."""
+    and micro-batches (or packed rows) halved down to 1 (or to the longest example). `fsdp`: only what
+    FSDP2 has (ZeRO-3's layout, nothing or everything offloaded to the CPU)."""
     sizes: list[tuple[int, int | None]] = []
     if base.max_tokens:
         n = base.max_tokens
@@ -72,8 +77,10 @@ def candidates(base: Setup, *, min_tokens: int | None, offload_device: str = "cp
             n //= 2
     offloads = {2: [("none", "none"), (offload_device, "none")],
                 3: [("none", "none"), (offload_device, "none"), (offload_device, offload_device)]}  # fmt: skip
+    if fsdp:
+        offloads = {3: [("none", "none"), ("cpu", "cpu")]}
     out = []
-    for stage in (2, 3):
+    for stage in offloads:
         for opt, par in offloads[stage]:
             for ckpt in (False, True):
                 for mb, tokens in sizes:
@@ -90,11 +97,14 @@ def overrides(setup: Setup, recipe, base: Setup) -> list[str]:
     more accumulation steps."""
     out = []
     d, t = recipe.distributed, recipe.train
-    if setup.zero_stage != d.zero_stage:
+    if d.strategy == "fsdp":
+        if setup.offload_params != base.offload_params:
+            out.append(f"distributed.fsdp.cpu_offload={str(setup.offload_params != 'none').lower()}")
+    elif setup.zero_stage != d.zero_stage:
         out.append(f"distributed.zero_stage={setup.zero_stage}")
-    if setup.offload_optimizer != d.offload_optimizer:
+    if d.strategy != "fsdp" and setup.offload_optimizer != d.offload_optimizer:
         out.append(f"distributed.offload_optimizer={setup.offload_optimizer}")
-    if setup.offload_params != d.offload_params:
+    if d.strategy != "fsdp" and setup.offload_params != d.offload_params:
         out.append(f"distributed.offload_params={setup.offload_params}")
     if setup.gradient_checkpointing != recipe.model.gradient_checkpointing:
         out.append(f"model.gradient_checkpointing={str(setup.gradient_checkpointing).lower()}")

@@ -80,7 +80,10 @@ def _literal(value: Any) -> str:
 
 def render_value(value: Any) -> str:
     """A value as it would be written in a recipe (YAML flow style): null, true, 0.0002, [rouge], auto."""
-    text = yaml.safe_dump(value, default_flow_style=True, width=10_000)
+    if isinstance(value, BaseModel):
+        # A nested section (distributed.fsdp): its keys and their defaults, each also given its own row.
+        value = value.model_dump(mode="json")
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000, sort_keys=False)
     return text.removesuffix("\n").removesuffix("\n...").strip()
 
 
@@ -174,6 +177,33 @@ def section_models() -> list[tuple[str, type[BaseModel]]]:
     return [(name, field.annotation) for name, field in Recipe.model_fields.items()]
 
 
+def _nested(model: type[BaseModel]) -> list[tuple[str, type[BaseModel]]]:
+    """The fields of `model` that are sections themselves (distributed.fsdp), with their models."""
+    return [
+        (key, f.annotation)
+        for key, f in model.model_fields.items()
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
+    ]
+
+
+def _table_rows(prefix: str, model: type[BaseModel]) -> list[str]:
+    """One table row per key of `model`, a nested section's keys right after its own row."""
+    lines = []
+    nested = dict(_nested(model))
+    for key, field in model.model_fields.items():
+        type_text = "section" if key in nested else render_type(field.annotation)
+        constraints = render_constraints(field)
+        type_cell = f"`{_cell(type_text)}`" + (f" ({_cell(constraints)})" if constraints else "")
+        default = render_default(field)
+        default_cell = "**required**" if default == "required" else f"`{_cell(default)}`"
+        lines.append(
+            f"| `{prefix}.{key}` | {type_cell} | {default_cell} | {_cell(field.description or '')} |"
+        )
+        if key in nested:
+            lines += _table_rows(f"{prefix}.{key}", nested[key])
+    return lines
+
+
 def generate() -> str:
     """The whole reference page as Markdown."""
     sections = section_models()
@@ -183,16 +213,10 @@ def generate() -> str:
         required = "required section" if Recipe.model_fields[name].is_required() else "optional section"
         lines += ["", f"## {name}", "", f"{_section_doc(model)} ({required})", ""]
         lines += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
-        for key, field in model.model_fields.items():
-            type_text = render_type(field.annotation)
-            constraints = render_constraints(field)
-            type_cell = f"`{_cell(type_text)}`" + (f" ({_cell(constraints)})" if constraints else "")
-            default = render_default(field)
-            default_cell = "**required**" if default == "required" else f"`{_cell(default)}`"
-            lines.append(
-                f"| `{name}.{key}` | {type_cell} | {default_cell} | {_cell(field.description or '')} |"
-            )
-        lines += _rules(validator_messages(model))
+        lines += _table_rows(name, model)
+        lines += _rules(
+            validator_messages(model) + [m for _, sub in _nested(model) for m in validator_messages(sub)]
+        )
     across = validator_messages(Recipe)
     if across:
         lines += [

@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 
 from lorakit.recipe.data_section import DataSection, SourceSpec, data_parts
 from lorakit.recipe.dpo_section import DPO_METRICS, DpoSection, check_objective
+from lorakit.recipe.fsdp_section import FsdpSection, check_fsdp
 from lorakit.recipe.method import MethodSection
 from lorakit.recipe.section import Section, placeholders
 
@@ -22,6 +23,7 @@ __all__ = [
     "DistributedSection",
     "DpoSection",
     "EvalSection",
+    "FsdpSection",
     "MethodSection",
     "ModelSection",
     "OutputSection",
@@ -234,7 +236,7 @@ ZERO_PLUS_PLUS = ("hpz_partition_size", "quantized_weights", "quantized_gradient
 
 
 class DistributedSection(Section):
-    """How the work is spread over processes with DeepSpeed ZeRO."""
+    """How the work is spread over processes: DeepSpeed ZeRO (the default) or PyTorch FSDP2."""
 
     num_processes: int = Field(
         1, ge=1, description="Processes per node; `python -m lorakit.run` starts torchrun when it needs more."
@@ -292,6 +294,14 @@ class DistributedSection(Section):
         "flash_attention_2; must divide distributed.num_processes and the model's attention and key/value "
         "heads (checked when the model config loads). 1: off. See docs/long-context.md.",
     )
+
+    # issue 36: the sharding backend.
+    strategy: Literal["deepspeed", "fsdp"] = Field(
+        "deepspeed",
+        description="The sharding backend: deepspeed (ZeRO, the zero_stage and offload keys) or fsdp (PyTorch "
+        "FSDP2, the distributed.fsdp section). The same recipe trains on either. See docs/backends.md.",
+    )
+    fsdp: FsdpSection = Field(FsdpSection(), description="strategy fsdp: how FSDP2 shards the model.")
 
     @model_validator(mode="after")
     def _check(self) -> DistributedSection:
@@ -500,6 +510,7 @@ class Recipe(Section):
                 "a 4-bit weight DeepSpeed did not partition); use distributed.zero_stage 2, or kind lora"
             )
         self._check_sequence_parallel()
+        check_fsdp(self)
         check_objective(self)
         self._check_best()
         return self

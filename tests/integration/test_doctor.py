@@ -15,11 +15,12 @@ from tests.conftest import RECIPES
 # reason, everything else runs.
 CHECKS = {
     "python + torch", "libraries", "gpus", "driver + nccl", "flash-attn", "bitsandbytes", "deepspeed ops",
-    "extension locks", "disk", "packed == alone", "chunked CE == full CE", "LoRA merged == adapter",
+    "fsdp", "extension locks", "disk", "packed == alone", "chunked CE == full CE", "LoRA merged == adapter",
     "token-weighted accumulation", "ZeRO-3 save + reload", "block forward+backward", "run time estimate",
     "all_reduce", "memory plan",
 }  # fmt: skip
-SKIPPED_ON_ONE_CPU = {"gpus", "driver + nccl", "ZeRO-3 save + reload", "all_reduce"}
+# fsdp: the recipes train on DeepSpeed.
+SKIPPED_ON_ONE_CPU = {"gpus", "driver + nccl", "fsdp", "ZeRO-3 save + reload", "all_reduce"}
 
 
 def _recipe(name: str, cache_dir, tmp_path, *overrides: str):

@@ -1,8 +1,12 @@
-"""Runs one optimizer step on fixed micro-batches; writes loss, grad norm and updated LoRA weights.
+"""Runs one optimizer step on fixed micro-batches of the tiny T5 and the tiny Llama; writes loss, grad norm
+and the updated (gathered) LoRA weights of each.
 
-    python token_weighting_worker.py CACHE OUT MODE      (MODE: one_batch | accumulate | two_ranks)
+    python token_weighting_worker.py CACHE OUT MODE
 
-Launched by test_token_weighting.py, under torchrun for two_ranks.
+MODE: single (one process: the 6 rows as one batch, and as 2 accumulated micro-batches) | two_ranks (2
+processes: DeepSpeed ZeRO-3, then FSDP2 full sharding, written as "fsdp") | hybrid (FSDP2 hybrid sharding, 4
+processes: a 2 x 2 mesh). The ranks hold different numbers of rows (1 and 5; 1, 2, 1 and 2).
+Launched by test_token_weighting.py, under torchrun for the multi-process modes.
 """
 
 import json
@@ -11,57 +15,129 @@ from pathlib import Path
 
 import torch
 
+MODELS = {
+    "t5": {},
+    "llama": {
+        "model": {"name_or_path": "tiny:llama"},
+        "data": {"format": "instruction", "max_length": "auto"},
+    },
+}
+# Each rank's rows of the 6 (the single process holds them all).
+SPLITS = {"two_ranks": [(0, 1), (1, 6)], "fsdp": [(0, 1), (1, 6)], "hybrid": [(0, 1), (1, 3), (3, 4), (4, 6)]}
 
-def main(cache: str, out: str, mode: str) -> None:
+# What each launch runs, as (mode, layout): one launch of 2 processes takes both 2-process backends.
+LAUNCHES = {
+    "single": [("single", "one_batch"), ("single", "accumulate")],
+    "two_ranks": [("two_ranks", "split"), ("fsdp", "split")],
+    "hybrid": [("hybrid", "split")],
+}
+
+
+def _recipe(cache: str, out: str, kind: str, mode: str, gas: int):
+    from tests.conftest import tiny_recipe
+
+    sections = {k: dict(v) for k, v in MODELS[kind].items()}
+    distributed = {"zero_stage": 3, "num_processes": len(SPLITS.get(mode, [0]))}
+    if mode in ("fsdp", "hybrid"):
+        distributed["strategy"] = "fsdp"
+    if mode == "hybrid":
+        distributed["fsdp"] = {"sharding": "hybrid", "shard_size": 2}
+    return tiny_recipe(
+        Path(cache),
+        Path(out) / "run",
+        **sections,
+        method={"dropout": 0.0},
+        train={"gradient_accumulation_steps": gas, "max_grad_norm": 0.0, "lr": 1e-2},
+        distributed=distributed,
+    )
+
+
+def _same_start(model) -> None:
+    """Every trainable weight (LoRA A and B) drawn from one fixed generator, on every backend: loading
+    under ZeRO-3 draws from the global RNG differently than a plain load, so peft's own init would differ;
+    B non-zero gives every LoRA weight a non-zero gradient."""
+    import contextlib
+
+    trainable = [p for _, p in sorted(model.named_parameters()) if p.requires_grad]
+    gathered = contextlib.nullcontext()
+    if any(hasattr(p, "ds_id") for p in trainable):
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(trainable, modifier_rank=0)
+    g = torch.Generator().manual_seed(0)
+    with gathered, torch.no_grad():
+        for p in trainable:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _engine(recipe, built, ds_config):
+    # Plain SGD at lr 1 makes the update exactly -gradient, so the weights compare gradients; Adam's
+    # g / (|g| + eps) would amplify float-order noise wherever g is near eps.
+    if recipe.distributed.strategy == "fsdp":
+        from lorakit.engine.fsdp import FsdpEngine, device_mesh, shard_model
+
+        f = recipe.distributed.fsdp
+        model = shard_model(
+            built.model, device_mesh(f.sharding, f.shard_size, "cpu"), dtype="float32", cpu_offload=False
+        )
+        sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        constant = torch.optim.lr_scheduler.LambdaLR(sgd, lambda _: 1.0)
+        return FsdpEngine(model, sgd, constant, torch.device("cpu"), 0.0)
     import deepspeed
 
-    from lorakit.data import Seq2SeqCollator, prepare_data
+    ds_config["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
+    engine, *_ = deepspeed.initialize(
+        model=built.model,
+        config=ds_config,
+        model_parameters=[p for p in built.model.parameters() if p.requires_grad],
+    )
+    return engine
+
+
+def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
+    from lorakit.data import prepare_data
+    from lorakit.data.collate import padded_collator
     from lorakit.engine import dist
     from lorakit.engine.deepspeed_config import build_ds_config
-    from lorakit.engine.launch import process_group
+    from lorakit.engine.job import release
     from lorakit.engine.loop import train_window
     from lorakit.engine.save import gather_adapter_state
     from lorakit.meter import TokenMeter
     from lorakit.model import build_model, load_config, load_tokenizer
-    from tests.conftest import tiny_recipe
 
-    gas = 2 if mode == "accumulate" else 1
-    recipe = tiny_recipe(
-        Path(cache),
-        Path(out) / "run",
-        method={"dropout": 0.0},
-        train={"gradient_accumulation_steps": gas, "max_grad_norm": 0.0, "lr": 1e-2},
-        distributed={"zero_stage": 3, "num_processes": 2 if mode == "two_ranks" else 1},
-    )
+    recipe = _recipe(cache, out, kind, mode, 2 if layout == "accumulate" else 1)
+    source, config = load_config(recipe)
+    tok = load_tokenizer(recipe, source)
+    data = prepare_data(recipe, tok, config)
+    ds_config = build_ds_config(recipe, dist.world_size(), accelerator="cpu")
+    built = build_model(recipe, ds_config if recipe.distributed.strategy == "deepspeed" else None)
+    _same_start(built.model)
+    engine = _engine(recipe, built, ds_config)
+    collate = padded_collator(tok, config)
+    rows = [data.train[i] for i in range(6)]
+    if layout == "one_batch":
+        window = [collate(rows)]
+    elif layout == "accumulate":
+        window = [collate(rows[:1]), collate(rows[1:])]
+    else:
+        start, end = SPLITS[mode][dist.rank()]
+        window = [collate(rows[start:end])]
+    stats = train_window(engine, built.inputs, window, TokenMeter())
+    weights = gather_adapter_state(engine.module)
+    if dist.is_main():
+        name = f"{kind}-{layout if mode == 'single' else mode}"
+        torch.save(weights, Path(out) / f"{name}.pt")
+        (Path(out) / f"{name}.json").write_text(json.dumps(stats))
+    release(engine, built)
+
+
+def main(cache: str, out: str, mode: str) -> None:
+    from lorakit.engine.launch import process_group
+
     with process_group():
-        source, config = load_config(recipe)
-        tok = load_tokenizer(recipe, source)
-        data = prepare_data(recipe, tok, config)
-        ds_config = build_ds_config(recipe, dist.world_size(), accelerator="cpu")
-        # Plain SGD at lr 1 makes the update exactly -gradient, so the weights compare gradients; Adam's
-        # g / (|g| + eps) would amplify float-order noise wherever g is near eps.
-        ds_config["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
-        built = build_model(recipe, ds_config)
-        engine, *_ = deepspeed.initialize(
-            model=built.model,
-            config=ds_config,
-            model_parameters=[p for p in built.model.parameters() if p.requires_grad],
-        )
-        collate = Seq2SeqCollator(tok.pad_token_id, config.decoder_start_token_id)
-        # Two micro-batches with very different target-token counts: 1 row vs 5 rows.
-        rows_a = [data.train[i] for i in range(1)]
-        rows_b = [data.train[i] for i in range(1, 6)]
-        if mode == "one_batch":
-            window = [collate(rows_a + rows_b)]
-        elif mode == "accumulate":
-            window = [collate(rows_a), collate(rows_b)]
-        else:
-            window = [collate(rows_a if dist.rank() == 0 else rows_b)]
-        stats = train_window(engine, built.inputs, window, TokenMeter())
-        weights = gather_adapter_state(engine.module)
-        if dist.is_main():
-            torch.save(weights, Path(out) / f"{mode}.pt")
-            (Path(out) / f"{mode}.json").write_text(json.dumps(stats))
+        for kind in MODELS:
+            for step_mode, layout in LAUNCHES[mode]:
+                _step(cache, out, kind, step_mode, layout)
 
 
 if __name__ == "__main__":
