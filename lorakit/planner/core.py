@@ -16,6 +16,7 @@ from lorakit.model.tiled_mlp import planned_tile
 from lorakit.planner.activations import Activations, Kernels, Shape, activations
 from lorakit.planner.arch import Arch, arch_from_config, resolve_config
 from lorakit.planner.search import ROW_STEP, candidates, longest_row, overrides, recipe_setup, slowdown
+from lorakit.planner.shapes import micro_batch_shape, positive
 from lorakit.planner.states import Item, Setup, counts, model_states
 from lorakit.planner.units import HEADROOM, PlanError, parse_bytes
 
@@ -211,12 +212,6 @@ def _recipe(recipe):
     raise PlanError(f"plan: expected a Recipe or the path of a recipe YAML file, got {type(recipe).__name__}")
 
 
-def _positive(value, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"{field}: expected a whole number >= 1, got {value!r}")
-    return value
-
-
 def plan(
     recipe,
     *,
@@ -235,8 +230,8 @@ def plan(
     stand in for `auto` data lengths (default: the model's maximum). `device`: "cuda" plans for GPUs;
     "cpu" models PyTorch's CPU kernels and no CUDA overhead (for checking the plan against CPU runs)."""
     recipe = _recipe(recipe)
-    gpus = _positive(recipe.distributed.num_processes if gpus is None else gpus, "gpus")
-    nodes = _positive(nodes, "nodes")
+    gpus = positive(recipe.distributed.num_processes if gpus is None else gpus, "gpus")
+    nodes = positive(nodes, "nodes")
     if device not in ("cuda", "cpu"):
         raise PlanError(f"device: expected 'cuda' or 'cpu', got {device!r}")
     gpu_cap = parse_bytes(gpu_memory, "gpu_memory")
@@ -251,7 +246,7 @@ def plan(
     )
     a = _DTYPE_BYTES[recipe.model.dtype]
     notes: list[str] = []
-    shape, kernels, min_tokens = _shape(recipe, arch, seq_len, target_len, device, notes)
+    shape, kernels, min_tokens = micro_batch_shape(recipe, arch, seq_len, target_len, device, notes)
     world = gpus * nodes
     base = recipe_setup(recipe)
     if kernels.packed:
@@ -302,101 +297,6 @@ def plan(
         timeout_minutes=recipe.distributed.timeout_minutes,
         objective=recipe.train.objective,
     )
-
-
-def _length(
-    value, option: int | None, model_max: int | None, field: str, option_name: str, notes: list
-) -> int:
-    if isinstance(value, int):
-        return value
-    if option is not None:
-        notes.append(f"{field} is auto: planned with {option_name}={option}")
-        return _positive(option, option_name)
-    if model_max is None:
-        raise PlanError(f"{field} is auto and the model's maximum length is unknown: pass {option_name}")
-    notes.append(f"{field} is auto: planned with the model's maximum, {model_max} tokens (pass {option_name} "
-                 "for the data's real length)")  # fmt: skip
-    return model_max
-
-
-def _shape(
-    recipe, arch: Arch, seq_len, target_len, device: str, notes: list
-) -> tuple[Shape, Kernels, int | None]:
-    """Token counts of one micro-batch, the attention kernels, and the smallest packed row allowed."""
-    from lorakit.model.attention import packing_enabled
-
-    d, t = recipe.data, recipe.train
-    requested = recipe.model.attention
-    # auto: flash_attention_2 or SDPA on GPUs; both keep no attention scores, so they plan alike.
-    attention = "sdpa" if requested == "auto" else requested
-    packed = packing_enabled(d.packing, attention, arch.is_encoder_decoder, arch.model_type)
-    if attention == "flash_attention_2" and device == "cpu":
-        raise PlanError("model.attention flash_attention_2 runs on GPUs only; plan with device='cuda'")
-    kernels = Kernels(attention=attention, device=device, packed=packed)
-    if t.objective == "dpo":
-        shape, kernels, min_tokens = _dpo_shape(recipe, arch, seq_len, target_len, kernels, notes)
-        return shape, kernels, min_tokens
-    if arch.is_encoder_decoder:
-        src = _length(
-            d.max_source_length, seq_len, arch.max_length, "data.max_source_length", "--seq-len", notes
-        )
-        tgt = _length(d.max_target_length, target_len, arch.max_length, "data.max_target_length", "--target-len",
-                      notes)  # fmt: skip
-        if packed:
-            rows_src = t.max_tokens or t.micro_batch_size * src
-            if not t.max_tokens:
-                # Rows of micro_batch_size examples (or, with only max_target_tokens, a budget holding that
-                # many on average): never more than this; plan for the most it can be.
-                notes.append(
-                    f"train.max_tokens unset: rows of {t.micro_batch_size} examples, planned at their most, "
-                    f"{rows_src} encoder tokens"
-                )
-            rows_tgt = t.max_target_tokens or max(tgt, round(rows_src * tgt / src))
-            if not t.max_target_tokens:
-                notes.append(f"train.max_target_tokens unset: planned decoder rows of {rows_tgt} tokens")
-            return Shape(1, rows_src, rows_tgt, example_len=src), kernels, src
-        return Shape(t.micro_batch_size, src, tgt), kernels, None
-    length = _length(d.max_length, seq_len, arch.max_length, "data.max_length", "--seq-len", notes)
-    if packed:
-        row = t.max_tokens or t.micro_batch_size * length
-        sp = recipe.distributed.sequence_parallel
-        return (
-            Shape(1, row, None, example_len=min(length, row), sequence_parallel=sp),
-            kernels,
-            min(length, row),
-        )
-    notes.append("padded batches: planned every row at the full length (the longest row of a batch sets it)")
-    return Shape(t.micro_batch_size, length, None), kernels, None
-
-
-def _dpo_shape(recipe, arch: Arch, seq_len, target_len, kernels: Kernels, notes: list):
-    """A DPO micro-batch: two sequences per pair (lorakit.data.preference_batching, preference_seq2seq).
-    Causal LMs: 2 x micro_batch_size rows (packed: a row of train.max_tokens, by default micro_batch_size x
-    2 x data.max_length); encoder-decoders: each prompt once, the decoder twice (chosen and rejected)."""
-    d, t = recipe.data, recipe.train
-    reference = (
-        "the initial model's log-probabilities of every pair, computed by a no-grad pass before training "
-        "and cached with the data (about 32 bytes of CPU RAM a pair per process: not counted here)"
-        if not recipe.method.adapter()
-        else "the reference pass: a no-grad forward with the adapter turned off before each policy forward"
-    )
-    notes.append(f"train.objective dpo: two sequences per pair in every micro-batch; {reference}")
-    if arch.is_encoder_decoder:
-        src = _length(
-            d.max_source_length, seq_len, arch.max_length, "data.max_source_length", "--seq-len", notes
-        )
-        tgt = _length(d.max_target_length, target_len, arch.max_length, "data.max_target_length", "--target-len",
-                      notes)  # fmt: skip
-        if kernels.packed:
-            rows_src = t.max_tokens or t.micro_batch_size * src
-            rows_tgt = t.max_target_tokens or max(tgt, round(rows_src * tgt / src))
-            return Shape(1, rows_src, rows_tgt, example_len=src, decoder_passes=2), kernels, src
-        return Shape(t.micro_batch_size, src, tgt, decoder_passes=2), kernels, None
-    length = _length(d.max_length, seq_len, arch.max_length, "data.max_length", "--seq-len", notes)
-    if kernels.packed:
-        row = t.max_tokens or t.micro_batch_size * 2 * length
-        return Shape(1, row, None, example_len=min(length, row)), kernels, min(length, row)
-    return Shape(2 * t.micro_batch_size, length, None), kernels, None
 
 
 def _variant(recipe, setup: Setup):
