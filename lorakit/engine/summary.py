@@ -69,6 +69,9 @@ class RunSummary:
     attention_kernels: dict[str, dict[str, int]]
     dtype: str
     world_size: int
+    # distributed.strategy: deepspeed (ZeRO, zero_stage says which), or fsdp (FSDP2; zero_stage is the
+    # recipe's value and does not apply: the sharding is in fsdp_config.json).
+    strategy: str
     zero_stage: int
     trainable_params: int
     total_params: int
@@ -211,6 +214,7 @@ def summarize(
         attention_kernels=kernels_since(job.kernels_before),
         dtype=recipe.model.dtype,
         world_size=world,
+        strategy=recipe.distributed.strategy,
         zero_stage=recipe.distributed.zero_stage,
         trainable_params=job.params[0],
         total_params=job.params[1],

@@ -15,6 +15,7 @@ SUMMARY_KEYS = {
     "method",
     "model",
     "world_size",
+    "strategy",
     "zero_stage",
     "trainable_params",
     "total_params",
@@ -89,7 +90,7 @@ def quiet_zero3_summary(run) -> dict:
     proc, _, run_dir = run
     assert noise_lines(proc) == []
     summary = read_summary(run_dir)
-    assert summary["world_size"] == 2 and summary["zero_stage"] == 3
+    assert summary["world_size"] == 2 and summary["zero_stage"] == 3 and summary["strategy"] == "deepspeed"
     return summary
 
 

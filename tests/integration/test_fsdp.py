@@ -56,6 +56,7 @@ def test_fsdp_run_saves_whole_adapter_merges_and_resumes_after_sigterm_as_uninte
     assert all(t.abs().sum() > 0 for t in b)
     summary = rundir.read_summary(run)
     assert summary["steps"] == STEPS and Path(summary["merged_dir"]).is_dir()
+    assert summary["strategy"] == "fsdp"
 
     recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
     # Step 2, not 1: a SIGTERM before the other rank has entered the loop (and installed its handler)
