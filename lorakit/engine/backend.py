@@ -13,7 +13,6 @@ lorakit uses, which lorakit.engine.fsdp.FsdpEngine answers too:
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from lorakit import rundir
@@ -32,12 +31,6 @@ def device_kind() -> str:
     return "cpu" if accelerator_name() == "cpu" else "cuda"
 
 
-def _per_node() -> int | None:
-    # torchrun says LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
-    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
-    return int(per_node) if per_node else None
-
-
 class DeepSpeedBackend:
     """DeepSpeed ZeRO (distributed.strategy: deepspeed)."""
 
@@ -50,7 +43,7 @@ class DeepSpeedBackend:
         """The ZeRO++ settings this process group or accelerator cannot run are refused before any work."""
         from lorakit.engine.deepspeed_config import check_zero_plus_plus
 
-        check_zero_plus_plus(self.recipe, dist.world_size(), _per_node(), accelerator_name())
+        check_zero_plus_plus(self.recipe, dist.world_size(), dist.processes_per_node(), accelerator_name())
 
     def config(self, model_config) -> dict[str, Any]:
         """The recipe's DeepSpeed config for this group and accelerator (buckets sized by the hidden size)."""
@@ -92,28 +85,23 @@ class FsdpBackend:
         self.recipe = recipe
 
     def check_group(self) -> None:
-        """A hybrid shard group must divide the processes (checked again where the mesh is built)."""
-        from lorakit.errors import RecipeError
+        """A hybrid shard group must divide the processes (the mesh's shape, computed before any work)."""
+        from lorakit.engine.fsdp import mesh_shape
 
         f = self.recipe.distributed.fsdp
-        world = dist.world_size()
-        if f.sharding == "hybrid" and f.shard_size and world % f.shard_size:
-            raise RecipeError(
-                f"distributed.fsdp.shard_size {f.shard_size} must divide the number of processes ({world})"
-            )
+        mesh_shape(f.sharding, f.shard_size, dist.world_size())
 
     def config(self, model_config) -> dict[str, Any]:
         """What the run directory records of the backend: the fsdp section, the world and the mesh."""
+        from lorakit.engine.fsdp import mesh_shape
+
         f = self.recipe.distributed.fsdp
         world = dist.world_size()
-        shard = world if f.sharding == "full" else (f.shard_size or _per_node() or world)
         return {
             "strategy": "fsdp",
             **f.model_dump(mode="json"),
             "world_size": world,
-            "mesh": {"shard": shard}
-            if f.sharding == "full"
-            else {"replicate": world // shard, "shard": shard},
+            "mesh": mesh_shape(f.sharding, f.shard_size, world),
             "dtype": self.recipe.model.dtype,
             "reduce_dtype": "float32",
         }

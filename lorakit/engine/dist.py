@@ -6,6 +6,7 @@ labels what the process is doing so a stuck collective's error says where it was
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -25,6 +26,13 @@ def rank() -> int:
 def world_size() -> int:
     """Number of processes (1 when not distributed)."""
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def processes_per_node() -> int | None:
+    """This node's number of processes as the launcher says it (torchrun: LOCAL_WORLD_SIZE, the deepspeed
+    launcher: LOCAL_SIZE); None where neither is set."""
+    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+    return int(per_node) if per_node else None
 
 
 def is_main() -> bool:

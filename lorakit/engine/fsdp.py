@@ -14,7 +14,6 @@ x world / window tokens) gives the same applied gradient on either backend.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +35,13 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if _is_dtensor(t) else t
 
 
-def device_mesh(sharding: str, shard_size: int | None, device_type: str):
-    """The mesh FSDP2 shards over: 1-D ("shard",) over every rank, or for hybrid 2-D ("replicate", "shard"),
-    each shard group `shard_size` consecutive ranks (default: the processes per node). Collective."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = dist.world_size()
+def mesh_shape(sharding: str, shard_size: int | None, world: int) -> dict[str, int]:
+    """The dimensions of the mesh FSDP2 shards over: {"shard": world} for full sharding; for hybrid
+    {"replicate": world / shard, "shard": shard}, each shard group `shard_size` consecutive ranks (default:
+    the processes per node). RecipeError when the shard group does not divide the processes."""
     if sharding == "full":
-        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
-    shard = shard_size or (int(per_node) if per_node else world)
+        return {"shard": world}
+    shard = shard_size or dist.processes_per_node() or world
     if world % shard:
         from lorakit.errors import RecipeError
 
@@ -53,7 +49,16 @@ def device_mesh(sharding: str, shard_size: int | None, device_type: str):
             f"distributed.fsdp.shard_size {shard} must divide the number of processes ({world}): each "
             "shard group holds one whole copy of the model"
         )
-    return init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+    return {"replicate": world // shard, "shard": shard}
+
+
+def device_mesh(sharding: str, shard_size: int | None, device_type: str):
+    """The mesh of `mesh_shape` over this process group: 1-D ("shard",) or 2-D ("replicate", "shard").
+    Collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = mesh_shape(sharding, shard_size, dist.world_size())
+    return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
 
 
 def _block_classes(model: torch.nn.Module) -> set[str]:

@@ -10,6 +10,7 @@ import torch
 
 from lorakit import rundir, storage
 from lorakit.engine import dist
+from lorakit.engine.fsdp import full_tensor
 
 
 class IncompleteSaveError(RuntimeError):
@@ -23,10 +24,6 @@ def _gathered(params: list[torch.nn.Parameter]):
         # ZeRO-3 keeps a shard of each tensor per rank; this assembles whole tensors on every rank.
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
     return contextlib.nullcontext()
-
-
-def _whole(p: torch.nn.Parameter) -> torch.Tensor:
-    return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 def _expected_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
@@ -45,7 +42,7 @@ def gather_adapter_state(model) -> dict[str, torch.Tensor]:
     with _gathered(list(trainable.values())):
         expected = {n: _expected_shape(p) for n, p in trainable.items()}
         # FSDP2 holds DTensor shards: full_tensor() gathers each whole from every rank (collective).
-        full = {n: _whole(p).detach().to("cpu", copy=True) for n, p in trainable.items()}
+        full = {n: full_tensor(p).detach().to("cpu", copy=True) for n, p in trainable.items()}
     for name, tensor in full.items():
         if tensor.numel() == 0 or tuple(tensor.shape) != expected[name]:
             raise IncompleteSaveError(
