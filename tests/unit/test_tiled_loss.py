@@ -18,6 +18,7 @@ from lorakit.model.tiled_mlp import LONG_ROW_TOKENS
 from lorakit.recipe import recipe_from_dict
 from lorakit.testing import tiny_config
 from tests.conftest import tiny_recipe_dict
+from tests.unit.test_tiled_mlp import tiny_llama_recipe
 
 # Not a divisor of the row: the last tile is shorter.
 TILE = 16
@@ -135,37 +136,26 @@ def test_the_memory_peak_no_longer_grows_with_tokens_times_vocabulary():
     assert peaks["tiled", 256] < peaks["plain", 256] / 5
 
 
-def _recipe(tmp_path, sp: int = 1, train: dict | None = None, **model):
-    raw = tiny_recipe_dict(
-        tmp_path,
-        tmp_path / "run",
-        model={"name_or_path": "tiny:llama", **model},
-        data={"format": "instruction", "max_length": 512},
-        distributed={"num_processes": 2, "sequence_parallel": sp},
-        train=train or {},
-    )
-    return recipe_from_dict(raw)
-
-
 def test_the_loss_tile_the_recipe_asks_for(tmp_path):
     config = tiny_config("llama")
     default = LOSS_TILE_ELEMENTS // config.vocab_size
-    assert loss_tile_tokens(_recipe(tmp_path), config) is None  # auto, short rows, no sequence parallelism
-    assert loss_tile_tokens(_recipe(tmp_path, sp=2), config) == default
-    assert loss_tile_tokens(_recipe(tmp_path, sp=2, tiled_loss=False), config) is None
-    assert loss_tile_tokens(_recipe(tmp_path, tiled_loss=True, loss_tile_tokens=100), config) == 100
-    long = _recipe(tmp_path, train={"max_tokens": LONG_ROW_TOKENS})
+    # auto, short rows, no sequence parallelism
+    assert loss_tile_tokens(tiny_llama_recipe(tmp_path), config) is None
+    assert loss_tile_tokens(tiny_llama_recipe(tmp_path, sp=2), config) == default
+    assert loss_tile_tokens(tiny_llama_recipe(tmp_path, sp=2, tiled_loss=False), config) is None
+    assert loss_tile_tokens(tiny_llama_recipe(tmp_path, tiled_loss=True, loss_tile_tokens=100), config) == 100
+    long = tiny_llama_recipe(tmp_path, train={"max_tokens": LONG_ROW_TOKENS})
     assert loss_tile_tokens(long, config) == default
     # auto leaves alone a family whose logits are more than the head's output.
     gemma2 = copy.deepcopy(config)
     gemma2.model_type = "gemma2"
-    assert loss_tile_tokens(_recipe(tmp_path, sp=2), gemma2) is None
+    assert loss_tile_tokens(tiny_llama_recipe(tmp_path, sp=2), gemma2) is None
     with pytest.raises(RecipeError, match="gemma2"):
-        loss_tile_tokens(_recipe(tmp_path, tiled_loss=True), gemma2)
+        loss_tile_tokens(tiny_llama_recipe(tmp_path, tiled_loss=True), gemma2)
     with pytest.raises(RecipeError, match="'t5'"):
-        loss_tile_tokens(_recipe(tmp_path, tiled_loss=True), tiny_config("t5"))
+        loss_tile_tokens(tiny_llama_recipe(tmp_path, tiled_loss=True), tiny_config("t5"))
     with pytest.raises(RecipeError, match="loss_tile_tokens"):
-        _recipe(tmp_path, tiled_loss=False, loss_tile_tokens=64)
+        tiny_llama_recipe(tmp_path, tiled_loss=False, loss_tile_tokens=64)
 
 
 def test_dpo_refuses_a_forced_tiled_loss(tmp_path):

@@ -197,23 +197,26 @@ def test_the_activation_peak_falls_with_the_tile():
     assert peaks[16] < untiled / 10
 
 
-def _recipe(tmp_path, sp: int = 1, **model):
+def tiny_llama_recipe(tmp_path, sp: int = 1, train: dict | None = None, **model):
+    """A 2-process tiny:llama recipe with `model` keys (and `train` keys), for the tiling switches."""
     raw = tiny_recipe_dict(
         tmp_path,
         tmp_path / "run",
         model={"name_or_path": "tiny:llama", **model},
         data={"format": "instruction", "max_length": 512},
         distributed={"num_processes": 2, "sequence_parallel": sp},
+        train=train or {},
     )
     return recipe_from_dict(raw)
 
 
 def test_the_tile_size_the_recipe_asks_for(tmp_path):
     config = tiny_config("llama")
-    assert tile_tokens(_recipe(tmp_path), config) is None  # auto, short rows, no sequence parallelism
-    assert tile_tokens(_recipe(tmp_path, sp=2), config) == config.hidden_size
-    assert tile_tokens(_recipe(tmp_path, sp=2, tiled_mlp=False), config) is None
-    assert tile_tokens(_recipe(tmp_path, tiled_mlp=True, mlp_tile_tokens=100), config) == 100
+    # auto, short rows, no sequence parallelism
+    assert tile_tokens(tiny_llama_recipe(tmp_path), config) is None
+    assert tile_tokens(tiny_llama_recipe(tmp_path, sp=2), config) == config.hidden_size
+    assert tile_tokens(tiny_llama_recipe(tmp_path, sp=2, tiled_mlp=False), config) is None
+    assert tile_tokens(tiny_llama_recipe(tmp_path, tiled_mlp=True, mlp_tile_tokens=100), config) == 100
     long = recipe_from_dict(
         {
             **tiny_recipe_dict(tmp_path, tmp_path / "r", model={"name_or_path": "tiny:llama"}),
@@ -222,6 +225,6 @@ def test_the_tile_size_the_recipe_asks_for(tmp_path):
     )
     assert tile_tokens(long, config) == config.hidden_size
     with pytest.raises(RecipeError, match="encoder-decoder"):
-        tile_tokens(_recipe(tmp_path, tiled_mlp=True), tiny_config("t5"))
+        tile_tokens(tiny_llama_recipe(tmp_path, tiled_mlp=True), tiny_config("t5"))
     with pytest.raises(RecipeError, match="mlp_tile_tokens"):
-        _recipe(tmp_path, tiled_mlp=False, mlp_tile_tokens=64)
+        tiny_llama_recipe(tmp_path, tiled_mlp=False, mlp_tile_tokens=64)
