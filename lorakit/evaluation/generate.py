@@ -75,12 +75,12 @@ def generate_texts(
     return tokenizer.batch_decode(out, skip_special_tokens=True)
 
 
-@torch.no_grad()
 def _loss(out: torch.Tensor, labels: torch.Tensor, where, tiled: bool) -> torch.Tensor:
     """Summed loss of the tokens `where` selects: `out` holds per-token losses (tiled) or logits."""
     return out[where].sum() if tiled else token_loss_sum(out[where], labels[where])
 
 
+@torch.no_grad()
 def evaluate_model(
     engine,
     inputs,
