@@ -73,6 +73,10 @@ class DeepSpeedBackend:
             config=config,
             lr_scheduler=lambda_lr_factory(plan.total_steps, t.warmup_ratio, t.lr_schedule),
         )
+        if engine.zero_optimization_stage() == 0 and dist.world_size() == 1:
+            # One process without ZeRO has nothing to reduce: DeepSpeed would still walk every parameter and
+            # run its all-reduce fallback after each backward (about 3% of a small model's step on CPU).
+            engine.enable_backward_allreduce = False
         return engine
 
 

@@ -86,7 +86,9 @@ def build_ds_config(
         "weight_decay": t.weight_decay,
     }
     if accelerator == "cpu" and d.offload_optimizer == "none":
-        optimizer_params["torch_adam"] = True
+        # foreach: one op per step for all the (many, small) LoRA tensors, where torch's default on CPU
+        # loops over them; the same update.
+        optimizer_params.update(torch_adam=True, foreach=True)
     dtype = recipe.model.dtype
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,

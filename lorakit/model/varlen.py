@@ -27,6 +27,8 @@ encoder length): the hook hands it a broadcastable zero and the attention functi
 
 from __future__ import annotations
 
+import functools
+import itertools
 import weakref
 
 import torch
@@ -129,12 +131,6 @@ def _causal(bias: torch.Tensor) -> torch.Tensor:
     return bias.masked_fill(future, torch.finfo(bias.dtype).min)
 
 
-def _pad_stack(parts: list[torch.Tensor], length: int) -> torch.Tensor:
-    """(1, H, L_i, D) parts -> (n, H, length, D), zero-padded at the end of each."""
-    pad = torch.nn.functional.pad
-    return torch.cat([pad(p, (0, 0, 0, length - p.shape[2])) for p in parts])
-
-
 def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, position_bias):
     source, target = segments
     if not getattr(module, "is_decoder", False):
@@ -168,9 +164,8 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
     used(kind, LOOP, device, query.dtype, dropout)
     cache = getattr(segments, "cache", None)
     cache = {} if cache is None else cache
-    q_lengths, k_lengths = _lengths(q_bounds), _lengths(k_bounds)
     if kind not in cache:
-        cache[kind] = {"groups": _buckets(q_lengths, k_lengths, _BUCKET_WASTE)}
+        cache[kind] = _loop_plan(_lengths(q_bounds), _lengths(k_bounds), device)
     plan = cache[kind]
     min_value = torch.finfo(query.dtype).min
     bias = None
@@ -184,34 +179,62 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
     # gradient checkpointing's recompute: built once per forward. Not when it carries a gradient (full
     # fine-tuning trains the bias): sharing it across layers and recompute would tangle autograd graphs.
     keep = bias is None or not bias.requires_grad
-    qs, ks, vs = query.split(q_lengths, dim=2), key.split(k_lengths, dim=2), value.split(k_lengths, dim=2)
-    outs: list[torch.Tensor | None] = [None] * len(q_lengths)
+    # (1, H, T, D) -> (T, H, D): rows are gathered along dim 0 (a view: T5 hands the heads transposed).
+    q_rows, k_rows, v_rows = (t[0].transpose(0, 1) for t in (query, key, value))
+    outs = []
     # One SDPA call per group of similar-sized examples padded to a common size, not one per example: the
     # calls' fixed cost made per-example attention 13-24% slower on CPU than a padded batch of the same
-    # (equal-length) examples.
-    for g, group in enumerate(plan["groups"]):
-        mq, mk = max(q_lengths[i] for i in group), max(k_lengths[i] for i in group)
+    # (equal-length) examples. A group is gathered from the row with one index per tensor (padded slots
+    # repeat a real row of their example, which the mask hides), not assembled by per-example pads.
+    for g, (group, q_index, k_index, mq, mk) in enumerate(plan["groups"]):
         mask = plan.get(g) if keep else None
         if mask is None:
             if (g, "valid") not in plan:
-                plan[g, "valid"] = _padded_keys(kind, group, k_lengths, mk, query.device)
+                plan[g, "valid"] = _padded_keys(kind, group, plan["k_lengths"], mk, query.device)
             mask = _group_mask(kind, mq, mk, bias, plan[g, "valid"], query.device, min_value)
             if keep:
                 plan[g] = mask
-        if len(group) == 1:
-            (i,) = group
-            q, k, v = qs[i], ks[i], vs[i]
-        else:
-            q = _pad_stack([qs[i] for i in group], mq)
-            k = _pad_stack([ks[i] for i in group], mk)
-            v = _pad_stack([vs[i] for i in group], mk)
+        n = len(group)
+        q = q_rows.index_select(0, q_index).view(n, mq, *q_rows.shape[1:]).transpose(1, 2)
+        k = k_rows.index_select(0, k_index).view(n, mk, *k_rows.shape[1:]).transpose(1, 2)
+        v = v_rows.index_select(0, k_index).view(n, mk, *v_rows.shape[1:]).transpose(1, 2)
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling
         )
-        for i, o in zip(group, out.unbind(0), strict=True):
-            outs[i] = o[:, : q_lengths[i]]
-    # (H, T, D) in row order -> (1, T, H, D)
-    return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0).contiguous(), None
+        outs.append(out.transpose(1, 2).reshape(n * mq, *out.shape[1:2], out.shape[-1]))
+    # The groups' rows back in row order, padded slots left out: (T, H, D) -> (1, T, H, D).
+    flat = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return flat.index_select(0, plan["inverse"]).unsqueeze(0), None
+
+
+def _slots(start: int, length: int, size: int, total: int) -> list[int]:
+    """Row positions of one example padded to `size`: its own, then its last one repeated (an empty
+    example, which lorakit's data never holds, repeats a neighbour; the mask hides padded keys)."""
+    last = min(start + max(length, 1), total) - 1
+    return [min(start + t, last) for t in range(size)]
+
+
+def _loop_plan(q_lengths: list[int], k_lengths: list[int], device) -> dict:
+    """How the loop attends over one packed row pair's examples: the groups (_buckets), each with the row
+    positions its padded queries and keys are gathered from (a padded slot repeats its example's last real
+    row) and their padded sizes, and `inverse`, each query row's place among the groups' outputs."""
+    q_starts = [0, *itertools.accumulate(q_lengths)]
+    k_starts = [0, *itertools.accumulate(k_lengths)]
+    groups, inverse, offset = [], [0] * q_starts[-1], 0
+    for group in _buckets(q_lengths, k_lengths, _BUCKET_WASTE):
+        mq, mk = max(q_lengths[i] for i in group), max(k_lengths[i] for i in group)
+        q_index, k_index = [], []
+        for j, i in enumerate(group):
+            lq, lk = q_lengths[i], k_lengths[i]
+            q_index += _slots(q_starts[i], lq, mq, q_starts[-1])
+            k_index += _slots(k_starts[i], lk, mk, k_starts[-1])
+            for t in range(lq):
+                inverse[q_starts[i] + t] = offset + j * mq + t
+        offset += len(group) * mq
+        # Built on the host and copied once per batch (cached by the caller), not once per layer.
+        as_index = functools.partial(torch.tensor, dtype=torch.long)
+        groups.append((group, as_index(q_index).to(device), as_index(k_index).to(device), mq, mk))
+    return {"groups": groups, "k_lengths": k_lengths, "inverse": torch.tensor(inverse).to(device)}
 
 
 def _padded_keys(kind, group, k_lengths, mk, device) -> torch.Tensor | None:

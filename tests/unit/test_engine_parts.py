@@ -54,4 +54,5 @@ def test_ds_config_on_cpu_uses_torch_adam(tmp_path):
     r = tiny_recipe(tmp_path, tmp_path / "o")
     cfg = build_ds_config(r, world_size=2, accelerator="cpu")
     assert cfg["optimizer"]["params"]["torch_adam"] is True
+    assert cfg["optimizer"]["params"]["foreach"] is True  # one op for all LoRA tensors, not a loop
     assert cfg["zero_optimization"].get("overlap_comm") in (None, False)
