@@ -247,6 +247,7 @@ def train(model: Path, out: Path, steps: int, extra: list[str], env: dict, famil
         raise SystemExit(f"training failed ({proc.returncode}):\n" + "".join(lines[-40:]))
     summary = json.loads((out / "summary.json").read_text())
     return {"phases": phases(s.samples, step_t, end), "per_step": per_step(s.samples, step_t),
+            "per_step_peak": per_step_peak(s.samples, step_t),
             "summary": _summary_memory(summary), "planned_phases_gib": planned_phases(out / "recipe.yaml"),
             "seconds": end}  # fmt: skip
 
@@ -290,6 +291,21 @@ def per_step(samples: list[dict], step_t: dict[int, float]) -> dict:
         before = [r for r in samples if r["t"] <= t]
         if before:
             out[step] = {rk: round(before[-1].get(rk, 0) / GIB, 3) for rk in _ranks_of(samples)}
+    return out
+
+
+def per_step_peak(samples: list[dict], step_t: dict[int, float]) -> dict:
+    """Each rank's peak private memory within each step (GiB): from the previous step's record (step 1:
+    when it began) to its own. A sample at the record alone may land before or after ZeRO-3 frees what it
+    gathered, so the peaks are what "flat from step 2 on" is judged by."""
+    out, previous = {}, step_t.get(0)
+    for step, t in sorted(step_t.items()):
+        if step == 0:
+            continue
+        rows = [r for r in samples if (previous is None or r["t"] > previous) and r["t"] <= t]
+        previous = t
+        if rows:
+            out[step] = {rk: round(max(r.get(rk, 0) for r in rows) / GIB, 3) for rk in _ranks_of(samples)}
     return out
 
 
@@ -395,9 +411,15 @@ def against_plan(result: dict, processes: int = 2) -> dict:
         out[name] = {rk: round(v / planned[name], 3) for rk, v in ranks.items()}
     if result.get("merge") and planned.get("merge"):
         out["merge"] = round(result["merge"]["peak_private_gib"] / planned["merge"], 3)
-    steps = sorted(t["per_step"], key=int)
-    first, last = t["per_step"].get("2", t["per_step"][steps[0]]), t["per_step"][steps[-1]]
+    # Per-step peaks where the run recorded them (earlier results: the sample at each record).
+    by_step = t.get("per_step_peak") or t["per_step"]
+    steps = sorted(by_step, key=int)
+    first, last = by_step.get("2", by_step[steps[0]]), by_step[steps[-1]]
     out["growth_step2_to_last_gib"] = {rk: round(last[rk] - first[rk], 3) for rk in last}
+    steady = [by_step[k] for k in steps if int(k) >= 2] or [last]
+    out["steady_step_range_gib"] = {
+        rk: round(max(v[rk] for v in steady) - min(v[rk] for v in steady), 3) for rk in last
+    }
     return out
 
 
@@ -429,12 +451,17 @@ def plot(results: list[Path], png: Path) -> None:
         what = r.get("label") or " ".join(r.get("env") or []) or "lorakit's defaults"
         ax_phase.set_title(f"{r['shape']} ({what}): peak per phase", fontsize=9)
         ax_phase.legend(fontsize=7)
-        steps = sorted(t["per_step"], key=int)
+        by_step = t.get("per_step_peak") or t["per_step"]
+        steps = sorted(by_step, key=int)
         for rk in ranks:
-            ax_step.plot([int(s) for s in steps], [t["per_step"][s][rk] for s in steps], marker=".", label=rk)
+            ax_step.plot([int(s) for s in steps], [by_step[s][rk] for s in steps], marker=".", label=rk)
         ax_step.set_ylim(bottom=0)
         ax_step.set_xlabel("optimizer step")
-        ax_step.set_title("private memory at each step's record")
+        ax_step.set_title(
+            "peak private memory within each step"
+            if "per_step_peak" in t
+            else "private memory at each step's record"
+        )
         ax_step.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)

@@ -23,9 +23,12 @@ from lorakit.planner.states import adapter_params
 MERGE_PROCESS_BYTES = int(0.4 * GiB)
 
 
-def step_bytes(e: Estimate, gpus: int) -> int:
-    """Per process, the training peak of a CPU run: the estimate's per-node CPU RAM over its processes."""
-    return e.per_node_cpu_bytes // gpus
+def step_bytes(e: Estimate) -> int:
+    """Per process, the training peak of a CPU run: runtime, the CPU-side states and the estimate's training
+    peak. Not what loading held (the estimate's per-node RAM is the peak over the whole run, loading
+    included: at Llama-3-8B width the embedding read in fp32 is 2 GiB more than any step holds)."""
+    cpu = sum(i.bytes for i in e.items if i.where == "cpu" and i.when in ("resident", "gradients", "step"))
+    return CPU_RUN_PROCESS_BYTES + cpu + e.gpu_allocated
 
 
 def load_bytes(e: Estimate) -> int:
@@ -56,7 +59,7 @@ def cpu_phases(recipe, *, config=None) -> dict[str, int]:
     config = resolve_config(recipe, config)
     p = plan(recipe, device="cpu", config=config)
     e, a = p.estimate, _DTYPE_BYTES[recipe.model.dtype]
-    step = step_bytes(e, p.gpus)
+    step = step_bytes(e)
     out = {"load": load_bytes(e), "first_step": step, "steady": step,
            "save": save_bytes(e, p.trainable_params, a)}  # fmt: skip
     method = recipe.method

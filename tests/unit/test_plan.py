@@ -297,3 +297,21 @@ def test_a_cpu_run_counts_a_cpu_process_runtime_not_a_cuda_one():
     assert beyond_runtime >= 0
     assert e.per_node_cpu_bytes == 2 * (CPU_RUN_PROCESS_BYTES + e.gpu_allocated) + beyond_runtime
     assert "~0.5 GiB per process" in cpu.describe() and "~3 GiB per process" in cuda.describe()
+
+
+def test_cpu_phases_count_the_loading_peak_while_loading_only():
+    """A step's planned bytes are the runtime and the training peak: the fp32 layer read while loading
+    (Llama-3-8B's 2 GiB embedding) is the load phase's, though the run's per-node peak includes it."""
+    from lorakit.planner.core import CPU_RUN_PROCESS_BYTES
+    from lorakit.planner.phases import cpu_phases
+
+    name = "meta-llama/Meta-Llama-3-8B"
+    overrides = [f"model.name_or_path={name}", "distributed.num_processes=2", "distributed.zero_stage=3"]
+    recipe = load_recipe(RECIPES / "quickstart_causal.yaml", overrides)
+    config = known_config(name)
+    e = plan(recipe, device="cpu", config=config).estimate
+    loading = sum(i.bytes for i in e.items if i.when == "load")
+    assert loading > 1.9 * 2**30  # the embedding in fp32
+    phases = cpu_phases(recipe, config=config)
+    assert phases["first_step"] == phases["steady"] == CPU_RUN_PROCESS_BYTES + e.gpu_allocated
+    assert phases["load"] > phases["save"] and phases["steady"] < e.per_node_cpu_bytes // 2

@@ -4,7 +4,7 @@ read from samples as the run's records time them."""
 
 import torch
 
-from benchmarks.rehearsal import GIB, SHAPES, build, init_std, per_step, phases
+from benchmarks.rehearsal import GIB, SHAPES, build, init_std, per_step, per_step_peak, phases
 
 
 def test_the_built_model_loads_with_its_own_head_at_init_scales(tmp_path):
@@ -30,3 +30,8 @@ def test_phases_and_steps_from_samples():
     assert got["save"]["rank1"] == 4
     assert per_step(samples, steps) == {1: {"rank0": 2, "rank1": 2}, 2: {"rank0": 3, "rank1": 3},
                                         3: {"rank0": 3, "rank1": 3}}  # fmt: skip
+    # Peaks within each step, not the sample at its record: step 1's window starts when it began (0.8 s).
+    samples.append({"t": 3.2, "rank0": int(5 * GIB), "rank1": int(3 * GIB)})
+    samples.sort(key=lambda r: r["t"])
+    assert per_step_peak(samples, steps) == {1: {"rank0": 2, "rank1": 2}, 2: {"rank0": 3, "rank1": 3},
+                                             3: {"rank0": 5, "rank1": 3}}  # fmt: skip
