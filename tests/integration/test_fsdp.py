@@ -12,9 +12,8 @@ import yaml
 from safetensors.torch import load_file
 
 from lorakit import rundir
-from lorakit.engine.checkpoint import complete_checkpoints
 from tests.conftest import tiny_recipe_dict
-from tests.integration.test_resume import launch
+from tests.integration.test_resume import assert_same_run, launch, preempt
 
 STEPS = 4
 
@@ -33,10 +32,6 @@ def _recipe(cache_dir: Path, out: Path, path: Path, **output) -> Path:
     )
     path.write_text(yaml.safe_dump(raw))
     return path
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in rundir.read_metrics(run_dir) if r["kind"] == "train"}
 
 
 @pytest.mark.slow
@@ -61,16 +56,8 @@ def test_fsdp_run_saves_whole_adapter_merges_and_resumes_after_sigterm_as_uninte
     recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
     # Step 2, not 1: a SIGTERM before the other rank has entered the loop (and installed its handler)
     # would end that rank as the default handler does.
-    stopped = launch(recipe, fault="term:2")
-    assert stopped.returncode == 75, stopped.stderr[-5000:]
-    ckpts = complete_checkpoints(tmp_path / "run")
-    stopped_at = ckpts[-1].step
-    assert 2 <= stopped_at < STEPS and ckpts[-1].state["reason"] == "preempted"
+    _, stopped_at = preempt(recipe, tmp_path / "run", at=2, steps=STEPS)
     resumed = launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == stopped_at
-    assert _losses(tmp_path / "run") == pytest.approx(_losses(run), abs=1e-6)
-    assert sorted(_losses(tmp_path / "run")) == list(range(1, STEPS + 1))
-    again = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
-    assert again.keys() == adapter.keys()
-    assert max((again[k] - adapter[k]).abs().max().item() for k in adapter) <= 1e-6
+    assert_same_run(tmp_path / "run", run, steps=STEPS)

@@ -59,6 +59,21 @@ def launch(recipe: Path, fault: str | None = None, **extra_env: str) -> subproce
     return _finish(_start(recipe, fault, **extra_env))
 
 
+def preempt(
+    recipe: Path, run_dir: Path, at: int, steps: int = STEPS
+) -> tuple[subprocess.CompletedProcess, int]:
+    """Launch `recipe` with SIGTERM after step `at`: exit 75 and a preempted checkpoint. The signal travels
+    launcher -> torchrun -> workers while step `at` ends, so the ranks stop together at the first boundary
+    after it arrives: step `at`, or a later one on a loaded machine, never the end. Returns the process and
+    the checkpoint's step."""
+    stopped = launch(recipe, fault=f"term:{at}")
+    assert stopped.returncode == 75, stopped.stderr[-5000:]
+    ckpts = complete_checkpoints(run_dir)
+    stopped_at = ckpts[-1].step
+    assert at <= stopped_at < steps and ckpts[-1].state["reason"] == "preempted"
+    return stopped, stopped_at
+
+
 def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rundir.read_metrics(run_dir) if r["kind"] == "train"}
 
@@ -67,10 +82,11 @@ def _adapter(run_dir: Path):
     return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 
 
-def _assert_same_run(run_dir: Path, reference: Path) -> None:
-    # The resumed run's metrics.jsonl reads as one run: every step once, the same losses.
+def assert_same_run(run_dir: Path, reference: Path, steps: int = STEPS) -> None:
+    """A resumed run equals the uninterrupted `reference`: its metrics.jsonl reads as one run (every step of
+    `steps` once, the same losses) and its adapter is the same."""
     assert _losses(run_dir) == pytest.approx(_losses(reference), abs=1e-6)
-    assert sorted(_losses(run_dir)) == list(range(1, STEPS + 1))
+    assert sorted(_losses(run_dir)) == list(range(1, steps + 1))
     a, b = _adapter(run_dir), _adapter(reference)
     assert a.keys() == b.keys()
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
@@ -97,27 +113,21 @@ def test_sigkill_mid_epoch_then_relaunch_matches_uninterrupted(reference, cache_
     assert "resuming from" in resumed.stdout + resumed.stderr
     summary = rundir.read_summary(tmp_path / "run")
     assert summary["resumed_from"]["step"] == 4 and summary["steps"] == STEPS
-    _assert_same_run(tmp_path / "run", reference)
+    assert_same_run(tmp_path / "run", reference)
 
 
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_exits_75_and_the_relaunch_resumes(reference, cache_dir, tmp_path):
     recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
-    stopped = launch(recipe, fault="term:3")
-    assert stopped.returncode == 75, stopped.stderr[-5000:]
+    stopped, stopped_at = preempt(recipe, tmp_path / "run", at=3)
     assert "relaunch the same command to resume" in stopped.stderr.lower()
     # Preemption released the run lock: a requeued job starts at once.
     assert not (tmp_path / "run" / LOCK).exists()
-    ckpts = complete_checkpoints(tmp_path / "run")
-    # The signal travels launcher -> torchrun -> workers while step 3 ends, so the ranks stop together at
-    # the first boundary after it arrives: step 3, or a later one on a loaded machine, never the end.
-    stopped_at = ckpts[-1].step
-    assert 3 <= stopped_at < STEPS and ckpts[-1].state["reason"] == "preempted"
 
     resumed = launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == stopped_at
-    _assert_same_run(tmp_path / "run", reference)
+    assert_same_run(tmp_path / "run", reference)
 
 
 @pytest.mark.slow
@@ -141,7 +151,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(reference, cach
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == 2
     assert not (root / ".tmp-step-00000004").exists()
-    _assert_same_run(tmp_path / "run", reference)
+    assert_same_run(tmp_path / "run", reference)
 
 
 @pytest.mark.slow
@@ -185,7 +195,7 @@ def test_a_second_launch_is_refused_and_a_relaunch_takes_the_killed_runs_lock_ov
     assert f"its process {first.pid} is gone" in out
     assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == 4
     assert not (tmp_path / "run" / LOCK).exists()
-    _assert_same_run(tmp_path / "run", reference)
+    assert_same_run(tmp_path / "run", reference)
 
 
 @pytest.mark.slow
@@ -208,4 +218,4 @@ def test_no_space_while_writing_a_checkpoint_exits_74_and_keeps_the_previous_one
     resumed = launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == 2
-    _assert_same_run(tmp_path / "run", reference)
+    assert_same_run(tmp_path / "run", reference)
