@@ -212,6 +212,12 @@ def _recipe(recipe):
     raise PlanError(f"plan: expected a Recipe or the path of a recipe YAML file, got {type(recipe).__name__}")
 
 
+def cpu_training_bytes(items) -> int:
+    """What the model-state `items` keep in CPU RAM while training: the offloaded states, their gradients
+    and the optimizer step's (not what loading holds)."""
+    return sum(i.bytes for i in items if i.where == "cpu" and i.when in ("resident", "gradients", "step"))
+
+
 def plan(
     recipe,
     *,
@@ -368,7 +374,7 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     allocated = max(train, total("gpu", "load"))
     overhead = int(CUDA_CONTEXT_BYTES + FRAGMENTATION * allocated) if kernels.device == "cuda" else 0
     per_gpu = allocated + overhead
-    cpu_train = total("cpu", "resident") + total("cpu", "gradients") + total("cpu", "step")
+    cpu_train = cpu_training_bytes(items)
     process = CPU_RUN_PROCESS_BYTES if kernels.device == "cpu" else PROCESS_CPU_BYTES
     cpu = gpus * (process + max(cpu_train, total("cpu", "load")))
     if kernels.device == "cpu":

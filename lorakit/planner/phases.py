@@ -15,7 +15,7 @@ On a CPU run the "GPU" tensors share the RAM, so each phase counts them with the
 
 from __future__ import annotations
 
-from lorakit.planner.core import _DTYPE_BYTES, CPU_RUN_PROCESS_BYTES, Estimate, GiB, plan
+from lorakit.planner.core import _DTYPE_BYTES, CPU_RUN_PROCESS_BYTES, Estimate, GiB, cpu_training_bytes, plan
 from lorakit.planner.states import adapter_params
 
 # `python -m lorakit.merge`'s process without the tensors it merges: Python, torch, transformers, safetensors
@@ -27,8 +27,7 @@ def step_bytes(e: Estimate) -> int:
     """Per process, the training peak of a CPU run: runtime, the CPU-side states and the estimate's training
     peak. Not what loading held (the estimate's per-node RAM is the peak over the whole run, loading
     included: at Llama-3-8B width the embedding read in fp32 is 2 GiB more than any step holds)."""
-    cpu = sum(i.bytes for i in e.items if i.where == "cpu" and i.when in ("resident", "gradients", "step"))
-    return CPU_RUN_PROCESS_BYTES + cpu + e.gpu_allocated
+    return CPU_RUN_PROCESS_BYTES + cpu_training_bytes(e.items) + e.gpu_allocated
 
 
 def load_bytes(e: Estimate) -> int:
