@@ -27,9 +27,9 @@ encoder length): the hook hands it a broadcastable zero and the attention functi
 
 from __future__ import annotations
 
-import functools
 import itertools
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -165,7 +165,7 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
     cache = getattr(segments, "cache", None)
     cache = {} if cache is None else cache
     if kind not in cache:
-        cache[kind] = _loop_plan(_lengths(q_bounds), _lengths(k_bounds), device)
+        cache[kind] = _loop_plan(kind, _lengths(q_bounds), _lengths(k_bounds), device)
     plan = cache[kind]
     min_value = torch.finfo(query.dtype).min
     bias = None
@@ -186,22 +186,21 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
     # calls' fixed cost made per-example attention 13-24% slower on CPU than a padded batch of the same
     # (equal-length) examples. A group is gathered from the row with one index per tensor (padded slots
     # repeat a real row of their example, which the mask hides), not assembled by per-example pads.
-    for g, (group, q_index, k_index, mq, mk) in enumerate(plan["groups"]):
+    for g, group in enumerate(plan["groups"]):
+        n, mq, mk = len(group.members), group.mq, group.mk
         mask = plan.get(g) if keep else None
         if mask is None:
-            if (g, "valid") not in plan:
-                plan[g, "valid"] = _padded_keys(kind, group, plan["k_lengths"], mk, query.device)
-            mask = _group_mask(kind, mq, mk, bias, plan[g, "valid"], query.device, min_value)
+            mask = _group_mask(kind, mq, mk, bias, group.valid, query.device, min_value)
             if keep:
                 plan[g] = mask
-        n = len(group)
-        q = q_rows.index_select(0, q_index).view(n, mq, *q_rows.shape[1:]).transpose(1, 2)
-        k = k_rows.index_select(0, k_index).view(n, mk, *k_rows.shape[1:]).transpose(1, 2)
-        v = v_rows.index_select(0, k_index).view(n, mk, *v_rows.shape[1:]).transpose(1, 2)
+        q = q_rows.index_select(0, group.q_index).view(n, mq, *q_rows.shape[1:]).transpose(1, 2)
+        k = k_rows.index_select(0, group.k_index).view(n, mk, *k_rows.shape[1:]).transpose(1, 2)
+        v = v_rows.index_select(0, group.k_index).view(n, mk, *v_rows.shape[1:]).transpose(1, 2)
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling
         )
-        outs.append(out.transpose(1, 2).reshape(n * mq, *out.shape[1:2], out.shape[-1]))
+        # (n, H, mq, D) -> (n * mq, H, D): the group's rows, padded slots included.
+        outs.append(out.transpose(1, 2).reshape(n * mq, out.shape[1], out.shape[3]))
     # The groups' rows back in row order, padded slots left out: (T, H, D) -> (1, T, H, D).
     flat = outs[0] if len(outs) == 1 else torch.cat(outs)
     return flat.index_select(0, plan["inverse"]).unsqueeze(0), None
@@ -214,27 +213,39 @@ def _slots(start: int, length: int, size: int, total: int) -> list[int]:
     return [min(start + t, last) for t in range(size)]
 
 
-def _loop_plan(q_lengths: list[int], k_lengths: list[int], device) -> dict:
-    """How the loop attends over one packed row pair's examples: the groups (_buckets), each with the row
-    positions its padded queries and keys are gathered from (a padded slot repeats its example's last real
-    row) and their padded sizes, and `inverse`, each query row's place among the groups' outputs."""
+class _Group(NamedTuple):
+    """One SDPA call of the loop: its examples, the row positions their padded queries and keys are
+    gathered from, their padded sizes, and which padded keys are real (_padded_keys)."""
+
+    members: list[int]
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    mq: int
+    mk: int
+    valid: torch.Tensor | None
+
+
+def _loop_plan(kind: str, q_lengths: list[int], k_lengths: list[int], device) -> dict:
+    """How the loop attends over one packed row pair's examples for one attention `kind`: the groups
+    (_buckets, as _Group: a padded slot repeats its example's last real row) and `inverse`, each query row's
+    place among the groups' outputs. Built on the host and copied once per batch (cached by the caller),
+    not once per layer."""
     q_starts = [0, *itertools.accumulate(q_lengths)]
     k_starts = [0, *itertools.accumulate(k_lengths)]
     groups, inverse, offset = [], [0] * q_starts[-1], 0
-    for group in _buckets(q_lengths, k_lengths, _BUCKET_WASTE):
-        mq, mk = max(q_lengths[i] for i in group), max(k_lengths[i] for i in group)
+    for members in _buckets(q_lengths, k_lengths, _BUCKET_WASTE):
+        mq, mk = max(q_lengths[i] for i in members), max(k_lengths[i] for i in members)
         q_index, k_index = [], []
-        for j, i in enumerate(group):
-            lq, lk = q_lengths[i], k_lengths[i]
-            q_index += _slots(q_starts[i], lq, mq, q_starts[-1])
-            k_index += _slots(k_starts[i], lk, mk, k_starts[-1])
-            for t in range(lq):
+        for j, i in enumerate(members):
+            q_index += _slots(q_starts[i], q_lengths[i], mq, q_starts[-1])
+            k_index += _slots(k_starts[i], k_lengths[i], mk, k_starts[-1])
+            for t in range(q_lengths[i]):
                 inverse[q_starts[i] + t] = offset + j * mq + t
-        offset += len(group) * mq
-        # Built on the host and copied once per batch (cached by the caller), not once per layer.
-        as_index = functools.partial(torch.tensor, dtype=torch.long)
-        groups.append((group, as_index(q_index).to(device), as_index(k_index).to(device), mq, mk))
-    return {"groups": groups, "k_lengths": k_lengths, "inverse": torch.tensor(inverse).to(device)}
+        offset += len(members) * mq
+        q_index, k_index = (torch.tensor(x, dtype=torch.long).to(device) for x in (q_index, k_index))
+        valid = _padded_keys(kind, members, k_lengths, mk, device)
+        groups.append(_Group(members, q_index, k_index, mq, mk, valid))
+    return {"groups": groups, "inverse": torch.tensor(inverse).to(device)}
 
 
 def _padded_keys(kind, group, k_lengths, mk, device) -> torch.Tensor | None:
@@ -243,7 +254,6 @@ def _padded_keys(kind, group, k_lengths, mk, device) -> torch.Tensor | None:
     lengths = [k_lengths[i] for i in group]
     if kind == "decoder" or len(group) == 1 or min(lengths) == mk:
         return None
-    # Built on the host and copied once per group and batch (cached by the caller), not once per layer.
     valid = torch.arange(mk)[None, :] < torch.tensor(lengths)[:, None]
     return valid[:, None, None, :].to(device, non_blocking=True)
 
