@@ -309,6 +309,12 @@ def per_step_peak(samples: list[dict], step_t: dict[int, float]) -> dict:
     return out
 
 
+def step_memory(train: dict) -> dict:
+    """A result's memory per step: each step's peak where the run recorded it, else (results from before
+    `per_step_peak`) the sample at each step's record."""
+    return train.get("per_step_peak") or train["per_step"]
+
+
 def _summary_memory(summary: dict) -> dict:
     plan = summary.get("plan") or {}
     recipe = plan.get("recipe") or {}
@@ -411,8 +417,7 @@ def against_plan(result: dict, processes: int = 2) -> dict:
         out[name] = {rk: round(v / planned[name], 3) for rk, v in ranks.items()}
     if result.get("merge") and planned.get("merge"):
         out["merge"] = round(result["merge"]["peak_private_gib"] / planned["merge"], 3)
-    # Per-step peaks where the run recorded them (earlier results: the sample at each record).
-    by_step = t.get("per_step_peak") or t["per_step"]
+    by_step = step_memory(t)
     steps = sorted(by_step, key=int)
     first, last = by_step.get("2", by_step[steps[0]]), by_step[steps[-1]]
     out["growth_step2_to_last_gib"] = {rk: round(last[rk] - first[rk], 3) for rk in last}
@@ -451,7 +456,7 @@ def plot(results: list[Path], png: Path) -> None:
         what = r.get("label") or " ".join(r.get("env") or []) or "lorakit's defaults"
         ax_phase.set_title(f"{r['shape']} ({what}): peak per phase", fontsize=9)
         ax_phase.legend(fontsize=7)
-        by_step = t.get("per_step_peak") or t["per_step"]
+        by_step = step_memory(t)
         steps = sorted(by_step, key=int)
         for rk in ranks:
             ax_step.plot([int(s) for s in steps], [by_step[s][rk] for s in steps], marker=".", label=rk)

@@ -197,19 +197,20 @@ class FsdpEngine:
         """The current learning rate of each parameter group."""
         return [g["lr"] for g in self.optimizer.param_groups]
 
-    def _state_dicts(self, frozen_too: bool):
+    def _checkpoint_state(self, frozen_too: bool) -> dict:
+        """What a checkpoint holds: this rank's model and optimizer shards and the LR schedule's state."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         options = StateDictOptions(ignore_frozen_params=not frozen_too)
-        return get_state_dict(self.module, self.optimizer, options=options)
+        model, optim = get_state_dict(self.module, self.optimizer, options=options)
+        return {"model": model, "optim": optim, "scheduler": self.lr_scheduler.state_dict()}
 
     def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool = False, **kw) -> None:
         """Model (trainable weights only with exclude_frozen_parameters), optimizer and LR-schedule state
         as a torch distributed checkpoint under save_dir/tag, each rank writing its shards (collective)."""
         import torch.distributed.checkpoint as dcp
 
-        model, optim = self._state_dicts(not kw.get("exclude_frozen_parameters", False))
-        state = {"model": model, "optim": optim, "scheduler": self.lr_scheduler.state_dict()}
+        state = self._checkpoint_state(not kw.get("exclude_frozen_parameters", False))
         dcp.save(state, checkpoint_id=str(Path(save_dir) / tag))
 
     def load_checkpoint(self, load_dir: str, tag: str, load_module_strict: bool = True, **kw):
@@ -217,8 +218,7 @@ class FsdpEngine:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        model, optim = self._state_dicts(load_module_strict)
-        state = {"model": model, "optim": optim, "scheduler": self.lr_scheduler.state_dict()}
+        state = self._checkpoint_state(load_module_strict)
         path = Path(load_dir) / tag
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(
