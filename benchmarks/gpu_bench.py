@@ -528,12 +528,21 @@ class Session:
         over = {"model.name_or_path": str(model_dir), "model.dtype": self.dtype, "method": method}
         over.update({"data.source": str(data_file), "data.packing": packing, "data.cache_dir": str(cache)})
         over["data.max_samples"] = w["batch"] * w["steps"]
-        over.update({f"data.{k}": v for k, v in self.caps[w["family"]].items()})
+        over.update({f"data.{k}": v for k, v in self.shape(w)[2].items()})
         over.update({"train.lr": LR[w["method"]], "train.micro_batch_size": w["batch"]})
         over.update({"distributed.zero_stage": w["zero_stage"], "output.dir": str(out)})
         if packing:
             over["train.max_tokens"] = max_tokens
+        over.update(w.get("recipe", {}))  # the workload's own settings (e.g. no gradient checkpointing)
         return self.bench.recipe(None, over)
+
+    def shape(self, w: dict) -> tuple[str, dict, dict]:
+        """(data key, length distribution, caps) of a workload: its own where the spec gives them (not in
+        smoke mode, which keeps every workload tiny), else its family's."""
+        fam, own = w["family"], not self.smoke and "lengths" in w
+        return (w["data"] if own else fam), (w["lengths"] if own else self.lengths[fam]), (
+            w["caps"] if own else self.caps[fam]
+        )
 
     def workload(self, name: str, w: dict) -> dict:
         """Prepare the data, run every side; returns the workload's result."""
@@ -555,18 +564,19 @@ class Session:
             raise RuntimeError(f"building {model} failed: {built['build']['error']}")
         result.update(accounting=built["accounting"], build=built["build"])
         result["model_config"] = json.loads((model_dir / "config.json").read_text())
-        data_file = self.work / "data" / f"{family}.jsonl"
+        key, dist, caps = self.shape(w)
+        data_file = self.work / "data" / f"{key}.jsonl"
         if not data_file.exists():
             data_file.parent.mkdir(parents=True, exist_ok=True)
             tokenizer, seed = AutoTokenizer.from_pretrained(model_dir), SPEC["seed"]
-            rows = synthetic_rows(tokenizer, family, self.max_rows[family], self.lengths[family], seed)
+            rows = synthetic_rows(tokenizer, family, self.max_rows[key], dist, seed)
             data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
         plain = self.recipe(w, "hf", data_file, self.work / "runs" / "prepare", None)
         prepared = lorakit.prepare(recipe_from_dict(plain))
         lengths = [int(x) for x in prepared.train["length"]]
         max_tokens = packed_budget(lengths, w["batch"]) if family == "causal" else None
         data = {"rows": len(lengths), "tokens": sum(lengths), "mean_length": statistics.fmean(lengths)}
-        data.update(max_length=max(lengths), distribution=self.lengths[family], caps=self.caps[family])
+        data.update(max_length=max(lengths), distribution=dist, caps=caps)
         result["data"] = {**data, "packed_max_tokens": max_tokens}
         if family == "seq2seq":
             result["data"]["target_tokens"] = sum(len(x) for x in prepared.train["labels"])
@@ -688,14 +698,21 @@ def write_result(result: dict, output: Path, out_dir: Path | None) -> None:
         render(sys.modules[__name__], result, path.with_suffix(".png"))
 
 
-def run_gpu_tests(log_path: Path, log, tests: str = "tests/gpu") -> dict:
-    """pytest -m gpu tests/gpu, output appended to the log; the counts, and whether they passed
-    (gpu_tests_passed), go into the result."""
+def run_gpu_tests(log_path: Path, log, tests: str = "tests/gpu", timeout: float = 300.0) -> dict:
+    """pytest -m gpu tests/gpu, output appended to the log and a junit XML beside it; the counts, and whether
+    they passed (gpu_tests_passed), go into the result. A run past `timeout` counts as failed."""
     start = time.perf_counter()
     # One process on the one GPU, and no pytest-xdist there: the machine has pytest, not the dev extra.
+    junit = log_path.with_name("gpu_tests_junit.xml")
     command = [sys.executable, "-m", "pytest", "-q", "-o", "addopts=-ra", "-m", "gpu", tests]
-    command += ["-p", "no:cacheprovider"]
-    proc = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command += ["-p", "no:cacheprovider", f"--junitxml={junit}"]
+    try:
+        proc = subprocess.run(
+            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        proc = subprocess.CompletedProcess(command, 124, out + f"\n= timed out after {timeout:.0f} s in =")
     with open(log_path, "a") as f:
         f.write("\n===== pytest -m gpu tests/gpu\n" + proc.stdout)
     summary = next((line for line in reversed(proc.stdout.splitlines()) if " in " in line), "").strip("= ")
@@ -772,8 +789,8 @@ def measure(bench) -> int:
         n: dict(WORKLOADS[n], **(SPEC["smoke_steps"] if smoke else {})) for n in args.workloads or WORKLOADS
     }
     for w in workloads.values():
-        fam = MODELS[w["model"]]["family"]
-        s.max_rows[fam] = max(s.max_rows.get(fam, 0), w["batch"] * w["steps"])
+        key = s.shape(dict(w, family=MODELS[w["model"]]["family"]))[0]
+        s.max_rows[key] = max(s.max_rows.get(key, 0), w["batch"] * w["steps"])
     digest = source_digest(bench.provenance.files)
     result = bench.result(
         smoke=smoke, dtype=dtype, lorakit_source_sha256=digest, flop_accounting=SPEC["flop_accounting"]
