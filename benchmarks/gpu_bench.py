@@ -540,8 +540,10 @@ class Session:
         """(data key, length distribution, caps) of a workload: its own where the spec gives them (not in
         smoke mode, which keeps every workload tiny), else its family's."""
         fam, own = w["family"], not self.smoke and "lengths" in w
-        return (w["data"] if own else fam), (w["lengths"] if own else self.lengths[fam]), (
-            w["caps"] if own else self.caps[fam]
+        return (
+            (w["data"] if own else fam),
+            (w["lengths"] if own else self.lengths[fam]),
+            (w["caps"] if own else self.caps[fam]),
         )
 
     def workload(self, name: str, w: dict) -> dict:
