@@ -753,8 +753,10 @@ def merge(paths: list[str], output: Path, out_dir: Path | None) -> int:
     result = dict(parts[0], workloads={})
     for p in parts:
         for name, w in p["workloads"].items():
-            if name not in result["workloads"] or w.get("status") == "measured":
-                result["workloads"][name] = w  # an earlier measured copy beats a later skipped or failed one
+            earlier = result["workloads"].get(name, {"status": "skipped"})
+            if w.get("status") == "measured" or earlier.get("status") == "skipped":
+                # an earlier measured copy beats a later skipped or failed one; a later try beats a skip
+                result["workloads"][name] = w
     keys = ("command", "date", "git_revision", "lorakit_source_sha256", "benchmark_wall_seconds", "versions")
     result["parts"] = [
         {k: p.get(k) for k in (*keys, "gpu_tests")} | {"workloads": list(p["workloads"])} for p in parts
