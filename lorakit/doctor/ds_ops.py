@@ -12,7 +12,6 @@ SECTION = "environment"
 # op name -> DeepSpeed's builder class name.
 BUILDERS = {
     "cpu_adam": "CPUAdamBuilder",
-    "fused_adam": "FusedAdamBuilder",
     "async_io": "AsyncIOBuilder",
     "quantizer": "QuantizerBuilder",
     "deepspeed_shm_comm": "ShareMemCommBuilder",
@@ -21,13 +20,11 @@ BUILDERS = {
 
 def ops_for(recipe, accelerator: str) -> list[str]:
     """The ops a run of `recipe` loads on `accelerator` ("cuda", "cpu", ...), as lorakit configures
-    DeepSpeed (engine/deepspeed_config.py: torch's AdamW on CPU without offload)."""
+    DeepSpeed (engine/deepspeed_config.py: torch's AdamW without offload, DeepSpeed's CPU Adam with it)."""
     d = recipe.distributed
     ops = []
     if d.offload_optimizer != "none":
         ops.append("cpu_adam")
-    elif accelerator != "cpu":
-        ops.append("fused_adam")
     if "nvme" in (d.offload_optimizer, d.offload_params):
         ops.append("async_io")
     if d.quantized_weights or d.quantized_gradients:

@@ -52,8 +52,8 @@ def build_ds_config(
 ) -> dict[str, Any]:
     """DeepSpeed config for `recipe` on `world_size` processes.
 
-    accelerator is DeepSpeed's accelerator name: on `cpu` the optimizer is torch's AdamW, since DeepSpeed's
-    fused CUDA Adam cannot run there. hidden_size tunes ZeRO-3 bucket sizes the way the HF integration does.
+    accelerator is DeepSpeed's accelerator name (`cpu`, `cuda`): without CPU offload the optimizer is torch's
+    AdamW (foreach on CPU, fused on GPUs), so no DeepSpeed op is compiled at start. hidden_size tunes ZeRO-3 bucket sizes the way the HF integration does.
     """
     t, d = recipe.train, recipe.distributed
     zero: dict[str, Any] = {"stage": d.zero_stage}
@@ -85,10 +85,14 @@ def build_ds_config(
         "eps": 1e-8,
         "weight_decay": t.weight_decay,
     }
-    if accelerator == "cpu" and d.offload_optimizer == "none":
-        # foreach: one op per step for all the (many, small) LoRA tensors, where torch's default on CPU
-        # loops over them; the same update.
-        optimizer_params.update(torch_adam=True, foreach=True)
+    if d.offload_optimizer == "none":
+        # torch's AdamW, never DeepSpeed's FusedAdam: that op is JIT-compiled at start (42 s on an H100, nvcc
+        # and ninja needed) and DeepSpeed 0.19.8's builder fails on TORCH_CUDA_ARCH_LIST=9.0a ("invalid literal
+        # for int() ... '0a'"), which stopped a run on the H100 lease of 2026-11-26. On CUDA torch's fused
+        # kernel does the same update in one launch; on CPU foreach makes one op for all the (many, small)
+        # LoRA tensors where torch's default loops over them. With CPU offload DeepSpeed's CPU Adam stays.
+        fast = {"foreach": True} if accelerator == "cpu" else {"fused": True}
+        optimizer_params.update(torch_adam=True, **fast)
     dtype = recipe.model.dtype
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,

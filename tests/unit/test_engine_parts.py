@@ -45,9 +45,32 @@ def test_ds_config_from_recipe(tmp_path, stage):
     assert cfg["zero_optimization"]["stage"] == stage
     assert ("offload_optimizer" in cfg["zero_optimization"]) == bool(stage)
     assert cfg["optimizer"]["type"] == "AdamW" and cfg["optimizer"]["params"]["lr"] == r.train.lr
-    assert "torch_adam" not in cfg["optimizer"]["params"]
+    # CPU offload: DeepSpeed's CPU Adam; else torch's fused AdamW (test_ds_config_on_cuda_needs_no_jit_op)
+    assert ("torch_adam" in cfg["optimizer"]["params"]) == (not stage)
     if stage == 3:
         assert cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
+
+
+def test_ds_config_on_cuda_needs_no_jit_op(tmp_path):
+    """On CUDA without offload the optimizer is torch's fused AdamW, not DeepSpeed's FusedAdam: that op is
+    JIT-compiled at start (42 s on an H100, needs nvcc and ninja) and DeepSpeed 0.19.8's builder cannot parse
+    TORCH_CUDA_ARCH_LIST=9.0a (ValueError: invalid literal for int() '0a'; the H100 lease of 2026-11-26).
+    DeepSpeed must hand `fused` through to torch.optim.AdamW (checked here on its real code path)."""
+    import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from lorakit.doctor.ds_ops import ops_for
+
+    r = tiny_recipe(tmp_path, tmp_path / "o", model={"dtype": "bfloat16"}, distributed={"zero_stage": 3})
+    params = build_ds_config(r, world_size=8, accelerator="cuda", hidden_size=64)["optimizer"]["params"]
+    assert params["torch_adam"] is True and params["fused"] is True
+    assert "fused_adam" not in ops_for(r, "cuda")
+    # DeepSpeed's own choice of optimizer class for these params (the torch_adam branch needs no engine state).
+    rest = dict(params)
+    cls, kwargs = DeepSpeedEngine.get_optimizer_configuration(object(), rest, True)
+    opt = cls([torch.nn.Parameter(torch.zeros(4))], **rest, **kwargs)
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] is True
+    assert opt.defaults["lr"] == r.train.lr
 
 
 def test_ds_config_on_cpu_uses_torch_adam(tmp_path):
