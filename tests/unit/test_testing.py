@@ -104,7 +104,7 @@ def test_tokenizer_vocab_fits_the_news_words(tiny_dirs):
 
 def test_tokenizer_training_is_deterministic(tmp_path):
     build_tiny_tokenizer(tmp_path / "a")
-    testing._trained_tokenizer_json.cache_clear()  # retrain, not just re-serialise the cached result
+    tiny._trained_tokenizer_json.cache_clear()  # retrain, not just re-serialise the cached result
     build_tiny_tokenizer(tmp_path / "b")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
