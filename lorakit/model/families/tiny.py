@@ -108,16 +108,15 @@ def build_tiny_tokenizer(path: str | os.PathLike, kind: str = "t5") -> PreTraine
         tok.post_processor = processors.TemplateProcessing(
             single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, ids[BOS])]
         )
-    extra = {"bos_token": BOS, "chat_template": LLAMA_CHAT_TEMPLATE} if causal else {}
+    specials = {"pad_token": PAD, "eos_token": EOS, "unk_token": UNK}
+    if causal:
+        specials.update(bos_token=BOS, chat_template=LLAMA_CHAT_TEMPLATE)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        pad_token=PAD,
-        eos_token=EOS,
-        unk_token=UNK,
         model_max_length=TINY_MAX_LENGTH,
         # Byte-level decoding already restores the exact spacing; the clean-up would glue " ." etc.
         clean_up_tokenization_spaces=False,
-        **extra,
+        **specials,
     )
     Path(path).mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(path))
