@@ -7,18 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lorakit.testing import TINY_KINDS, TINY_VOCAB_SIZE
+from lorakit.model.families import family_of
+from lorakit.testing import TINY_VOCAB_SIZE
 
 # The tiny tokenizer's ids (lorakit.testing.SPECIAL_TOKENS: <pad> 0, </s> 1, <unk> 2, <s> 3).
 SPECIAL_IDS = {"bos_token_id": 3, "eos_token_id": 1, "pad_token_id": 0, "decoder_start_token_id": 0}
 
-# Model types whose small build is lorakit.testing's tiny model of that kind (mT5 is T5's architecture).
-SMALL_KINDS = {**{k: k for k in TINY_KINDS}, "mt5": "t5"}
-
 
 def small_kind(config) -> str | None:
-    """The lorakit.testing kind standing in for `config`'s architecture, or None when there is none."""
-    return SMALL_KINDS.get(getattr(config, "model_type", None))
+    """The tiny kind standing in for `config`'s architecture: its family's, when the family has a tiny
+    builder (mT5 is T5's); None when there is none (the generic family)."""
+    family = family_of(config)
+    return family.name if family.tiny is not None else None
 
 
 def recipe_config(recipe):

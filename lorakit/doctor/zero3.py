@@ -16,9 +16,10 @@ NAME = "ZeRO-3 save + reload"
 def _small_recipe(recipe, kind: str, processes: int, out: Path):
     """A 2-step ZeRO-3 run of tiny:KIND on the builtin news data, with the recipe's dtype, attention,
     packing and method."""
+    from lorakit.model.families import family_named
     from lorakit.recipe import recipe_from_dict
 
-    enc_dec = kind == "t5"
+    enc_dec = family_named(kind).encoder_decoder
     data = {
         "source": "builtin:news_summaries",
         "input_column": "article",

@@ -122,6 +122,7 @@ def load_model(
 
     from lorakit.export.job import auto_model_class, load_pretrained
     from lorakit.model.attention import choose_attention
+    from lorakit.model.families import model_class
 
     src = trained.source
     recipe = recipe or trained.recipe
@@ -132,10 +133,9 @@ def load_model(
     where = pick_device(device)
     auto_cls, config = auto_model_class(src)
     requested = recipe.model.attention if recipe is not None else "auto"
-    try:
-        attention = choose_attention(requested, auto_cls._model_mapping[type(config)])
-    except KeyError:  # a model class transformers does not map (remote code): its own default
-        attention = None
+    model_cls = model_class(config)[1]
+    # A model class transformers does not map (remote code): its own default.
+    attention = choose_attention(requested, model_cls) if model_cls is not None else None
     kwargs: dict[str, Any] = {"attn_implementation": attention} if attention else {}
     quantized = src.kind == "adapter" and recipe is not None and recipe.method.quantization()
     if quantized:

@@ -7,6 +7,7 @@ import importlib.util
 import torch
 
 from lorakit.errors import RecipeError
+from lorakit.model.families import family_for_type
 
 
 def flash_attn_available() -> bool:
@@ -19,8 +20,11 @@ def choose_attention(requested: str, model_cls) -> str:
 
     auto: flash_attention_2 when flash-attn is importable, a GPU is present and the model supports it;
     else sdpa when the model supports it; else eager. A forced backend the model or machine cannot run
-    is an error naming model.attention.
+    is an error naming model.attention. `model_cls` None (transformers maps no class to the config: remote
+    code): auto takes eager, which every model runs; a forced backend is left to transformers to check.
     """
+    if model_cls is None:
+        return "eager" if requested == "auto" else requested
     supports = {
         "flash_attention_2": bool(getattr(model_cls, "_supports_flash_attn", False)),
         "sdpa": bool(getattr(model_cls, "_supports_sdpa", False)),
@@ -39,28 +43,18 @@ def choose_attention(requested: str, model_cls) -> str:
     return requested
 
 
-# Encoder-decoders whose packing is exact: relative position bias (distances inside an example are
-# unchanged in a packed row), attention modules lorakit.model.varlen knows. BART & co. add absolute
-# position embeddings that would run across the row.
-PACKABLE_ENCODER_DECODERS = ("t5", "mt5")
-
-
 def packing_enabled(
     setting: bool | str, attention: str, is_encoder_decoder: bool, model_type: str | None = None
 ) -> bool:
-    """data.packing resolved. `auto` packs causal LMs on every backend (varlen flash, per-example SDPA,
-    masks) and T5-family encoder-decoders on sdpa or eager (per-example SDPA, or masks); other
-    encoder-decoders and backends train on length-grouped padded batches. `true` where packing is not
-    exact is a recipe error."""
-    packable = not is_encoder_decoder or (
-        model_type in PACKABLE_ENCODER_DECODERS and attention in ("sdpa", "eager")
-    )
+    """data.packing resolved, as the model family allows (lorakit.model.families.Family.packs). `auto`
+    packs causal LMs on every backend (varlen flash, per-example SDPA, masks) and T5-family encoder-decoders
+    on sdpa or eager (per-example SDPA, or masks); other encoder-decoders (BART & co., whose absolute
+    position embeddings would run across the row) and backends train on length-grouped padded batches.
+    `true` where packing is not exact is a recipe error."""
+    family = family_for_type(model_type, is_encoder_decoder)
+    packable = family.packs(attention)
     if setting is True and not packable:
-        why = (
-            f"{model_type!r} models"
-            if model_type not in PACKABLE_ENCODER_DECODERS
-            else f"the {attention} backend"
-        )
+        why = f"{model_type!r} models" if not family.packed.backends else f"the {attention} backend"
         raise RecipeError(
             "data.packing: true packs encoder-decoders of the T5 family (relative position bias) on sdpa or "
             f"eager attention only, not {why}; set data.packing: auto (length-grouped padded batches here)",

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from lorakit.errors import RecipeError
 from lorakit.model.adapter import peft_config
 from lorakit.model.attention import choose_attention, packing_enabled, set_attention_dropout
+from lorakit.model.families import Family, family_of, model_class
 from lorakit.model.inputs import ModelInputs
 from lorakit.model.quantize import bnb_config, check_keep_in_fp32, keep_standard_4bit_layout, logical_numel
 from lorakit.model.sequence_parallel import register_sequence_parallel
@@ -52,8 +52,10 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
     """
     source, config = load_config(recipe)
     is_enc_dec = bool(getattr(config, "is_encoder_decoder", False))
-    auto_cls = AutoModelForSeq2SeqLM if is_enc_dec else AutoModelForCausalLM
-    model_cls = auto_cls._model_mapping[type(config)]
+    family = family_of(config)
+    if family.caveat():
+        warnings.warn(family.caveat(), UnprovenFamilyWarning, stacklevel=2)
+    auto_cls, model_cls = model_class(config)
     attention = choose_attention(recipe.model.attention, model_cls)
     packing = packing_enabled(recipe.data.packing, attention, is_enc_dec, config.model_type)
     if attention == "sdpa" and packing:
@@ -103,6 +105,7 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
         from lorakit.model.untie import restore_untied_head
 
         restore_untied_head(model, source, recipe.model.revision, ds_config)
+    _set_zero3_leaves(family, model)
     # The KV cache is for generation; in training it changes how packed/masked attention is built.
     model.config.use_cache = False
     set_attention_dropout(model, recipe.model.attention_dropout)
@@ -122,7 +125,7 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
         for p in model.parameters():
             if p.requires_grad and p.dtype != dtype:
                 p.data = p.data.to(dtype)
-    _tile_mlps(recipe, config, model)
+    _tile_mlps(recipe, config, model, family)
     loss_head = _tile_loss(recipe, config, model)
     initial = None
     if recipe.method.mutates_base():
@@ -133,13 +136,31 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
     return BuiltModel(model, tokenizer, source, attention, is_enc_dec, inputs, packing, hf_ds_config, initial)
 
 
-def _tile_mlps(recipe: Recipe, config, model) -> None:
-    """model.tiled_mlp: the decoder MLPs over tiles of the sequence (lorakit.model.tiled_mlp), wrapped after
-    peft so that the tiles run its layers."""
+class UnprovenFamilyWarning(UserWarning):
+    """The model's architecture has no lorakit model family: it trains through the generic path, and the
+    warning names the contracts nothing has proven for it (lorakit.model.families.Family.caveat)."""
+
+
+def _set_zero3_leaves(family: Family, model) -> None:
+    """The family's ZeRO-3 leaf modules (MoE blocks: ZeRO-3 gathers each whole, since a token may route to
+    any expert): set before deepspeed.initialize installs its hooks; dense families have none."""
+    if family.zero3_leaf_modules:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, list(family.zero3_leaf_modules))
+
+
+def _tile_mlps(recipe: Recipe, config, model, family: Family) -> None:
+    """model.tiled_mlp: the decoder MLPs the family tiles, over tiles of the sequence
+    (lorakit.model.tiled_mlp), wrapped after peft so that the tiles run its layers."""
     from lorakit.model.tiled_mlp import apply_tiled_mlp, tile_tokens
 
     tiles = tile_tokens(recipe, config)
-    if tiles is not None and not apply_tiled_mlp(model, tiles) and recipe.model.tiled_mlp is True:
+    if (
+        tiles is not None
+        and not apply_tiled_mlp(model, tiles, family.tiled_mlp)
+        and recipe.model.tiled_mlp is True
+    ):
         raise RecipeError(
             f"model.tiled_mlp: true, but {config.model_type!r} has no dense decoder MLP (a `mlp` with a "
             "down_proj and no experts) to tile; set model.tiled_mlp: auto or false"

@@ -8,9 +8,9 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer
 
 from lorakit.errors import RecipeError
+from lorakit.model.families.tiny import resolve_model_source
 from lorakit.model.sequence_parallel import check_sequence_parallel
 from lorakit.recipe.schema import Recipe
-from lorakit.testing import resolve_model_source
 
 # Weight files read with pickle (torch.load), which can run code while it reads.
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")

@@ -20,7 +20,7 @@ How it composes:
 - ZeRO-3: the wrapper is a ZeRO-3 leaf, so the partitioned head weight is gathered once for the forward's
   tiles and once for the backward's, not per tile.
 - Only families whose causal LM forward is exactly `lm_head(last hidden states)` (no logit scaling or soft
-  capping): TILED_FAMILIES.
+  capping): those whose lorakit.model.families.Family says `tiled_loss`.
 """
 
 from __future__ import annotations
@@ -33,17 +33,13 @@ from torch import nn
 
 from lorakit.data.collate import IGNORE_INDEX
 from lorakit.errors import RecipeError
+from lorakit.model.families import family_for_type, family_of, tiled_loss_types
 from lorakit.model.tiled_mlp import LONG_ROW_TOKENS
 from lorakit.model.tiling import Adopting, has_dropout, replayed, rng_state
 
 # fp32 logits per tile by default (2**25 x 4 bytes = 128 MiB), as lorakit.engine.loss's chunks: 261 tokens
 # of Llama-3's 128k vocabulary, 1024 of a 32k one.
 LOSS_TILE_ELEMENTS = 2**25
-# Causal LMs whose forward computes logits = lm_head(last hidden states) and nothing more (transformers
-# 5.x); Gemma 2, Granite and Cohere scale or cap their logits and are left to the untiled path.
-TILED_FAMILIES = frozenset(
-    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "gemma", "olmo2"}
-)
 
 
 def _tile_losses(head: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -155,12 +151,13 @@ def apply_tiled_loss(model: nn.Module, tile_tokens: int) -> TiledLossHead | None
 def planned_loss_tile(recipe, row_tokens: int | None, vocab: int, model_type: str | None) -> int | None:
     """Tokens per loss tile for rows of `row_tokens` tokens (None: train.max_tokens) of a causal LM of
     `model_type` with a `vocab`-entry head; None: the untiled loss. model.tiled_loss auto tiles SFT with
-    sequence parallelism or rows of LONG_ROW_TOKENS tokens or more, for TILED_FAMILIES."""
+    sequence parallelism or rows of LONG_ROW_TOKENS tokens or more, for the families whose logits are the
+    head's output (Family.tiled_loss)."""
     m = recipe.model
     if m.tiled_loss is False or recipe.train.objective != "sft":
         return None
     if m.tiled_loss == "auto":
-        if model_type not in TILED_FAMILIES:
+        if not family_for_type(model_type).tiled_loss:
             return None
         if recipe.distributed.sequence_parallel == 1:
             row = recipe.train.max_tokens if row_tokens is None else row_tokens
@@ -172,14 +169,12 @@ def planned_loss_tile(recipe, row_tokens: int | None, vocab: int, model_type: st
 def loss_tile_tokens(recipe, config) -> int | None:
     """The loss tile size (tokens) the recipe asks for on a model of `config`; None: the untiled loss.
     RecipeError for model.tiled_loss: true on a model it cannot tile."""
-    if recipe.model.tiled_loss is True:
-        kind = config.model_type
-        if getattr(config, "is_encoder_decoder", False) or kind not in TILED_FAMILIES:
-            raise RecipeError(
-                f"model.tiled_loss: true computes the head and loss in tiles for causal LMs whose logits are "
-                f"the head's output ({', '.join(sorted(TILED_FAMILIES))}); {kind!r} is not one. Set "
-                "model.tiled_loss: auto or false"
-            )
+    if recipe.model.tiled_loss is True and not family_of(config).tiled_loss:
+        raise RecipeError(
+            f"model.tiled_loss: true computes the head and loss in tiles for causal LMs whose logits are "
+            f"the head's output ({', '.join(tiled_loss_types())}); {config.model_type!r} is not one. Set "
+            "model.tiled_loss: auto or false"
+        )
     if getattr(config, "is_encoder_decoder", False):
         return None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 from lorakit.errors import RecipeError
+from lorakit.model.families import family_of
+from lorakit.model.families.base import dense_decoder_mlp
 from lorakit.model.tiling import Adopting, has_dropout, replayed, rng_state
 
 # auto: tile when one packed row (per rank) holds at least this many tokens, or with sequence parallelism.
@@ -101,18 +103,15 @@ class TiledMLP(Adopting):
         return _TiledForward.apply(self.inner, x, self.tile_tokens, has_dropout(self), *params)
 
 
-def _dense_mlp(module: nn.Module) -> bool:
-    # Gated dense MLPs (Llama, Mistral, Qwen2 and most causal LMs): down_proj and no experts to route to.
-    return hasattr(module, "down_proj") and not hasattr(module, "experts")
-
-
-def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> int:
-    """Replace every decoder layer's dense `mlp` in `model` by a TiledMLP; returns how many were wrapped.
-    Call it after peft (the tiles run peft's layers) and before deepspeed.initialize (ZeRO-3 hooks)."""
+def apply_tiled_mlp(model: nn.Module, tile_tokens: int, tiles=dense_decoder_mlp) -> int:
+    """Replace every decoder layer's `mlp` in `model` that `tiles` accepts (the model family's choice,
+    lorakit.model.families.Family.tiled_mlp; by default the dense ones) by a TiledMLP; returns how many were
+    wrapped. Call it after peft (the tiles run peft's layers) and before deepspeed.initialize (ZeRO-3
+    hooks)."""
     layers = [m for m in model.modules() if isinstance(getattr(m, "mlp", None), nn.Module)]
     wrapped = 0
     for layer in layers:
-        if _dense_mlp(layer.mlp) and not isinstance(layer.mlp, TiledMLP):
+        if tiles(layer.mlp) and not isinstance(layer.mlp, TiledMLP):
             layer.mlp = TiledMLP(layer.mlp, tile_tokens)
             wrapped += 1
     return wrapped
@@ -136,8 +135,9 @@ def planned_tile(recipe, row_tokens: int | None, hidden_size: int | None) -> int
 
 
 def tile_tokens(recipe, config) -> int | None:
-    """The MLP tile size (tokens) the recipe asks for on a model of `config`; None: no tiling."""
-    if getattr(config, "is_encoder_decoder", False):
+    """The MLP tile size (tokens) the recipe asks for on a model of `config`; None: no tiling (a family
+    whose MLPs are never tiled: the encoder-decoders)."""
+    if family_of(config).tiled_mlp is None:
         if recipe.model.tiled_mlp is True:
             raise RecipeError(
                 f"model.tiled_mlp: true tiles causal LMs' decoder MLPs; {config.model_type!r} is an "

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lorakit.errors import RecipeError
+from lorakit.model.families import family_of, model_class
+from lorakit.model.families.base import Shape
 from lorakit.planner.units import PlanError
 
 # Configs of the hub models lorakit's recipes name, as published in their config.json files (only the keys
@@ -72,43 +75,36 @@ class Linear:
         return self.in_features * self.out_features + (self.out_features if self.bias else 0)
 
 
-@dataclass(frozen=True)
-class Arch:
-    """A model's shape (what activations depend on) and its parameter census (what model states depend on).
-
-    Encoder-decoders: `layers` counts encoder blocks and `decoder_layers` decoder blocks; causal LMs have
-    decoder_layers == 0.
-    """
+@dataclass(frozen=True, kw_only=True)
+class Arch(Shape):
+    """A model's shape (what activations depend on: the Shape its model family reads from the config,
+    lorakit.model.families) and its parameter census (what model states depend on)."""
 
     model_type: str
     is_encoder_decoder: bool
-    vocab: int
-    hidden: int
-    ffn: int
-    gated_mlp: bool
-    layers: int
-    decoder_layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    max_length: int | None
-    # Dropout on hidden states and attention probabilities while training (T5: dropout_rate).
-    dropout: float
-    attention_dropout: float
-    # T5's gelu_new is written in Python (tanh approximation): it keeps four activations, not one.
-    python_gelu: bool
     total_params: int
     # DeepSpeed's "largest layer": the most parameters held directly by one module (ZeRO-3 gathers one
     # module's weights, and its gradients, at a time).
     largest_module_params: int
     linears: tuple[Linear, ...]
     head: str
+    # Whether the output head shares the input embedding: the family's word, else the built model's.
     tied_head: bool
     keep_fp32: tuple[str, ...]
     # Every parameter's element count (ZeRO-3 keeps the small ones whole on every rank).
     param_numels: tuple[int, ...]
     # (name, parameters held directly) of every module that holds some: what method.modules_to_save copies.
     param_modules: tuple[tuple[str, int], ...] = ()
+    # The model family whose reading of the config this is, and what nothing has proven for it (the
+    # generic family's contracts, lorakit.model.families.Family.unproven; empty for registered families).
+    family: str = ""
+    unproven: tuple[str, ...] = ()
+
+    def caveat(self) -> str | None:
+        """The generic family's "not proven" sentence for this model (None for a registered family)."""
+        from lorakit.model.families import family_for_type
+
+        return family_for_type(self.model_type, self.is_encoder_decoder).caveat() if self.unproven else None
 
     @property
     def attention_width(self) -> int:
@@ -213,14 +209,12 @@ def arch_from_config(config, trust_remote_code: bool = False) -> Arch:
 @functools.lru_cache(maxsize=32)
 def _arch(config_json: str, config_cls, trust_remote_code: bool) -> Arch:
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     config = config_cls.from_dict(json.loads(config_json))
     is_enc_dec = bool(getattr(config, "is_encoder_decoder", False))
-    auto_cls = AutoModelForSeq2SeqLM if is_enc_dec else AutoModelForCausalLM
+    auto_cls, model_cls = model_class(config)
     try:
         with torch.device("meta"):
-            model_cls = auto_cls._model_mapping.get(type(config), None)
             # The class itself, not from_config: inside a ZeRO-3 run (the training job plans at its end)
             # from_config would build under deepspeed.zero.Init, partitioning and communicating.
             model = (
@@ -232,30 +226,35 @@ def _arch(config_json: str, config_cls, trust_remote_code: bool) -> Arch:
         raise PlanError(f"the planner cannot build a {config.model_type!r} model from its config: {e}") from e
     head_module = model.get_output_embeddings()
     head = next(n for n, m in model.named_modules() if m is head_module)
-    tied = head_module.weight is model.get_input_embeddings().weight
-    if is_enc_dec and getattr(config, "scale_decoder_outputs", True) is False:
-        # FLAN-T5 / T5 v1.1 keep a separate head; transformers 5 ties it on the meta model anyway, and
-        # lorakit's loading (model/untie.py) gives it back its own weights.
-        tied = False
-    numels = [p.numel() for p in model.parameters()]
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    if not tied and head_module.weight is model.get_input_embeddings().weight:
-        numels.append(head_module.weight.numel())
     linears = tuple(
         Linear(name, m.in_features, m.out_features, m.bias is not None)
         for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear)
     )
+    family = family_of(config)
+    try:
+        shape = family.shape(config, [lin.name for lin in linears])
+    except RecipeError as e:
+        raise PlanError(str(e)) from e
+    tied = head_module.weight is model.get_input_embeddings().weight
+    if shape.tied_head is not None:
+        tied = shape.tied_head
+    numels = [p.numel() for p in model.parameters()]
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    if not tied and head_module.weight is model.get_input_embeddings().weight:
+        numels.append(head_module.weight.numel())
+    fields = {k: v for k, v in vars(shape).items() if k != "tied_head"}
     return Arch(
         model_type=config.model_type,
         is_encoder_decoder=is_enc_dec,
-        vocab=int(config.vocab_size),
-        **_shape(config, is_enc_dec, [lin.name for lin in linears]),
         total_params=sum(numels),
         largest_module_params=largest,
         linears=linears,
         head=head,
         tied_head=tied,
+        **fields,
+        family=family.name,
+        unproven=family.unproven,
         keep_fp32=tuple(sorted(getattr(model, "_keep_in_fp32_modules", None) or ())),
         param_numels=tuple(numels),
         param_modules=tuple(
@@ -264,43 +263,3 @@ def _arch(config_json: str, config_cls, trust_remote_code: bool) -> Arch:
             if (n := sum(p.numel() for p in m.parameters(recurse=False)))
         ),
     )
-
-
-def _shape(config, is_enc_dec: bool, linear_names: list[str]) -> dict[str, Any]:
-    from lorakit.data.tokenize import model_max_length
-
-    max_length = model_max_length(None, config)
-    if is_enc_dec:
-        # T5 family names (d_model, d_ff, d_kv, num_heads); max length from n_positions (512 for FLAN-T5).
-        act = getattr(config, "dense_act_fn", "relu")
-        rate = float(getattr(config, "dropout_rate", 0.0))
-        return {
-            "hidden": config.d_model,
-            "ffn": config.d_ff,
-            "gated_mlp": bool(getattr(config, "is_gated_act", False)),
-            "layers": config.num_layers,
-            "decoder_layers": getattr(config, "num_decoder_layers", None) or config.num_layers,
-            "heads": config.num_heads,
-            "kv_heads": config.num_heads,
-            "head_dim": config.d_kv,
-            "max_length": max_length,
-            "dropout": rate,
-            "attention_dropout": rate,
-            "python_gelu": act in ("gelu_new", "gelu_pytorch_tanh_python"),
-        }
-    heads = config.num_attention_heads
-    return {
-        "hidden": config.hidden_size,
-        "ffn": getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
-        # Llama, Mistral, Qwen2 and their kin: SwiGLU (gate, up, down); GPT-style MLPs have no gate.
-        "gated_mlp": any(n.endswith(("gate_proj", "gate_up_proj")) for n in linear_names),
-        "layers": config.num_hidden_layers,
-        "decoder_layers": 0,
-        "heads": heads,
-        "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
-        "max_length": max_length,
-        "dropout": 0.0,
-        "attention_dropout": float(getattr(config, "attention_dropout", 0.0) or 0.0),
-        "python_gelu": False,
-    }

@@ -251,7 +251,7 @@ def plan(
         attention_dropout=recipe.model.attention_dropout,
     )
     a = _DTYPE_BYTES[recipe.model.dtype]
-    notes: list[str] = []
+    notes: list[str] = [arch.caveat()] if arch.unproven else []  # the generic family's "not proven"
     shape, kernels, min_tokens = micro_batch_shape(recipe, arch, seq_len, target_len, device, notes)
     world = gpus * nodes
     base = recipe_setup(recipe)

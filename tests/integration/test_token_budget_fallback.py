@@ -2,39 +2,19 @@
 data.packing: auto, on token-budget, length-grouped padded micro-batches; forcing packing is refused."""
 
 import pytest
-import torch
 
 import lorakit
 from lorakit.errors import RecipeError
-from lorakit.testing import build_tiny_tokenizer
+from lorakit.testing import build_tiny_model
 from tests.conftest import tiny_recipe
 
 
 @pytest.fixture(scope="module")
 def tiny_bart(tmp_path_factory):
-    """A random 2-layer BART with lorakit's tiny tokenizer, saved as a local model directory."""
-    from transformers import BartConfig, BartForConditionalGeneration
-
+    """The BART family's tiny random model (one encoder and one decoder layer, lorakit's tiny tokenizer),
+    saved as a local model directory."""
     path = tmp_path_factory.mktemp("tiny-bart")
-    tok = build_tiny_tokenizer(path, "t5")
-    config = BartConfig(
-        vocab_size=len(tok),
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=512,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.eos_token_id,
-        decoder_start_token_id=tok.pad_token_id,
-        forced_eos_token_id=tok.eos_token_id,
-    )
-    torch.manual_seed(0)
-    BartForConditionalGeneration(config).save_pretrained(path)
+    build_tiny_model("bart", path)
     return path
 
 

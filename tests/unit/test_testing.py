@@ -18,8 +18,10 @@ from transformers import (
 
 from lorakit import testing
 from lorakit.errors import RecipeError
+from lorakit.model.families import tiny
 from lorakit.testing import (
     CAUSAL_KINDS,
+    SEQ2SEQ_KINDS,
     TINY_KINDS,
     TINY_VERSION,
     build_tiny_model,
@@ -27,7 +29,9 @@ from lorakit.testing import (
     resolve_model_source,
 )
 
-AUTO = {"t5": AutoModelForSeq2SeqLM} | {kind: AutoModelForCausalLM for kind in CAUSAL_KINDS}
+AUTO = {kind: AutoModelForSeq2SeqLM for kind in SEQ2SEQ_KINDS} | {
+    kind: AutoModelForCausalLM for kind in CAUSAL_KINDS
+}
 TEXT = "The council voted 41 to 7 on Monday to fund 12 schools in Porto, said Maria Novak."
 
 
@@ -66,8 +70,9 @@ def test_t5_tokenizer_appends_eos_like_t5(tiny_dirs):
     assert tok(TEXT, add_special_tokens=False)["input_ids"] == ids[:-1]
 
 
-def test_causal_kinds_are_the_non_t5_kinds():
-    assert set(CAUSAL_KINDS) == set(TINY_KINDS) - {"t5"}
+def test_causal_kinds_are_the_non_seq2seq_kinds():
+    assert SEQ2SEQ_KINDS == ("t5", "bart")
+    assert set(CAUSAL_KINDS) == set(TINY_KINDS) - set(SEQ2SEQ_KINDS)
 
 
 @pytest.mark.parametrize("kind", CAUSAL_KINDS)
@@ -99,7 +104,7 @@ def test_tokenizer_vocab_fits_the_news_words(tiny_dirs):
 
 def test_tokenizer_training_is_deterministic(tmp_path):
     build_tiny_tokenizer(tmp_path / "a")
-    testing._trained_tokenizer_json.cache_clear()  # retrain, not just re-serialise the cached result
+    tiny._trained_tokenizer_json.cache_clear()  # retrain, not just re-serialise the cached result
     build_tiny_tokenizer(tmp_path / "b")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
@@ -149,7 +154,7 @@ def test_saved_model_loads_and_gives_a_finite_loss(tiny_dirs, kind):
     model = AUTO[kind].from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
     batch = tok([TEXT, "Short one."], return_tensors="pt", padding=True)
-    if kind == "t5":
+    if kind in SEQ2SEQ_KINDS:
         labels = tok(["Porto funds 12 schools.", "Short."], return_tensors="pt", padding=True)["input_ids"]
         labels[labels == tok.pad_token_id] = -100
     else:
@@ -245,7 +250,7 @@ def test_resolve_builds_once_then_reuses(tmp_path, monkeypatch):
     def no_rebuild(*args, **kwargs):
         raise AssertionError("a complete directory must not be rebuilt")
 
-    monkeypatch.setattr(testing, "build_tiny_model", no_rebuild)
+    monkeypatch.setattr(tiny, "build_tiny_model", no_rebuild)
     assert resolve_model_source("tiny:t5", "~/cache") == path
     assert _files(Path(path)) == before
     assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [Path(path).name]
@@ -260,7 +265,7 @@ def test_resolve_loser_of_a_race_discards_its_build(tmp_path, monkeypatch):
         real_build(kind, target, seed)  # the other rank renames its build into place first
         (target / "winner").touch()
 
-    monkeypatch.setattr(testing, "build_tiny_model", build_while_another_rank_wins)
+    monkeypatch.setattr(tiny, "build_tiny_model", build_while_another_rank_wins)
     assert resolve_model_source("tiny:llama", tmp_path) == str(target)
     assert (target / "winner").exists()
     assert [p.name for p in (tmp_path / "models").iterdir()] == [target.name]  # no temporary left
