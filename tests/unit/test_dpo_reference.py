@@ -24,7 +24,7 @@ from lorakit.engine.dpo import DpoObjective
 from lorakit.engine.dpo_reference import attach_reference, compute_reference, reference_key
 from lorakit.errors import InferenceError
 from lorakit.model import build_model
-from lorakit.recipe.dpo_section import check_objective
+from lorakit.recipe.known_objectives import check_objective
 from tests.conftest import tiny_recipe
 from tests.unit.test_dpo import BETA, TOL, _logp_alone, _pairs
 
