@@ -60,6 +60,11 @@ def metric_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch
     return dict(zip(DPO_METRICS, values, strict=True))
 
 
+def _sides(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) of values laid out chosen and rejected of each pair in turn."""
+    return values[0::2], values[1::2]
+
+
 def _module(engine):
     return getattr(engine, "module", engine)  # a DeepSpeed engine wraps the (peft) model
 
@@ -263,10 +268,8 @@ class DpoObjective(Objective):
                 ref = self.log_probs(engine, inputs, batch, device)
         policy = self.log_probs(engine, inputs, batch, device)
         return preference_loss(
-            policy[0::2],
-            policy[1::2],
-            ref[0::2],
-            ref[1::2],
+            *_sides(policy),
+            *_sides(ref),
             beta=self.beta,
             loss=self.kind,
             label_smoothing=self.label_smoothing,
@@ -279,10 +282,8 @@ class DpoObjective(Objective):
         policy = self.log_probs(engine, inputs, batch, device)
         tokens = response_tokens(batch, self.encoder_decoder).to(policy.device)
         return simpo_loss(
-            policy[0::2],
-            policy[1::2],
-            tokens[0::2],
-            tokens[1::2],
+            *_sides(policy),
+            *_sides(tokens),
             beta=self.beta,
             gamma=self.simpo_gamma,
             label_smoothing=self.label_smoothing,
