@@ -20,6 +20,7 @@ from lorakit.planner.search import ROW_STEP, candidates, longest_row, overrides,
 from lorakit.planner.shapes import micro_batch_shape, positive
 from lorakit.planner.states import Item, Setup, counts, model_states
 from lorakit.planner.units import HEADROOM, PlanError, parse_bytes
+from lorakit.recipe.objective_spec import SFT
 
 GiB = 2**30
 # Framework overhead, stated as assumptions (docs/planning.md): what a GPU process holds besides the tensors
@@ -145,8 +146,9 @@ class MemoryPlan:
     sequence_parallel: int = 1
     # distributed.timeout_minutes: how long a collective waits for a stalled or dead rank (docs/faults.md).
     timeout_minutes: float | None = None
-    # train.objective: dpo micro-batches hold two sequences per pair and add a no-grad reference forward.
-    objective: str = "sft"
+    # train.objective: the report asks its objective what it adds (DPO: two sequences per pair, a no-grad
+    # reference forward).
+    objective: str = SFT.name
 
     @property
     def fits(self) -> bool | None:
