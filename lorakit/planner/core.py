@@ -146,8 +146,7 @@ class MemoryPlan:
     sequence_parallel: int = 1
     # distributed.timeout_minutes: how long a collective waits for a stalled or dead rank (docs/faults.md).
     timeout_minutes: float | None = None
-    # train.objective: the report asks its objective what it adds (DPO: two sequences per pair, a no-grad
-    # reference forward).
+    # train.objective: what its objective adds is asked of it (DPO: two sequences a pair, a reference pass).
     objective: str = SFT.name
 
     @property
@@ -348,8 +347,7 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
         target = round(shape.target_len * scale) if shape.target_len else None
         this = replace(shape, rows=1, seq_len=setup.max_tokens, target_len=target)
     else:
-        # The objective's sequences per example (DPO: a pair's two) as causal rows; encoder-decoders run
-        # the decoder that many times instead (micro_batch_shape's decoder_passes).
+        # The objective's sequences per example (DPO: 2) as rows; encoder-decoders: decoder_passes instead.
         sequences = 1 if arch.is_encoder_decoder else objective_type(recipe).sequences
         this = replace(shape, rows=sequences * setup.micro_batch_size)
     if not arch.is_encoder_decoder:
