@@ -72,7 +72,7 @@ def worker(out_dir: Path, recipe_path: str, overrides: list[str]) -> None:
 
     import lorakit
     from lorakit.engine import loop
-    from lorakit.engine.objective import SftObjective
+    from lorakit.objectives.sft import SftObjective
 
     clock = Clock()
     windows = loop.accumulation_windows

@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 from lorakit import preflight, rundir, runlock
-from lorakit.data import PreparedData, prepare_data
+from lorakit.data import PreparedData
 from lorakit.engine import dist
 from lorakit.engine.deepspeed_config import check_zero_plus_plus
 from lorakit.engine.launch import (
@@ -44,6 +44,8 @@ from lorakit.recipe import Recipe, dump_recipe
 def prepare(recipe: Recipe) -> PreparedData:
     """Tokenize and cache the recipe's data (or find it cached); needs no GPU."""
     preflight.check_cache_dir(recipe)
+    from lorakit.objectives import prepare_data  # the objective's rows (SFT examples, DPO pairs)
+
     source, config = load_config(recipe)
     return prepare_data(recipe, load_tokenizer(recipe, source), config)
 

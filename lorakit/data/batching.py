@@ -106,28 +106,14 @@ class Batching:
 def make_batching(
     recipe: Recipe, data, tokenizer, config, *, packing: bool, world: int = 1, rank: int = 0
 ) -> Batching:
-    """Sampler and collators for `data` (PreparedData) on `rank` of `world`: by the model family
-    (`config`), and `packing`, what the model build decided (BuiltModel.packing)."""
+    """Sampler and collators for SFT's examples in `data` (PreparedData) on `rank` of `world`: by the model
+    family (`config`), and `packing`, what the model build decided (BuiltModel.packing). Other rows (DPO's
+    pairs) are batched by their objective (lorakit.objectives: Objective.make_batching)."""
     t = recipe.train
-    if t.objective == "dpo":
-        from lorakit.data.preference_batching import pair_collator, preference_batching
-        from lorakit.data.preference_reference import with_reference
-        from lorakit.data.preference_seq2seq import PackedSeq2SeqPairCollator, pair_lengths
-
-        if packing and getattr(config, "is_encoder_decoder", False):
-            # Each pair's prompt once in the encoder row, its responses in two decoder rows.
-            padded = pair_collator(tokenizer, config)
-            lengths = pair_lengths(data)
-            b = _seq2seq_packing(
-                recipe, data, config, padded, world, rank, lengths, PackedSeq2SeqPairCollator
-            )
-        else:
-            b = preference_batching(recipe, data, tokenizer, config, packing=packing, world=world, rank=rank)
-        return with_reference(b)
     if getattr(config, "is_encoder_decoder", False):
         eval_collator = padded_collator(tokenizer, config)
         if packing:
-            return _seq2seq_packing(recipe, data, config, eval_collator, world, rank)
+            return seq2seq_packing(recipe, data, config, eval_collator, world, rank)
         if recipe.data.packing == "auto" and recipe.data.group_by_length:
             # Packing is not exact for this model or backend: the fallback auto promises. An explicit
             # data.packing: false keeps fixed micro-batches of micro_batch_size.
@@ -199,7 +185,7 @@ def _target_budget(recipe: Recipe, src: list[int], tgt: list[int], max_src: int,
     return max_tgt
 
 
-def _seq2seq_packing(
+def seq2seq_packing(
     recipe: Recipe,
     data,
     config,

@@ -130,10 +130,6 @@ def _cache_entry(recipe: Recipe, tokenizer, model_config, sources) -> tuple[str,
 
 def prepare_data(recipe: Recipe, tokenizer, model_config) -> PreparedData:
     """Load, tokenize and cache the recipe's splits, or reuse the cache from an earlier run."""
-    if recipe.train.objective == "dpo":
-        from lorakit.data.preference import prepare_preference
-
-        return prepare_preference(recipe, tokenizer, model_config)
     data = recipe.data
     enc_dec = bool(getattr(model_config, "is_encoder_decoder", False))
     check_supported(recipe, enc_dec)

@@ -215,7 +215,7 @@ def prepare_preference(recipe: Recipe, tokenizer, model_config) -> PreparedData:
     model_max = model_max_length(tokenizer, model_config)
     key = cache.fingerprint(
         {
-            "objective": "dpo",
+            "objective": recipe.train.objective,
             "sources": {k: source_fingerprint(data, s) for k, s in split_names.items()},
             "data": data.model_dump(exclude={"cache_dir", "num_proc", "packing", "group_by_length"}),
             "columns": [recipe.dpo.chosen_column, recipe.dpo.rejected_column],
@@ -272,7 +272,7 @@ def prepare_preference(recipe: Recipe, tokenizer, model_config) -> PreparedData:
         overlong[f"{prefix}truncated"], overlong[f"{prefix}dropped"] = caps.truncated, caps.dropped
     stats: dict[str, Any] = {
         "format": data.format,
-        "objective": "dpo",
+        "objective": recipe.train.objective,
         "train_rows": len(splits["train"]),
         "eval_rows": len(splits["eval"]) if "eval" in splits else 0,
         "overlong": overlong,

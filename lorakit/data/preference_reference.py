@@ -1,7 +1,7 @@
 """Reference log-probabilities that ride with preference pairs (full fine-tuning DPO).
 
 Full fine-tuning has no adapter to turn off, so the reference model's summed response log-probabilities
-are computed once, before the first step (lorakit.engine.dpo_reference), and added to the prepared splits
+are computed once, before the first step (lorakit.objectives.dpo_reference), and added to the prepared splits
 as two columns. The collators below carry them into every batch as `reference_log_probs`: (2 x pairs,),
 chosen and rejected of each pair in turn, the order of the objective's own log-probabilities.
 """
@@ -45,7 +45,7 @@ def with_reference(batching):
 
 def add_reference(ds: datasets.Dataset, table: torch.Tensor, key: str) -> datasets.Dataset:
     """`ds` with the (rows, 2) float32 `table` as its reference columns (row i: pair i's chosen, rejected);
-    `key` names the table (lorakit.engine.dpo_reference.reference_key)."""
+    `key` names the table (lorakit.objectives.dpo_reference.reference_key)."""
     if table.shape != (len(ds), 2):
         raise ValueError(f"reference table of shape {tuple(table.shape)} for {len(ds)} pairs")
     out = ds.remove_columns([c for c in REFERENCE_COLUMNS if c in ds.column_names])

@@ -10,7 +10,7 @@ A batch carries `pair_spans` ((prompt, chosen, rejected) lengths per pair, in ro
 its responses as three flat lists: `target_index` (the row position whose logits score a response token:
 the token before it in its own sequence, which for the first chosen and the first rejected token is the
 prompt's last one), `target_ids` (the token) and `target_sequence` (2k: pair k's chosen response, 2k + 1:
-its rejected one), so lorakit.engine.dpo sums each response's log-probabilities as for unshared rows.
+its rejected one), so lorakit.objectives.dpo sums each response's log-probabilities as for unshared rows.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lorakit import rundir
-from lorakit.data import PreparedData, prepare_data
-from lorakit.data.batching import Batching, make_batching
+from lorakit.data import PreparedData
+from lorakit.data.batching import Batching
 from lorakit.data.sampler import ResumableBatchSampler
 from lorakit.data.sequence_split import split_sequences
 from lorakit.engine import checkpoint, dist
@@ -40,17 +40,16 @@ from lorakit.engine.loop import (
     plan_steps,
 )
 from lorakit.engine.mesh import ParallelDims
-from lorakit.engine.objective import make_objective
 from lorakit.engine.result import EXIT, TrainResult
 from lorakit.engine.save import save_trained
 from lorakit.engine.signals import StopRequests
 from lorakit.engine.summary import MemoryProbe, summarize
 from lorakit.evaluation.classify import save_classification
-from lorakit.evaluation.runner import run_eval
 from lorakit.meter import TokenMeter
 from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
 from lorakit.model.fused_attention import KERNELS_USED
 from lorakit.model.quantize import describe_quantization, quantization_summary
+from lorakit.objectives import make_batching, make_objective, prepare_data
 from lorakit.observe import MetricsLogger
 from lorakit.observe.plot import plot_losses
 from lorakit.recipe import Recipe, dump_recipe
@@ -89,15 +88,14 @@ def run_job(recipe: Recipe) -> TrainResult:
     plan = plan_steps(len(loader.batch_sampler), t.gradient_accumulation_steps, t.epochs, t.max_steps)
     _say(batching.describe(plan, dist.world_size()))
     engine, quantization = start_engine(recipe, backend, built, ds_config, plan)
-    if t.objective == "dpo" and not recipe.method.adapter():
-        # Full fine-tuning DPO: the initial model's log-probabilities, before any step or checkpoint load.
-        from lorakit.engine.dpo_reference import attach_reference
-
-        objective = make_objective(recipe, config)
-        data = attach_reference(
-            recipe, engine, built.inputs, objective, built.source, data, batching.eval_collator
-        )
-        loader = make_loader(data, batching, seed=t.seed)
+    # What the objective needs before any step or checkpoint load (full fine-tuning DPO: the initial
+    # model's log-probabilities of every pair, as columns of the data).
+    objective = make_objective(recipe, config)
+    prepared = objective.prepare_training(
+        recipe, engine, built.inputs, built.source, data, batching.eval_collator
+    )
+    if prepared is not data:
+        data, loader = prepared, make_loader(prepared, batching, seed=t.seed)
     job = Job(
         recipe, run_dir, config, tokenizer, data, built, params, batching, plan, engine, quantization, log
     )
@@ -260,14 +258,14 @@ class Job:
         return dataclasses.replace(self.data, eval=self.data.eval.select(range(cap)))
 
     def evaluate(self, epoch: int, step: int, epoch_end: bool = True) -> dict[str, Any]:
-        """Eval loss (and generation metrics) on every rank (evaluation.runner.run_eval, as lorakit.evaluate
+        """Eval loss (and generation metrics) on every rank (the objective's evaluation, as lorakit.evaluate
         scores a finished run); rank 0 logs them and writes the predictions and classification report.
         Returns rank 0's metrics on every rank. `epoch_end` False (an eval.every evaluation) generates only
         with eval.generate_at every_eval."""
         ev = self.recipe.eval
         # The RNG streams are put back afterwards, so a run with evaluations trains exactly as one without.
         with checkpoint.preserved_rng():
-            outcome = run_eval(
+            outcome = make_objective(self.recipe, self.config).evaluate(
                 self.engine,
                 self.built.inputs,
                 self.recipe,

@@ -14,9 +14,10 @@ from lorakit.engine import dist
 from lorakit.engine.best import EARLY_STOPPING, BestPolicy, judge
 from lorakit.engine.checkpoint import LoopState
 from lorakit.engine.loss import micro_batch_loss
-from lorakit.engine.objective import SFT, Objective
 from lorakit.errors import LorakitError
 from lorakit.meter import TokenMeter, peak_memory
+from lorakit.objectives.base import Objective
+from lorakit.objectives.sft import SFT
 
 
 @dataclass(frozen=True)

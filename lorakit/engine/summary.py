@@ -16,6 +16,7 @@ from lorakit import rundir
 from lorakit.engine import dist
 from lorakit.meter import live_tensor_bytes, peak_memory
 from lorakit.model.fused_attention import kernels_since
+from lorakit.objectives import objective_type
 from lorakit.observe import trackers
 
 if TYPE_CHECKING:
@@ -206,8 +207,7 @@ def summarize(
     return RunSummary(
         method=recipe.method.kind,
         # A DPO run reads `lora (dpo beta=0.1)` beside its SFT twin in lorakit.compare.
-        method_options=recipe.method.options()
-        + ([recipe.dpo.label()] if recipe.train.objective == "dpo" else []),
+        method_options=recipe.method.options() + objective_type(recipe).method_options(recipe),
         model=recipe.model.name_or_path,
         model_source=job.built.source,
         attention=job.built.attention,

@@ -2,7 +2,9 @@
 (compute_metrics) and, when the targets are label words, the classification report.
 
 Training (lorakit.engine.job, after each epoch) and `python -m lorakit.evaluate` (a trained run on any split)
-both call run_eval, so a run evaluated again afterwards gets the numbers training recorded.
+both evaluate through the run's objective, whose default evaluation (SFT's) is run_eval, so a run evaluated
+again afterwards gets the numbers training recorded. An objective with its own evaluation (DPO's
+preference pairs: lorakit.objectives.dpo) returns the same EvalOutcome.
 """
 
 from __future__ import annotations
@@ -33,26 +35,14 @@ class EvalOutcome:
 def run_eval(
     engine, inputs, recipe: Recipe, data, tokenizer, collator, *, zero3: bool, generate: bool | None = None
 ) -> EvalOutcome:
-    """Evaluate `engine` (a DeepSpeed engine, or anything with `.module`, `.device` and a forward) on
-    `data.eval` (lorakit.data.PreparedData) with the recipe's eval settings; every rank must call it.
+    """Evaluate `engine` (a DeepSpeed engine, or anything with `.module`, `.device` and a forward) on the
+    examples of `data.eval` (lorakit.data.PreparedData) with the recipe's eval settings: the token loss and,
+    when generating, the recipe's metrics; every rank must call it.
     `generate`: whether to generate and score (default eval.generate; False takes the loss only)."""
     from lorakit.evaluation.classify import classification_report
     from lorakit.evaluation.scoring import compute_metrics
 
     ev = recipe.eval
-    if recipe.train.objective == "dpo":
-        # Preference pairs: the DPO loss, rewards, margin and accuracy (lorakit.engine.dpo), no generation.
-        # Pairs are always scored padded (pair_collator), whatever collator the caller made for SFT rows.
-        from lorakit.data.preference_batching import pair_collator
-        from lorakit.data.preference_reference import WithReference
-        from lorakit.engine.dpo import evaluate_preferences
-        from lorakit.engine.objective import make_objective
-
-        config = getattr(engine, "module", engine).config
-        batch_size = ev.micro_batch_size or recipe.train.micro_batch_size
-        pairs = WithReference(pair_collator(tokenizer, config))
-        objective = make_objective(recipe, config)
-        return EvalOutcome(evaluate_preferences(engine, inputs, objective, data.eval, pairs, batch_size))
     generate = ev.generate if generate is None else generate
     # A mixture's eval rows keep their source's name: metrics per source too ("news/loss", "chats/rouge1").
     names = data.eval[SOURCE] if SOURCE in data.eval.column_names else []

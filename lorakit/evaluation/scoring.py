@@ -13,6 +13,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from lorakit.recipe.eval_section import METRIC_KEYS
+
 if TYPE_CHECKING:
     import evaluate
 
@@ -21,15 +23,6 @@ _METRICS_DIR = Path(__file__).resolve().parent / "metrics"
 #: Metric name -> directory holding `<name>.py`, the evaluate module. Read-only.
 METRICS: Mapping[str, Path] = MappingProxyType(
     {name: _METRICS_DIR / name for name in ("rouge", "exact_match", "accuracy")}
-)
-
-# The flat keys each metric contributes to compute_metrics' result, in order.
-_RESULT_KEYS: Mapping[str, tuple[str, ...]] = MappingProxyType(
-    {
-        "rouge": ("rouge1", "rouge2", "rougeL", "rougeLsum"),
-        "exact_match": ("exact_match",),
-        "accuracy": ("accuracy",),
-    }
 )
 
 
@@ -58,11 +51,6 @@ def load_metric(name: str) -> evaluate.EvaluationModule:
     return evaluate.load(str(path), keep_in_memory=True)
 
 
-def metric_keys(name: str) -> tuple[str, ...]:
-    """The result keys metric `name` reports (rouge: rouge1, rouge2, rougeL, rougeLsum)."""
-    return _RESULT_KEYS[name]
-
-
 def compute_metrics(
     names: Sequence[str], predictions: Sequence[str], references: Sequence[str]
 ) -> dict[str, float]:
@@ -78,7 +66,7 @@ def compute_metrics(
     results: dict[str, float] = {}
     for name in dict.fromkeys(names):  # drop duplicates, keep order
         scores = load_metric(name).compute(predictions=list(predictions), references=list(references))
-        for key in _RESULT_KEYS[name]:
+        for key in METRIC_KEYS[name]:  # named on the recipe floor, for checkpoint.best_metric
             # Percent, like FLAN-T5 fine-tuning guides report ROUGE.
             results[key] = round(100.0 * float(scores[key]), 4)
     return results

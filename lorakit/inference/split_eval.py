@@ -1,8 +1,8 @@
 """lorakit.evaluate: a trained run's metrics on any split of its data, computed as training computes them.
 
-The run's recipe (with overrides) prepares the split through lorakit.data.prepare_data, so its rows are
-tokenized and capped exactly as training's eval rows were (the caps come from the training split), and
-lorakit.evaluation.runner.run_eval scores them, the function training's evaluation calls. The model runs in
+The run's recipe (with overrides) prepares the split through its objective (lorakit.objectives), so its rows
+are tokenized and capped exactly as training's eval rows were (the caps come from the training split), and
+the objective's evaluation scores them, the one training's evaluation calls. The model runs in
 this process without DeepSpeed, its parameters in the dtype DeepSpeed's engine held them in (see
 lorakit.inference.model.load_model), so the run's own eval split gives the numbers in its summary.json.
 """
@@ -86,11 +86,10 @@ def evaluate(
     Writes the report to `output` (default RUN/evaluate-SPLIT.json), its predictions beside it
     (...-predictions.jsonl) and, for classifier runs, its confusion matrix (...-confusion_matrix.png).
     Raises InferenceError / RecipeError / DataError for bad input, before any model is loaded."""
-    from lorakit.data import prepare_data
     from lorakit.data.collate import padded_collator
     from lorakit.data.sources import eval_source
-    from lorakit.evaluation.runner import run_eval
     from lorakit.model import load_config, load_tokenizer
+    from lorakit.objectives import make_objective, objective_type
 
     trained = find_trained(source)
     if trained.run_dir is None:
@@ -108,18 +107,15 @@ def evaluate(
     )
     base, config = load_config(recipe)
     tokenizer = load_tokenizer(recipe, base)
-    data = prepare_data(recipe, tokenizer, config)
-    if recipe.train.objective == "dpo" and not recipe.method.adapter():
-        from lorakit.engine.dpo_reference import reference_from_cache
-
-        data = reference_from_cache(recipe, base, data)
+    objective = objective_type(recipe)
+    data = objective.evaluation_data(recipe, base, objective.prepare_data(recipe, tokenizer, config))
     _say(data.describe())
     if data.eval is None or len(data.eval) == 0:
         raise InferenceError(f"split {split_name!r}: no rows to evaluate", doc=EVALUATE_DOC)
     _say(f"evaluate: {len(data.eval)} row(s) of {split_name!r} with the {trained.describe()}")
     model = load_model(trained, recipe=recipe, device=device, tokenizer=tokenizer)
     _say(f"model:    {model.dtype} on {model.device}")
-    outcome = run_eval(
+    outcome = make_objective(recipe, config).evaluate(
         model, model.inputs, recipe, data, tokenizer, padded_collator(tokenizer, config), zero3=False
     )
     report = {

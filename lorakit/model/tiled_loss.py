@@ -36,6 +36,7 @@ from lorakit.errors import RecipeError
 from lorakit.model.families import family_for_type, family_of, tiled_loss_types
 from lorakit.model.tiled_mlp import LONG_ROW_TOKENS
 from lorakit.model.tiling import Adopting, has_dropout, replayed, rng_state
+from lorakit.recipe.known_objectives import spec_of
 
 # fp32 logits per tile by default (2**25 x 4 bytes = 128 MiB), as lorakit.engine.loss's chunks: 261 tokens
 # of Llama-3's 128k vocabulary, 1024 of a 32k one.
@@ -154,7 +155,7 @@ def planned_loss_tile(recipe, row_tokens: int | None, vocab: int, model_type: st
     sequence parallelism or rows of LONG_ROW_TOKENS tokens or more, for the families whose logits are the
     head's output (Family.tiled_loss)."""
     m = recipe.model
-    if m.tiled_loss is False or recipe.train.objective != "sft":
+    if m.tiled_loss is False or spec_of(recipe).no_tiled_loss is not None:
         return None
     if m.tiled_loss == "auto":
         if not family_for_type(model_type).tiled_loss:

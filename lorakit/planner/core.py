@@ -13,12 +13,14 @@ from typing import Any
 from lorakit.model.sequence_parallel import check_sequence_parallel
 from lorakit.model.tiled_loss import planned_loss_tile
 from lorakit.model.tiled_mlp import planned_tile
+from lorakit.objectives import objective_type
 from lorakit.planner.activations import Activations, Kernels, Shape, activations
 from lorakit.planner.arch import Arch, arch_from_config, resolve_config
 from lorakit.planner.search import ROW_STEP, candidates, longest_row, overrides, recipe_setup, slowdown
 from lorakit.planner.shapes import micro_batch_shape, positive
 from lorakit.planner.states import Item, Setup, counts, model_states
 from lorakit.planner.units import HEADROOM, PlanError, parse_bytes
+from lorakit.recipe.objective_spec import SFT
 
 GiB = 2**30
 # Framework overhead, stated as assumptions (docs/planning.md): what a GPU process holds besides the tensors
@@ -144,8 +146,8 @@ class MemoryPlan:
     sequence_parallel: int = 1
     # distributed.timeout_minutes: how long a collective waits for a stalled or dead rank (docs/faults.md).
     timeout_minutes: float | None = None
-    # train.objective: dpo micro-batches hold two sequences per pair and add a no-grad reference forward.
-    objective: str = "sft"
+    # train.objective: what its objective adds is asked of it (DPO: two sequences a pair, a reference pass).
+    objective: str = SFT.name
 
     @property
     def fits(self) -> bool | None:
@@ -345,9 +347,9 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
         target = round(shape.target_len * scale) if shape.target_len else None
         this = replace(shape, rows=1, seq_len=setup.max_tokens, target_len=target)
     else:
-        # DPO: two sequences per pair (causal rows), or two decoder passes (encoder-decoders).
-        pairs = 2 if recipe.train.objective == "dpo" and not arch.is_encoder_decoder else 1
-        this = replace(shape, rows=pairs * setup.micro_batch_size)
+        # The objective's sequences per example (DPO: 2) as rows; encoder-decoders: decoder_passes instead.
+        sequences = 1 if arch.is_encoder_decoder else objective_type(recipe).sequences
+        this = replace(shape, rows=sequences * setup.micro_batch_size)
     if not arch.is_encoder_decoder:
         this = replace(
             this,
@@ -362,9 +364,9 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     # Three moments: the start of the backward (the output head's gradients), the backward through the
     # layers (gradients, buckets, a recomputed layer), the optimizer step (fp32 gradients).
     gpu = {when: total("gpu", when) for when in ("resident", "forward", "backward", "gradients", "step")}
-    # DPO adds a no-grad forward (the reference pass, or full fine-tuning's pass before training), before
-    # anything of the micro-batch is kept: never above the training moments, but counted.
-    no_grad = act.no_grad_forward if recipe.train.objective == "dpo" else 0
+    # An objective's no-grad forward (DPO's reference pass, or full fine-tuning's pass before training),
+    # before anything of the micro-batch is kept: never above the training moments, but counted.
+    no_grad = act.no_grad_forward if objective_type(recipe).no_grad_forward else 0
     train = gpu["resident"] + max(
         gpu["forward"] + act.at_loss,
         gpu["forward"] + gpu["backward"] + gpu["gradients"] + act.in_layers,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from lorakit.objectives import objective_named
 from lorakit.planner.units import HEADROOM, format_bytes
 
 if TYPE_CHECKING:
@@ -58,10 +59,9 @@ def describe_estimate(e: Estimate, plan: MemoryPlan) -> list[str]:
     lines.append(f"    {'activations (peak of one micro-batch)':<46} {format_bytes(a.peak):>12}")
     lines.append(f"      kept for the backward {format_bytes(a.kept)}; output head {format_bytes(a.head)}"
                  + (f"; one recomputed layer {format_bytes(a.recompute)}" if a.recompute else ""))  # fmt: skip
-    if plan.objective == "dpo":
-        lines.append(
-            f"      DPO: two sequences per pair; the no-grad reference forward {format_bytes(a.no_grad_forward)}"
-        )
+    extra = objective_named(plan.objective).describe_plan(format_bytes(a.no_grad_forward))
+    if extra:
+        lines.append(f"      {extra}")
     lines.append(
         f"    {'= allocated peak (torch max_memory_allocated)':<46} {format_bytes(e.gpu_allocated):>12}"
     )

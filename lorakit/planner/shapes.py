@@ -4,6 +4,7 @@ model's maximum)."""
 
 from __future__ import annotations
 
+from lorakit.objectives import objective_type
 from lorakit.planner.activations import Kernels, Shape
 from lorakit.planner.arch import Arch
 from lorakit.planner.units import PlanError
@@ -44,9 +45,10 @@ def micro_batch_shape(
     if attention == "flash_attention_2" and device == "cpu":
         raise PlanError("model.attention flash_attention_2 runs on GPUs only; plan with device='cuda'")
     kernels = Kernels(attention=attention, device=device, packed=packed)
-    if t.objective == "dpo":
-        shape, kernels, min_tokens = _dpo_shape(recipe, arch, seq_len, target_len, kernels, notes)
-        return shape, kernels, min_tokens
+    objective = objective_type(recipe)
+    if objective.sequences > 1:
+        notes += objective.plan_notes(recipe)
+        return _sequences_shape(recipe, arch, seq_len, target_len, kernels, notes, objective.sequences)
     if arch.is_encoder_decoder:
         src = _length(
             d.max_source_length, seq_len, arch.max_length, "data.max_source_length", "--seq-len", notes
@@ -80,18 +82,12 @@ def micro_batch_shape(
     return Shape(t.micro_batch_size, length, None), kernels, None
 
 
-def _dpo_shape(recipe, arch: Arch, seq_len, target_len, kernels: Kernels, notes: list):
-    """A DPO micro-batch: two sequences per pair (lorakit.data.preference_batching, preference_seq2seq).
-    Causal LMs: 2 x micro_batch_size rows (packed: a row of train.max_tokens, by default micro_batch_size x
-    2 x data.max_length); encoder-decoders: each prompt once, the decoder twice (chosen and rejected)."""
+def _sequences_shape(recipe, arch: Arch, seq_len, target_len, kernels: Kernels, notes: list, n: int):
+    """A micro-batch of an objective whose examples are `n` sequences each (DPO's pairs: lorakit.data.
+    preference_batching, preference_seq2seq). Causal LMs: n x micro_batch_size rows (packed: a row of
+    train.max_tokens, by default micro_batch_size x n x data.max_length); encoder-decoders: each prompt
+    once, the decoder n times (DPO: chosen and rejected)."""
     d, t = recipe.data, recipe.train
-    reference = (
-        "the initial model's log-probabilities of every pair, computed by a no-grad pass before training "
-        "and cached with the data (about 32 bytes of CPU RAM a pair per process: not counted here)"
-        if not recipe.method.adapter()
-        else "the reference pass: a no-grad forward with the adapter turned off before each policy forward"
-    )
-    notes.append(f"train.objective dpo: two sequences per pair in every micro-batch; {reference}")
     if arch.is_encoder_decoder:
         src = _length(
             d.max_source_length, seq_len, arch.max_length, "data.max_source_length", "--seq-len", notes
@@ -101,10 +97,10 @@ def _dpo_shape(recipe, arch: Arch, seq_len, target_len, kernels: Kernels, notes:
         if kernels.packed:
             rows_src = t.max_tokens or t.micro_batch_size * src
             rows_tgt = t.max_target_tokens or max(tgt, round(rows_src * tgt / src))
-            return Shape(1, rows_src, rows_tgt, example_len=src, decoder_passes=2), kernels, src
-        return Shape(t.micro_batch_size, src, tgt, decoder_passes=2), kernels, None
+            return Shape(1, rows_src, rows_tgt, example_len=src, decoder_passes=n), kernels, src
+        return Shape(t.micro_batch_size, src, tgt, decoder_passes=n), kernels, None
     length = _length(d.max_length, seq_len, arch.max_length, "data.max_length", "--seq-len", notes)
     if kernels.packed:
-        row = t.max_tokens or t.micro_batch_size * 2 * length
+        row = t.max_tokens or t.micro_batch_size * n * length
         return Shape(1, row, None, example_len=min(length, row)), kernels, min(length, row)
-    return Shape(2 * t.micro_batch_size, length, None), kernels, None
+    return Shape(n * t.micro_batch_size, length, None), kernels, None

@@ -1,15 +1,14 @@
-"""The recipe's dpo section (train.objective dpo: preference tuning) and its cross-section checks."""
+"""The recipe's dpo section (train.objective dpo: preference tuning), its cross-section checks and the dpo
+objective's spec (lorakit.recipe.objective_spec; the objective itself is lorakit.objectives.dpo)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
+from lorakit.recipe.objective_spec import ObjectiveSpec
 from lorakit.recipe.section import Section
-
-if TYPE_CHECKING:
-    from lorakit.recipe.schema import Recipe
 
 # The numbers a DPO step and evaluation report besides the loss (means over the pairs).
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "margin", "accuracy")
@@ -79,12 +78,8 @@ class DpoSection(Section):
         return self
 
 
-def check_objective(recipe: Recipe) -> None:
-    """ValueError for what train.objective dpo cannot be combined with (and for a dpo section without it)."""
-    if recipe.train.objective != "dpo":
-        if recipe.dpo != DpoSection():
-            raise ValueError("the dpo section is read only with train.objective: dpo; set it or remove dpo")
-        return
+def check_dpo(recipe) -> None:
+    """ValueError for what train.objective dpo cannot be combined with (`recipe`: the validated Recipe)."""
     method, data = recipe.method, recipe.data
     if method.lora() and method.init in ("pissa", "olora"):
         raise ValueError(
@@ -107,3 +102,14 @@ def check_objective(recipe: Recipe) -> None:
             "eval.generate: a DPO evaluation reports the preference loss, rewards, margin and accuracy of the "
             "eval pairs, not generations; set eval.generate: false"
         )
+
+
+DPO = ObjectiveSpec(
+    name="dpo",
+    section="dpo",
+    check=check_dpo,
+    eval_metrics=DPO_METRICS,
+    no_tiled_loss="needs each sequence's log-probabilities from the logits",
+    no_sequence_parallel="keeps each preference pair's sequences whole on one rank",
+    loss_label="dpo",
+)

@@ -3,14 +3,11 @@ what FSDP2 cannot do, naming the alternative."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from lorakit.recipe.section import Section
-
-if TYPE_CHECKING:
-    from lorakit.recipe.schema import Recipe
 
 # DeepSpeed-only keys of the distributed section and, for each, what to use with FSDP2 instead.
 _DEEPSPEED_ONLY = {
@@ -56,9 +53,9 @@ class FsdpSection(Section):
         return self
 
 
-def check_fsdp(recipe: Recipe) -> None:
+def check_fsdp(recipe) -> None:
     """ValueError for what distributed.strategy fsdp cannot be combined with (and for an fsdp section
-    without it)."""
+    without it); `recipe`: the validated Recipe."""
     d = recipe.distributed
     if d.strategy != "fsdp":
         if d.fsdp != FsdpSection():

@@ -132,11 +132,6 @@ def _report(lines: list[str]) -> str:
     return f"invalid recipe ({count}):\n" + "\n".join(lines)
 
 
-def format_validation_error(err: ValidationError) -> str:
-    """Every problem in one message, one line each, each naming the dotted field."""
-    return _report(_validation_lines(err))
-
-
 def _validate(raw: Any, problems: Sequence[str] = ()) -> Recipe:
     """A frozen Recipe, or one RecipeError listing `problems` and every schema error with its field."""
     if not isinstance(raw, dict):

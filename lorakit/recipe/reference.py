@@ -1,9 +1,9 @@
 """python -m lorakit.recipe.reference [--write PATH]: the recipe reference (docs/recipes.md), generated
 from the schema.
 
-Every key, type, default and description comes from the pydantic models of lorakit.recipe.schema (with method.py and data_section.py), and the
-cross-field rules are the messages their validators raise, so the page cannot drift from the code (a unit
-test compares docs/recipes.md with this generator's output).
+Every key, type, default and description comes from the pydantic models of lorakit.recipe.schema (one module
+per section), and the cross-field rules are the messages their validators raise, so the page cannot drift
+from the code (a unit test compares docs/recipes.md with this generator's output).
 """
 
 from __future__ import annotations

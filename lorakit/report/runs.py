@@ -10,7 +10,8 @@ from typing import Any
 
 from lorakit import rundir
 from lorakit.errors import LorakitError
-from lorakit.recipe.dpo_section import DPO_METRICS
+from lorakit.recipe.known_objectives import specs
+from lorakit.recipe.objective_spec import SFT, ObjectiveSpec
 
 
 class CompareError(LorakitError):
@@ -46,9 +47,11 @@ class RunRow:
     loss_first: float | None = None
     loss_last: float | None = None
     eval: dict[str, float] = field(default_factory=dict)
-    # "dpo" for a preference-tuning run (its records carry DPO's rewards): its eval loss is the DPO loss,
-    # shown as `dpo loss`, apart from an SFT run's cross-entropy.
-    objective: str = "sft"
+    # The run's train.objective, recognised from its records (objective_of). A loss that is not SFT's
+    # token cross-entropy (DPO's) carries its objective's loss_label: its eval loss is shown as
+    # `dpo loss`, apart from an SFT run's cross-entropy.
+    objective: str = SFT.name
+    loss_label: str | None = None
     train_records: list[dict[str, Any]] = field(default_factory=list)
     eval_records: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -172,20 +175,27 @@ def read_run(path: str | Path, label: str | None = None) -> RunRow:
             for k, v in last.items()
             if k not in ("kind", "step", "epoch") and _number(v, float) is not None
         }
-    if _preference_run(row):
-        row.objective = "dpo"
-        row.eval = {(DPO_LOSS if k == "loss" else k): v for k, v in row.eval.items()}
+    spec = objective_of(row)
+    row.objective, row.loss_label = spec.name, spec.loss_label
+    if spec.loss_label is not None:
+        row.eval = {(loss_name(spec) if k == "loss" else k): v for k, v in row.eval.items()}
     return row
 
 
-# The eval metric a DPO run's loss is shown as: not comparable with an SFT run's token cross-entropy.
-DPO_LOSS = "dpo loss"
+def loss_name(spec: ObjectiveSpec) -> str:
+    """The eval metric an objective's loss is shown as: `loss` (SFT's token cross-entropy), else `TAG loss`
+    (`dpo loss`), so losses of different objectives are never one column."""
+    return "loss" if spec.loss_label is None else f"{spec.loss_label} loss"
 
 
-def _preference_run(row: RunRow) -> bool:
-    """Whether the run trained train.objective dpo: its eval or train records carry DPO's rewards."""
-    key = DPO_METRICS[0]
-    return key in row.eval or any(key in r for r in row.train_records)
+def objective_of(row: RunRow) -> ObjectiveSpec:
+    """The objective a run trained, recognised by the metrics of its own that its eval or train records
+    carry (DPO's rewards); SFT when they carry none of any registered objective's."""
+    for spec in specs():
+        key = spec.eval_metrics[0] if spec.eval_metrics else None
+        if key is not None and (key in row.eval or any(key in r for r in row.train_records)):
+            return spec
+    return SFT
 
 
 def unique_labels(paths: list[Path]) -> list[str]:

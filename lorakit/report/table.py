@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from lorakit.report.runs import DPO_LOSS, RunRow
+from lorakit.recipe.known_objectives import specs
+from lorakit.report.runs import RunRow, loss_name
 
 NA = "n/a"
 # Eval metrics that are lower-is-better; every other (ROUGE, accuracy, exact match, DPO's margin) is
 # higher-is-better, but for DPO's rewards, which are neither (both may fall while the margin grows).
-LOWER_IS_BETTER = {"loss", DPO_LOSS}
+LOWER_IS_BETTER = {loss_name(spec) for spec in specs()}
 NO_DIRECTION = {"rewards/chosen", "rewards/rejected"}
 
 
@@ -102,8 +103,8 @@ def columns(rows: list[RunRow], price: float) -> tuple[list[str], list[list[str]
         loss = f"{fmt_float(r.loss_first)} -> {fmt_float(r.loss_last)}"
         if r.loss_first is None and r.loss_last is None:
             loss = NA
-        elif r.objective == "dpo":
-            loss += " (dpo)"
+        elif r.loss_label is not None:
+            loss += f" ({r.loss_label})"
         cells.append(
             [
                 r.label,

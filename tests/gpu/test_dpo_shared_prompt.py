@@ -16,9 +16,9 @@ import torch
 
 from lorakit.data.preference_batching import CausalPairCollator
 from lorakit.data.preference_shared import SharedPromptCollator
-from lorakit.engine.dpo import DpoObjective
 from lorakit.model import fused_attention as fa
 from lorakit.model.inputs import ModelInputs
+from lorakit.objectives.dpo import DpoObjective
 from tests.conftest import training_config_model
 from tests.unit.test_dpo_variants import _rows
 

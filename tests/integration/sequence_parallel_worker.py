@@ -91,9 +91,9 @@ def check(name: str, cache_dir: str, mesh) -> dict:
     from lorakit.data.collate import PackedCausalCollator
     from lorakit.data.sequence_split import split_row
     from lorakit.engine.loss import token_loss_sum
-    from lorakit.engine.objective import causal_loss_sum
     from lorakit.model import build_model
     from lorakit.model.tiled_loss import TiledLossHead
+    from lorakit.objectives.sft import causal_loss_sum
 
     whole = build_model(_recipe(kind, cache_dir, 1, method))
     split = build_model(_recipe(kind, cache_dir, 2, method), sp_group=mesh.sp_group)
@@ -184,8 +184,8 @@ def check_engine(name: str, zero_stage: int, cache_dir: str, mesh) -> dict:
     from lorakit.data.collate import PackedCausalCollator
     from lorakit.data.sequence_split import split_row
     from lorakit.engine.deepspeed_config import build_ds_config
-    from lorakit.engine.objective import causal_loss_sum
     from lorakit.model import build_model
+    from lorakit.objectives.sft import causal_loss_sum
     from lorakit.testing import tiny_config
 
     kind, _, method = name.partition("-")

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import lorakit
 import lorakit.engine.loop as loop
-import lorakit.engine.objective as objective
+import lorakit.objectives.sft as objective
 from lorakit import rundir
 from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.recipe import recipe_from_dict

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from lorakit.data.preference_batching import CausalPairCollator, PackedCausalPairCollator, Seq2SeqPairCollator
-from lorakit.engine.dpo import DpoObjective, metric_sums, preference_loss
 from lorakit.engine.loss import sequence_log_probs
+from lorakit.objectives.dpo import DpoObjective, metric_sums, preference_loss
 from tests.conftest import training_config_model
 
 BETA = 0.5

@@ -20,11 +20,11 @@ from lorakit.data.pipeline import PreparedData
 from lorakit.data.preference_batching import CausalPairCollator, PackedCausalPairCollator, Seq2SeqPairCollator
 from lorakit.data.preference_reference import BATCH_KEY, REFERENCE_COLUMNS, WithReference, add_reference
 from lorakit.data.tokenize import Lengths
-from lorakit.engine.dpo import DpoObjective
-from lorakit.engine.dpo_reference import attach_reference, compute_reference, reference_key
 from lorakit.errors import InferenceError
 from lorakit.model import build_model
-from lorakit.recipe.dpo_section import check_objective
+from lorakit.objectives.dpo import DpoObjective
+from lorakit.objectives.dpo_reference import attach_reference, compute_reference, reference_key
+from lorakit.recipe.known_objectives import check_objective
 from tests.conftest import tiny_recipe
 from tests.unit.test_dpo import BETA, TOL, _logp_alone, _pairs
 

@@ -12,7 +12,7 @@ import torch
 
 from lorakit.data.preference_batching import Seq2SeqPairCollator
 from lorakit.data.preference_seq2seq import PackedSeq2SeqPairCollator
-from lorakit.engine.dpo import DpoObjective
+from lorakit.objectives.dpo import DpoObjective
 from tests.conftest import training_config_model
 from tests.unit.test_dpo import BETA, _assert_same, _loss_and_grads, _pairs
 

@@ -1,5 +1,5 @@
 """Shared-prompt packing of DPO pairs (lorakit.data.preference_shared, lorakit.model.shared_prompt) and
-dpo.loss simpo (lorakit.engine.simpo), on one tiny Llama where they can share it.
+dpo.loss simpo (lorakit.objectives.simpo), on one tiny Llama where they can share it.
 
 A pair packed as [prompt][chosen][rejected] must give every response the log-probability it has after the
 prompt alone: the fixed batch's log-probs, DPO loss and LoRA gradients equal the padded (unpacked) batch's,
@@ -19,12 +19,12 @@ import torch.nn.functional as F
 
 from lorakit.data.preference_batching import CausalPairCollator, Seq2SeqPairCollator, preference_batching
 from lorakit.data.preference_shared import SharedPromptCollator, shared_lengths
-from lorakit.engine.dpo import DpoObjective, preference_loss, reference_model
-from lorakit.engine.simpo import response_tokens, simpo_loss
 from lorakit.errors import RecipeError
 from lorakit.model import fused_attention as fa
 from lorakit.model.inputs import ModelInputs
 from lorakit.model.shared_prompt import SharedPromptSpans, _mask_argument, sharing_problem, tree_mask
+from lorakit.objectives.dpo import DpoObjective, preference_loss, reference_model
+from lorakit.objectives.simpo import response_tokens, simpo_loss
 from tests.conftest import tiny_recipe, training_config_model
 from tests.unit.test_dpo import BETA, _assert_same, _logp_alone, _loss_and_grads, _pairs
 

@@ -87,7 +87,7 @@ if _spec and os.environ.get("RANK", "0") == "0":
         _loop.train_window = _faulty_train_window
     elif _action == "nan":
         # The SFT objective computes the loss the loop backpropagates.
-        import lorakit.engine.objective as _objective
+        import lorakit.objectives.sft as _objective
 
         _token_loss_sum = _objective.token_loss_sum
         _calls = {"n": 0}

@@ -1,6 +1,6 @@
 """The reference of full fine-tuning DPO: the initial model's log-probabilities, computed once and cached.
 
-With an adapter the reference is the policy with its adapter turned off (lorakit.engine.dpo). Full
+With an adapter the reference is the policy with its adapter turned off (lorakit.objectives.dpo). Full
 fine-tuning changes every weight, so before the first step the model as loaded (the same engine: no second
 copy) runs over every training and eval pair in eval mode under no_grad, and the summed log-probabilities
 of each pair's chosen and rejected response are kept. Every rank takes its share of the pairs with the same

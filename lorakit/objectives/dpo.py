@@ -7,7 +7,7 @@ difference h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected):
 
     sigmoid: -(1 - ls) log sigmoid(beta h) - ls log sigmoid(-beta h)      (ls: dpo.label_smoothing)
     ipo:     (h - 1 / (2 beta))^2
-    simpo:   reference-free, over mean token log-probabilities (lorakit.engine.simpo)
+    simpo:   reference-free, over mean token log-probabilities (lorakit.objectives.simpo)
 
 Rewards are beta x (policy - reference) per response; accuracy counts a pair whose chosen reward is the
 larger one (a tie, as at the start when the adapter's B is zero, counts half: 50% before training). Every
@@ -29,7 +29,8 @@ from lorakit.data.preference_shared import PAIR_SPANS
 from lorakit.engine import dist
 from lorakit.engine.loss import sequence_log_probs
 from lorakit.errors import InferenceError
-from lorakit.recipe.dpo_section import DPO_METRICS
+from lorakit.objectives.base import Objective
+from lorakit.recipe.dpo_section import DPO, DPO_METRICS
 
 
 def preference_loss(
@@ -57,6 +58,11 @@ def metric_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch
     wins = (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
     values = (chosen.sum(), rejected.sum(), (chosen - rejected).sum(), 100.0 * wins.sum())
     return dict(zip(DPO_METRICS, values, strict=True))
+
+
+def _sides(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) of values laid out chosen and rejected of each pair in turn."""
+    return values[0::2], values[1::2]
 
 
 def _module(engine):
@@ -106,10 +112,15 @@ def cached_reference(batch: dict[str, Any], device) -> torch.Tensor:
     return batch[BATCH_KEY].to(device)
 
 
-class DpoObjective:
-    """The DPO loss over a batch of pairs (lorakit.data.preference_batching's layout); divisor: pairs."""
+class DpoObjective(Objective):
+    """The DPO loss over a batch of pairs (lorakit.data.preference_batching's layout); divisor: pairs.
+    Its rows are preference pairs (lorakit.data.preference), a pair never leaves its micro-batch, and its
+    evaluation scores the eval pairs (evaluate_preferences), never generations."""
 
-    name = "dpo"
+    spec = DPO
+    sequences = 2  # chosen and rejected
+    # The reference pass (or, for full fine-tuning, the pass before training): counted by the planner.
+    no_grad_forward = True
 
     def __init__(
         self,
@@ -124,8 +135,93 @@ class DpoObjective:
         self.beta, self.kind, self.label_smoothing = beta, loss, label_smoothing
         self.encoder_decoder = encoder_decoder
         self.simpo_gamma = simpo_gamma
-        # Full fine-tuning: the reference log-probs ride in the batch (lorakit.engine.dpo_reference).
+        # Full fine-tuning: the reference log-probs ride in the batch (lorakit.objectives.dpo_reference).
         self.cached_reference = cached_reference
+
+    @classmethod
+    def from_recipe(cls, recipe, config) -> DpoObjective:
+        d = recipe.dpo
+        return cls(
+            d.beta,
+            d.loss,
+            d.label_smoothing,
+            encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
+            simpo_gamma=d.simpo_gamma,
+            cached_reference=not recipe.method.adapter(),
+        )
+
+    @classmethod
+    def prepare_data(cls, recipe, tokenizer, config):
+        from lorakit.data.preference import prepare_preference
+
+        return prepare_preference(recipe, tokenizer, config)
+
+    @classmethod
+    def make_batching(cls, recipe, data, tokenizer, config, *, packing: bool, world: int = 1, rank: int = 0):
+        """Pairs kept whole in their micro-batch, with their reference log-probabilities when they have
+        them (full fine-tuning): packed encoder-decoder pairs hold each prompt once in the encoder row and
+        their responses in two decoder rows; the rest as lorakit.data.preference_batching lays them out."""
+        from lorakit.data.batching import seq2seq_packing
+        from lorakit.data.preference_batching import pair_collator, preference_batching
+        from lorakit.data.preference_reference import with_reference
+        from lorakit.data.preference_seq2seq import PackedSeq2SeqPairCollator, pair_lengths
+
+        if packing and getattr(config, "is_encoder_decoder", False):
+            padded = pair_collator(tokenizer, config)
+            lengths = pair_lengths(data)
+            b = seq2seq_packing(recipe, data, config, padded, world, rank, lengths, PackedSeq2SeqPairCollator)
+        else:
+            b = preference_batching(recipe, data, tokenizer, config, packing=packing, world=world, rank=rank)
+        return with_reference(b)
+
+    def prepare_training(self, recipe, engine, inputs, source: str, data, collator):
+        """Full fine-tuning: `data` with the initial model's log-probabilities of every pair, before any
+        step or checkpoint load (lorakit.objectives.dpo_reference); with an adapter, `data` itself."""
+        if not self.cached_reference:
+            return data
+        from lorakit.objectives.dpo_reference import attach_reference
+
+        return attach_reference(recipe, engine, inputs, self, source, data, collator)
+
+    @classmethod
+    def evaluation_data(cls, recipe, source: str, data):
+        """Full fine-tuning: `data` with the reference log-probabilities training cached for it."""
+        if recipe.method.adapter():
+            return data
+        from lorakit.objectives.dpo_reference import reference_from_cache
+
+        return reference_from_cache(recipe, source, data)
+
+    def evaluate(self, engine, inputs, recipe, data, tokenizer, collator, *, zero3: bool, generate=None):
+        """The DPO loss, rewards, margin and accuracy of the eval pairs, no generation. Pairs are always
+        scored padded (pair_collator), whatever collator the caller made for training rows."""
+        from lorakit.data.preference_batching import pair_collator
+        from lorakit.data.preference_reference import WithReference
+        from lorakit.evaluation.runner import EvalOutcome
+
+        config = _module(engine).config
+        batch_size = recipe.eval.micro_batch_size or recipe.train.micro_batch_size
+        pairs = WithReference(pair_collator(tokenizer, config))
+        return EvalOutcome(evaluate_preferences(engine, inputs, self, data.eval, pairs, batch_size))
+
+    @classmethod
+    def method_options(cls, recipe) -> list[str]:
+        """`dpo beta=0.1`: a DPO run reads `lora (dpo beta=0.1)` beside its SFT twin in lorakit.compare."""
+        return [recipe.dpo.label()]
+
+    @classmethod
+    def plan_notes(cls, recipe) -> list[str]:
+        reference = (
+            "the initial model's log-probabilities of every pair, computed by a no-grad pass before training "
+            "and cached with the data (about 32 bytes of CPU RAM a pair per process: not counted here)"
+            if not recipe.method.adapter()
+            else "the reference pass: a no-grad forward with the adapter turned off before each policy forward"
+        )
+        return [f"train.objective dpo: two sequences per pair in every micro-batch; {reference}"]
+
+    @classmethod
+    def describe_plan(cls, no_grad_forward: str) -> str | None:
+        return f"DPO: two sequences per pair; the no-grad reference forward {no_grad_forward}"
 
     def units(self, batch: dict[str, Any]) -> int:
         return batch["num_pairs"]
@@ -141,7 +237,7 @@ class DpoObjective:
 
     def _seq2seq_log_probs(self, engine, inputs, batch: dict[str, Any], device) -> torch.Tensor:
         if "source_segments" in batch:  # packed pairs
-            from lorakit.engine.dpo_seq2seq import packed_seq2seq_log_probs
+            from lorakit.objectives.dpo_seq2seq import packed_seq2seq_log_probs
 
             return packed_seq2seq_log_probs(engine, inputs, batch, device)
         kwargs = inputs({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, device)
@@ -172,26 +268,22 @@ class DpoObjective:
                 ref = self.log_probs(engine, inputs, batch, device)
         policy = self.log_probs(engine, inputs, batch, device)
         return preference_loss(
-            policy[0::2],
-            policy[1::2],
-            ref[0::2],
-            ref[1::2],
+            *_sides(policy),
+            *_sides(ref),
             beta=self.beta,
             loss=self.kind,
             label_smoothing=self.label_smoothing,
         )
 
     def _simpo_terms(self, engine, inputs, batch: dict[str, Any], device):
-        """SimPO's terms (lorakit.engine.simpo): reference-free, so the adapter is never turned off."""
-        from lorakit.engine.simpo import response_tokens, simpo_loss
+        """SimPO's terms (lorakit.objectives.simpo): reference-free, so the adapter is never turned off."""
+        from lorakit.objectives.simpo import response_tokens, simpo_loss
 
         policy = self.log_probs(engine, inputs, batch, device)
         tokens = response_tokens(batch, self.encoder_decoder).to(policy.device)
         return simpo_loss(
-            policy[0::2],
-            policy[1::2],
-            tokens[0::2],
-            tokens[1::2],
+            *_sides(policy),
+            *_sides(tokens),
             beta=self.beta,
             gamma=self.simpo_gamma,
             label_smoothing=self.label_smoothing,

@@ -1,0 +1,123 @@
+"""The Objective type: everything the rest of lorakit asks of a training objective (train.objective).
+
+The loop (lorakit.engine.loop.train_window) asks an objective for `units(batch)`, the count its loss is a
+sum over (target tokens for SFT, preference pairs for DPO), and for `loss(engine, inputs, batch, device)`:
+the summed loss of the micro-batch and metric sums over the same units (detached tensors). The window's
+units are summed over ranks before the first backward, so every objective's gradient is that of one batch
+holding the whole window, as for token-weighted SFT.
+
+Around the loop, the objective says how its rows are prepared and batched (prepare_data, make_batching),
+what training needs before the first step (prepare_training: full fine-tuning DPO's reference
+log-probabilities), how a run is evaluated (evaluation_data, evaluate), how summary.json names it
+(method_options) and what the memory planner adds (sequences, no_grad_forward, plan_notes,
+describe_plan). Its `spec` (lorakit.recipe.objective_spec) is what the recipe knows: its name, section,
+refusals and metrics.
+
+The defaults are SFT's rows, batching and evaluation: an objective computing another loss over the same
+rows overrides `units` and `loss` only. Adding one is a module with its subclass and `register(Cls)`
+(lorakit.objectives.registry).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from lorakit.recipe.objective_spec import ObjectiveSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from lorakit.data.batching import Batching
+    from lorakit.data.pipeline import PreparedData
+    from lorakit.evaluation.runner import EvalOutcome
+
+
+class Objective(ABC):
+    """A training objective: its loss and divisor, its rows, its reference pass, evaluation and metrics."""
+
+    spec: ClassVar[ObjectiveSpec]
+    # The planner (lorakit.planner): sequences each example puts in a micro-batch (a preference pair: 2;
+    # encoder-decoders run its prompt once and the decoder that many times), and whether every
+    # micro-batch also runs a no-grad forward of its own size (a reference pass).
+    sequences: ClassVar[int] = 1
+    no_grad_forward: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        """The train.objective this objective is registered under."""
+        return self.spec.name
+
+    @classmethod
+    def from_recipe(cls, recipe, config) -> Objective:
+        """The objective for `recipe` on a model of `config` (encoder-decoder or causal)."""
+        return cls()
+
+    # Training ------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def units(self, batch: dict[str, Any]) -> int:
+        """The count the micro-batch's summed loss is a sum over (its share of the window's divisor)."""
+
+    @abstractmethod
+    def loss(
+        self, engine, inputs, batch: dict[str, Any], device
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(summed loss with grad, {metric: detached sum over the same units})."""
+
+    def prepare_training(self, recipe, engine, inputs, source: str, data, collator):
+        """`data` (PreparedData) as training needs it, before any step or checkpoint load; every rank
+        calls it. Default: `data` itself."""
+        return data
+
+    # Rows ----------------------------------------------------------------------------------------------
+
+    @classmethod
+    def prepare_data(cls, recipe, tokenizer, config) -> PreparedData:
+        """Load, tokenize and cache the recipe's rows for this objective (default: SFT's examples)."""
+        from lorakit.data.pipeline import prepare_data
+
+        return prepare_data(recipe, tokenizer, config)
+
+    @classmethod
+    def make_batching(
+        cls, recipe, data, tokenizer, config, *, packing: bool, world: int = 1, rank: int = 0
+    ) -> Batching:
+        """Sampler and collators for this objective's rows (default: SFT's, lorakit.data.batching)."""
+        from lorakit.data.batching import make_batching
+
+        return make_batching(recipe, data, tokenizer, config, packing=packing, world=world, rank=rank)
+
+    # Evaluation ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def evaluation_data(cls, recipe, source: str, data):
+        """`data` as `python -m lorakit.evaluate` scores a trained run on it (default: `data` itself)."""
+        return data
+
+    def evaluate(
+        self, engine, inputs, recipe, data, tokenizer, collator, *, zero3: bool, generate: bool | None = None
+    ) -> EvalOutcome:
+        """One evaluation of `data.eval`; every rank calls it (default: SFT's loss and generation metrics,
+        lorakit.evaluation.runner.run_eval, with the same arguments)."""
+        from lorakit.evaluation.runner import run_eval
+
+        return run_eval(engine, inputs, recipe, data, tokenizer, collator, zero3=zero3, generate=generate)
+
+    # Run summary and memory plan -----------------------------------------------------------------------
+
+    @classmethod
+    def method_options(cls, recipe) -> list[str]:
+        """What summary.json's method_options add for this objective (lorakit.compare shows them)."""
+        return []
+
+    @classmethod
+    def plan_notes(cls, recipe) -> list[str]:
+        """The planner's notes on what this objective adds to a micro-batch."""
+        return []
+
+    @classmethod
+    def describe_plan(cls, no_grad_forward: str) -> str | None:
+        """The plan report's line on this objective's activations (`no_grad_forward`: its size, formatted);
+        None: nothing to add."""
+        return None
