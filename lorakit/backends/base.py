@@ -98,6 +98,24 @@ class Engine(Protocol):
         ...
 
 
+class Forwarding:
+    """An engine's forward and train/eval mode, passed on to what it wraps (`self.inner`: DeepSpeed's engine,
+    or the sharded module)."""
+
+    inner: Any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+    def train(self) -> None:
+        """Training mode (dropout on)."""
+        self.inner.train()
+
+    def eval(self) -> None:
+        """Evaluation mode (dropout off)."""
+        self.inner.eval()
+
+
 @runtime_checkable
 class Backend(Protocol):
     """A sharding backend (distributed.strategy), built from the recipe."""

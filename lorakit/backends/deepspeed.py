@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lorakit import rundir
-from lorakit.backends.base import StepResult, gather_trainable
+from lorakit.backends.base import Forwarding, StepResult, gather_trainable
 from lorakit.engine import dist
 
 
@@ -42,7 +42,7 @@ def _full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
     return tuple(getattr(p, "ds_shape", p.shape))
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(Forwarding):
     """A DeepSpeed engine behind lorakit's Engine verbs.
 
     `built`: the BuiltModel the engine was made from; its HfDeepSpeedConfig (ZeRO-3 loading) must live as
@@ -50,20 +50,11 @@ class DeepSpeedEngine:
 
     def __init__(self, engine, built=None):
         self.engine, self.built = engine, built
+        # Forward, train() and eval() go through DeepSpeed's engine (it casts inputs, times steps).
+        self.inner = engine
         self.module = engine.module
         self.device = engine.device
         self.sharded = engine.zero_optimization_stage() == 3
-
-    def __call__(self, *args, **kwargs):
-        return self.engine(*args, **kwargs)
-
-    def train(self) -> None:
-        """Training mode (dropout on)."""
-        self.engine.train()
-
-    def eval(self) -> None:
-        """Evaluation mode (dropout off)."""
-        self.engine.eval()
 
     def backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
         """DeepSpeed's backward of the loop's already weighted loss (no division by its own accumulation

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from lorakit.backends.base import StepResult, gather_trainable
+from lorakit.backends.base import Forwarding, StepResult, gather_trainable
 from lorakit.backends.fsdp_shard import DTYPES, check_built, device_mesh, full_tensor, mesh_shape, shard_model
 from lorakit.engine import dist
 
 
-class FsdpEngine:
+class FsdpEngine(Forwarding):
     """A model sharded by FSDP2 with its AdamW optimizer and LR schedule, behind lorakit's Engine verbs."""
 
     # Every rank holds a shard of each parameter: forwards (and generate) are collective.
@@ -33,21 +33,11 @@ class FsdpEngine:
 
     def __init__(self, module, optimizer, scheduler, device, max_grad_norm: float, save_dtype=None):
         self.module, self.optimizer, self.lr_scheduler = module, optimizer, scheduler
+        self.inner = module
         # The dtype full_model_state writes floating-point weights in (model.dtype; None: as held).
         self.save_dtype = save_dtype
         self.device = device
         self.max_grad_norm = max_grad_norm
-
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def train(self) -> None:
-        """Training mode (dropout on)."""
-        self.module.train()
-
-    def eval(self) -> None:
-        """Evaluation mode (dropout off)."""
-        self.module.eval()
 
     def backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
         """Backpropagate `loss` as given (the loop already weighted it); FSDP2 reduce-scatters the
