@@ -12,9 +12,9 @@ import warnings
 from pathlib import Path
 
 from lorakit import preflight, rundir, runlock
+from lorakit.backends.deepspeed_config import check_zero_plus_plus
 from lorakit.data import PreparedData
 from lorakit.engine import dist
-from lorakit.engine.deepspeed_config import check_zero_plus_plus
 from lorakit.engine.launch import (
     launch_env,
     launched_distributed,
@@ -128,6 +128,7 @@ def _guard_run_dir(recipe: Recipe) -> runlock.RunLock:
 
 def _train_in_group(recipe: Recipe, *, lock_on_rank0: bool) -> TrainResult:
     from lorakit.engine.job import run_job
+    from lorakit.planner.run_plan import plan_of_run
 
     run_dir = Path(recipe.output.dir).expanduser().resolve()
     lock = None
@@ -140,7 +141,7 @@ def _train_in_group(recipe: Recipe, *, lock_on_rank0: bool) -> TrainResult:
             warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
             if lock_on_rank0:
                 lock = _lock_on_rank0(recipe)
-            result = _recording_exit(run_dir, run_job, recipe)
+            result = _recording_exit(run_dir, run_job, recipe, plan_of_run)
             main = dist.is_main()
         if recipe.output.merge and main:
             result = _recording_exit(run_dir, merge_after_training, recipe, result)
@@ -214,7 +215,7 @@ def _launch_workers(recipe: Recipe, lock: runlock.RunLock) -> TrainResult:
     # imports it (seconds, before torchrun starts the workers that import it anyway).
     accelerator = None
     if d.quantized_weights or d.quantized_gradients:
-        from lorakit.engine.job import accelerator_name
+        from lorakit.backends.deepspeed import accelerator_name
 
         accelerator = accelerator_name()
     check_zero_plus_plus(recipe, n, n, accelerator)

@@ -1,13 +1,13 @@
 """Resumable checkpoints: written atomically, found again on relaunch, pruned to the newest few.
 
 A checkpoint is a directory `run_dir/checkpoints/step-00000120/` holding
-- `engine/`: DeepSpeed's own checkpoint of the engine (trainable weights, optimizer and LR-scheduler state,
-  partitioned per rank under ZeRO; frozen base weights are left out for adapters, since the base is
-  reloaded from the model source on resume),
+- `engine/`: the backend's own checkpoint of the engine (Engine.save_checkpoint: trainable weights,
+  optimizer and LR-scheduler state, each rank's shards where they are sharded; frozen base weights are left
+  out for adapters, since the base is reloaded from the model source on resume),
 - `rng/rank-N.json` + `rng/rank-N.safetensors`: each rank's Python, NumPy and torch RNG states and its own
-  counters, so dropout draws the same masks after a resume,
+  counters, so dropout draws the same masks after a resume (engine/rng.py),
 - `state.json`: the loop's position (epoch, micro-batches done in it, step), the counters summary.json is
-  built from, and what the run must share with the checkpoint (recipe fingerprint, world size). Written
+  built from, and what the run must share with the checkpoint (engine/compatibility.py). Written
   last: a checkpoint is complete when its directory has its final name, and that happens only after every
   rank finished writing into a temporary directory (`.tmp-step-...`) that is then renamed in one step, so a
   crash while saving leaves the previous checkpoint as it was.
@@ -15,47 +15,25 @@ A checkpoint is a directory `run_dir/checkpoints/step-00000120/` holding
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
-import random
 import re
 import shutil
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from lorakit import rundir, storage
+from lorakit.backends import Engine
 from lorakit.engine import dist
+from lorakit.engine.compatibility import DOC, FORMAT_VERSION, check_compatible, recipe_fingerprint
+from lorakit.engine.rng import read_rank_rng, write_rank_rng
 from lorakit.errors import RecipeError
 
 ENGINE = "engine"
 STATE = "state.json"
 _NAME = re.compile(r"^step-(\d{8})$")
 _TMP_PREFIX = ".tmp-"
-DOC = "docs/resume.md#resuming-trainresume"
-FORMAT_VERSION = 1
-
-# Recipe keys that do not change the training trajectory: a relaunch may change them and still resume.
-_FREE_KEYS = {
-    ("train", "resume"),
-    ("train", "log_every"),
-    ("train", "on_nonfinite"),
-    ("train", "max_skipped_steps"),
-    ("train", "early_stopping_patience"),
-    ("checkpoint",),
-    ("eval",),
-    ("output",),
-    ("distributed", "backend"),
-    ("distributed", "timeout_minutes"),
-    ("data", "num_proc"),
-    ("data", "cache_dir"),
-}
 
 
 @dataclass
@@ -102,30 +80,6 @@ class Checkpoint:
 def checkpoints_dir(run_dir: Path) -> Path:
     """Where a run keeps its checkpoints."""
     return run_dir / rundir.CHECKPOINTS
-
-
-def recipe_fingerprint(recipe) -> str:
-    """A digest of every recipe value that shapes the training trajectory (data, model, method, optimiser,
-    batching, parallelism), so a checkpoint is never resumed into a different run. Values left at their
-    defaults are not part of it, so a lorakit release that adds a recipe key can still resume older runs."""
-    raw = recipe.model_dump(mode="json", exclude_defaults=True)
-    for path in _FREE_KEYS:
-        node = raw
-        for key in path[:-1]:
-            node = node.get(key, {})
-        node.pop(path[-1], None)
-    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for key in sorted(set(a) | set(b)):
-        va, vb = a.get(key), b.get(key)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += _differences(va, vb, f"{prefix}{key}.")
-        elif va != vb:
-            out.append(f"{prefix}{key}: {va!r} then, {vb!r} now")
-    return out
 
 
 def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
@@ -187,89 +141,8 @@ def _choose(recipe, run_dir: Path, world: int) -> Checkpoint | None:
     return ckpt
 
 
-def check_compatible(ckpt: Checkpoint, recipe, world: int) -> None:
-    """Refuse a checkpoint written by a different recipe or world size, naming what differs."""
-    state = ckpt.state
-    if state.get("format") != FORMAT_VERSION:
-        raise RecipeError(
-            f"{ckpt.path}: checkpoint format {state.get('format')} is not {FORMAT_VERSION}",
-            doc="docs/resume.md#format-and-trust",
-        )
-    if state["world_size"] != world:
-        raise RecipeError(
-            f"{ckpt.path} was written by {state['world_size']} processes and this run has {world}: ZeRO "
-            "partitions its optimizer state per process, so resume with the same number of processes (or "
-            "set train.resume: never to start over)",
-            doc=DOC,
-        )
-    if state["fingerprint"] != recipe_fingerprint(recipe):
-        then = state.get("recipe", {})
-        now = recipe.model_dump(mode="json")
-        # Keys a newer lorakit added are absent from `then`; at their defaults they changed nothing.
-        then = _with_defaults(then, recipe.model_dump(mode="json", exclude_defaults=True), now)
-        diff = [d for d in _differences(then, now) if not _free(d)]
-        raise RecipeError(
-            f"{ckpt.path} was written by a different recipe ({'; '.join(diff[:5]) or 'fingerprint differs'}): "
-            "resuming would not continue the same run. Restore those values, set train.resume: never to "
-            "start over in this output.dir, or use another output.dir",
-            doc=DOC,
-        )
-
-
-def _with_defaults(then: dict, set_now: dict, now: dict) -> dict:
-    out = dict(then)
-    for key, value in now.items():
-        if isinstance(value, dict):
-            out[key] = _with_defaults(then.get(key, {}) or {}, set_now.get(key, {}), value)
-        elif key not in then and key not in set_now:
-            out[key] = value
-    return out
-
-
-def _free(difference: str) -> bool:
-    key = tuple(difference.split(":", 1)[0].split("."))
-    return any(key[: len(p)] == p for p in _FREE_KEYS)
-
-
-def _rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    meta = {
-        "python": [version, list(internal), gauss],
-        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-    }
-    tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"cuda{i}"] = s
-    return meta, tensors
-
-
-def _set_rng_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    version, internal, gauss = meta["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = meta["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(tensors["torch"])
-    if torch.cuda.is_available() and meta["cuda_devices"]:
-        torch.cuda.set_rng_state_all([tensors[f"cuda{i}"] for i in range(meta["cuda_devices"])])
-
-
-@contextlib.contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Run the block without touching this process's Python, NumPy and torch RNG streams: what it draws
-    (an evaluation's generation, say) is undone, so training's dropout masks stay those of a run without
-    it."""
-    meta, tensors = _rng_state()
-    try:
-        yield
-    finally:
-        _set_rng_state(meta, tensors)
-
-
 def save_checkpoint(
-    engine,
+    engine: Engine,
     recipe,
     run_dir: Path,
     loop: LoopState,
@@ -314,23 +187,12 @@ def _fresh_directory(tmp: Path) -> None:
     tmp.mkdir(parents=True)
 
 
-def _write_rank_part(engine, tmp: Path, rank_counters, adapter: bool, what: str, final: Path) -> None:
+def _write_rank_part(engine: Engine, tmp: Path, rank_counters, adapter: bool, what: str, final: Path) -> None:
     """This rank's share of a checkpoint: its engine partition, RNG states and counters."""
     with storage.writing(what, final):
         # Frozen base weights are not state: resume reloads them from model.name_or_path.
-        engine.save_checkpoint(str(tmp), tag=ENGINE, save_latest=False, exclude_frozen_parameters=adapter)
+        engine.save_checkpoint(tmp, ENGINE, trainable_only=adapter)
         write_rank_rng(tmp / "rng", rank_counters)
-
-
-def write_rank_rng(rng_dir: Path, rank_counters: dict[str, Any]) -> None:
-    """This rank's Python, NumPy and torch RNG states and its counters, under `rng_dir`."""
-    from safetensors.torch import save_file
-
-    meta, tensors = _rng_state()
-    rng_dir.mkdir(exist_ok=True)
-    r = dist.rank()
-    save_file(tensors, str(rng_dir / f"rank-{r}.safetensors"))
-    rundir.write_json(rng_dir / f"rank-{r}.json", {"rng": meta, "counters": rank_counters})
 
 
 def _publish(recipe, run_dir: Path, loop: LoopState, reason: str, final: Path, tmp: Path, what: str) -> None:
@@ -369,25 +231,13 @@ def remove_partial_saves(run_dir: Path) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def load_checkpoint(engine, ckpt: Checkpoint, *, adapter: bool) -> tuple[LoopState, dict[str, Any]]:
+def load_checkpoint(engine: Engine, ckpt: Checkpoint, *, adapter: bool) -> tuple[LoopState, dict[str, Any]]:
     """Restore the engine, this rank's RNG states and counters from `ckpt` (collective); return the loop
     state and this rank's counters."""
-    from safetensors.torch import load_file
-
-    path, _ = engine.load_checkpoint(
-        str(ckpt.path),
-        tag=ENGINE,
-        # The frozen base is not in an adapter checkpoint; it came from the model source already.
-        load_module_strict=not adapter,
-        load_optimizer_states=True,
-        load_lr_scheduler_states=True,
-    )
-    if path is None:
-        raise RuntimeError(f"DeepSpeed could not load the engine state from {ckpt.path / ENGINE}")
-    r = dist.rank()
-    saved = json.loads((ckpt.path / "rng" / f"rank-{r}.json").read_text())
-    _set_rng_state(saved["rng"], load_file(str(ckpt.path / "rng" / f"rank-{r}.safetensors")))
-    return LoopState(**ckpt.state["loop"]), saved["counters"]
+    # The frozen base is not in an adapter checkpoint; it came from the model source already.
+    engine.load_checkpoint(ckpt.path, ENGINE, trainable_only=adapter)
+    counters = read_rank_rng(ckpt.path / "rng")
+    return LoopState(**ckpt.state["loop"]), counters
 
 
 def _fsync_tree(path: Path) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -75,11 +77,46 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
-# What the process is doing now, for error messages: [phase, step or a callable giving it].
-_PHASE: list[Any] = ["start-up", None]
+@dataclass
+class Coordination:
+    """What one job's phases and agreements keep: what the process is doing now, for error messages (the
+    phase's name and its step, an int or a callable giving it), and the recorders to call with a failure of
+    on_main / on_every_rank work as it happens (api records it in exit.json)."""
+
+    phase: str = "start-up"
+    step: int | Callable[[], int] | None = None
+    recorders: list[Callable[[BaseException], None]] = field(default_factory=list)
+
+
+# The Coordination of the job running in this context: set by the outermost `coordination()` block (a job,
+# lorakit.api's failure recording) and reset when it ends, so a second job in the process starts blank.
+_CURRENT: ContextVar[Coordination | None] = ContextVar("lorakit_coordination", default=None)
 # Set once a collective failed for want of a peer: such a group cannot be torn down cleanly (gloo's
-# destructor aborts the process), so the CLI ends the process at once with its exit code.
+# destructor aborts the process), so the CLI ends the process at once with its exit code. It describes the
+# process group, which is the process's own (torch.distributed's default group), not one job's.
 _BROKEN: list[bool] = [False]
+
+
+@contextlib.contextmanager
+def coordination() -> Iterator[Coordination]:
+    """The running job's Coordination for the block: the enclosing block's, or a new one this block owns
+    (and drops when it ends)."""
+    current = _CURRENT.get()
+    if current is not None:
+        yield current
+        return
+    token = _CURRENT.set(Coordination())
+    try:
+        yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)
+
+
+def _now() -> Coordination:
+    # Outside any job: a blank one (start-up, nobody recording).
+    return _CURRENT.get() or Coordination()
+
+
 # Text in a collective's error that says a peer vanished or the collective timed out (gloo raises plain
 # RuntimeErrors; NCCL and the store raise DistError subclasses).
 _COLLECTIVE_TEXT = ("connection closed by peer", "connection reset by peer", "timed out", "broken pipe")
@@ -87,7 +124,8 @@ _COLLECTIVE_TEXT = ("connection closed by peer", "connection reset by peer", "ti
 
 def where() -> str:
     """The current phase (and step, when it has one), e.g. `checkpoint save at step 4`."""
-    name, step = _PHASE
+    now = _now()
+    name, step = now.phase, now.step
     step = step() if callable(step) else step
     return f"{name} at step {step}" if step is not None else name
 
@@ -99,31 +137,32 @@ def phase(name: str, step: int | Callable[[], int] | None = None) -> Iterator[No
     An error raised in the block remembers the phase (for the root-cause line); a collective that failed
     because a peer died or stalled past distributed.timeout_minutes becomes a CollectiveTimeoutError that
     names the phase and step, instead of a backend traceback."""
-    previous = list(_PHASE)
-    _PHASE[:] = [name, step]
-    try:
-        yield
-    except CollectiveTimeoutError:
-        raise
-    except Exception as e:
-        if not hasattr(e, "lorakit_where"):
-            e.lorakit_where = where()
-        if collective_failure(e):
-            _BROKEN[0] = True
-            stopped = CollectiveTimeoutError(
-                f"rank {rank()} stopped during {e.lorakit_where}: a collective did not complete "
-                f"({_first_line(e)}); another rank failed (its error comes first) or stalled longer than "
-                "distributed.timeout_minutes"
-            )
-            stopped.lorakit_where = e.lorakit_where
-            # On record at once, with where this rank was stuck: under torchrun the agent, which saw the
-            # peer die, ends this process soon, and a peer that died without a word (SIGKILL) has only this
-            # record to say where the run was (launch.root_cause_line).
-            _record(stopped)
-            raise stopped from e
-        raise
-    finally:
-        _PHASE[:] = previous
+    with coordination() as now:
+        previous = (now.phase, now.step)
+        now.phase, now.step = name, step
+        try:
+            yield
+        except CollectiveTimeoutError:
+            raise
+        except Exception as e:
+            if not hasattr(e, "lorakit_where"):
+                e.lorakit_where = where()
+            if collective_failure(e):
+                _BROKEN[0] = True
+                stopped = CollectiveTimeoutError(
+                    f"rank {rank()} stopped during {e.lorakit_where}: a collective did not complete "
+                    f"({_first_line(e)}); another rank failed (its error comes first) or stalled longer "
+                    "than distributed.timeout_minutes"
+                )
+                stopped.lorakit_where = e.lorakit_where
+                # On record at once, with where this rank was stuck: under torchrun the agent, which saw
+                # the peer die, ends this process soon, and a peer that died without a word (SIGKILL) has
+                # only this record to say where the run was (launch.root_cause_line).
+                _record(stopped)
+                raise stopped from e
+            raise
+        finally:
+            now.phase, now.step = previous
 
 
 def initialized() -> bool:
@@ -159,24 +198,21 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
-# Called with a failure of on_main / on_every_rank work as it happens (api records it in exit.json).
-_RECORDERS: list[Callable[[BaseException], None]] = []
-
-
 @contextlib.contextmanager
 def recording_failures(record: Callable[[BaseException], None]) -> Iterator[None]:
     """Inside the block, `record(error)` is called on the failing rank as soon as on_main / on_every_rank
     work fails, before the agreement's collective: if another rank is inside a collective of its own
     (DeepSpeed's, mid-checkpoint) the agreement cannot complete, and the root cause must be on record."""
-    _RECORDERS.append(record)
-    try:
-        yield
-    finally:
-        _RECORDERS.remove(record)
+    with coordination() as now:
+        now.recorders.append(record)
+        try:
+            yield
+        finally:
+            now.recorders.remove(record)
 
 
 def _record(error: BaseException) -> None:
-    for record in list(_RECORDERS):
+    for record in list(_now().recorders):
         with contextlib.suppress(Exception):
             record(error)
 
@@ -189,7 +225,7 @@ def on_main(
     collective. Rank 0 re-raises its error; the others raise RankFailedError naming it. Returns fn's result
     on rank 0 (on every rank with `share`), None elsewhere. `at`: the step, for the error (default: the
     enclosing phase's). Call it on every rank at the same point."""
-    step = _PHASE[1] if at is None else at
+    step = _now().step if at is None else at
     result, error = _attempt(name, step, fn, args, kwargs) if is_main() else (None, None)
     outcomes = _agree(name, step, error, result if share else None)
     return outcomes[0] if share else result
@@ -199,7 +235,7 @@ def on_every_rank(name: str, fn: Callable[..., T], *args: Any, at: int | None = 
     """Run `fn(*args, **kwargs)` on every rank as phase `name`, then agree: if any rank failed, each
     raises (the failing rank its own error, the others RankFailedError naming it), so no rank goes on to
     a collective the failed one will never join, and none cleans up what another may still be writing."""
-    step = _PHASE[1] if at is None else at
+    step = _now().step if at is None else at
     result, error = _attempt(name, step, fn, args, kwargs)
     _agree(name, step, error, None)
     return result

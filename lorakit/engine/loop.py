@@ -1,4 +1,5 @@
-"""The training loop on a DeepSpeed engine: token-weighted loss over accumulation windows and ranks."""
+"""The training loop on any backend's Engine (lorakit.backends): token-weighted loss over accumulation windows
+and ranks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from lorakit.backends import Engine
 from lorakit.engine import dist
 from lorakit.engine.best import EARLY_STOPPING, BestPolicy, judge
 from lorakit.engine.checkpoint import LoopState
@@ -52,7 +54,7 @@ def accumulation_windows(loader: DataLoader, accumulation: int):
 
 
 def train_window(
-    engine,
+    engine: Engine,
     inputs,
     window: list[dict[str, Any]],
     meter: TokenMeter,
@@ -78,18 +80,17 @@ def train_window(
     sums: dict[str, Any] = {}
     real = slots = 0
     for i, batch in enumerate(window):
-        # The window, not DeepSpeed's micro-step counter, decides when gradients are reduced and applied,
-        # so a short last window of an epoch still steps with correctly weighted gradients.
-        engine.set_gradient_accumulation_boundary(i == len(window) - 1)
         loss_sum, metrics = objective.loss(engine, inputs, batch, device)
-        engine.backward(micro_batch_loss(loss_sum, window_units, world), scale_wrt_gas=False)
-        engine.step()
+        # The window, not a count of micro-batches, marks the boundary: a short last window of an epoch
+        # still steps with correctly weighted gradients.
+        engine.backward(micro_batch_loss(loss_sum, window_units, world), boundary=i == len(window) - 1)
         local_loss = loss_sum.detach() if local_loss is None else local_loss + loss_sum.detach()
         for name, value in metrics.items():
             sums[name] = sums.get(name, 0.0) + value
         meter.add(batch)
         real += batch["num_real_tokens"]
         slots += batch["num_token_slots"]
+    step = engine.step()
     names = sorted(sums)
     loss, real, slots, stops, *values = dist.all_reduce(
         [
@@ -100,10 +101,12 @@ def train_window(
             *(float(sums[k]) for k in names),
         ]
     )
-    norm = engine.get_global_grad_norm()
     return {
         "loss": loss / max(window_units, 1.0),
-        "grad_norm": float(norm) if norm is not None else None,
+        "grad_norm": step.grad_norm,
+        # Whether the update was applied (a backend skips one whose gradients are not finite).
+        "applied": step.applied,
+        "lr": step.lr,
         "target_tokens": int(window_tokens),
         "real_tokens": int(real),
         "token_slots": int(slots),
@@ -155,11 +158,11 @@ class Trainer:
     files: evaluating, saving the best weights and checkpoints are callbacks.
 
     `evaluate(epoch, step, epoch_end=...)` returns the evaluation's metrics, the same on every rank; every
-    rank calls it at the same steps (ZeRO-3 forwards are collective)."""
+    rank calls it at the same steps (a sharded engine's forwards are collective)."""
 
     def __init__(
         self,
-        engine,
+        engine: Engine,
         inputs,
         loader: DataLoader,
         sampler,
@@ -269,13 +272,13 @@ class Trainer:
         st.train_seconds += seconds
         st.global_real_tokens += stats["real_tokens"]
         st.global_token_slots += stats["token_slots"]
-        finite = _finite(stats["loss"]) and _finite(stats["grad_norm"]) and self._update_applied()
+        finite = _finite(stats["loss"]) and _finite(stats["grad_norm"]) and stats["applied"]
         record = {
             "kind": "train",
             "step": st.step,
             "epoch": epoch,
             "loss": stats["loss"],
-            "lr": self.engine.get_lr()[0],
+            "lr": stats["lr"],
             "grad_norm": stats["grad_norm"],
             "tokens_per_second": stats["real_tokens"] / seconds if seconds > 0 else None,
             "target_tokens": stats["target_tokens"],
@@ -302,11 +305,6 @@ class Trainer:
         if self.progress is not None:
             self.progress.update(1)
             self.progress.set_postfix(loss=f"{stats['loss']:.4f}")
-
-    def _update_applied(self) -> bool:
-        # ZeRO 1-3 optimizers check gradients for inf/NaN and skip the update themselves.
-        applied = getattr(self.engine, "was_step_applied", None)
-        return bool(applied()) if applied is not None else True
 
     def _nonfinite(self, stats: dict[str, Any]) -> None:
         st = self.state

@@ -68,9 +68,9 @@ def token_loss_sum(
 def micro_batch_loss(loss_sum: torch.Tensor, window_tokens: float, world_size: int) -> torch.Tensor:
     """What to backpropagate for one micro-batch of an accumulation window.
 
-    DeepSpeed averages gradients over ranks, so scaling by world_size / (target tokens of the whole window
-    on all ranks) makes the applied gradient d(sum of all token losses) / (all tokens): the gradient of the
-    token-weighted mean, whatever the split into micro-batches and ranks.
+    Every backend (DeepSpeed, FSDP2) averages gradients over ranks, so scaling by world_size / (target tokens
+    of the whole window on all ranks) makes the applied gradient d(sum of all token losses) / (all tokens):
+    the gradient of the token-weighted mean, whatever the split into micro-batches and ranks.
     """
     return loss_sum * (world_size / max(window_tokens, 1.0))
 

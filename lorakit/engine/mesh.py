@@ -7,7 +7,7 @@ split the data over `dp_world` replicas by `dp_rank`, not over the global ranks.
 
     world 8, N 4:   sp groups {0,1,2,3} {4,5,6,7}     dp groups {0,4} {1,5} {2,6} {3,7}
 
-DeepSpeed still averages gradients over all ranks (it knows nothing of the grid); lorakit's token-weighted
+The backend still averages gradients over all ranks (it knows nothing of the grid); lorakit's token-weighted
 loss accounts for that (lorakit.data.sequence_split gives each shard its own share of a row's counts).
 """
 
@@ -23,14 +23,14 @@ from lorakit.errors import RecipeError
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """This rank's place in the grid and the process groups of its sequence-parallel and data-parallel
-    groups (None when the group is this process alone, or without torch.distributed)."""
+    """This rank's place in the grid and the process group of its sequence-parallel group (None when the
+    group is this process alone, or without torch.distributed). Data-parallel replicas need no group of
+    their own: the backend reduces gradients over every rank, and the loop's sums are over every rank."""
 
     world: int
     rank: int
     sp_world: int = 1
     sp_group: Any = None
-    dp_group: Any = None
 
     @property
     def sp_rank(self) -> int:
@@ -60,20 +60,14 @@ class ParallelDims:
         check_world(sequence_parallel, world)
         if sequence_parallel == 1:
             return cls(world, rank)
-        sp_group = dp_group = None
+        sp_group = None
         # new_group is collective over the whole world: every rank creates every group in the same order.
         for start in range(0, world, sequence_parallel):
             ranks = list(range(start, start + sequence_parallel))
             group = dist.new_group(ranks)
             if rank in ranks:
                 sp_group = group
-        if world > sequence_parallel:
-            for offset in range(sequence_parallel):
-                ranks = list(range(offset, world, sequence_parallel))
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    dp_group = group
-        return cls(world, rank, sequence_parallel, sp_group, dp_group)
+        return cls(world, rank, sequence_parallel, sp_group)
 
 
 def check_world(sequence_parallel: int, world: int) -> None:

@@ -1,55 +1,25 @@
-"""Saving what was trained: a standard PEFT adapter (or a full model), whole even under ZeRO-3."""
+"""Saving what was trained: a standard PEFT adapter (or a full model), whole even where the backend shards it."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lorakit import rundir, storage
+from lorakit.backends import Engine, IncompleteSaveError
 from lorakit.engine import dist
-from lorakit.engine.fsdp import full_tensor
 
 
-class IncompleteSaveError(RuntimeError):
-    """A gathered weight came back empty or mis-shaped: saving would write a broken adapter."""
-
-
-def _gathered(params: list[torch.nn.Parameter]):
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
-
-        # ZeRO-3 keeps a shard of each tensor per rank; this assembles whole tensors on every rank.
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-    return contextlib.nullcontext()
-
-
-def _expected_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
-    return tuple(getattr(p, "ds_shape", p.shape))
-
-
-def gather_adapter_state(model) -> dict[str, torch.Tensor]:
-    """The trainable (LoRA) weights by parameter name, whole and on CPU, on every rank.
-
-    Checks every tensor against its full shape, so an adapter can never be saved empty or partial,
-    the failure users of other ZeRO-3 tools met as 100 KB adapter files.
-    """
+def gather_adapter_state(engine: Engine) -> dict[str, torch.Tensor]:
+    """The trainable (LoRA) weights by parameter name, whole and on CPU, on every rank (collective), each
+    checked against its full shape by the engine (IncompleteSaveError)."""
     from peft import get_peft_model_state_dict
 
-    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    with _gathered(list(trainable.values())):
-        expected = {n: _expected_shape(p) for n, p in trainable.items()}
-        # FSDP2 holds DTensor shards: full_tensor() gathers each whole from every rank (collective).
-        full = {n: full_tensor(p).detach().to("cpu", copy=True) for n, p in trainable.items()}
-    for name, tensor in full.items():
-        if tensor.numel() == 0 or tuple(tensor.shape) != expected[name]:
-            raise IncompleteSaveError(
-                f"{name}: gathered shape {tuple(tensor.shape)}, expected {expected[name]}"
-            )
+    full = engine.trainable_state()
     # The same filter save_pretrained applies: an adapter with no LoRA weights in it is an error, not a file.
-    if not get_peft_model_state_dict(model, state_dict=full):
+    if not get_peft_model_state_dict(engine.module, state_dict=full):
         raise IncompleteSaveError("the model has no adapter weights to save")
     return full
 
@@ -61,7 +31,7 @@ def for_original_base(model, state: dict[str, torch.Tensor], initial: dict[str, 
 
     peft's own route (save_pretrained's path_initial_model_for_weight_conversion) reloads the initial
     adapter into the model and reads `state_dict` as if it held that adapter, which fails with a gathered
-    ZeRO-3 state dict; so it is called here with the initial weights given as that adapter's state."""
+    state dict of sharded parameters; so it is called here with the initial weights given as that adapter's state."""
     from peft import get_peft_model_state_dict
 
     saved = get_peft_model_state_dict(model, state_dict=state)
@@ -95,7 +65,13 @@ def _write_for_original_base(model, state, initial, directory: Path) -> None:
 
 
 def save_trained(
-    engine, built, recipe, run_dir: Path, *, into: str | None = None, info: dict[str, Any] | None = None
+    engine: Engine,
+    built,
+    recipe,
+    run_dir: Path,
+    *,
+    into: str | None = None,
+    info: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Save the adapter (lora, qlora) to run_dir/adapter or the full model to run_dir/model; return the
     paths. Each is written beside its final name and renamed into place, so a full disk or a crash never
@@ -110,13 +86,13 @@ def save_trained(
             rundir.write_json(tmp / rundir.BEST_INFO, info)
 
     if recipe.method.adapter():
-        state = gather_adapter_state(model)
+        state = gather_adapter_state(engine)
         out = run_dir / (into or rundir.ADAPTER)
 
         def write_adapter() -> None:
             with storage.writing("the adapter", out), storage.new_directory(out) as tmp:
                 # peft maps parameter names to its adapter format; handing it the gathered tensors means it
-                # never reads the (partitioned, empty) ZeRO-3 parameters itself.
+                # never reads the (sharded, possibly empty) parameters itself.
                 model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
                 if built.initial_adapter is not None:
                     _write_for_original_base(model, state, built.initial_adapter, tmp)
@@ -127,14 +103,8 @@ def save_trained(
         dist.on_main("adapter save", write_adapter)
         return {"adapter_dir": str(out)}
     out = run_dir / (into or rundir.MODEL)
-    state = None
-    if hasattr(engine, "full_model_state"):
-        # FSDP2 (engine/fsdp.py): gathered from every rank's shards into rank 0's CPU memory (collective).
-        state = engine.full_model_state()
-    elif recipe.distributed.zero_stage == 3:
-        # Collective: gathers module by module into rank 0's CPU memory (None elsewhere). DeepSpeed's
-        # public save_16bit_model writes a pickle whatever the file name; we want safetensors.
-        state = engine._zero3_consolidated_16bit_state_dict()
+    # Gathered from every rank's shards into rank 0's CPU memory (collective); None: the module's own.
+    state = engine.full_model_state()
 
     def write_model() -> None:
         with storage.writing("the model", out), storage.new_directory(out) as tmp:

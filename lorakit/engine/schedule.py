@@ -1,4 +1,4 @@
-"""Learning-rate schedule: a pure function of the step, wrapped in a LambdaLR for DeepSpeed."""
+"""Learning-rate schedule: a pure function of the step, wrapped in a LambdaLR for the backend's optimizer."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def lr_multiplier(step: int, total_steps: int, warmup: int, kind: str) -> float:
 
 
 def lambda_lr_factory(total_steps: int, warmup_ratio: float, kind: str):
-    """A callable(optimizer) -> LambdaLR, the form deepspeed.initialize accepts as lr_scheduler."""
+    """A callable(optimizer) -> LambdaLR: what a Backend's wrap takes as the schedule."""
     from torch.optim.lr_scheduler import LambdaLR
 
     warmup = warmup_steps(total_steps, warmup_ratio)

@@ -6,13 +6,11 @@ lorakit.api (merged_dir) and the benchmarks read these keys: add new ones, never
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from lorakit import rundir
+from lorakit.backends import Engine
 from lorakit.engine import dist
 from lorakit.meter import live_tensor_bytes, peak_memory
 from lorakit.model.fused_attention import kernels_since
@@ -20,8 +18,8 @@ from lorakit.objectives import objective_type
 from lorakit.observe import trackers
 
 if TYPE_CHECKING:
-    from lorakit.engine.job import Job
     from lorakit.engine.loop import Trainer
+    from lorakit.engine.session import Job
 
 
 @dataclass(frozen=True)
@@ -154,28 +152,6 @@ def data_summary(data) -> dict[str, Any]:
     }
 
 
-def plan_of_run(recipe, config, data, world: int, device_kind: str) -> dict[str, Any]:
-    """lorakit.plan for this run (its launch shape, data lengths and device), recorded in summary.json so
-    every run checks the planner; a model the planner does not know gives {"error": ...}, never a crash."""
-    from lorakit.planner import plan
-
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    gpu_memory = torch.cuda.get_device_properties(0).total_memory if device_kind == "cuda" else None
-    try:
-        return plan(
-            recipe,
-            gpus=local,
-            nodes=max(world // local, 1),
-            config=config,
-            device=device_kind,
-            gpu_memory=gpu_memory,
-            seq_len=data.lengths.max_source_length or data.lengths.max_length,
-            target_len=data.lengths.max_target_length,
-        ).to_dict()
-    except Exception as e:  # noqa: BLE001 - the plan is a report; training already succeeded
-        return {"error": f"{type(e).__name__}: {e}"}
-
-
 def stop_reason(recipe, state) -> str:
     """Why the loop ended: the state's reason (early_stopping), else the plan's end (max_steps, epochs)."""
     if state.stop_reason is not None:
@@ -190,19 +166,19 @@ def best_summary(run_dir, state) -> dict[str, Any] | None:
     return {**state.best, "evals_since": state.evals_since_best, "dir": str(run_dir / rundir.BEST)}
 
 
-def optimizer_groups(engine) -> list[dict[str, float]]:
+def optimizer_groups(engine: Engine) -> list[dict[str, float]]:
     """Each optimizer parameter group's peak learning rate (LambdaLR's initial_lr) and its last one."""
     return [
         {"peak_lr": float(g.get("initial_lr", g["lr"])), "last_lr": float(g["lr"])}
-        for g in engine.optimizer.param_groups
+        for g in engine.param_groups
     ]
 
 
 def summarize(
-    job: Job, trainer: Trainer, memory: PeakMemory, saved: dict[str, str], device: str
+    job: Job, trainer: Trainer, memory: PeakMemory, saved: dict[str, str], plan: dict[str, Any]
 ) -> RunSummary:
     """The summary of `job` trained by `trainer`, with its peak `memory`, what save_trained wrote and the
-    `device` kind it ran on (collective: sums over ranks)."""
+    memory planner's `plan` of the run (collective: sums over ranks)."""
     recipe, world, ckpt, st = job.recipe, dist.world_size(), job.resumed_from, job.state
     return RunSummary(
         method=recipe.method.kind,
@@ -230,7 +206,7 @@ def summarize(
         tokens_per_second=st.tokens_per_second(),
         train_seconds=st.train_seconds,
         peak_memory_bytes=memory,
-        plan=plan_of_run(recipe, job.config, job.data, world, device),
+        plan=plan,
         loss=LossEnds.of(st.losses),
         skipped_steps=list(st.skipped_steps),
         resumed_from=ResumedFrom(str(ckpt.path), ckpt.step) if ckpt else None,

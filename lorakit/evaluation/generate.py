@@ -1,9 +1,10 @@
-"""Evaluation under any ZeRO stage: token-weighted eval loss and generation with every rank taking part."""
+"""Evaluation on any backend, sharded or not: token-weighted eval loss and generation with every rank taking
+part."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -13,11 +14,23 @@ from lorakit.engine import dist
 from lorakit.engine.loss import token_loss_sum
 
 
+class EvalModel(Protocol):
+    """What evaluation asks of the model it scores: the module, the device its batches go to, and the
+    forward. A training Engine (lorakit.backends) answers it, and so does lorakit.inference's LoadedModel."""
+
+    module: torch.nn.Module
+    device: torch.device
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward."""
+        ...
+
+
 def eval_plan(num_rows: int, batch_size: int, num_replicas: int, rank: int) -> list[tuple[list[int], int]]:
     """This rank's eval batches as (row indices, number of real rows).
 
-    Rows are dealt round-robin. Every rank gets the same number of batches, because under ZeRO-3 each
-    forward gathers parameters collectively; a rank with no rows left runs a copy of row 0 whose results
+    Rows are dealt round-robin. Every rank gets the same number of batches, because with sharded parameters
+    each forward gathers them collectively; a rank with no rows left runs a copy of row 0 whose results
     are thrown away (real = 0).
     """
     mine = list(range(rank, num_rows, num_replicas))
@@ -82,7 +95,7 @@ def _loss(out: torch.Tensor, labels: torch.Tensor, where, tiled: bool) -> torch.
 
 @torch.no_grad()
 def evaluate_model(
-    engine,
+    engine: EvalModel,
     inputs,
     eval_ds,
     collator,
@@ -97,7 +110,8 @@ def evaluate_model(
 ) -> dict[str, Any]:
     """Eval loss over all ranks and, if `generate`, predictions in row order (on every rank).
 
-    `inputs` is the model's ModelInputs; encoder-decoders generate from the source, causal LMs from each
+    `zero3`: the parameters are sharded (Engine.sharded), so every forward is collective. `inputs` is the
+    model's ModelInputs; encoder-decoders generate from the source, causal LMs from each
     row's `prompt_ids` (left-padded), and only the continuation is decoded. With `groups` (a name per eval
     row: a mixture's sources), also "group_loss": {name: (summed token loss, target tokens)} over all ranks.
     """
@@ -147,7 +161,7 @@ def evaluate_model(
                 causal=causal,
                 max_new_tokens=max_new_tokens,
                 num_beams=num_beams,
-                # Under ZeRO-3 a rank that finishes early must keep gathering parameters for the others.
+                # With sharded parameters a rank that finishes early must keep gathering them for the others.
                 synced_gpus=zero3 and dist.world_size() > 1,
             )
             if sp_rank == 0:  # the other ranks of a sequence-parallel group generated the same rows

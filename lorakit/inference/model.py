@@ -88,8 +88,8 @@ def pick_device(device: str | None = None):
 class LoadedModel:
     """A trained model on its device, in eval mode, with its tokenizer and config.
 
-    It also stands in for the DeepSpeed engine that lorakit.evaluation.generate.evaluate_model is given in
-    training: `.module`, `.device`, and a forward."""
+    It is a lorakit.evaluation.generate.EvalModel, as training's Engine is: `.module`, `.device`, and a
+    forward."""
 
     def __init__(self, model, tokenizer, config, device, dtype, attention: str):
         from lorakit.model.inputs import ModelInputs

@@ -325,7 +325,7 @@ def _variant(recipe, setup: Setup):
 
 def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: Kernels, world: int, gpus: int,
               gpu_cap, cpu_cap, reference: Setup, nodes: int) -> Estimate:  # fmt: skip
-    from lorakit.engine.deepspeed_config import build_ds_config
+    from lorakit.backends.deepspeed_config import build_ds_config
 
     ds_config = build_ds_config(
         _variant(recipe, setup), world, accelerator=kernels.device, hidden_size=arch.hidden

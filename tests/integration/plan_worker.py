@@ -20,11 +20,11 @@ def measure(path: str, out: Path) -> None:
     from torch.utils.data import DataLoader
 
     import lorakit
+    from lorakit.backends.deepspeed import DeepSpeedEngine, accelerator_name
+    from lorakit.backends.deepspeed_config import build_ds_config
     from lorakit.data import prepare_data
     from lorakit.data.batching import make_batching
     from lorakit.engine import dist
-    from lorakit.engine.deepspeed_config import build_ds_config
-    from lorakit.engine.job import accelerator_name, release
     from lorakit.engine.loop import train_window
     from lorakit.meter import TensorMemoryTracker, TokenMeter
     from lorakit.model import build_model, load_config, load_tokenizer
@@ -50,6 +50,7 @@ def measure(path: str, out: Path) -> None:
             model_parameters=[p for p in built.model.parameters() if p.requires_grad],
             config=ds_config,
         )
+        engine = DeepSpeedEngine(engine, built)
         engine.train()  # as the training loop does: dropout on
         for _ in range(2):
             gc.collect()
@@ -78,7 +79,7 @@ def measure(path: str, out: Path) -> None:
     name = Path(path).stem
     (out / f"{name}.rank{dist.rank()}.json").write_text(json.dumps(result))
     dist.barrier()
-    release(engine, built)
+    engine.close()
 
 
 def main(out: str, paths: list[str]) -> None:

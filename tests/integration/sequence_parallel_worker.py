@@ -181,9 +181,9 @@ def check_engine(name: str, zero_stage: int, cache_dir: str, mesh) -> dict:
     from deepspeed.utils import safe_get_full_grad
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+    from lorakit.backends.deepspeed_config import build_ds_config
     from lorakit.data.collate import PackedCausalCollator
     from lorakit.data.sequence_split import split_row
-    from lorakit.engine.deepspeed_config import build_ds_config
     from lorakit.model import build_model
     from lorakit.objectives.sft import causal_loss_sum
     from lorakit.testing import tiny_config

@@ -74,7 +74,8 @@ def _engine(recipe, built, ds_config):
     # Plain SGD at lr 1 makes the update exactly -gradient, so the weights compare gradients; Adam's
     # g / (|g| + eps) would amplify float-order noise wherever g is near eps.
     if recipe.distributed.strategy == "fsdp":
-        from lorakit.engine.fsdp import FsdpEngine, device_mesh, shard_model
+        from lorakit.backends.fsdp import FsdpEngine
+        from lorakit.backends.fsdp_shard import device_mesh, shard_model
 
         f = recipe.distributed.fsdp
         model = shard_model(
@@ -85,21 +86,22 @@ def _engine(recipe, built, ds_config):
         return FsdpEngine(model, sgd, constant, torch.device("cpu"), 0.0)
     import deepspeed
 
+    from lorakit.backends.deepspeed import DeepSpeedEngine
+
     ds_config["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
     engine, *_ = deepspeed.initialize(
         model=built.model,
         config=ds_config,
         model_parameters=[p for p in built.model.parameters() if p.requires_grad],
     )
-    return engine
+    return DeepSpeedEngine(engine, built)
 
 
 def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
+    from lorakit.backends.deepspeed_config import build_ds_config
     from lorakit.data import prepare_data
     from lorakit.data.collate import padded_collator
     from lorakit.engine import dist
-    from lorakit.engine.deepspeed_config import build_ds_config
-    from lorakit.engine.job import release
     from lorakit.engine.loop import train_window
     from lorakit.engine.save import gather_adapter_state
     from lorakit.meter import TokenMeter
@@ -123,12 +125,12 @@ def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
         start, end = SPLITS[mode][dist.rank()]
         window = [collate(rows[start:end])]
     stats = train_window(engine, built.inputs, window, TokenMeter())
-    weights = gather_adapter_state(engine.module)
+    weights = gather_adapter_state(engine)
     if dist.is_main():
         name = f"{kind}-{layout if mode == 'single' else mode}"
         torch.save(weights, Path(out) / f"{name}.pt")
         (Path(out) / f"{name}.json").write_text(json.dumps(stats))
-    release(engine, built)
+    engine.close()
 
 
 def main(cache: str, out: str, mode: str) -> None:

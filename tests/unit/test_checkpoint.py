@@ -13,6 +13,7 @@ import torch
 from lorakit import rundir
 from lorakit.data.sampler import LengthGroupedBatchSampler, ResumableBatchSampler
 from lorakit.engine import checkpoint as ck
+from lorakit.engine import compatibility, rng
 from lorakit.errors import RecipeError
 from lorakit.observe import JsonlSink
 from tests.conftest import tiny_recipe
@@ -26,10 +27,10 @@ def _fake_checkpoint(run_dir, step, recipe, world=1, complete=True):
     d = run_dir / "checkpoints" / (f"step-{step:08d}" if complete else f".tmp-step-{step:08d}")
     (d / ck.ENGINE).mkdir(parents=True)
     state = {
-        "format": ck.FORMAT_VERSION,
+        "format": compatibility.FORMAT_VERSION,
         "reason": "every",
         "world_size": world,
-        "fingerprint": ck.recipe_fingerprint(recipe),
+        "fingerprint": compatibility.recipe_fingerprint(recipe),
         "recipe": recipe.model_dump(mode="json"),
         "loop": {"step": step},
     }
@@ -38,10 +39,10 @@ def _fake_checkpoint(run_dir, step, recipe, world=1, complete=True):
 
 
 def test_fingerprint_covers_the_trajectory_and_ignores_the_rest(tmp_path):
-    base = ck.recipe_fingerprint(_recipe(tmp_path))
-    assert ck.recipe_fingerprint(_recipe(tmp_path, train={"lr": 1e-4})) != base
-    assert ck.recipe_fingerprint(_recipe(tmp_path, data={"max_samples": 16})) != base
-    assert ck.recipe_fingerprint(_recipe(tmp_path, train={"epochs": 2})) != base
+    base = compatibility.recipe_fingerprint(_recipe(tmp_path))
+    assert compatibility.recipe_fingerprint(_recipe(tmp_path, train={"lr": 1e-4})) != base
+    assert compatibility.recipe_fingerprint(_recipe(tmp_path, data={"max_samples": 16})) != base
+    assert compatibility.recipe_fingerprint(_recipe(tmp_path, train={"epochs": 2})) != base
     # Evaluation, logging, checkpoint policy and where outputs go do not change what is trained.
     for same in (
         _recipe(tmp_path, eval={"enabled": False}),
@@ -49,7 +50,7 @@ def test_fingerprint_covers_the_trajectory_and_ignores_the_rest(tmp_path):
         _recipe(tmp_path, checkpoint={"every": 3, "keep": 5}),
         _recipe(tmp_path, output={"dir": str(tmp_path / "elsewhere"), "merge": True}),
     ):
-        assert ck.recipe_fingerprint(same) == base
+        assert compatibility.recipe_fingerprint(same) == base
 
 
 def test_a_checkpoint_of_another_recipe_or_world_size_is_refused_naming_why(tmp_path):
@@ -57,10 +58,10 @@ def test_a_checkpoint_of_another_recipe_or_world_size_is_refused_naming_why(tmp_
     d = _fake_checkpoint(tmp_path / "run", 4, old, world=2)
     ckpt = ck.read_checkpoint(d)
     with pytest.raises(RecipeError, match="written by 2 processes and this run has 1"):
-        ck.check_compatible(ckpt, old, world=1)
+        compatibility.check_compatible(ckpt, old, world=1)
     with pytest.raises(RecipeError, match=r"train\.lr: 0\.003 then, 0\.0001 now"):
-        ck.check_compatible(ckpt, _recipe(tmp_path, train={"lr": 1e-4}), world=2)
-    ck.check_compatible(ckpt, _recipe(tmp_path, eval={"enabled": False}), world=2)
+        compatibility.check_compatible(ckpt, _recipe(tmp_path, train={"lr": 1e-4}), world=2)
+    compatibility.check_compatible(ckpt, _recipe(tmp_path, eval={"enabled": False}), world=2)
 
 
 def test_only_published_checkpoints_count_and_prune_keeps_the_newest(tmp_path):
@@ -109,9 +110,9 @@ def test_resumable_sampler_skips_exactly_the_trained_batches_once():
 
 
 def test_rng_states_round_trip():
-    meta, tensors = ck._rng_state()
+    meta, tensors = rng.rng_state()
     draws = (random.random(), np.random.rand(), torch.rand(3))
-    ck._set_rng_state(json.loads(json.dumps(meta)), tensors)
+    rng.set_rng_state(json.loads(json.dumps(meta)), tensors)
     again = (random.random(), np.random.rand(), torch.rand(3))
     assert draws[0] == again[0] and draws[1] == again[1] and torch.equal(draws[2], again[2])
 

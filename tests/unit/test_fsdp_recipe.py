@@ -110,7 +110,7 @@ def test_plan_shards_states_over_the_mesh_and_recommends_only_fsdp_keys():
 def test_packed_t5_with_explicit_masks_is_refused_on_fsdp():
     from types import SimpleNamespace
 
-    from lorakit.engine.fsdp import check_built
+    from lorakit.backends.fsdp_shard import check_built
     from lorakit.model.varlen import VARLEN_SDPA
 
     def built(attention, packing=True, enc_dec=True):

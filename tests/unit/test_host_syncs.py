@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lorakit.backends import StepResult
 from lorakit.data.collate import IGNORE_INDEX
 from lorakit.engine.loop import train_window
 from lorakit.engine.loss import token_loss_sum
@@ -50,24 +51,18 @@ def test_chunked_cross_entropy_backward_does_not_sync():
 
 
 class _Engine:
-    """The DeepSpeed engine surface train_window uses, on a linear model."""
+    """The Engine verbs train_window uses (lorakit.backends), on a linear model."""
 
     device = torch.device("cpu")
 
     def __init__(self):
         self.model = torch.nn.Linear(4, 7)
 
-    def set_gradient_accumulation_boundary(self, value):
-        pass
-
-    def backward(self, loss, scale_wrt_gas=False):
+    def backward(self, loss, *, boundary):
         loss.backward()
 
     def step(self):
-        pass
-
-    def get_global_grad_norm(self):
-        return 1.0
+        return StepResult(grad_norm=1.0, applied=True, lr=1e-3)
 
 
 class _Inputs:

@@ -19,7 +19,7 @@ import pytest
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_cold
 
-from lorakit.engine.deepspeed_config import zero3_limits
+from lorakit.backends.deepspeed_config import zero3_limits
 from lorakit.planner import plan
 from lorakit.planner.arch import arch_from_config, known_config
 from lorakit.recipe import load_recipe

@@ -3,7 +3,7 @@ follows them, and the planned memory of each phase of a CPU run (benchmarks/rehe
 
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-from lorakit.engine.deepspeed_config import build_ds_config, zero3_limits
+from lorakit.backends.deepspeed_config import build_ds_config, zero3_limits
 from lorakit.planner import plan
 from lorakit.planner.arch import arch_from_config, known_config
 from lorakit.planner.core import CPU_RUN_PROCESS_BYTES

@@ -4,7 +4,7 @@ tests/integration/test_zeropp.py trains with hpZ on 2 CPU processes. See docs/mu
 
 import pytest
 
-from lorakit.engine.deepspeed_config import build_ds_config, check_zero_plus_plus
+from lorakit.backends.deepspeed_config import build_ds_config, check_zero_plus_plus
 from lorakit.errors import RecipeError
 from lorakit.planner import plan
 from lorakit.recipe import load_recipe

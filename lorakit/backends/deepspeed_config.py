@@ -103,7 +103,7 @@ def build_ds_config(
         "fp16": {"enabled": dtype == "float16", "loss_scale": 0, "initial_scale_power": 16},
         "zero_optimization": zero,
         "optimizer": {"type": "AdamW", "params": optimizer_params},
-        # The LR schedule is lorakit's (engine/schedule.py), passed to deepspeed.initialize.
+        # The LR schedule is lorakit's (lorakit.engine.schedule), passed to deepspeed.initialize.
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**9,

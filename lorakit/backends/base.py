@@ -1,0 +1,166 @@
+"""The two types of a sharding backend, in lorakit's own words, so the job, the loop, saving and checkpoints
+never name DeepSpeed or FSDP, never ask `hasattr`, and never branch on a ZeRO stage.
+
+`Backend` is what the job asks before the model exists: check the process group, the config the run
+directory records (and the one build_model loads under), and `wrap` the built model into an `Engine`.
+`Engine` is what the loop, evaluation, saving and checkpoints ask of the wrapped model.
+
+The accumulation window is the loop's: `backward(loss, boundary=...)` for each micro-batch, `boundary`
+True on the window's last, then one `step()`, which applies the window's update and says how it went.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did: the window's gradient norm over every rank before clipping (None when
+    the backend did not compute one), whether the update was applied (False: a non-finite gradient made
+    the backend skip it), and the learning rate of the first parameter group after the step."""
+
+    grad_norm: float | None
+    applied: bool
+    lr: float
+
+
+class IncompleteSaveError(RuntimeError):
+    """A gathered weight came back empty or mis-shaped: saving would write a broken adapter."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A built model wrapped by a backend: forward, backward, step, its whole state, checkpoints, release.
+
+    `module` is the (peft) model itself; `device` where batches go; `sharded` whether each rank holds
+    only a shard of the parameters, so every forward (and generate) is collective: all ranks take part in
+    the same number of them."""
+
+    module: torch.nn.Module
+    device: torch.device
+    sharded: bool
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward."""
+        ...
+
+    def train(self) -> None:
+        """Training mode (dropout on)."""
+        ...
+
+    def eval(self) -> None:
+        """Evaluation mode (dropout off)."""
+        ...
+
+    def backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
+        """Backpropagate `loss` as given (the loop weighted it); `boundary`: this is the accumulation
+        window's last micro-batch, whose backward completes the window's gradients."""
+        ...
+
+    def step(self) -> StepResult:
+        """Apply the window's update (clipping, optimizer, LR schedule) and clear its gradients."""
+        ...
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups (each with its `lr`, and `initial_lr` under the schedule)."""
+        ...
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The trainable weights by parameter name, whole and on CPU, on every rank (collective); checked
+        against their full shapes (IncompleteSaveError)."""
+        ...
+
+    def full_model_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights gathered into rank 0's CPU memory (collective): a dict on rank 0, None
+        elsewhere; None on every rank where the module's own state_dict is already whole."""
+        ...
+
+    def save_checkpoint(self, directory: Path, tag: str, *, trainable_only: bool) -> None:
+        """This rank's share of a resumable checkpoint (weights, optimizer and LR-schedule state) under
+        directory/tag (collective); `trainable_only`: leave the frozen weights out."""
+        ...
+
+    def load_checkpoint(self, directory: Path, tag: str, *, trainable_only: bool) -> None:
+        """Restore what save_checkpoint wrote (collective); raises when nothing could be loaded."""
+        ...
+
+    def close(self) -> None:
+        """Undo the process-wide state the engine left, so a later job in this process starts clean."""
+        ...
+
+
+class Forwarding:
+    """An engine's forward and train/eval mode, passed on to what it wraps (`self.inner`: DeepSpeed's engine,
+    or the sharded module)."""
+
+    inner: Any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+    def train(self) -> None:
+        """Training mode (dropout on)."""
+        self.inner.train()
+
+    def eval(self) -> None:
+        """Evaluation mode (dropout off)."""
+        self.inner.eval()
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A sharding backend (distributed.strategy), built from the recipe."""
+
+    # The run directory's file for `describe()`'s config.
+    config_file: str
+
+    def check_group(self) -> None:
+        """Refuse (RecipeError), before any work, what this process group cannot run."""
+        ...
+
+    def describe(self, model_config: Any) -> dict[str, Any]:
+        """The backend's resolved config for this group and model, as the run directory records it."""
+        ...
+
+    def load_config(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        """What build_model loads the model under (a DeepSpeed config for ZeRO-3's partitioned loading),
+        or None to load it whole."""
+        ...
+
+    def wrap(self, built: Any, config: dict[str, Any], schedule: Callable[[Any], Any]) -> Engine:
+        """The built model (lorakit.model.BuiltModel) as an Engine over its trainable parameters, with
+        `config` (describe's) and `schedule` (a callable(optimizer) -> LR scheduler)."""
+        ...
+
+
+def gather_trainable(
+    module: torch.nn.Module,
+    *,
+    gathered: Callable[[list[torch.nn.Parameter]], Any] = lambda params: contextlib.nullcontext(),
+    whole: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    full_shape: Callable[[torch.nn.Parameter], tuple[int, ...]] = lambda p: tuple(p.shape),
+) -> dict[str, torch.Tensor]:
+    """The trainable weights of `module`, whole and on CPU: `gathered(params)` is a context inside which
+    they are whole, `whole(p)` the whole tensor of one, `full_shape(p)` the shape it must have.
+
+    Every tensor is checked against its full shape, so an adapter can never be saved empty or partial,
+    the failure users of other ZeRO-3 tools met as 100 KB adapter files."""
+    trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    with gathered(list(trainable.values())):
+        expected = {n: full_shape(p) for n, p in trainable.items()}
+        full = {n: whole(p).detach().to("cpu", copy=True) for n, p in trainable.items()}
+    for name, tensor in full.items():
+        if tensor.numel() == 0 or tuple(tensor.shape) != expected[name]:
+            raise IncompleteSaveError(
+                f"{name}: gathered shape {tuple(tensor.shape)}, expected {expected[name]}"
+            )
+    return full

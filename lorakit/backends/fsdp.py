@@ -1,0 +1,177 @@
+"""PyTorch FSDP2 as a lorakit backend (distributed.strategy: fsdp).
+
+`FsdpBackend` records the fsdp section and the mesh, loads the model whole and shards it
+(lorakit.backends.fsdp_shard). `FsdpEngine` is the sharded model with its AdamW optimizer and LR schedule,
+answering lorakit's Engine verbs (lorakit.backends.base): forward, backward, the step at the accumulation
+boundary with gradient clipping and the LR schedule, resumable checkpoints through
+torch.distributed.checkpoint, the whole model's state for saving.
+
+Gradients: FSDP2 reduce-scatters after every backward and divides by the data-parallel world size, as
+DeepSpeed averages over ranks, so lorakit's token-weighted micro-batch loss (loss.micro_batch_loss: loss sum
+x world / window tokens) gives the same applied gradient on either backend.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorakit.backends.base import Forwarding, StepResult, gather_trainable
+from lorakit.backends.fsdp_shard import DTYPES, check_built, device_mesh, full_tensor, mesh_shape, shard_model
+from lorakit.engine import dist
+
+
+class FsdpEngine(Forwarding):
+    """A model sharded by FSDP2 with its AdamW optimizer and LR schedule, behind lorakit's Engine verbs."""
+
+    # Every rank holds a shard of each parameter: forwards (and generate) are collective.
+    sharded = True
+
+    def __init__(self, module, optimizer, scheduler, device, max_grad_norm: float, save_dtype=None):
+        self.module, self.optimizer, self.lr_scheduler = module, optimizer, scheduler
+        self.inner = module
+        # The dtype full_model_state writes floating-point weights in (model.dtype; None: as held).
+        self.save_dtype = save_dtype
+        self.device = device
+        self.max_grad_norm = max_grad_norm
+
+    def backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
+        """Backpropagate `loss` as given (the loop already weighted it); FSDP2 reduce-scatters the
+        gradients into this rank's shards, where they add up over the window whatever `boundary` says."""
+        loss.backward()
+
+    def step(self) -> StepResult:
+        """The global gradient norm, clipping, the AdamW update and the LR schedule; a non-finite norm skips
+        the update (applied False)."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        norm = full_tensor(norm)
+        grad_norm = float(norm)
+        applied = math.isfinite(grad_norm)
+        if applied:
+            if self.max_grad_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
+            self.optimizer.step()
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(grad_norm, applied, self.optimizer.param_groups[0]["lr"])
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups."""
+        return self.optimizer.param_groups
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The trainable weights, whole on every rank: each DTensor gathered with full_tensor() (collective)."""
+        return gather_trainable(self.module, whole=full_tensor)
+
+    def _checkpoint_state(self, frozen_too: bool) -> dict:
+        """What a checkpoint holds: this rank's model and optimizer shards and the LR schedule's state."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(ignore_frozen_params=not frozen_too)
+        model, optim = get_state_dict(self.module, self.optimizer, options=options)
+        return {"model": model, "optim": optim, "scheduler": self.lr_scheduler.state_dict()}
+
+    def save_checkpoint(self, directory: Path, tag: str, *, trainable_only: bool) -> None:
+        """Model (trainable weights only with `trainable_only`), optimizer and LR-schedule state as a torch
+        distributed checkpoint under directory/tag, each rank writing its shards (collective)."""
+        import torch.distributed.checkpoint as dcp
+
+        state = self._checkpoint_state(not trainable_only)
+        dcp.save(state, checkpoint_id=str(Path(directory) / tag))
+
+    def load_checkpoint(self, directory: Path, tag: str, *, trainable_only: bool) -> None:
+        """Restore what save_checkpoint wrote (collective)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        strict = not trainable_only
+        state = self._checkpoint_state(strict)
+        dcp.load(state, checkpoint_id=str(Path(directory) / tag))
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(strict=strict),
+        )
+        self.lr_scheduler.load_state_dict(state["scheduler"])
+
+    def full_model_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights in model.dtype (the fp32 masters cast, as DeepSpeed saves 16-bit weights),
+        gathered into rank 0's CPU memory (collective; None elsewhere)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(
+            self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if not dist.is_main():
+            return None
+        if self.save_dtype is None:
+            return state
+        return {k: v.to(self.save_dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+    def close(self) -> None:
+        """Nothing to undo: FSDP2 leaves no process-wide state behind."""
+
+
+class FsdpBackend:
+    """PyTorch FSDP2 (distributed.strategy: fsdp)."""
+
+    config_file = "fsdp_config.json"
+
+    def __init__(self, recipe, device_type: str):
+        self.recipe = recipe
+        # Where the shards live, as torch names the device type: cpu or cuda.
+        self.device_type = device_type
+
+    def check_group(self) -> None:
+        """A hybrid shard group must divide the processes (the mesh's shape, computed before any work)."""
+        f = self.recipe.distributed.fsdp
+        mesh_shape(f.sharding, f.shard_size, dist.world_size())
+
+    def describe(self, model_config) -> dict[str, Any]:
+        """What the run directory records of the backend: the fsdp section, the world and the mesh."""
+        f = self.recipe.distributed.fsdp
+        world = dist.world_size()
+        return {
+            "strategy": "fsdp",
+            **f.model_dump(mode="json"),
+            "world_size": world,
+            "mesh": mesh_shape(f.sharding, f.shard_size, world),
+            "dtype": self.recipe.model.dtype,
+            "reduce_dtype": "float32",
+        }
+
+    def load_config(self, config: dict[str, Any]) -> None:
+        """FSDP2 shards the model after it is loaded whole: no loading config."""
+        return None
+
+    def wrap(self, built, config: dict[str, Any], schedule: Callable[[Any], Any]) -> FsdpEngine:
+        """fully_shard the model; AdamW over its trainable (sharded) parameters (LoRA+ groups as with
+        DeepSpeed) and the recipe's LR `schedule`."""
+        from lorakit.model.adapter import optimizer_groups
+
+        d, t = self.recipe.distributed, self.recipe.train
+        check_built(built)
+        if self.device_type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        mesh = device_mesh(d.fsdp.sharding, d.fsdp.shard_size, self.device_type)
+        # Without a GPU the shards live in CPU memory already (and torch's CPUOffloadPolicy needs an
+        # accelerator).
+        offload = d.fsdp.cpu_offload and self.device_type == "cuda"
+        model = shard_model(built.model, mesh, dtype=self.recipe.model.dtype, cpu_offload=offload)
+        # After fully_shard: the optimizer must hold the sharded (DTensor) parameters.
+        groups = optimizer_groups(model, self.recipe.method, t.lr, t.weight_decay)
+        optimizer = torch.optim.AdamW(
+            groups, lr=t.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=t.weight_decay
+        )
+        dtype = DTYPES[self.recipe.model.dtype]
+        return FsdpEngine(model, optimizer, schedule(optimizer), device, t.max_grad_norm, dtype)

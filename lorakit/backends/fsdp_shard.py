@@ -1,0 +1,141 @@
+"""How FSDP2 shards a model (distributed.strategy: fsdp): the device mesh, `fully_shard` over every block
+and the root, and what a built model must not do under it. The engine over the sharded model is
+lorakit.backends.fsdp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lorakit.engine import dist
+
+# model.dtype (the recipe's names) as torch dtypes.
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """`t` whole: a sharded DTensor gathered from its mesh (collective), any other tensor as it is."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+def mesh_shape(sharding: str, shard_size: int | None, world: int) -> dict[str, int]:
+    """The dimensions of the mesh FSDP2 shards over: {"shard": world} for full sharding; for hybrid
+    {"replicate": world / shard, "shard": shard}, each shard group `shard_size` consecutive ranks (default:
+    the processes per node). RecipeError when the shard group does not divide the processes."""
+    if sharding == "full":
+        return {"shard": world}
+    shard = shard_size or dist.processes_per_node() or world
+    if world % shard:
+        from lorakit.errors import RecipeError
+
+        raise RecipeError(
+            f"distributed.fsdp.shard_size {shard} must divide the number of processes ({world}): each "
+            "shard group holds one whole copy of the model"
+        )
+    return {"replicate": world // shard, "shard": shard}
+
+
+def device_mesh(sharding: str, shard_size: int | None, device_type: str):
+    """The mesh of `mesh_shape` over this process group: 1-D ("shard",) or 2-D ("replicate", "shard").
+    Collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = mesh_shape(sharding, shard_size, dist.world_size())
+    return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+
+
+def _block_classes(model: torch.nn.Module) -> set[str]:
+    """Class names of the model's transformer blocks: what transformers marks as never split across
+    devices (`_no_split_modules`: LlamaDecoderLayer, T5Block, ...)."""
+    for m in model.modules():
+        names = getattr(m, "_no_split_modules", None)
+        if names:
+            return set(names)
+    return set()
+
+
+def shard_model(model: torch.nn.Module, mesh, *, dtype: str, cpu_offload: bool) -> torch.nn.Module:
+    """fully_shard every block, then the root (in place; returned). The root's group holds the rest
+    (embeddings, final norms, the head, tied or not): it gathers them for the whole forward.
+
+    Compute in model.dtype (param_dtype bf16 for a bf16 model; LoRA weights peft keeps in fp32 stay fp32
+    masters), gradients reduced in fp32. `generate` is registered as a forward, so generation gathers the
+    root's parameters (embeddings, head) as a forward does."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
+
+    param_dtype = DTYPES[dtype]
+    mp = MixedPrecisionPolicy(
+        param_dtype=None if param_dtype == torch.float32 else param_dtype,
+        reduce_dtype=torch.float32,
+        # Inputs are left as they come (ids, masks built in model.dtype, as under DeepSpeed): FSDP2's cast
+        # rebuilds every tuple in the kwargs and cannot rebuild NamedTuples such as Seq2SeqSegments.
+        cast_forward_inputs=False,
+    )
+    kw = {
+        "mesh": mesh,
+        "mp_policy": mp,
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    _broadcast_trainable(model, mesh.device_type)
+    if param_dtype != torch.float32:
+        # fp32 master weights, as DeepSpeed's bf16 optimizer keeps: the policy computes in param_dtype and
+        # AdamW updates fp32 values (full fine-tuning of a bf16 model would otherwise train in bf16).
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
+    blocks = _block_classes(model)
+    for m in list(model.modules()):
+        if type(m).__name__ in blocks:
+            fully_shard(m, **kw)
+    fully_shard(model, **kw)
+    if hasattr(model, "generate"):
+        register_fsdp_forward_method(model, "generate")
+    return model
+
+
+def _broadcast_trainable(model: torch.nn.Module, device_type: str) -> None:
+    """Rank 0's values of the trainable parameters on every rank (collective). fully_shard keeps each rank's
+    slice of its own copy, so copies initialised differently (LoRA's random A where the ranks' RNG streams
+    differ) would be stitched together; DeepSpeed broadcasts from rank 0 at initialisation likewise. The
+    frozen base came from the same checkpoint on every rank."""
+    if dist.world_size() == 1:
+        return
+    import torch.distributed as td
+
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else None
+    for p in model.parameters():
+        if p.requires_grad:
+            t = p.data if device is None else p.data.to(device)
+            td.broadcast(t, src=0)
+            if device is not None:
+                p.data.copy_(t)
+
+
+def check_built(built) -> None:
+    """Refuse (RecipeError) what the built model would do that FSDP2 cannot gather for: packed
+    encoder-decoder rows with explicit masks run the encoder on its own, outside the root module's forward,
+    where the root's parameters (the shared embedding) are still sharded."""
+    from lorakit.model.varlen import VARLEN_SDPA
+
+    if built.is_encoder_decoder and built.packing and built.attention != VARLEN_SDPA:
+        from lorakit.errors import RecipeError
+
+        raise RecipeError(
+            f"distributed.strategy fsdp: packed encoder-decoder rows on attention {built.attention} run the "
+            "encoder outside the model's forward, which FSDP2 cannot gather parameters for; use model."
+            "attention sdpa (or auto: per-example attention), data.packing false, or strategy deepspeed"
+        )
