@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -157,11 +158,10 @@ class Sampler:
     """Samples RssAnon of a process tree every `every` seconds: worker ranks by their RANK variable."""
 
     def __init__(self, root: int, every: float = 0.2):
-        self.root, self.every = root, every
+        self.root, self.every, self.t0 = root, every, time.monotonic()
         self.samples: list[dict] = []  # {t, rank -> bytes}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self.t0 = time.monotonic()
 
     def __enter__(self):
         self._thread.start()
@@ -189,12 +189,8 @@ class Sampler:
 
     def _run(self):
         while not self._stop.wait(self.every):
-            row = {"t": time.monotonic() - self.t0}
-            for name, pid in self._ranks().items():
-                b = private_bytes(pid)
-                if b is not None:
-                    row[name] = b
-            self.samples.append(row)
+            t, sizes = time.monotonic() - self.t0, {n: private_bytes(pid) for n, pid in self._ranks().items()}
+            self.samples.append({"t": t, **{n: b for n, b in sizes.items() if b is not None}})
 
 
 def _metrics_times(run_dir: Path, seen: dict[int, float], t0: float) -> None:
@@ -259,54 +255,45 @@ def planned_phases(recipe: Path) -> dict:
     return {k: round(v / GIB, 3) for k, v in cpu_phases(recipe).items()}
 
 
-def _ranks_of(samples: list[dict]) -> list[str]:
-    return sorted({k for row in samples for k in row if k.startswith("rank")})
+def gib(n: float) -> float:
+    return round(n / GIB, 3)
+
+
+def _peaks(samples: list[dict], rows: list[dict]) -> dict:
+    """Each rank's (of all the samples) peak private memory over `rows` (GiB)."""
+    ranks = sorted({k for row in samples for k in row if k.startswith("rank")})
+    return {rk: gib(max((r.get(rk, 0) for r in rows), default=0)) for rk in ranks}
 
 
 def phases(samples: list[dict], step_t: dict[int, float], end: float) -> dict:
     """Peak private memory of each rank in each phase (GiB). Step 0's time is when the first step began (its
     record's time less its duration), step N's when its record was written."""
-    last = max(step_t)
-    bounds = {
-        "load": (0.0, step_t.get(0, step_t.get(1, end))),
-        "first_step": (step_t.get(0, step_t.get(1, end)), step_t.get(1, end)),
-        "steady": (step_t.get(2, end), step_t[last]),
-        "save": (step_t[last], end),
+    last, began = max(step_t), step_t.get(0, step_t.get(1, end))
+    bounds = {"load": (0.0, began), "first_step": (began, step_t.get(1, end))}
+    bounds.update(steady=(step_t.get(2, end), step_t[last]), save=(step_t[last], end))
+    return {
+        name: _peaks(samples, [r for r in samples if a <= r["t"] <= b]) for name, (a, b) in bounds.items()
     }
-    out = {}
-    for name, (a, b) in bounds.items():
-        rows = [r for r in samples if a <= r["t"] <= b]
-        out[name] = {
-            rk: round(max((r.get(rk, 0) for r in rows), default=0) / GIB, 3) for rk in _ranks_of(samples)
-        }
-    return out
 
 
-def per_step(samples: list[dict], step_t: dict[int, float]) -> dict:
-    """Each rank's private memory at each step's record (GiB): flat in steady state, or growing."""
-    out = {}
-    for step, t in sorted(step_t.items()):
-        if step == 0:
-            continue
-        before = [r for r in samples if r["t"] <= t]
-        if before:
-            out[step] = {rk: round(before[-1].get(rk, 0) / GIB, 3) for rk in _ranks_of(samples)}
-    return out
-
-
-def per_step_peak(samples: list[dict], step_t: dict[int, float]) -> dict:
-    """Each rank's peak private memory within each step (GiB): from the previous step's record (step 1:
-    when it began) to its own. A sample at the record alone may land before or after ZeRO-3 frees what it
-    gathered, so the peaks are what "flat from step 2 on" is judged by."""
+def per_step(samples: list[dict], step_t: dict[int, float], peak: bool = False) -> dict:
+    """Each rank's private memory at each step's record (GiB): flat in steady state, or growing. With `peak`:
+    each rank's peak within each step, from the previous step's record (step 1: when it began) to its own. A
+    sample at the record alone may land before or after ZeRO-3 frees what it gathered, so the peaks are what
+    "flat from step 2 on" is judged by."""
     out, previous = {}, step_t.get(0)
     for step, t in sorted(step_t.items()):
         if step == 0:
             continue
-        rows = [r for r in samples if (previous is None or r["t"] > previous) and r["t"] <= t]
-        previous = t
+        start = previous if peak and previous is not None else -math.inf
+        rows, previous = [r for r in samples if start < r["t"] <= t], t
         if rows:
-            out[step] = {rk: round(max(r.get(rk, 0) for r in rows) / GIB, 3) for rk in _ranks_of(samples)}
+            out[step] = _peaks(samples, rows if peak else rows[-1:])
     return out
+
+
+def per_step_peak(samples: list[dict], step_t: dict[int, float]) -> dict:
+    return per_step(samples, step_t, peak=True)
 
 
 def step_memory(train: dict) -> dict:
@@ -316,15 +303,18 @@ def step_memory(train: dict) -> dict:
 
 
 def _summary_memory(summary: dict) -> dict:
-    plan = summary.get("plan") or {}
-    recipe = plan.get("recipe") or {}
-    states = sum(i["bytes"] for i in recipe.get("items", []) if i.get("kind") == "state")
+    plan, peaks = summary.get("plan") or {}, summary["peak_memory_bytes"]
+    states = sum(i["bytes"] for i in (plan.get("recipe") or {}).get("items", []) if i.get("kind") == "state")
+    out = {"planned_per_device_gib": gib(plan.get("per_gpu_bytes") or 0)}
+    out.update(
+        planned_per_node_cpu_gib=gib(plan.get("per_node_cpu_bytes") or 0),
+        planned_model_states_gib=gib(states),
+    )
+    out.update(
+        measured_model_states_gib=gib(peaks.get("model_states") or 0), peak_cpu_rss_gib=gib(peaks["cpu_rss"])
+    )
     return {
-        "planned_per_device_gib": round((plan.get("per_gpu_bytes") or 0) / GIB, 3),
-        "planned_per_node_cpu_gib": round((plan.get("per_node_cpu_bytes") or 0) / GIB, 3),
-        "planned_model_states_gib": round(states / GIB, 3),
-        "measured_model_states_gib": round((summary["peak_memory_bytes"].get("model_states") or 0) / GIB, 3),
-        "peak_cpu_rss_gib": round(summary["peak_memory_bytes"]["cpu_rss"] / GIB, 3),
+        **out,
         "total_params": summary.get("total_params"),
         "trainable_params": summary.get("trainable_params"),
     }
@@ -346,14 +336,10 @@ def merge(source: Path, out: Path, env: dict, base: Path | None = None, extra: t
         raise SystemExit(f"merge failed ({proc.returncode}):\n{text[-3000:]}")
     peak = max((r.get(k, 0) for r in s.samples for k in r if k != "t"), default=0)
     shards = sorted(out.glob("*.safetensors"))
-    return {"peak_private_gib": round(peak / GIB, 3), "seconds": round(time.monotonic() - t0, 1),
-            "largest_shard_gib": round(max(f.stat().st_size for f in shards) / GIB, 3),
+    return {"peak_private_gib": gib(peak), "seconds": round(time.monotonic() - t0, 1),
+            "largest_shard_gib": gib(max(f.stat().st_size for f in shards)),
             "tensor_check": next((ln for ln in text.splitlines() if ln.startswith("tensors: ")), None),
             "logits_check": next((ln.strip() for ln in text.splitlines() if "max |logit diff|" in ln), None)}  # fmt: skip
-
-
-def _largest_shard_gib(model: Path) -> float:
-    return round(max(f.stat().st_size for f in model.glob("*.safetensors")) / GIB, 3)
 
 
 def compare_outputs(a: Path, b: Path) -> dict:
@@ -386,22 +372,18 @@ def merge_compare(model: Path, work: Path, env: dict) -> dict:
     then the bfloat16 streaming merge with the whole-model logits check. Peaks against the must-show bound:
     1.5 x the base's largest shard + the adapter."""
     adapter = _random_adapter(model, work / "adapter")
-    adapter_gib = round(sum(f.stat().st_size for f in adapter.glob("*.safetensors")) / GIB, 3)
-    shard = _largest_shard_gib(model)
-    out = {"base_largest_shard_gib": shard, "adapter_gib": adapter_gib,
-           "bound_gib": round(1.5 * shard + adapter_gib, 3)}  # fmt: skip
-    f32 = ("--dtype", "float32")
-    out["stream_fp32"] = merge(
-        adapter, work / "stream32", env, base=model, extra=(*f32, "--strategy", "stream")
-    )
-    out["memory_fp32"] = merge(
-        adapter, work / "memory32", env, base=model, extra=(*f32, "--strategy", "memory")
-    )
+    adapter_gib = gib(sum(f.stat().st_size for f in adapter.glob("*.safetensors")))
+    shard = gib(max(f.stat().st_size for f in model.glob("*.safetensors")))
+    out = {"base_largest_shard_gib": shard, "adapter_gib": adapter_gib}
+    out["bound_gib"] = round(1.5 * shard + adapter_gib, 3)
+    for strategy in ("stream", "memory"):
+        extra = ("--dtype", "float32", "--strategy", strategy)
+        out[f"{strategy}_fp32"] = merge(adapter, work / f"{strategy}32", env, base=model, extra=extra)
     out["fp32_stream_vs_memory"] = compare_outputs(work / "stream32", work / "memory32")
     for d in ("stream32", "memory32"):
         shutil.rmtree(work / d, ignore_errors=True)
-    out["stream_bf16_verified"] = merge(adapter, work / "stream16", env, base=model,
-                                        extra=("--dtype", "bfloat16", "--strategy", "stream", "--verify-logits", "always"))  # fmt: skip
+    extra = ("--dtype", "bfloat16", "--strategy", "stream", "--verify-logits", "always")
+    out["stream_bf16_verified"] = merge(adapter, work / "stream16", env, base=model, extra=extra)
     return out
 
 
@@ -462,10 +444,9 @@ def plot(results: list[Path], png: Path) -> None:
             ax_step.plot([int(s) for s in steps], [by_step[s][rk] for s in steps], marker=".", label=rk)
         ax_step.set_ylim(bottom=0)
         ax_step.set_xlabel("optimizer step")
+        peaks = "per_step_peak" in t
         ax_step.set_title(
-            "peak private memory within each step"
-            if "per_step_peak" in t
-            else "private memory at each step's record"
+            "peak private memory within each step" if peaks else "private memory at each step's record"
         )
         ax_step.legend(fontsize=7)
     fig.tight_layout()
@@ -519,11 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(built), flush=True)
     if args.merge_compare:
         result["merge_compare"] = merge_compare(model, args.work / args.shape / "compare", env)
-        out = args.out or RESULTS / f"rehearsal_{args.shape}_merge.json"
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps(result, indent=2))
-        return 0
-    if args.merge_only:
+    elif args.merge_only:
         adapter = _random_adapter(model, args.work / args.shape / "adapter")
         result["merge"] = merge(adapter, args.work / args.shape / "merged", env, base=model)
     else:
@@ -531,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         result["train"] = train(model, run, args.steps, args.override, env, SHAPES[args.shape][0])
         result["merge"] = merge(run, args.work / args.shape / "merged", env)
         result["measured_over_planned"] = against_plan(result)
-    out = args.out or RESULTS / f"rehearsal_{args.shape}.json"
+    out = args.out or RESULTS / f"rehearsal_{args.shape}{'_merge' if args.merge_compare else ''}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
@@ -551,12 +528,9 @@ def _random_adapter(model: Path, out: Path) -> Path:
     tensors = {}
     for name, mod in skeleton.named_modules():
         if isinstance(mod, torch.nn.Linear) and not name.endswith("lm_head"):
-            tensors[f"base_model.model.{name}.lora_A.weight"] = (
-                torch.randn(16, mod.in_features, generator=gen) / 64
-            )
-            tensors[f"base_model.model.{name}.lora_B.weight"] = (
-                torch.randn(mod.out_features, 16, generator=gen) / 64
-            )
+            lora = f"base_model.model.{name}.lora_"
+            tensors[lora + "A.weight"] = torch.randn(16, mod.in_features, generator=gen) / 64
+            tensors[lora + "B.weight"] = torch.randn(mod.out_features, 16, generator=gen) / 64
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "adapter_model.safetensors")
     cfg = {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": "all-linear",

@@ -128,8 +128,11 @@ def with_lora(model, lora: dict, seq2seq: bool):
     return get_peft_model(model, LoraConfig(**kwargs, target_modules=lora["target_modules"], task_type=task))
 
 
-def train(trainer) -> tuple[dict, dict]:
-    """`trainer.train()`; (its metrics, the first and last loss it logged)."""
+def train(cls, model, args, rows, collator, tokenizer, callback) -> tuple:
+    """`cls` (Trainer or Seq2SeqTrainer) trained on `rows`; (the trainer, its metrics, the first and last loss
+    it logged)."""
+    kwargs = {"train_dataset": rows, "data_collator": collator, "processing_class": tokenizer}
+    trainer = cls(model=model, args=args, **kwargs, callbacks=[callback])
     metrics = trainer.train().metrics
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h] or [None]
-    return metrics, {"loss_first": losses[0], "loss_last": losses[-1]}
+    return trainer, metrics, {"loss_first": losses[0], "loss_last": losses[-1]}
