@@ -31,9 +31,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the harness and this lorakit
 
 from benchmarks.harness import device, load_spec, main, steps  # noqa: E402
+from benchmarks.harness.gpu_result import evaluate_targets, exit_status, measured, merge, table  # noqa: E402
 from benchmarks.harness.provenance import source_digest  # noqa: E402
 from benchmarks.harness.runner import Runner  # noqa: E402
-from benchmarks.harness.workers import lorakit_worker, one_process_env, train, training_args, with_lora  # noqa: E402
+from benchmarks.harness.workers import one_process_env, train, training_args, with_lora  # noqa: E402
 
 SPEC = load_spec("gpu_bench")
 MODELS, WORKLOADS, LORA, LR = SPEC["models"], SPEC["workloads"], SPEC["lora"], SPEC["learning_rates"]
@@ -46,36 +47,6 @@ def check_args(args, error) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- workers
-def worker_setup(spec: dict) -> dict:
-    """The probe, then the random weights of every model the run needs (one process for all of it)."""
-    out = {"probe": device.probe(spec["matmul_n"], spec["dtype"]), "builds": {}}
-    for name, model_dir in spec["models"].items():
-        try:
-            out["builds"][name] = device.build_weights(model_dir, spec["dtype"])
-        except Exception as e:  # reported per model: its workloads fail, the others run
-            out["builds"][name] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
-    return out
-
-
-def worker_lorakit(spec: dict) -> dict:
-    """lorakit.train on the side's recipe, with a timer at the end of every optimizer step."""
-    import torch
-
-    from lorakit.engine import loop
-
-    rec, inner = steps.StepRecorder(spec["family"], torch.cuda.is_available()), loop.train_window
-
-    def timed_window(*args, **kwargs):  # instrumentation only: reads the batches, changes nothing
-        for b in kwargs["window"] if "window" in kwargs else args[2]:
-            rec.add(steps.lorakit_batch_lengths(b, spec["family"]), int(b["num_token_slots"]))
-        out = inner(*args, **kwargs)
-        rec.end()
-        return out
-
-    loop.train_window = timed_window
-    return rec.result(spec["warmup_steps"], lorakit_worker(dict(spec, fields=SPEC["worker_fields"])))
-
-
 def worker_hf(spec: dict) -> dict:
     """The usual Hugging Face recipe: Trainer + peft on the same tokenized rows, timed per optimizer step."""
     import torch
@@ -144,7 +115,7 @@ def worker_hf(spec: dict) -> dict:
     return rec.result(spec["warmup_steps"], out)
 
 
-WORKERS = {"setup": worker_setup, "lorakit": worker_lorakit, "hf": worker_hf}
+WORKERS = {"setup": device.setup_worker, "lorakit": steps.lorakit_worker, "hf": worker_hf}
 
 
 # ------------------------------------------------------------------------------------------ orchestration
@@ -198,10 +169,6 @@ def packed_budget(lengths: list[int], batch: int) -> int:
     """Tokens per packed row: about `batch` examples of mean length (as many tokens as a padded micro-batch
     holds without its padding), a multiple of 256, at least the longest example."""
     return max(math.ceil(batch * statistics.fmean(lengths) / 256) * 256, max(lengths))
-
-
-def measured(r: dict) -> bool:
-    return r.get("status") == "measured"
 
 
 class Session:
@@ -322,7 +289,7 @@ class Session:
         spec = {k: w[k] for k in ("family", "method", "zero_stage", "batch", "steps")}
         spec.update(dtype=self.dtype, warmup_steps=self.warmup, model_dir=str(model_dir), work_dir=str(work))
         if side.startswith("lorakit"):
-            spec["recipe"] = self.recipe(w, side, data_file, work, budget)
+            spec.update(recipe=self.recipe(w, side, data_file, work, budget), fields=SPEC["worker_fields"])
             lorakit.prepare(recipe_from_dict(spec["recipe"]))  # tokenize and cache here: no timed run pays
         else:
             spec.update(extra, group_by_length=side == "hf_grouped", master_port=free_port())
@@ -343,93 +310,23 @@ class Session:
         return r
 
 
-def evaluate_targets(workloads: dict) -> dict:
-    """Each target of the spec with its measured value and whether it was met (None: not measured)."""
-    out = {}
-    for key, t in SPEC["targets"].items():
-        w = workloads.get(t["workload"], {})
-        if "ratio" in t:
-            value = w.get("ratios", {}).get(t["ratio"])
-        else:
-            value = w.get("sides", {}).get(t["side"], {}).get("mfu")
-        out[key] = {**t, "measured": value, "met": None if value is None else bool(value >= t["at_least"])}
-    return out
-
-
-def table(result: dict) -> str:
-    lines = [
-        "workload              side             useful tok/s     MFU  %matmul  pad.eff  peak GiB   vs hf"
-    ]
-    for name, w in result["workloads"].items():
-        for side, r in w.get("sides", {}).items():
-            if not measured(r):
-                lines.append(f"{name:21s} {side:15s} {r.get('status', '?')}")
-                continue
-            ratio, mem = w["ratios"].get(f"{side}/hf"), (r["peak_gpu_memory_bytes"] or 0) / 2**30
-            mfu, vs = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a", f"x{ratio:.2f}" if ratio else ""
-            rate, eff = r["useful_tokens_per_second"], r["padding_efficiency_timed"]
-            numbers = (
-                f"{rate:13,.0f} {mfu:>7s} {r['mfu_vs_measured_matmul']:7.1%} {eff:8.2f} {mem:9.1f} {vs:>7s}"
-            )
-            lines.append(f"{name:21s} {side:15s} {numbers}")
-        if not w.get("sides") and w.get("status") in ("skipped", "failed"):
-            why = (w.get("reason") or w.get("error") or "").splitlines() or [""]
-            lines.append(f"{name:21s} {w['status']}: {why[0][:70]}")
-    return "\n".join(lines)
-
-
 def write_result(result: dict, output: Path, out_dir: Path | None) -> None:
     """The JSON (targets evaluated) and its chart at `output`, copies in `out_dir`; written after every
     workload, so a command killed at its time limit still leaves the finished workloads."""
     from benchmarks.harness.plots import render
     from lorakit.rundir import write_json
 
-    result["targets"] = evaluate_targets(result["workloads"])
+    result["targets"] = evaluate_targets(result["workloads"], SPEC["targets"])
     for path in [output] + ([out_dir / output.name] if out_dir and out_dir != output.parent else []):
         write_json(path, result)
         render(sys.modules[__name__], result, path.with_suffix(".png"))
-
-
-def exit_status(result: dict) -> int:
-    """The script's exit status for a measured result: 1 when a workload failed or is partial, or when GPU
-    tests were asked for (--run-gpu-tests) and did not pass; else 0."""
-    failed = [n for n, w in result["workloads"].items() if w.get("status") in ("failed", "partial")]
-    gpu = result.get("gpu_tests")
-    return 1 if failed or (gpu is not None and not device.gpu_tests_passed(gpu)) else 0
-
-
-def merge(paths: list[str], output: Path, out_dir: Path | None) -> int:
-    """Combine the results of several invocations (one lease command each) into one result."""
-    parts = [json.loads(Path(p).read_text()) for p in paths]
-    devices = {p["peak_flops"]["device"] for p in parts}
-    if len(devices) != 1:
-        print(f"error: the parts were measured on different devices: {sorted(devices)}", file=sys.stderr)
-        return 2
-    result = dict(parts[0], workloads={})
-    for p in parts:
-        for name, w in p["workloads"].items():
-            # An earlier measured copy beats a later skipped or failed one; a later try beats a skip.
-            if measured(w) or result["workloads"].get(name, {"status": "skipped"}).get("status") == "skipped":
-                result["workloads"][name] = w
-    keys = ("command", "date", "git_revision", "lorakit_source_sha256", "benchmark_wall_seconds", "versions")
-    parts_of = [
-        {k: p.get(k) for k in (*keys, "gpu_tests")} | {"workloads": list(p["workloads"])} for p in parts
-    ]
-    result["parts"] = parts_of
-    result["command"] = " ; ".join(p["command"] for p in parts)
-    result["benchmark_wall_seconds"] = sum(p.get("benchmark_wall_seconds") or 0 for p in parts)
-    result["gpu_tests"] = ([p["gpu_tests"] for p in parts if p.get("gpu_tests")] or [None])[-1]
-    write_result(result, output, out_dir)
-    print(table(result))
-    print(f"wrote {output}")
-    return 0
 
 
 def measure(bench) -> int:
     args, log, smoke = bench.args, bench.log, bench.args.smoke
     out_dir = Path(args.out).resolve() if args.out else None
     if args.merge:
-        return merge(args.merge, bench.output, out_dir)
+        return merge(args.merge, bench.output, lambda result: write_result(result, bench.output, out_dir))
     # Before anything imports huggingface_hub (it reads these once): nothing here needs the hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -462,7 +359,7 @@ def measure(bench) -> int:
     try:
         # On a GPU in its own process, so this one never holds device memory; the CPU smoke run saves the
         # start-up of one more interpreter.
-        setup = worker_setup(spec) if smoke else runner.run("setup", spec, "setup")
+        setup = device.setup_worker(spec) if smoke else runner.run("setup", spec, "setup")
     except RuntimeError as e:
         log(str(e))
         return 1

@@ -23,11 +23,10 @@ import math
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a script from a checkout: the harness and this lorakit
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the harness and this lorakit
 
 from benchmarks.harness import load_spec, main, plots  # noqa: E402
+from benchmarks.harness.cli import whole_micro_batches  # noqa: E402
 from benchmarks.harness.runner import claims, first_of, token_checks  # noqa: E402
 
 SPEC = load_spec("seq2seq_packing")
@@ -40,11 +39,7 @@ def default_output(args) -> str:
 
 
 def check_args(args, error) -> None:
-    if args.max_samples % MICRO_BATCH:
-        # The padded sides' sampler fills a last short micro-batch with repeats: counts would differ.
-        error(
-            f"--max-samples must be a multiple of the micro batch size {MICRO_BATCH}, got {args.max_samples}"
-        )
+    whole_micro_batches(args, error, MICRO_BATCH)
     if args.examples_per_step % MICRO_BATCH:
         error(f"--examples-per-step must be a multiple of the micro batch size {MICRO_BATCH}")
     args.examples_per_row = sorted(set(args.examples_per_row))
@@ -66,9 +61,7 @@ def rows_at(budget: int, sources: list[int], targets: list[int]) -> int:
     return len(Seq2SeqMultipackBatchSampler(sources, targets, budget, max_target, num_replicas=1))
 
 
-def packed_candidates(
-    row_examples: list[int], examples_per_step: int, sources: list[int], targets: list[int]
-):
+def packed_candidates(row_examples: list, examples_per_step: int, sources: list, targets: list) -> list:
     """(examples per row, train.max_tokens, rows per optimizer step) for each packed row size swept.
 
     The budget is the largest multiple of 8 at which the epoch still packs into at least n / k rows, so
@@ -86,14 +79,8 @@ def packed_candidates(
                 lo = mid
             else:
                 hi = mid - 8
-        out.append(
-            {
-                "examples_per_row": k,
-                "max_tokens": lo,
-                "accumulation": examples_per_step // k,
-                "rows_per_epoch": rows_at(lo, sources, targets),
-            }
-        )
+        c = {"examples_per_row": k, "max_tokens": lo, "accumulation": examples_per_step // k}
+        out.append({**c, "rows_per_epoch": rows_at(lo, sources, targets)})
     return out
 
 
@@ -165,31 +152,24 @@ def measure(bench) -> int:
     )
     medians, ratios = bench.summarise(runs, SIDES, spec["comparisons"])
     judged = claims(spec["claims"], ratios, medians, valid)
-    result = bench.result(
-        dataset=args.dataset, claims=judged, claims_met={c["name"]: c["claim_met"] for c in judged}
-    )
+    met = {c["name"]: c["claim_met"] for c in judged}
+    result = bench.result(dataset=args.dataset, claims=judged, claims_met=met)
     result.update(chosen_examples_per_row=best, chosen_max_tokens=budget["max_tokens"])
     result["budget_rows_per_epoch"] = budget["rows_per_epoch"]
     result.update(
-        {
-            key: {s: batching_of[s][key] for s in SIDES}
-            for key in ("micro_batch", "max_tokens", "accumulation")
-        }
+        {k: {s: batching_of[s][k] for s in SIDES} for k in ("micro_batch", "max_tokens", "accumulation")}
     )
     result.update(examples_per_step=per_step, seeds=seeds, mean_source_tokens=sum(sources) / len(sources))
     result["max_target_tokens"] = first_of(runs, SIDES, "max_target_tokens")
     r0, eval_rows = runs[0], sorted({r["eval_rows"] for r in every if r["eval_rows"] is not None})
     data_setup = {**dataset, "split": "train", "rows": args.max_samples, "format": "instruction"}
-    data_setup.update(
-        {key: r0[key] for key in ("max_source_length", "max_target_length")}, caps_from=spec["caps_from"]
-    )
-    data_setup.update({key: r0[key] for key in ("source_tokens_untruncated", "target_tokens_untruncated")})
+    caps = ("max_source_length", "max_target_length")
+    data_setup.update({k: r0[k] for k in caps}, caps_from=spec["caps_from"])
+    data_setup.update({k: r0[k] for k in ("source_tokens_untruncated", "target_tokens_untruncated")})
     data_setup.update(eval_split="validation", eval_rows=eval_rows[0] if len(eval_rows) == 1 else eval_rows)
     evaluation = spec["evaluation"].format(n=args.max_eval_samples)
-    zero_stage = first_of(runs, SIDES, "zero_stage")
-    setup = bench.setup(
-        every, SIDES, config, data_setup, zero_stage=zero_stage, evaluation=evaluation, saving="disabled"
-    )
+    more = {"zero_stage": first_of(runs, SIDES, "zero_stage"), "evaluation": evaluation, "saving": "disabled"}
+    setup = bench.setup(every, SIDES, config, data_setup, **more)
     how = "chosen by the sweep" if row_sweep else "the only row size given, no sweep"
     context = {
         "k": best,
@@ -197,20 +177,17 @@ def measure(bench) -> int:
         "packed_accumulation": chosen["accumulation"],
         "budget": budget["max_tokens"],
     }
-    context.update(
-        padded_accumulation=padded["accumulation"], budget_k=best, budget_accumulation=budget["accumulation"]
-    )
+    context.update(padded_accumulation=padded["accumulation"], budget_k=best)
+    context["budget_accumulation"] = budget["accumulation"]
     firsts = ("optimizer_steps", "examples_per_optimizer_step", "useful_tokens_per_optimizer_step")
     result.update(setup=setup, sides=bench.describe(SIDES, **context))
     result["batch_size_matching"] = spec["batch_size_matching"].format(n=per_step, **context)
-    result.update(
-        checks=checks,
-        **bench.per_side(runs, SIDES, checks["useful_tokens_equal_on_all_runs"], medians, firsts),
-    )
+    result["checks"] = checks
+    result.update(bench.per_side(runs, SIDES, checks["useful_tokens_equal_on_all_runs"], medians, firsts))
     result.update(
         {
-            key: {s: medians[s][key] for s in SIDES}
-            for key in ("source_efficiency", "target_efficiency", "eval_loss")
+            k: {s: medians[s][k] for s in SIDES}
+            for k in ("source_efficiency", "target_efficiency", "eval_loss")
         }
     )
     result.update(medians=medians, ratios=ratios, row_sweep=row_sweep, runs=runs)

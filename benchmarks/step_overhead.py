@@ -37,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = ROOT / "benchmarks" / "results" / "step_overhead.json"
+PHASES = ("data", "window", "forward", "backward", "optimizer", "record", "eval", "checkpoint", "run")
 HEAVY = ("torch", "deepspeed", "transformers", "datasets", "peft", "matplotlib", "evaluate", "pandas")
 
 
@@ -109,25 +110,16 @@ def shares(rank: dict) -> dict:
     """Per-step work outside forward/backward/optimizer step, from one rank's phase sums."""
     out = {}
     for kind in ("wall", "cpu"):
-        t = {p: rank[kind].get(p, 0.0) for p in ("data", "window", "forward", "backward", "optimizer")}
-        t.update({p: rank[kind].get(p, 0.0) for p in ("record", "eval", "checkpoint", "run")})
+        t = {p: rank[kind].get(p, 0.0) for p in PHASES}
         compute = t["forward"] + t["backward"] + t["optimizer"]
         window_rest = t["window"] - compute
         other = t["data"] + window_rest + t["record"]
         steps = t["data"] + t["window"] + t["record"]
-        out[kind] = {
-            "compute": compute,
-            "data": t["data"],
-            "window_rest": window_rest,
-            "record": t["record"],
-            "per_step_other": other,
-            "per_step_other_share": other / steps if steps else None,
-            "eval": t["eval"],
-            "checkpoint": t["checkpoint"],
-            # Trainer.run outside the steps, evaluations and checkpoints: epoch starts and the loop itself.
-            "run_rest": t["run"] - steps - t["eval"] - t["checkpoint"],
-            "run": t["run"],
-        }
+        out[kind] = {"compute": compute, "data": t["data"], "window_rest": window_rest, "record": t["record"]}
+        out[kind].update(per_step_other=other, per_step_other_share=other / steps if steps else None)
+        out[kind].update(eval=t["eval"], checkpoint=t["checkpoint"])
+        # Trainer.run outside the steps, evaluations and checkpoints: epoch starts and the loop itself.
+        out[kind].update(run_rest=t["run"] - steps - t["eval"] - t["checkpoint"], run=t["run"])
     return out
 
 
@@ -136,14 +128,8 @@ def measure_phases(recipe: str, overrides: list[str], processes: int) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as tmp:
         out = Path(tmp)
-        args = [
-            str(Path(__file__).resolve()),
-            "--worker",
-            str(out),
-            recipe,
-            *overrides,
-            f"output.dir={out / 'run'}",
-        ]
+        args = [str(Path(__file__).resolve()), "--worker", str(out), recipe, *overrides]
+        args.append(f"output.dir={out / 'run'}")
         if processes > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}"]
             cmd += [f"--master-port={free_port()}", *args]
@@ -228,13 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     elif processes != 2:
         overrides.append(f"distributed.num_processes={processes}")
     output = Path(a.output) if a.output else (Path(tempfile.mkdtemp()) / "so.json" if a.smoke else RESULT)
-    result = {
-        "benchmark": "step_overhead",
-        "recipe": a.recipe,
-        "overrides": overrides,
-        "note": a.note,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": load_now()},
-    }
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": load_now()}
+    result = {"benchmark": "step_overhead", "recipe": a.recipe, "overrides": overrides, "note": a.note}
+    result["machine"] = machine
     if not a.smoke:  # tests/unit/test_startup_imports.py checks the imports
         result["imports"] = measure_imports()
     if not (a.skip_first_step or a.smoke):

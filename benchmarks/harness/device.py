@@ -86,6 +86,17 @@ def probe(matmul_n: int, dtype_name: str) -> dict:
     return out
 
 
+def setup_worker(spec: dict) -> dict:
+    """The probe, then the random weights of every model the run needs (one process for all of it)."""
+    out = {"probe": probe(spec["matmul_n"], spec["dtype"]), "builds": {}}
+    for name, model_dir in spec["models"].items():
+        try:
+            out["builds"][name] = build_weights(model_dir, spec["dtype"])
+        except Exception as e:  # reported per model: its workloads fail, the others run
+            out["builds"][name] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
+    return out
+
+
 def build_weights(model_dir: str, dtype: str) -> dict:
     """Random weights for the config saved in `model_dir`, made on the device, saved as safetensors."""
     import torch

@@ -138,20 +138,16 @@ def ratios(runs: list[dict], meds: dict, comparisons, key_format: str = "{side}/
     for side, base in comparisons:
         m, b = meds[side], meds[base]
         paired = paired_ratios(runs, side, base, "useful_tokens_per_second")
-        r = {
-            "side": side,
-            "versus": base,
-            "useful_tokens_per_second": m["useful_tokens_per_second"] / b["useful_tokens_per_second"],
-        }
+        r = {"side": side, "versus": base}
+        r["useful_tokens_per_second"] = m["useful_tokens_per_second"] / b["useful_tokens_per_second"]
         r.update(paired_useful_tokens_per_second=paired, paired_median=statistics.median(paired))
         r["epoch_time_speedup"] = b["epoch_seconds"] / m["epoch_seconds"]
         for key in ("step_useful_tokens_per_second", "useful_tokens_per_cpu_second"):
             if key in m:
                 r[key] = m[key] / b[key]
         if "useful_tokens_per_cpu_second" in m:
-            r["paired_useful_tokens_per_cpu_second"] = paired_ratios(
-                runs, side, base, "useful_tokens_per_cpu_second"
-            )
+            cpu = paired_ratios(runs, side, base, "useful_tokens_per_cpu_second")
+            r["paired_useful_tokens_per_cpu_second"] = cpu
         r["padding_efficiency_ratio"] = m["padding_efficiency"] / b["padding_efficiency"]
         if "eval_loss" in m:
             r["eval_loss_difference"] = m["eval_loss"] - b["eval_loss"]
@@ -162,9 +158,7 @@ def ratios(runs: list[dict], meds: dict, comparisons, key_format: str = "{side}/
     return out
 
 
-def claims(
-    specs: list[dict], ratio_of: dict, meds: dict, valid: bool, key_format="{side}/{versus}"
-) -> list[dict]:
+def claims(specs: list[dict], ratio_of: dict, meds: dict, valid: bool, key_format="{side}/{versus}") -> list:
     """Each claim of the spec with the measured value it is judged on; `claim_met` comes from the recorded
     medians, and is False whenever the runs failed their checks (`valid`).
 

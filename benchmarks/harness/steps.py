@@ -164,3 +164,24 @@ class StepRecorder:
         out["peak_gpu_reserved_bytes"] = torch.cuda.max_memory_reserved() if self.cuda else None
         out["peak_cpu_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return {**out, **extra}
+
+
+def lorakit_worker(spec: dict) -> dict:
+    """lorakit.train on `spec['recipe']` (workers.lorakit_worker), with a timer at the end of every optimizer
+    step; the recorder's result with the worker's fields."""
+    import torch
+
+    from benchmarks.harness import workers
+    from lorakit.engine import loop
+
+    rec, inner = StepRecorder(spec["family"], torch.cuda.is_available()), loop.train_window
+
+    def timed_window(*args, **kwargs):  # instrumentation only: reads the batches, changes nothing
+        for b in kwargs["window"] if "window" in kwargs else args[2]:
+            rec.add(lorakit_batch_lengths(b, spec["family"]), int(b["num_token_slots"]))
+        out = inner(*args, **kwargs)
+        rec.end()
+        return out
+
+    loop.train_window = timed_window
+    return rec.result(spec["warmup_steps"], workers.lorakit_worker(spec))
