@@ -30,11 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the harness and this lorakit
 
-from benchmarks.harness import device, load_spec, main, steps  # noqa: E402
+from benchmarks.harness import device, load_spec, main, steps, trainer_steps  # noqa: E402
 from benchmarks.harness.gpu_result import evaluate_targets, exit_status, measured, merge, table  # noqa: E402
 from benchmarks.harness.provenance import source_digest  # noqa: E402
 from benchmarks.harness.runner import Runner  # noqa: E402
-from benchmarks.harness.workers import one_process_env, train, training_args, with_lora  # noqa: E402
 
 SPEC = load_spec("gpu_bench")
 MODELS, WORKLOADS, LORA, LR = SPEC["models"], SPEC["workloads"], SPEC["lora"], SPEC["learning_rates"]
@@ -46,76 +45,7 @@ def check_args(args, error) -> None:
         error(f"argument --workloads: unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
 
 
-# ----------------------------------------------------------------------------------------------- workers
-def worker_hf(spec: dict) -> dict:
-    """The usual Hugging Face recipe: Trainer + peft on the same tokenized rows, timed per optimizer step."""
-    import torch
-    import transformers as hf
-
-    from lorakit.data.cache import load_cached
-
-    cuda, seq2seq, method = torch.cuda.is_available(), spec["family"] == "seq2seq", spec["method"]
-    tokenizer = hf.AutoTokenizer.from_pretrained(spec["model_dir"])
-    rows = load_cached(Path(spec["prepared"]))[0]["train"]
-    rows = rows.remove_columns([c for c in rows.column_names if c not in ("input_ids", "labels")])
-    hf.set_seed(SPEC["seed"])
-    deepspeed = None
-    if spec["zero_stage"] == 3:
-        one_process_env(spec["master_port"])
-        deepspeed = json.loads(json.dumps(SPEC["hf_zero3"]))
-        deepspeed["zero_optimization"]["overlap_comm"] = cuda
-        if not cuda:
-            deepspeed["optimizer"]["params"]["torch_adam"] = True  # DeepSpeed's fused Adam needs CUDA
-    # Arguments before the model, so that under ZeRO-3 from_pretrained loads partitioned (zero.Init).
-    kwargs = {"per_device_train_batch_size": spec["batch"], "logging_steps": max(1, spec["steps"] // 4)}
-    kwargs.update(SPEC["hf_args"], output_dir=spec["work_dir"], learning_rate=LR[method], deepspeed=deepspeed)
-    kwargs.update(bf16=spec["dtype"] == "bfloat16", use_cpu=not cuda, checkpointing=True)
-    kwargs["group_by_length"] = spec["group_by_length"]
-    args = training_args(hf.Seq2SeqTrainingArguments if seq2seq else hf.TrainingArguments, **kwargs)
-    load = {"dtype": getattr(torch, spec["dtype"]), "attn_implementation": spec["hf_attention"]}
-    if method == "qlora":
-        nf4 = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
-        nf4.update(load_in_4bit=True, bnb_4bit_compute_dtype=load["dtype"])
-        load["quantization_config"] = hf.BitsAndBytesConfig(**nf4)
-        load.update({"device_map": {"": 0}} if cuda else {})
-    auto = hf.AutoModelForSeq2SeqLM if seq2seq else hf.AutoModelForCausalLM
-    model = auto.from_pretrained(spec["model_dir"], **load)
-    model.config.use_cache = False
-    if method == "qlora":
-        from peft import prepare_model_for_kbit_training
-
-        ckpt = {"use_reentrant": False}
-        model = prepare_model_for_kbit_training(model, True, ckpt)
-    if method != "full":
-        model = with_lora(model, LORA, seq2seq)
-    rec = steps.StepRecorder(spec["family"], cuda)
-
-    def count(module, args_, kwargs):  # instrumentation only: reads the forward's inputs
-        src, slots = kwargs["attention_mask"].sum(1).tolist(), kwargs["input_ids"].numel()
-        if seq2seq:
-            labels = kwargs["labels"]
-            rec.add(list(zip(src, (labels != -100).sum(1).tolist(), strict=True)), slots + labels.numel())
-        else:
-            rec.add(src, slots)
-
-    model.register_forward_pre_hook(count, with_kwargs=True)
-
-    class StepEnd(hf.TrainerCallback):
-        def on_step_end(self, *a, **k):
-            rec.end()
-
-    collator = hf.DataCollatorForSeq2Seq(tokenizer, model=model if seq2seq else None, label_pad_token_id=-100)
-    trainer_class = hf.Seq2SeqTrainer if seq2seq else hf.Trainer
-    trainer, _, losses = train(trainer_class, model, args, rows, collator, tokenizer, StepEnd())
-    trainable = [getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad]
-    out = {"attention": model.config._attn_implementation, "optimizer_steps": trainer.state.global_step}
-    out.update(trainable_params=sum(trainable), useful_tokens_epoch=sum(map(steps.useful_tokens, rec.steps)))
-    out.update(token_slots_epoch=sum(s["slots"] for s in rec.steps), **losses)
-    out["optimizer"] = type(trainer.optimizer).__name__ if trainer.optimizer is not None else None
-    return rec.result(spec["warmup_steps"], out)
-
-
-WORKERS = {"setup": device.setup_worker, "lorakit": steps.lorakit_worker, "hf": worker_hf}
+WORKERS = {"setup": device.setup_worker, "lorakit": steps.lorakit_worker, "hf": trainer_steps.hf_worker}
 
 
 # ------------------------------------------------------------------------------------------ orchestration
@@ -292,7 +222,8 @@ class Session:
             spec.update(recipe=self.recipe(w, side, data_file, work, budget), fields=SPEC["worker_fields"])
             lorakit.prepare(recipe_from_dict(spec["recipe"]))  # tokenize and cache here: no timed run pays
         else:
-            spec.update(extra, group_by_length=side == "hf_grouped", master_port=free_port())
+            spec.update(extra, group_by_length=side == "hf_grouped", master_port=free_port(), lora=LORA)
+            spec.update({k: SPEC[k] for k in ("seed", "hf_zero3", "hf_args")}, lr=LR[w["method"]])
         try:
             r = runner.run("lorakit" if side.startswith("lorakit") else "hf", spec, f"{name}-{side}")
         except RuntimeError as e:

@@ -4,24 +4,12 @@ the same rows with the same number of processes, measured side by side.
     python benchmarks/prepare_speed.py --rows 302000          # -> benchmarks/results/prepare_speed.json
     python benchmarks/prepare_speed.py --smoke --output /tmp/ps.json      # 500 rows: tests the script
 
-The rows: the bundled news_summaries train split (1,000 rows) repeated to `--rows` rows, each article prefixed
-with its row number (`Report 1234. `) so no two rows are the same; written once as a JSONL file that both
-sides read. The tokenizer: lorakit's tiny T5 tokenizer (nothing can be downloaded here).
-
-- **guide**: Philipp Schmid's "Fine-tune FLAN-T5 XL/XXL using DeepSpeed & Hugging Face Transformers":
-  `load_dataset("json")`, then `dataset.map(preprocess_function, batched=True, remove_columns=...)` where
-  `preprocess_function` tokenizes the templated inputs with `padding="max_length", max_length=512,
-  truncation=True` and the targets the same way to the longest target (the guide measures it with a full
-  tokenizing pass of its own, which is not timed here), and replaces the label pad ids by -100; then
-  `save_to_disk`, as the guide does. `--num-proc N` passes `num_proc=N` (1: the map runs in this process).
-- **lorakit**: `lorakit.prepare(recipe)` on a recipe reading the same file with the quickstart's template and
-  `auto` caps (longest source, p95 target), `data.num_proc` N, a fresh `data.cache_dir` (no cache hit):
-  rows read and checked, tokenized, caps resolved, over-long rows truncated, written to the cache.
-
-Each run is a fresh process, timed from before loading the tokenizer to the end of the write; the sides
-alternate (the order reversed every other round), so load on the machine hits both. Wall seconds, and CPU
-seconds of the process and of any worker processes it waited for, are recorded; the ratio that counts is
-lorakit's wall time over the guide's in the same round (below 1.0: lorakit is faster).
+The rows: the bundled news_summaries train split repeated to `--rows` rows (each article prefixed with its row
+number), one JSONL file both sides read; lorakit's tiny T5 tokenizer. **guide**: the FLAN-T5 DeepSpeed
+guide's `datasets.map(preprocess_function)` (padding to 512 and to the longest target) and `save_to_disk`;
+**lorakit**: `lorakit.prepare` on the quickstart's template with `auto` caps and a fresh cache. Each run is a
+fresh process; the sides alternate. The ratio that counts is lorakit's wall time over the guide's in the same
+round (below 1.0: lorakit is faster). benchmarks/README.md says more.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -28,25 +27,22 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # as a script: the harness and this lorakit
+
+from benchmarks.harness import memory  # noqa: E402
+from benchmarks.harness.memory import Sampler, against_plan, gib, planned_of, step_memory, step_times  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
-GIB = 1 << 30
+PIPED = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}  # output read as text
 
 # name -> (family, config overrides). T5 v1.1 XL (FLAN-T5-XL), Llama-3-8B; "-Nl": fewer layers, same width.
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 SHAPES = {
     "flan-t5-xl": ("t5", {}),
     "flan-t5-xl-2l": ("t5", dict(num_layers=2, num_decoder_layers=2)),
     "llama3-8b-2l": ("llama", dict(num_hidden_layers=2)),
     "tiny": ("t5", dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, num_decoder_layers=2)),
-    "tiny-llama": (
-        "llama",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_hidden_layers=2,
-        ),
-    ),  # fmt: skip
+    "tiny-llama": ("llama", dict(TINY_LLAMA, num_hidden_layers=2)),
 }
 
 
@@ -143,68 +139,6 @@ def build(shape: str, path: Path, shard_size: str = "2GB") -> dict:
     return {"shape": shape, "params": n, "bytes": total, "shards": len(groups)}
 
 
-def private_bytes(pid: int) -> int | None:
-    """RssAnon of a process, or None when it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-class Sampler:
-    """Samples RssAnon of a process tree every `every` seconds: worker ranks by their RANK variable."""
-
-    def __init__(self, root: int, every: float = 0.2):
-        self.root, self.every, self.t0 = root, every, time.monotonic()
-        self.samples: list[dict] = []  # {t, rank -> bytes}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def _ranks(self) -> dict[str, int]:
-        import psutil
-
-        try:
-            procs = [psutil.Process(self.root), *psutil.Process(self.root).children(recursive=True)]
-        except psutil.Error:
-            return {}
-        out = {}
-        for p in procs:
-            try:
-                rank = p.environ().get("RANK") if p.pid != self.root else None
-            except psutil.Error:
-                continue
-            out[f"rank{rank}" if rank is not None else f"pid{p.pid}"] = p.pid
-        return out
-
-    def _run(self):
-        while not self._stop.wait(self.every):
-            t, sizes = time.monotonic() - self.t0, {n: private_bytes(pid) for n, pid in self._ranks().items()}
-            self.samples.append({"t": t, **{n: b for n, b in sizes.items() if b is not None}})
-
-
-def _metrics_times(run_dir: Path, seen: dict[int, float], t0: float) -> None:
-    f = run_dir / "metrics.jsonl"
-    if not f.is_file():
-        return
-    for line in f.read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("kind") == "train" and rec["step"] not in seen:
-            seen[rec["step"]] = time.monotonic() - t0
-            if rec["step"] == 1 and rec.get("tokens_per_second"):  # when the first step began
-                seen[0] = seen[1] - rec["tokens"] / rec["tokens_per_second"]
-
-
 # The recipe each family trains with, and what makes its rows 128 + 32 tokens, one per micro-batch.
 RECIPES = {
     "t5": ("flan_t5_xl_lora.yaml", ["data.max_source_length=128", "data.max_target_length=32"]),
@@ -226,24 +160,22 @@ def train(model: Path, out: Path, steps: int, extra: list[str], env: dict, famil
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resume of an earlier one
     cmd = [sys.executable, "-m", "lorakit.run", str(ROOT / "recipes" / recipe), *overrides]
     step_t: dict[int, float] = {}
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, **PIPED)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     with Sampler(proc.pid) as s:
         while proc.poll() is None:
-            _metrics_times(out, step_t, s.t0)
+            step_times(out, step_t, s.t0)
             time.sleep(0.2)
-        _metrics_times(out, step_t, s.t0)
+        step_times(out, step_t, s.t0)
         end = time.monotonic() - s.t0
     reader.join()
     if proc.returncode != 0:
         raise SystemExit(f"training failed ({proc.returncode}):\n" + "".join(lines[-40:]))
     summary = json.loads((out / "summary.json").read_text())
-    return {"phases": phases(s.samples, step_t, end), "per_step": per_step(s.samples, step_t),
-            "per_step_peak": per_step_peak(s.samples, step_t),
+    return {"phases": memory.phases(s.samples, step_t, end), "per_step": memory.per_step(s.samples, step_t),
+            "per_step_peak": memory.per_step_peak(s.samples, step_t),
             "summary": _summary_memory(summary), "planned_phases_gib": planned_phases(out / "recipe.yaml"),
             "seconds": end}  # fmt: skip
 
@@ -252,54 +184,7 @@ def planned_phases(recipe: Path) -> dict:
     """The planner's bytes per process of each phase of this run on CPUs (lorakit/planner/phases.py), GiB."""
     from lorakit.planner.phases import cpu_phases
 
-    return {k: round(v / GIB, 3) for k, v in cpu_phases(recipe).items()}
-
-
-def gib(n: float) -> float:
-    return round(n / GIB, 3)
-
-
-def _peaks(samples: list[dict], rows: list[dict]) -> dict:
-    """Each rank's (of all the samples) peak private memory over `rows` (GiB)."""
-    ranks = sorted({k for row in samples for k in row if k.startswith("rank")})
-    return {rk: gib(max((r.get(rk, 0) for r in rows), default=0)) for rk in ranks}
-
-
-def phases(samples: list[dict], step_t: dict[int, float], end: float) -> dict:
-    """Peak private memory of each rank in each phase (GiB). Step 0's time is when the first step began (its
-    record's time less its duration), step N's when its record was written."""
-    last, began = max(step_t), step_t.get(0, step_t.get(1, end))
-    bounds = {"load": (0.0, began), "first_step": (began, step_t.get(1, end))}
-    bounds.update(steady=(step_t.get(2, end), step_t[last]), save=(step_t[last], end))
-    return {
-        name: _peaks(samples, [r for r in samples if a <= r["t"] <= b]) for name, (a, b) in bounds.items()
-    }
-
-
-def per_step(samples: list[dict], step_t: dict[int, float], peak: bool = False) -> dict:
-    """Each rank's private memory at each step's record (GiB): flat in steady state, or growing. With `peak`:
-    each rank's peak within each step, from the previous step's record (step 1: when it began) to its own. A
-    sample at the record alone may land before or after ZeRO-3 frees what it gathered, so the peaks are what
-    "flat from step 2 on" is judged by."""
-    out, previous = {}, step_t.get(0)
-    for step, t in sorted(step_t.items()):
-        if step == 0:
-            continue
-        start = previous if peak and previous is not None else -math.inf
-        rows, previous = [r for r in samples if start < r["t"] <= t], t
-        if rows:
-            out[step] = _peaks(samples, rows if peak else rows[-1:])
-    return out
-
-
-def per_step_peak(samples: list[dict], step_t: dict[int, float]) -> dict:
-    return per_step(samples, step_t, peak=True)
-
-
-def step_memory(train: dict) -> dict:
-    """A result's memory per step: each step's peak where the run recorded it, else (results from before
-    `per_step_peak`) the sample at each step's record."""
-    return train.get("per_step_peak") or train["per_step"]
+    return {k: gib(v) for k, v in cpu_phases(recipe).items()}
 
 
 def _summary_memory(summary: dict) -> dict:
@@ -327,9 +212,7 @@ def merge(source: Path, out: Path, env: dict, base: Path | None = None, extra: t
            "--verify-logits", "never", "--max-shard-size", "2GB", *(["--base", str(base)] if base else []),
            *extra]  # fmt: skip
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, **PIPED)
     with Sampler(proc.pid, every=0.05) as s:
         text = proc.communicate()[0]
     if proc.returncode != 0:
@@ -387,29 +270,6 @@ def merge_compare(model: Path, work: Path, env: dict) -> dict:
     return out
 
 
-def against_plan(result: dict, processes: int = 2) -> dict:
-    """Each phase's peak per rank against the plan for that phase per process (planned_phases; results
-    from before it: the planner's per-node RAM divided by the processes), the merge's peak against the
-    merge's plan, and the growth from step 2 to the last step."""
-    t = result["train"]
-    single = t["summary"]["planned_per_node_cpu_gib"] / processes
-    planned = t.get("planned_phases_gib") or dict.fromkeys([*t["phases"], "merge"], single)
-    out = {"planned_per_process_gib": planned}
-    for name, ranks in t["phases"].items():
-        out[name] = {rk: round(v / planned[name], 3) for rk, v in ranks.items()}
-    if result.get("merge") and planned.get("merge"):
-        out["merge"] = round(result["merge"]["peak_private_gib"] / planned["merge"], 3)
-    by_step = step_memory(t)
-    steps = sorted(by_step, key=int)
-    first, last = by_step.get("2", by_step[steps[0]]), by_step[steps[-1]]
-    out["growth_step2_to_last_gib"] = {rk: round(last[rk] - first[rk], 3) for rk in last}
-    steady = [by_step[k] for k in steps if int(k) >= 2] or [last]
-    out["steady_step_range_gib"] = {
-        rk: round(max(v[rk] for v in steady) - min(v[rk] for v in steady), 3) for rk in last
-    }
-    return out
-
-
 def plot(results: list[Path], png: Path) -> None:
     """Per phase: each rank's measured private memory against the plan per device; per step: each rank's."""
     import matplotlib
@@ -426,8 +286,7 @@ def plot(results: list[Path], png: Path) -> None:
         for i, rk in enumerate(ranks):
             ax_phase.bar([j + 0.35 * i for j in range(len(names))], [t["phases"][n][rk] for n in names], 0.35,
                          label=rk)  # fmt: skip
-        single = t["summary"]["planned_per_node_cpu_gib"] / 2
-        planned = t.get("planned_phases_gib") or dict.fromkeys([*names, "merge"], single)
+        planned = planned_of(t)
         ax_phase.scatter([j + 0.175 for j in range(len(names))], [planned[n] for n in names], marker="_",
                          s=900, color="k", zorder=3, label="plan per process (phase)")  # fmt: skip
         ax_phase.bar(len(names) + 0.2, r["merge"]["peak_private_gib"], 0.5, color="tab:green", label="merge")
@@ -444,10 +303,9 @@ def plot(results: list[Path], png: Path) -> None:
             ax_step.plot([int(s) for s in steps], [by_step[s][rk] for s in steps], marker=".", label=rk)
         ax_step.set_ylim(bottom=0)
         ax_step.set_xlabel("optimizer step")
-        peaks = "per_step_peak" in t
-        ax_step.set_title(
-            "peak private memory within each step" if peaks else "private memory at each step's record"
-        )
+        title = "peak private memory within each step"
+        title = title if "per_step_peak" in t else "private memory at each step's record"
+        ax_step.set_title(title)
         ax_step.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -468,17 +326,13 @@ def main(argv: list[str] | None = None) -> int:
                         "tensor for tensor, and streaming in bfloat16 with the logits check (the in-memory merge holds the model in float32: ~12 GiB at the full XL shape, 1.4 GiB at flan-t5-xl-2l)")  # fmt: skip
     p.add_argument("--env", action="append", default=[], help="NAME=VALUE for the run's processes")
     p.add_argument("--override", action="append", default=[], help="recipe override for the run")
-    p.add_argument(
-        "--out", type=Path, default=None, help="results JSON (default results/rehearsal_SHAPE.json)"
-    )
+    p.add_argument("--out", type=Path, help="results JSON (default results/rehearsal_SHAPE.json)")
     args = p.parse_args(argv)
     if args.plot_only:
         for f in args.plot_only:  # older results get the comparison with the plan too
             r = json.loads(f.read_text())
             if "train" in r and args.replan:  # the planner changed since the run: plan the run's recipe again
-                r["train"]["planned_phases_gib"] = planned_phases(
-                    args.work / r["shape"] / "run" / "recipe.yaml"
-                )
+                r["train"]["planned_phases_gib"] = planned_phases(args.work / r["shape"] / "run/recipe.yaml")
             if "train" in r:
                 r["measured_over_planned"] = against_plan(r)
                 f.write_text(json.dumps(r, indent=2) + "\n")
@@ -490,13 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     built = build(args.shape, model) if not (model / "config.json").is_file() else {"shape": args.shape}
     built["build_seconds"] = round(time.monotonic() - t0, 1)
-    result = {
-        "shape": args.shape,
-        "model": built,
-        "env": args.env,
-        "overrides": args.override,
-        "label": args.label,
-    }
+    result = {"shape": args.shape, "model": built, "env": args.env, "overrides": args.override}
+    result["label"] = args.label
     print(json.dumps(built), flush=True)
     if args.merge_compare:
         result["merge_compare"] = merge_compare(model, args.work / args.shape / "compare", env)

@@ -6,15 +6,10 @@ eval loss after it.
     python benchmarks/seq2seq_packing.py --plot-only benchmarks/results/seq2seq_packing.json
 
 Four ways to batch the same (source, summary) pairs (specs/seq2seq_packing.yaml), every side at the same
-examples per optimizer step (--examples-per-step, 32), so every side takes the same optimisation path in
-expectation: random micro-batches of 8 padded to their longest member, 4 per step; the same grouped by
-length; lorakit's default packing, rows of k random examples (the steps of random padding at each seed); and
-rows filled to a token budget (train.max_tokens: the largest budget at which the epoch still packs into
-n / k rows). k is chosen in the same invocation: a sweep trains the packed side with rows of 8, 16 and 32 and
-picks the highest median useful tokens per CPU second (one torch thread: what the run computed, whatever
-other jobs took from the machine). Round r trains every side with seed 42 + r, so the eval-loss claim is
-judged over several data orders, paired by seed. Every run evaluates once after its epoch (loss only, timed
-apart).
+examples per optimizer step: random and length-grouped padded micro-batches, rows of k random examples
+(lorakit's default packing; k chosen by a sweep on useful tokens per CPU second) and rows filled to a token
+budget. Round r trains every side with seed 42 + r, so the eval-loss claim is paired by seed; every run
+evaluates once after its epoch. benchmarks/README.md says more.
 """
 
 from __future__ import annotations

@@ -4,23 +4,14 @@ packed rows, 2 processes, ZeRO-3, ROUGE evaluation, epoch checkpoints).
     python benchmarks/step_overhead.py                    # -> benchmarks/results/step_overhead.json
     python benchmarks/step_overhead.py --smoke --output /tmp/so.json     # 1 process, 2 steps: tests the script
 
-Three measurements, each in fresh processes:
-
-- **imports**: `import lorakit` and the launcher's imports (`lorakit.api`), wall and CPU seconds, and which of
-  the heavy libraries each one loads.
-- **first step**: `python -m lorakit.run RECIPE` exactly as a user types it (train.max_steps=1, no
-  evaluation), from the command to the first step's record in metrics.jsonl, and to the process's exit.
-- **phases**: the recipe trained under torchrun by this script's `--worker`, which wraps the loop's parts
-  with timers on every rank: batch loading (the DataLoader's next), the forward and loss
-  (`Objective.loss`), DeepSpeed's backward and step, the rest of `train_window` (the window's all_reduces,
-  counting, the loss and grad-norm reads), the step's record (`Trainer._account`: metrics.jsonl,
-  TensorBoard, progress bar), evaluation, checkpoints, and `Trainer.run` as a whole. The share the issue
-  asks about is per-step work outside forward, backward and optimizer step over the steps' time (batch
-  loading + the rest of train_window + the record, over those plus forward, backward and step).
-
-The timers wrap lorakit's internals (it has no hooks), as benchmarks/harness/workers.py does: if one is
-renamed, the worker fails loudly and the smoke test catches it. Wall seconds on a shared machine stretch with
-the load; CPU seconds (each rank's process time) are the steadier of the two, and both are recorded.
+Three measurements, each in fresh processes: `import lorakit` and the launcher's imports (wall, CPU, the heavy
+libraries each loads); `python -m lorakit.run RECIPE` for one step, to its first metrics record and to its
+exit; and the recipe trained under torchrun by this script's `--worker`, with the loop's parts timed on every
+rank (batch loading, forward and loss, DeepSpeed's backward and step, the rest of `train_window`, the step's
+record, evaluation, checkpoints, `Trainer.run`). The share the issue asks about: per-step work outside
+forward, backward and optimizer step over the steps' time. The timers wrap lorakit's internals (it has no
+hooks): if one is renamed, the worker fails loudly and the smoke test catches it. benchmarks/README.md says
+more.
 """
 
 from __future__ import annotations
