@@ -32,10 +32,8 @@ def check_args(args, error) -> None:
 def per_budget(budget: int, runs: list[dict]) -> dict:
     """What a budget of the sweep packs: examples per row, the sampler's fill."""
     r = runs[0]
-    return {
-        "examples_per_row_mean": r["examples"] / r["micro_batches"],
-        "sampler_efficiency": r["batching"].get("sampler_efficiency_epoch0"),
-    }
+    fill = r["batching"].get("sampler_efficiency_epoch0")
+    return {"examples_per_row_mean": r["examples"] / r["micro_batches"], "sampler_efficiency": fill}
 
 
 def measure(bench) -> int:
@@ -60,10 +58,8 @@ def measure(bench) -> int:
     short = [b for b in budgets if b < max_length]
     if short:
         why = "packing would truncate examples and the sides would not train on the same tokens"
-        print(
-            f"error: budgets {short} are below the longest example ({max_length} tokens): {why}",
-            file=sys.stderr,
-        )
+        why = f"error: budgets {short} are below the longest example ({max_length} tokens): {why}"
+        print(why, file=sys.stderr)
         return 2
     for b in budgets:
         lorakit.prepare(recipe_from_dict(bench.recipe("packed", {"train.max_tokens": b})))
@@ -81,18 +77,15 @@ def measure(bench) -> int:
         padded = data_tokens / (args.max_samples / MICRO_BATCH)
         packed = {b: budget_sweep["per_budget"][str(b)]["useful_tokens_per_optimizer_step"] for b in budgets}
         matched = min(budgets, key=lambda b: abs(packed[b] - padded))
-        budget_sweep["matched_to_padded_batch"] = {
-            "budget": matched,
-            "padded_useful_tokens_per_optimizer_step": padded,
-            "packed_useful_tokens_per_optimizer_step": packed[matched],
-        }
+        match = {"budget": matched, "padded_useful_tokens_per_optimizer_step": padded}
+        match["packed_useful_tokens_per_optimizer_step"] = packed[matched]
+        budget_sweep["matched_to_padded_batch"] = match
         if matched != chosen:
             sides.insert(sides.index("packed") + 1, "packed_matched")
             comparisons = comparisons + spec["matched_comparisons"]
             log(f"packed_matched: budget {matched}, about as many tokens per optimizer step as padded")
-    budget_of = {
-        s: (matched if s == "packed_matched" else chosen) if bench.packing(s) else None for s in sides
-    }
+    own = {"packed_matched": matched}  # the other packed sides run at the chosen budget
+    budget_of = {s: own.get(s, chosen) if bench.packing(s) else None for s in sides}
     runs = bench.rounds(sides, args.repeats, lambda s, _: run(s, budget_of[s]))
 
     every = runs + (budget_sweep["runs"] if budget_sweep else [])
@@ -104,16 +97,13 @@ def measure(bench) -> int:
     met = bool(valid and head["useful_tokens_per_second"] >= claim["ratio_at_least"])
     result = bench.result(claim=claim["text"], claim_ratio=claim["ratio_at_least"], claim_met=met)
     result.update(headline={"side": "packed", "versus": "padded_random"})
-    result.update(
-        headline_ratio=head["useful_tokens_per_second"], headline_paired_median=head["paired_median"]
-    )
+    result["headline_ratio"] = head["useful_tokens_per_second"]
+    result["headline_paired_median"] = head["paired_median"]
     result.update(chosen_max_tokens=chosen, matched_max_tokens=matched, max_tokens=budget_of)
     data_setup = {k: v for k, v in spec["recipe"]["data"].items() if k != "max_length"}
     data_setup.update(rows=args.max_samples, max_length=max_length, max_length_from=spec["max_length_from"])
-    data_setup.update(
-        tokens=data_tokens,
-        **{k: data.stats.get(k) for k in ("loss_tokens", "tokens_untruncated", "overlong")},
-    )
+    data_setup.update(tokens=data_tokens)
+    data_setup.update({k: data.stats.get(k) for k in ("loss_tokens", "tokens_untruncated", "overlong")})
     how = "chosen by the budget sweep" if budget_sweep else "given with --max-tokens, no sweep"
     more = {"zero_stage": first_of(runs, sides, "zero_stage"), "evaluation": "disabled", "saving": "disabled"}
     setup = bench.setup(every, sides, config, data_setup, **more)
@@ -128,10 +118,7 @@ def measure(bench) -> int:
 def plot(result: dict, plt):
     """Useful tokens/s per side (ratios and padding efficiency above the bars) and the budget sweep."""
     fig, axes, sides, swept = plots.side_and_sweep_panels(plt, result, "budget_sweep", "budgets", scale=1.45)
-    budget = result["max_tokens"]
-    labels = {
-        s: SPEC["sides"][s]["label"] + (f"\nmax_tokens {budget[s]}" if budget.get(s) else "") for s in sides
-    }
+    labels = plots.budget_labels(result, SPEC, sides)
 
     plots.speed_bars(axes[0], result, labels)
     if swept:

@@ -233,11 +233,10 @@ class Session:
         r.update(status="measured", description=SPEC["sides"][side])
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         mem = (r["peak_gpu_memory_bytes"] or 0) / 2**30
-        log(
-            f"  {name}/{side}: {r['useful_tokens_per_second']:,.0f} useful tok/s, MFU {mfu} "
-            f"({r['mfu_vs_measured_matmul']:.1%} of measured matmul), efficiency {r['padding_efficiency_timed']:.2f}, "
-            f"step {r['step_seconds_median']:.3f} s, peak {mem:.1f} GiB, {r['process_seconds']:.0f} s in all"
-        )
+        rate, eff = f"{r['useful_tokens_per_second']:,.0f} useful tok/s", r["padding_efficiency_timed"]
+        matmul, step = r["mfu_vs_measured_matmul"], r["step_seconds_median"]
+        what = f"MFU {mfu} ({matmul:.1%} of measured matmul), efficiency {eff:.2f}, step {step:.3f} s"
+        log(f"  {name}/{side}: {rate}, {what}, peak {mem:.1f} GiB, {r['process_seconds']:.0f} s in all")
         return r
 
 

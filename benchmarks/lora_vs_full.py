@@ -63,9 +63,8 @@ def worker(spec: dict) -> dict:
         opt = getattr(trainer.engine.optimizer, "optimizer", trainer.engine.optimizer)
         measured["weights"] = _bytes(module.parameters())
         measured["trainable_weights"] = _bytes(p for p in module.parameters() if p.requires_grad)
-        measured["optimizer"] = _bytes(
-            t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)
-        )
+        states = [t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)]
+        measured["optimizer"] = _bytes(states)
 
     DeepSpeedEngine.step, loop.train_window = measured_step, measured_window
     r = lorakit_worker(spec, at_run_end=model_state)
@@ -74,13 +73,8 @@ def worker(spec: dict) -> dict:
     cpu = r.pop("epoch_cpu_seconds") + r.pop("eval_cpu_seconds", 0.0)
     state = {k: measured[k] for k in ("weights", "trainable_weights", "grads", "optimizer")}
     state["total"] = state["weights"] + state["grads"] + state["optimizer"]
-    return {
-        **r,
-        "train_cpu_seconds": measured["train_cpu_seconds"],
-        "model_state_bytes": state,
-        "run_wall_seconds": wall,
-        "run_cpu_per_wall": cpu / wall,
-    }
+    r.update(train_cpu_seconds=measured["train_cpu_seconds"], model_state_bytes=state, run_wall_seconds=wall)
+    return {**r, "run_cpu_per_wall": cpu / wall}
 
 
 WORKERS = {"lorakit": worker}
@@ -137,12 +131,8 @@ def measure(bench) -> int:
     finetune.update(rows=args.max_samples, eval_rows=args.eval_samples, epochs=recipe["train"]["epochs"])
     lora = {k: v for k, v in spec["sides"]["lora"]["recipe"]["method"].items() if k != "kind"}
     finetune.update(lrs=args.lrs, schedule=text["schedule"], lora=lora)
-    setup = {
-        "model": text["model"],
-        "pretrain": pretrain_setup,
-        "finetune": finetune,
-        "engine": text["engine"],
-    }
+    setup = {"model": text["model"], "pretrain": pretrain_setup, "finetune": finetune}
+    setup["engine"] = text["engine"]
     setup["torch_threads"] = sorted({r["torch_threads"] for r in runs})
     checks = {"same_train_tokens_on_every_run": len(tokens) == 1, "same_steps_on_every_run": len(steps) == 1}
     checks.update(train_tokens=tokens, steps=steps)
@@ -151,9 +141,8 @@ def measure(bench) -> int:
     compare["plots"] = sorted(p.name for p in comparison.plots.values())
     result = bench.result(measures=spec["measures"])
     result.update(setup=setup, checks=checks)
-    result["pretrain"] = {
-        k: pre[k] for k in ("eval_loss", "loss_first", "loss_last", "steps", "train_tokens")
-    }
+    kept = ("eval_loss", "loss_first", "loss_last", "steps", "train_tokens")
+    result["pretrain"] = {k: pre[k] for k in kept}
     result["best"] = {m: {k: v for k, v in best[m].items() if k != "model_dir"} for m in METHODS}
     result.update(summary=summarise(runs, best), compare=compare)
     result["runs"] = [{k: v for k, v in r.items() if k != "model_dir"} for r in runs]
@@ -165,9 +154,8 @@ def measure(bench) -> int:
         f"lora/full {cpu:.2f}x (wall {wall:.2f}x); model state full/lora "
         f"{s['full_over_lora_model_state_bytes']:.2f}x; report in {report_dir}/"
     )
-    return bench.finish(
-        result, checks["same_train_tokens_on_every_run"] and checks["same_steps_on_every_run"]
-    )
+    same = checks["same_train_tokens_on_every_run"] and checks["same_steps_on_every_run"]
+    return bench.finish(result, same)
 
 
 def plot(result: dict, plt):
@@ -184,10 +172,8 @@ def plot(result: dict, plt):
     lrs = result["setup"]["finetune"]["lrs"]
     a2.set_xticks(range(len(lrs)), [f"lr {lr:g}" for lr in lrs])
     speed = result["summary"]["lora_over_full_tokens_per_cpu_second"]["median"]
-    a2.set(
-        ylabel="useful tokens per CPU-second (1 thread)",
-        title=f"speed per round (LoRA / full, median of rounds: {speed:.2f}x)",
-    )
+    title = f"speed per round (LoRA / full, median of rounds: {speed:.2f}x)"
+    a2.set(ylabel="useful tokens per CPU-second (1 thread)", title=title)
     bottom = [0.0, 0.0]
     for j, part in enumerate(("weights", "grads", "optimizer")):
         values = [result["best"][m]["model_state_bytes"][part] / 2**20 for m in METHODS]

@@ -46,9 +46,8 @@ def write_rows(path: Path, rows: int) -> None:
     with open(path, "w") as f:
         for i in range(rows):
             r = base[i % len(base)]
-            f.write(
-                json.dumps({"article": f"Report {i}. {r['article']}", "highlights": r["highlights"]}) + "\n"
-            )
+            row = {"article": f"Report {i}. {r['article']}", "highlights": r["highlights"]}
+            f.write(json.dumps(row) + "\n")
 
 
 def _cpu() -> float:
@@ -68,9 +67,8 @@ def guide(rows: Path, model: Path, out: Path, num_proc: int, target_cap: int) ->
     columns, caps = ("article", "highlights"), (GUIDE_SOURCE_CAP, target_cap)
     preprocess_function = guide_preprocess(tokenizer, TEMPLATE, columns, caps)
     num_proc = num_proc if num_proc > 1 else None
-    tokenized = ds.map(
-        preprocess_function, batched=True, remove_columns=["article", "highlights"], num_proc=num_proc
-    )
+    columns = {"remove_columns": ["article", "highlights"], "num_proc": num_proc}
+    tokenized = ds.map(preprocess_function, batched=True, **columns)
     tokenized.save_to_disk(str(out / "train"))
     return {"wall_seconds": time.perf_counter() - wall, "cpu_seconds": _cpu() - cpu, "rows": len(tokenized)}
 
@@ -129,13 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=302_000)
     p.add_argument("--num-proc", type=int, default=1, help="processes of both sides' map (data.num_proc)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of (guide, lorakit)")
-    p.add_argument(
-        "--work-dir", default=None, help="where the rows file and outputs go (default: a temp dir)"
-    )
+    p.add_argument("--work-dir", help="where the rows file and outputs go (default: a temp dir)")
     p.add_argument("--output", default=None, help=f"result JSON (default {RESULT.relative_to(ROOT)})")
-    p.add_argument(
-        "--cache-dir", default=None, help="where lorakit's tiny T5 is built or found (default: work dir)"
-    )
+    p.add_argument("--cache-dir", help="where lorakit's tiny T5 is built or found (default: work dir)")
     p.add_argument("--smoke", action="store_true", help="500 rows, 1 round: tests the script")
     p.add_argument("--note", default="")
     a = p.parse_args(args)

@@ -191,18 +191,11 @@ def _summary_memory(summary: dict) -> dict:
     plan, peaks = summary.get("plan") or {}, summary["peak_memory_bytes"]
     states = sum(i["bytes"] for i in (plan.get("recipe") or {}).get("items", []) if i.get("kind") == "state")
     out = {"planned_per_device_gib": gib(plan.get("per_gpu_bytes") or 0)}
-    out.update(
-        planned_per_node_cpu_gib=gib(plan.get("per_node_cpu_bytes") or 0),
-        planned_model_states_gib=gib(states),
-    )
-    out.update(
-        measured_model_states_gib=gib(peaks.get("model_states") or 0), peak_cpu_rss_gib=gib(peaks["cpu_rss"])
-    )
-    return {
-        **out,
-        "total_params": summary.get("total_params"),
-        "trainable_params": summary.get("trainable_params"),
-    }
+    out["planned_per_node_cpu_gib"] = gib(plan.get("per_node_cpu_bytes") or 0)
+    out["planned_model_states_gib"] = gib(states)
+    out["measured_model_states_gib"] = gib(peaks.get("model_states") or 0)
+    out["peak_cpu_rss_gib"] = gib(peaks["cpu_rss"])
+    return {**out, **{k: summary.get(k) for k in ("total_params", "trainable_params")}}
 
 
 def merge(source: Path, out: Path, env: dict, base: Path | None = None, extra: tuple[str, ...] = ()) -> dict:

@@ -142,18 +142,16 @@ def measure(bench) -> int:
     where = lambda r: f"@{r['max_tokens'] or r['micro_batch']}" if r["side"].startswith("packed") else ""  # noqa: E731
     checks = token_checks(every, args.max_samples, lambda r: r["side"] + where(r))
     checks["every_run_evaluated"] = all(r["eval_loss"] is not None for r in every)
-    valid = all(
-        checks[k] for k in ("useful_tokens_equal_on_all_runs", "each_example_once", "every_run_evaluated")
-    )
+    needed = ("useful_tokens_equal_on_all_runs", "each_example_once", "every_run_evaluated")
+    valid = all(checks[k] for k in needed)
     medians, ratios = bench.summarise(runs, SIDES, spec["comparisons"])
     judged = claims(spec["claims"], ratios, medians, valid)
     met = {c["name"]: c["claim_met"] for c in judged}
     result = bench.result(dataset=args.dataset, claims=judged, claims_met=met)
     result.update(chosen_examples_per_row=best, chosen_max_tokens=budget["max_tokens"])
     result["budget_rows_per_epoch"] = budget["rows_per_epoch"]
-    result.update(
-        {k: {s: batching_of[s][k] for s in SIDES} for k in ("micro_batch", "max_tokens", "accumulation")}
-    )
+    for k in ("micro_batch", "max_tokens", "accumulation"):
+        result[k] = {s: batching_of[s][k] for s in SIDES}
     result.update(examples_per_step=per_step, seeds=seeds, mean_source_tokens=sum(sources) / len(sources))
     result["max_target_tokens"] = first_of(runs, SIDES, "max_target_tokens")
     r0, eval_rows = runs[0], sorted({r["eval_rows"] for r in every if r["eval_rows"] is not None})
@@ -166,12 +164,8 @@ def measure(bench) -> int:
     more = {"zero_stage": first_of(runs, SIDES, "zero_stage"), "evaluation": evaluation, "saving": "disabled"}
     setup = bench.setup(every, SIDES, config, data_setup, **more)
     how = "chosen by the sweep" if row_sweep else "the only row size given, no sweep"
-    context = {
-        "k": best,
-        "how": how,
-        "packed_accumulation": chosen["accumulation"],
-        "budget": budget["max_tokens"],
-    }
+    context = {"k": best, "how": how, "packed_accumulation": chosen["accumulation"]}
+    context["budget"] = budget["max_tokens"]
     context.update(padded_accumulation=padded["accumulation"], budget_k=best)
     context["budget_accumulation"] = budget["accumulation"]
     firsts = ("optimizer_steps", "examples_per_optimizer_step", "useful_tokens_per_optimizer_step")
@@ -179,36 +173,28 @@ def measure(bench) -> int:
     result["batch_size_matching"] = spec["batch_size_matching"].format(n=per_step, **context)
     result["checks"] = checks
     result.update(bench.per_side(runs, SIDES, checks["useful_tokens_equal_on_all_runs"], medians, firsts))
-    result.update(
-        {
-            k: {s: medians[s][k] for s in SIDES}
-            for k in ("source_efficiency", "target_efficiency", "eval_loss")
-        }
-    )
+    result.update({k: {s: medians[s][k] for s in SIDES} for k in ("source_efficiency", "target_efficiency")})
+    result["eval_loss"] = {s: medians[s]["eval_loss"] for s in SIDES}
     result.update(medians=medians, ratios=ratios, row_sweep=row_sweep, runs=runs)
     for s, m in medians.items():
-        log(
-            f"{s:15s} median {m['useful_tokens_per_second']:7.0f} useful tok/s, eval loss {m['eval_loss']:.4f}"
-        )
+        rate, loss = m["useful_tokens_per_second"], m["eval_loss"]
+        log(f"{s:15s} median {rate:7.0f} useful tok/s, eval loss {loss:.4f}")
     return bench.finish(result, valid)
 
 
 def plot(result: dict, plt):
     """Useful tokens/s and eval loss per side, and the row size sweep."""
     fig, axes, sides, swept = plots.side_and_sweep_panels(plt, result, "row_sweep", "row_sizes", 2, scale=1.3)
-    budget, per_row = result["max_tokens"], result["micro_batch"]
-    labels = {
-        s: SPEC["sides"][s]["label"] + (f"\nmax_tokens {budget[s]}" if budget.get(s) else "") for s in sides
-    }
+    per_row = result["micro_batch"]
+    labels = plots.budget_labels(result, SPEC, sides)
     labels["packed"] += f"\n{per_row['packed']} per row"
 
     def loss(side: str) -> str:
         return f"{result['medians'][side]['eval_loss']:.3f}\n{result['optimizer_steps'][side]} steps"
 
     plots.speed_bars(axes[0], result, labels, "padding eff.", 7)
-    plots.side_bars(
-        axes[1], result, "eval_loss", "eval loss after the epoch (lower is better)", labels, loss, 7
-    )
+    title = "eval loss after the epoch (lower is better)"
+    plots.side_bars(axes[1], result, "eval_loss", title, labels, loss, 7)
     losses = [r["eval_loss"] for r in result["runs"]]
     pad = 0.5 * (max(losses) - min(losses) + 0.05)
     axes[1].set_ylim(min(losses) - pad, max(losses) + pad)
@@ -216,9 +202,8 @@ def plot(result: dict, plt):
         title = f"row size sweep: packed useful tokens / CPU s ({swept['repeats']} round(s))"
 
         def notes(p: dict) -> str:
-            return (
-                f"eff. {p['padding_efficiency']:.2f}\n{p['optimizer_steps']} steps\neval {p['eval_loss']:.3f}"
-            )
+            eff, steps, loss = p["padding_efficiency"], p["optimizer_steps"], p["eval_loss"]
+            return f"eff. {eff:.2f}\n{steps} steps\neval {loss:.3f}"
 
         metric = "useful_tokens_per_cpu_second"
         plots.sweep_bars(axes[2], swept, SPEC["sweep"], metric, notes, title)

@@ -186,9 +186,8 @@ def measure(bench) -> int:
     first = {side: next(r for r in runs if r["side"] == side) for side in sides}
     judged = [c for c in spec["claims"] if {c["side"], c["versus"]} <= set(sides)]
     measured = claims(judged, ratios, medians, equal, spec["ratio_key"])
-    result = bench.result(
-        claims=measured, claims_met=bool(measured) and all(c["claim_met"] for c in measured)
-    )
+    met = bool(measured) and all(c["claim_met"] for c in measured)
+    result = bench.result(claims=measured, claims_met=met)
     # The first claim's pair; none when --sides left out both claims' sides.
     head = measured[0] if measured else None
     result["headline_pair"] = spec["ratio_key"].format(**head) if head else None
@@ -196,12 +195,8 @@ def measure(bench) -> int:
     base = spec["recipe"]["data"]
     data_setup = {"source": base["source"], "split": base["split"], "rows": args.max_samples}
     data_setup.update(prompt_template=base["prompt_template"], **lengths, lengths_from=spec["lengths_from"])
-    stats = (
-        "source_tokens_untruncated",
-        "target_tokens_untruncated",
-        "truncated_sources",
-        "truncated_targets",
-    )
+    stats = ("source_tokens_untruncated", "target_tokens_untruncated", "truncated_sources")
+    stats += ("truncated_targets",)
     data_setup.update({k: data.stats.get(k) for k in stats})
     checkpointing = {"use_reentrant": False} if args.gradient_checkpointing else None
     whole = next((s for s in sides if "zero3" not in s), sides[0])  # ZeRO-3 sides count a partition
@@ -223,9 +218,8 @@ def plot(result: dict, plt):
 
     plots.speed_bars(ax, result, labels, None, name=lambda s: labels[s].replace("\n", " "))
     efficiency = [result["padding_efficiency"][s] for s in labels]
-    plots.bars(
-        ax2, list(labels.values()), efficiency, [[]] * len(labels), [""] * len(labels), "padding efficiency"
-    )
+    no_runs, no_notes = [[]] * len(labels), [""] * len(labels)
+    plots.bars(ax2, list(labels.values()), efficiency, no_runs, no_notes, "padding efficiency")
     ax2.set_ylim(0, 1)
     return fig
 

@@ -145,9 +145,8 @@ def measure_imports() -> dict:
             "print(json.dumps({'wall': time.perf_counter() - w, 'cpu': time.process_time() - c, "
             f"'heavy': sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))}}))"
         )
-        res = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
-        )
+        command = [sys.executable, "-c", code]
+        res = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
         out[name] = json.loads(res.stdout.strip().splitlines()[-1])
     return out
 
@@ -183,13 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", default="recipes/quickstart.yaml")
     p.add_argument("--processes", type=int, default=2, help="processes of the phase run (the recipe's: 2)")
     p.add_argument("--skip-first-step", action="store_true", help="leave out the first-step measurement")
-    p.add_argument(
-        "--smoke", action="store_true", help="1 process, no ZeRO, 2 steps, no evaluation: tests the script"
-    )
+    smoke = "1 process, no ZeRO, 2 steps, no evaluation: tests the script"
+    p.add_argument("--smoke", action="store_true", help=smoke)
     p.add_argument("--output", default=None, help=f"result JSON (default {RESULT.relative_to(ROOT)})")
-    p.add_argument(
-        "--cache-dir", default=None, help="data.cache_dir of every run (tiny model, tokenized data)"
-    )
+    p.add_argument("--cache-dir", help="data.cache_dir of every run (tiny model, tokenized data)")
     p.add_argument("--note", default="")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the recipe, e.g. train.epochs=1")
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
@@ -218,11 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     output.write_text(json.dumps(result, indent=2) + "\n")
     for i, s in enumerate(result["phases"]["shares"]):
         w, c = s["wall"], s["cpu"]
-        print(
-            f"rank {i}: per-step work outside forward/backward/step {w['per_step_other_share']:.1%} of the steps' "
-            f"wall time ({c['per_step_other_share']:.1%} of CPU time); eval {w['eval']:.1f} s, checkpoints "
-            f"{w['checkpoint']:.1f} s, rest of the loop {w['run_rest']:.2f} s"
-        )
+        wall, cpu = w["per_step_other_share"], c["per_step_other_share"]
+        share = f"{wall:.1%} of the steps' wall time ({cpu:.1%} of CPU time)"
+        rest = f"eval {w['eval']:.1f} s, checkpoints {w['checkpoint']:.1f} s"
+        rest += f", rest of the loop {w['run_rest']:.2f} s"
+        print(f"rank {i}: per-step work outside forward/backward/step {share}; {rest}")
     print(f"wrote {output}")
     return 0
 

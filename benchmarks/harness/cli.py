@@ -59,9 +59,8 @@ def parser(spec: dict) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python benchmarks/{spec['benchmark']}.py", description=spec["about"])
     default = spec.get("output_help", spec.get("output"))
     p.add_argument("--output", help=f"result JSON (default: {default}; --smoke: a temp file)")
-    p.add_argument(
-        "--smoke", action="store_true", help=f"small runs that test the script: {' '.join(spec['smoke'])}"
-    )
+    smoke = f"small runs that test the script: {' '.join(spec['smoke'])}"
+    p.add_argument("--smoke", action="store_true", help=smoke)
     p.add_argument("--note", action="append", help="a note to store in the result (repeatable)")
     p.add_argument("--plot-only", metavar="RESULT_JSON", help="only redraw the chart of an existing result")
     for name, o in options(spec).items():
@@ -170,10 +169,8 @@ class Bench:
         label = label or side
         work = str(self.tmp / f"work-{label}-{time.monotonic_ns()}")
         if spec is None:
-            spec = {
-                "recipe": self.recipe(side, {"output.dir": work, **(overrides or {})}),
-                **self.spec["worker"],
-            }
+            recipe = self.recipe(side, {"output.dir": work, **(overrides or {})})
+            spec = {"recipe": recipe, **self.spec["worker"]}
         spec = {"torch_threads": getattr(self.args, "torch_threads", None), "work_dir": work, **spec}
         r = derive(dict(self.runner.run(kind, spec, label), side=side, **fields), self.spec.get("rates", {}))
         try:
@@ -213,15 +210,12 @@ class Bench:
         shared recipe's method, train and dtype, each side's attention, and `more`."""
         recipe, first = self.spec["recipe"], runs[0]
         attrs = {k: getattr(config, k, None) for k in self.spec["model_config"]}
-        model = {
-            "name_or_path": recipe["model"]["name_or_path"],
-            "built_by": "lorakit.testing.resolve_model_source",
-        }
+        model = {"name_or_path": recipe["model"]["name_or_path"]}
+        model["built_by"] = "lorakit.testing.resolve_model_source"
         model.update(attrs, **{k: first[k] for k in ("total_params", "trainable_params")})
         out = {"model": model, "data": data, "lora": recipe["method"]}
-        out.update(
-            train=dict(recipe["train"], optimizer=self.spec["optimizer"]), dtype=recipe["model"]["dtype"]
-        )
+        out["train"] = dict(recipe["train"], optimizer=self.spec["optimizer"])
+        out["dtype"] = recipe["model"]["dtype"]
         out.update(gradient_checkpointing=self.args.gradient_checkpointing)
         out.update(attention=first_of(runs, sides, "attention"), **more, processes=1)
         return {**out, "torch_threads": sorted({r["torch_threads"] for r in runs})}
@@ -264,9 +258,8 @@ class Bench:
             self.log(f"useful tokens: {useful} on every run, {examples} examples")
         for key, r in result.get("ratios", {}).items():
             paired = [round(x, 2) for x in r["paired_useful_tokens_per_second"]]
-            self.log(
-                f"{key}: x{r['useful_tokens_per_second']:.2f} useful tokens/s (of medians), paired {paired}"
-            )
+            ratio = r["useful_tokens_per_second"]
+            self.log(f"{key}: x{ratio:.2f} useful tokens/s (of medians), paired {paired}")
         one = [{"name": "claim", "claim_met": result["claim_met"]}] if "claim_met" in result else []
         claims = result.get("claims") or one
         for c in claims:

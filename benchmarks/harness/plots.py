@@ -78,6 +78,14 @@ def side_bars(ax, result: dict, metric: str, title: str, labels: dict, notes, fo
     bars(ax, [labels[s] for s in sides], heights, runs, texts, title, fontsize=fontsize)
 
 
+def budget_labels(result: dict, spec: dict, sides: list[str]) -> dict:
+    """{side: its label in the spec, with its packed rows' token budget (`result['max_tokens']`) if it has one}."""
+    budget = result["max_tokens"]
+    return {
+        s: spec["sides"][s]["label"] + (f"\nmax_tokens {budget[s]}" if budget.get(s) else "") for s in sides
+    }
+
+
 def ratio_notes(result: dict, side: str, name=str) -> list[str]:
     """'x1.23 vs OTHER' for each ratio of the result whose side is `side` (OTHER as `name` shows it)."""
     mine = [r for r in result["ratios"].values() if r["side"] == side]
