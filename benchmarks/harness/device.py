@@ -28,9 +28,8 @@ def probe(matmul_n: int, dtype_name: str) -> dict:
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     out: dict = {"device": dev, "versions": versions()}
-    out["versions"].update(
-        torch_cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if cuda else None
-    )
+    out["versions"]["torch_cuda"] = torch.version.cuda
+    out["versions"]["cudnn"] = torch.backends.cudnn.version() if cuda else None
     for name in ("flash_attn", "pydantic", "bitsandbytes"):
         try:
             out["versions"][name] = metadata.version(name.replace("_", "-"))
@@ -39,16 +38,12 @@ def probe(matmul_n: int, dtype_name: str) -> dict:
     if cuda:
         props = torch.cuda.get_device_properties(0)
         out.update(gpu_name=props.name, gpu_memory_bytes=props.total_memory)
-        out.update(
-            multiprocessors=props.multi_processor_count, compute_capability=f"{props.major}.{props.minor}"
-        )
+        out["multiprocessors"] = props.multi_processor_count
+        out["compute_capability"] = f"{props.major}.{props.minor}"
         query = "name,driver_version,memory.total,clocks.max.sm,power.limit"
-        smi = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True, text=True
-        )
-        out["nvidia_smi"] = dict(
-            zip(query.split(","), (x.strip() for x in smi.stdout.split(",")), strict=False)
-        )
+        smi = ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"]
+        values = subprocess.run(smi, capture_output=True, text=True).stdout.split(",")
+        out["nvidia_smi"] = dict(zip(query.split(","), (x.strip() for x in values), strict=False))
     n, dtype = matmul_n, getattr(torch, dtype_name)
     gen = torch.Generator(device=dev).manual_seed(0)
     a, b = (torch.randn(n, n, device=dev, dtype=dtype, generator=gen) for _ in range(2))
@@ -120,12 +115,8 @@ def build_weights(model_dir: str, dtype: str) -> dict:
     if dev == "cuda":
         torch.cuda.empty_cache()
     size = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-    return {
-        "seconds": time.perf_counter() - start,
-        "params": params,
-        "safetensors_bytes": size,
-        "device": dev,
-    }
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "params": params, "safetensors_bytes": size, "device": dev}
 
 
 def run_gpu_tests(log_path: Path, log, tests: str = "tests/gpu", timeout: float = 300.0) -> dict:
@@ -137,9 +128,8 @@ def run_gpu_tests(log_path: Path, log, tests: str = "tests/gpu", timeout: float 
     command = [sys.executable, "-m", "pytest", "-q", "-o", "addopts=-ra", "-m", "gpu", tests]
     command += ["-p", "no:cacheprovider", f"--junitxml={junit}"]
     try:
-        proc = subprocess.run(
-            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
-        )
+        output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        proc = subprocess.run(command, cwd=ROOT, timeout=timeout, **output)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
         proc = subprocess.CompletedProcess(command, 124, out + f"\n= timed out after {timeout:.0f} s in =")

@@ -49,9 +49,8 @@ class Runner:
             log.write(f"\n===== {name} ({kind}) {datetime.now(timezone.utc).isoformat(timespec='seconds')}\n")
             log.flush()
             offset, start = log.tell(), time.perf_counter()
-            proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            own = {"stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}  # killed as a group
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, **own)
             try:
                 code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -151,9 +150,8 @@ def ratios(runs: list[dict], meds: dict, comparisons, key_format: str = "{side}/
         r["padding_efficiency_ratio"] = m["padding_efficiency"] / b["padding_efficiency"]
         if "eval_loss" in m:
             r["eval_loss_difference"] = m["eval_loss"] - b["eval_loss"]
-            r["paired_eval_loss_differences"] = [
-                s["eval_loss"] - v["eval_loss"] for v, s in pairs(runs, side, base)
-            ]
+            differences = [s["eval_loss"] - v["eval_loss"] for v, s in pairs(runs, side, base)]
+            r["paired_eval_loss_differences"] = differences
         out[key_format.format(side=side, versus=base)] = r
     return out
 

@@ -8,10 +8,8 @@ import statistics
 import time
 
 SEQ2SEQ_SUMS = ("source_tokens", "target_tokens", "encoder_pairs", "decoder_pairs", "cross_pairs")
-SUM_KEYS = {
-    "causal": ("tokens", "pairs", "examples", "slots"),
-    "seq2seq": (*SEQ2SEQ_SUMS, "examples", "slots"),
-}
+CAUSAL_SUMS = ("tokens", "pairs", "examples", "slots")
+SUM_KEYS = {"causal": CAUSAL_SUMS, "seq2seq": (*SEQ2SEQ_SUMS, "examples", "slots")}
 
 
 def accounting(config, r: int) -> dict:
@@ -149,14 +147,10 @@ class StepRecorder:
             )
         ends = [s["end"] for s in self.steps]
         durations = [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:], strict=False)]
-        out = {
-            "steps_recorded": len(self.steps),
-            "warmup_steps": warmup,
-            "timed_steps": len(self.steps) - warmup,
-        }
-        out.update(
-            timed_seconds=ends[-1] - ends[warmup - 1], step_seconds_median=statistics.median(durations)
-        )
+        n = len(self.steps)
+        out = {"steps_recorded": n, "warmup_steps": warmup, "timed_steps": n - warmup}
+        out["timed_seconds"] = ends[-1] - ends[warmup - 1]
+        out["step_seconds_median"] = statistics.median(durations)
         out.update(step_seconds_min=min(durations), step_seconds_max=max(durations))
         out["timed_sums"] = {k: sum(s[k] for s in self.steps[warmup:]) for k in SUM_KEYS[self.family]}
         out["all_useful_tokens"] = sum(useful_tokens(s) for s in self.steps)
