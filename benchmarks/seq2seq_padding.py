@@ -106,11 +106,11 @@ def hf_worker(spec: dict) -> dict:
     schedule["max_grad_norm"] = cfg["max_grad_norm"]
     # group_by_length: the expert's LengthGroupedSampler; the guide samples at random.
     kwargs = {**spec["hf_args"], **sizes, **schedule, "deepspeed": deepspeed, "output_dir": spec["work_dir"]}
-    checkpointing = recipe["model"]["gradient_checkpointing"]
-    cls = hf.Seq2SeqTrainingArguments
-    args = training_args(cls, checkpointing=checkpointing, group_by_length=dynamic, **kwargs)
-    collator = counting_collator
-    trainer, metrics, losses = train(hf.Seq2SeqTrainer, model, args, rows, collator, tokenizer, Timer())
+    kwargs.update(checkpointing=recipe["model"]["gradient_checkpointing"], group_by_length=dynamic)
+    args = training_args(hf.Seq2SeqTrainingArguments, **kwargs)
+    trainer, metrics, losses = train(
+        hf.Seq2SeqTrainer, model, args, rows, counting_collator, tokenizer, Timer()
+    )
     params = list(model.parameters())
     out.update(steps=trainer.state.global_step, trainer_train_runtime=metrics["train_runtime"], **losses)
     out.update(attention=model.config._attn_implementation, total_params=sum(p.numel() for p in params))
