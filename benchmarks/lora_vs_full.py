@@ -147,7 +147,8 @@ def measure(bench) -> int:
     result.update(summary=summarise(runs, best), compare=compare)
     result["runs"] = [{k: v for k, v in r.items() if k != "model_dir"} for r in runs]
     s = result["summary"]
-    cpu, wall = (s[f"lora_over_full_tokens_per_{x}"]["median"] for x in ("cpu_second", "second"))
+    cpu = s["lora_over_full_tokens_per_cpu_second"]["median"]
+    wall = s["lora_over_full_tokens_per_second"]["median"]
     log(
         f"best lr: lora {s['best_lr']['lora']:g}, full {s['best_lr']['full']:g}; eval loss lora "
         f"{s['eval_loss_best']['lora']:.4f}, full {s['eval_loss_best']['full']:.4f}; tokens per CPU-second "

@@ -67,8 +67,8 @@ def guide(rows: Path, model: Path, out: Path, num_proc: int, target_cap: int) ->
     columns, caps = ("article", "highlights"), (GUIDE_SOURCE_CAP, target_cap)
     preprocess_function = guide_preprocess(tokenizer, TEMPLATE, columns, caps)
     num_proc = num_proc if num_proc > 1 else None
-    columns = {"remove_columns": ["article", "highlights"], "num_proc": num_proc}
-    tokenized = ds.map(preprocess_function, batched=True, **columns)
+    mapping = {"remove_columns": ["article", "highlights"], "num_proc": num_proc}
+    tokenized = ds.map(preprocess_function, batched=True, **mapping)
     tokenized.save_to_disk(str(out / "train"))
     return {"wall_seconds": time.perf_counter() - wall, "cpu_seconds": _cpu() - cpu, "rows": len(tokenized)}
 
