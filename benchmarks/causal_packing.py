@@ -15,11 +15,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a script from a checkout: the harness and this lorakit
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the harness and this lorakit
 
 from benchmarks.harness import load_spec, main, plots  # noqa: E402
+from benchmarks.harness.cli import whole_micro_batches  # noqa: E402
 from benchmarks.harness.runner import first_of, token_checks  # noqa: E402
 
 SPEC = load_spec("causal_packing")
@@ -27,20 +26,14 @@ MICRO_BATCH = SPEC["recipe"]["train"]["micro_batch_size"]
 
 
 def check_args(args, error) -> None:
-    if args.max_samples % MICRO_BATCH:
-        # The padded sides' sampler fills a last short micro-batch with repeats: counts would differ.
-        error(
-            f"--max-samples must be a multiple of the micro batch size {MICRO_BATCH}, got {args.max_samples}"
-        )
+    whole_micro_batches(args, error, MICRO_BATCH)
 
 
 def per_budget(budget: int, runs: list[dict]) -> dict:
     """What a budget of the sweep packs: examples per row, the sampler's fill."""
     r = runs[0]
-    return {
-        "examples_per_row_mean": r["examples"] / r["micro_batches"],
-        "sampler_efficiency": r["batching"].get("sampler_efficiency_epoch0"),
-    }
+    fill = r["batching"].get("sampler_efficiency_epoch0")
+    return {"examples_per_row_mean": r["examples"] / r["micro_batches"], "sampler_efficiency": fill}
 
 
 def measure(bench) -> int:
@@ -49,9 +42,8 @@ def measure(bench) -> int:
     from lorakit.recipe import recipe_from_dict
 
     args, spec, log = bench.args, bench.spec, bench.log
-    sides = ["padded_random", "padded_grouped", "packed"] + (
-        ["padded_random_zero3", "packed_zero3"] if args.zero3_pair else []
-    )
+    sides = ["padded_random", "padded_grouped", "packed"]
+    sides += ["padded_random_zero3", "packed_zero3"] if args.zero3_pair else []
     comparisons = spec["comparisons"] + (spec["zero3_comparisons"] if args.zero3_pair else [])
 
     def run(side: str, budget: int | None, label: str | None = None) -> dict:
@@ -66,10 +58,8 @@ def measure(bench) -> int:
     short = [b for b in budgets if b < max_length]
     if short:
         why = "packing would truncate examples and the sides would not train on the same tokens"
-        print(
-            f"error: budgets {short} are below the longest example ({max_length} tokens): {why}",
-            file=sys.stderr,
-        )
+        why = f"error: budgets {short} are below the longest example ({max_length} tokens): {why}"
+        print(why, file=sys.stderr)
         return 2
     for b in budgets:
         lorakit.prepare(recipe_from_dict(bench.recipe("packed", {"train.max_tokens": b})))
@@ -84,88 +74,52 @@ def measure(bench) -> int:
         # The budget whose optimizer steps hold about as many tokens as a padded micro-batch of 8: with it,
         # packing is compared at (about) the same batch size; a larger chosen budget also means fewer,
         # bigger optimizer steps.
-        per_padded_step, per = data_tokens / (args.max_samples / MICRO_BATCH), budget_sweep["per_budget"]
-        matched = min(
-            budgets, key=lambda b: abs(per[str(b)]["useful_tokens_per_optimizer_step"] - per_padded_step)
-        )
-        budget_sweep["matched_to_padded_batch"] = {
-            "budget": matched,
-            "padded_useful_tokens_per_optimizer_step": per_padded_step,
-            "packed_useful_tokens_per_optimizer_step": per[str(matched)]["useful_tokens_per_optimizer_step"],
-        }
+        padded = data_tokens / (args.max_samples / MICRO_BATCH)
+        packed = {b: budget_sweep["per_budget"][str(b)]["useful_tokens_per_optimizer_step"] for b in budgets}
+        matched = min(budgets, key=lambda b: abs(packed[b] - padded))
+        match = {"budget": matched, "padded_useful_tokens_per_optimizer_step": padded}
+        match["packed_useful_tokens_per_optimizer_step"] = packed[matched]
+        budget_sweep["matched_to_padded_batch"] = match
         if matched != chosen:
             sides.insert(sides.index("packed") + 1, "packed_matched")
             comparisons = comparisons + spec["matched_comparisons"]
             log(f"packed_matched: budget {matched}, about as many tokens per optimizer step as padded")
-    budget_of = {
-        s: (matched if s == "packed_matched" else chosen) if bench.packing(s) else None for s in sides
-    }
+    own = {"packed_matched": matched}  # the other packed sides run at the chosen budget
+    budget_of = {s: own.get(s, chosen) if bench.packing(s) else None for s in sides}
     runs = bench.rounds(sides, args.repeats, lambda s, _: run(s, budget_of[s]))
 
     every = runs + (budget_sweep["runs"] if budget_sweep else [])
-    checks = token_checks(
-        every, args.max_samples, lambda r: f"{r['side']}@{r['max_tokens']}" if r["max_tokens"] else r["side"]
-    )
+    label = lambda r: f"{r['side']}@{r['max_tokens']}" if r["max_tokens"] else r["side"]  # noqa: E731
+    checks = token_checks(every, args.max_samples, label)
     valid = checks["useful_tokens_equal_on_all_runs"] and checks["each_example_once"]
     medians, ratios = bench.summarise(runs, sides, comparisons)
     head, (claim,) = ratios["packed/padded_random"], spec["claims"]
-    result = bench.result(
-        claim=claim["text"],
-        claim_ratio=claim["ratio_at_least"],
-        claim_met=bool(valid and head["useful_tokens_per_second"] >= claim["ratio_at_least"]),
-        headline={"side": "packed", "versus": "padded_random"},
-        headline_ratio=head["useful_tokens_per_second"],
-        headline_paired_median=head["paired_median"],
-        chosen_max_tokens=chosen,
-        matched_max_tokens=matched,
-        max_tokens=budget_of,
-    )
-    recipe_data = {k: v for k, v in spec["recipe"]["data"].items() if k != "max_length"}
-    data_setup = {
-        **recipe_data,
-        "rows": args.max_samples,
-        "max_length": max_length,
-        "max_length_from": spec["max_length_from"],
-    }
-    data_setup.update(
-        tokens=data_tokens,
-        **{k: data.stats.get(k) for k in ("loss_tokens", "tokens_untruncated", "overlong")},
-    )
+    met = bool(valid and head["useful_tokens_per_second"] >= claim["ratio_at_least"])
+    fields = {"claim": claim["text"], "claim_ratio": claim["ratio_at_least"], "claim_met": met}
+    fields["headline"] = {"side": "packed", "versus": "padded_random"}
+    fields["headline_ratio"] = head["useful_tokens_per_second"]
+    fields["headline_paired_median"] = head["paired_median"]
+    fields.update(chosen_max_tokens=chosen, matched_max_tokens=matched, max_tokens=budget_of)
+    result = bench.result(**fields)  # these first, as before the common blocks
+    data_setup = {k: v for k, v in spec["recipe"]["data"].items() if k != "max_length"}
+    data_setup.update(rows=args.max_samples, max_length=max_length, max_length_from=spec["max_length_from"])
+    data_setup.update(tokens=data_tokens)
+    data_setup.update({k: data.stats.get(k) for k in ("loss_tokens", "tokens_untruncated", "overlong")})
     how = "chosen by the budget sweep" if budget_sweep else "given with --max-tokens, no sweep"
-    result.update(
-        setup=bench.setup(
-            every,
-            sides,
-            config,
-            data_setup,
-            zero_stage=first_of(runs, sides, "zero_stage"),
-            evaluation="disabled",
-            saving="disabled",
-        ),
-        sides=bench.describe(sides, chosen=chosen, matched=matched, how=how),
-        checks=checks,
-        **bench.per_side(
-            runs,
-            sides,
-            checks["useful_tokens_equal_on_all_runs"],
-            medians,
-            ("optimizer_steps", "useful_tokens_per_optimizer_step"),
-        ),
-        medians=medians,
-        ratios=ratios,
-        budget_sweep=budget_sweep,
-        runs=runs,
-    )
+    more = {"zero_stage": first_of(runs, sides, "zero_stage"), "evaluation": "disabled", "saving": "disabled"}
+    setup = bench.setup(every, sides, config, data_setup, **more)
+    described = bench.describe(sides, chosen=chosen, matched=matched, how=how)
+    result.update(setup=setup, sides=described, checks=checks)
+    firsts = ("optimizer_steps", "useful_tokens_per_optimizer_step")
+    result.update(bench.per_side(runs, sides, checks["useful_tokens_equal_on_all_runs"], medians, firsts))
+    result.update(medians=medians, ratios=ratios, budget_sweep=budget_sweep, runs=runs)
     return bench.finish(result, valid)
 
 
 def plot(result: dict, plt):
     """Useful tokens/s per side (ratios and padding efficiency above the bars) and the budget sweep."""
     fig, axes, sides, swept = plots.side_and_sweep_panels(plt, result, "budget_sweep", "budgets", scale=1.45)
-    budget = result["max_tokens"]
-    labels = {
-        s: SPEC["sides"][s]["label"] + (f"\nmax_tokens {budget[s]}" if budget.get(s) else "") for s in sides
-    }
+    labels = plots.budget_labels(result, SPEC, sides)
 
     plots.speed_bars(axes[0], result, labels)
     if swept:

@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a script from a checkout: the harness and this lorakit
+sys.path.insert(0, str(ROOT))  # as a script: the harness and this lorakit
 
 from benchmarks.harness import load_spec, main, plots  # noqa: E402
 from benchmarks.harness.runner import median, paired_ratios  # noqa: E402
@@ -64,9 +63,8 @@ def worker(spec: dict) -> dict:
         opt = getattr(trainer.engine.optimizer, "optimizer", trainer.engine.optimizer)
         measured["weights"] = _bytes(module.parameters())
         measured["trainable_weights"] = _bytes(p for p in module.parameters() if p.requires_grad)
-        measured["optimizer"] = _bytes(
-            t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)
-        )
+        states = [t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)]
+        measured["optimizer"] = _bytes(states)
 
     DeepSpeedEngine.step, loop.train_window = measured_step, measured_window
     r = lorakit_worker(spec, at_run_end=model_state)
@@ -75,13 +73,8 @@ def worker(spec: dict) -> dict:
     cpu = r.pop("epoch_cpu_seconds") + r.pop("eval_cpu_seconds", 0.0)
     state = {k: measured[k] for k in ("weights", "trainable_weights", "grads", "optimizer")}
     state["total"] = state["weights"] + state["grads"] + state["optimizer"]
-    return {
-        **r,
-        "train_cpu_seconds": measured["train_cpu_seconds"],
-        "model_state_bytes": state,
-        "run_wall_seconds": wall,
-        "run_cpu_per_wall": cpu / wall,
-    }
+    r.update(train_cpu_seconds=measured["train_cpu_seconds"], model_state_bytes=state, run_wall_seconds=wall)
+    return {**r, "run_cpu_per_wall": cpu / wall}
 
 
 WORKERS = {"lorakit": worker}
@@ -92,18 +85,15 @@ def summarise(runs: list[dict], best: dict[str, dict]) -> dict:
     lora, full = best["lora"], best["full"]
     cpu = paired_ratios(runs, "lora", "full", "tokens_per_cpu_second")
     wall = paired_ratios(runs, "lora", "full", "tokens_per_second")
-    return {
-        "lora_over_full_tokens_per_cpu_second": {"paired_per_round": cpu, "median": median(cpu)},
-        "lora_over_full_tokens_per_second": {"paired_per_round": wall, "median": median(wall)},
-        "full_over_lora_model_state_bytes": full["model_state_bytes"]["total"]
-        / lora["model_state_bytes"]["total"],
-        "full_over_lora_peak_rss": median(r["peak_rss_bytes"] for r in runs if r["side"] == "full")
-        / median(r["peak_rss_bytes"] for r in runs if r["side"] == "lora"),
-        "full_over_lora_trainable_params": full["trainable_params"] / lora["trainable_params"],
-        "eval_loss_best": {"lora": lora["eval_loss"], "full": full["eval_loss"]},
-        "eval_loss_full_minus_lora": full["eval_loss"] - lora["eval_loss"],
-        "best_lr": {"lora": lora["lr"], "full": full["lr"]},
-    }
+    rss = {m: median(r["peak_rss_bytes"] for r in runs if r["side"] == m) for m in METHODS}
+    out = {"lora_over_full_tokens_per_cpu_second": {"paired_per_round": cpu, "median": median(cpu)}}
+    out["lora_over_full_tokens_per_second"] = {"paired_per_round": wall, "median": median(wall)}
+    state = full["model_state_bytes"]["total"] / lora["model_state_bytes"]["total"]
+    out.update(full_over_lora_model_state_bytes=state, full_over_lora_peak_rss=rss["full"] / rss["lora"])
+    out["full_over_lora_trainable_params"] = full["trainable_params"] / lora["trainable_params"]
+    out["eval_loss_best"] = {"lora": lora["eval_loss"], "full": full["eval_loss"]}
+    out["eval_loss_full_minus_lora"] = full["eval_loss"] - lora["eval_loss"]
+    return {**out, "best_lr": {"lora": lora["lr"], "full": full["lr"]}}
 
 
 def measure(bench) -> int:
@@ -128,64 +118,44 @@ def measure(bench) -> int:
     runs = bench.rounds(list(METHODS), len(args.lrs), finetune, "round (one learning rate each)")
     best = {m: min((r for r in runs if r["side"] == m), key=lambda r: r["eval_loss"]) for m in METHODS}
     # The report compares the two best runs; its tables and plots are lorakit.compare's own.
-    comparison = lorakit.compare(
-        [best["lora"]["run_dir"], best["full"]["run_dir"]],
-        output=report_dir,
-        gpu_hour_price=args.gpu_hour_price,
-    )
+    best_dirs = [best["lora"]["run_dir"], best["full"]["run_dir"]]
+    comparison = lorakit.compare(best_dirs, output=report_dir, gpu_hour_price=args.gpu_hour_price)
     log(comparison.table())
     tokens, steps = sorted({r["train_tokens"] for r in runs}), sorted({r["steps"] for r in runs})
     text, recipe = spec["setup"], spec["recipe"]
     pretrain = spec["sides"]["pretrain"]["recipe"]
+    pretrain_setup = {"method": "full", "data": text["pretrain_data"], "epochs": args.pretrain_epochs}
+    pretrain_setup.update({k: pretrain["train"][k] for k in ("lr", "max_tokens")})
+    template, max_tokens = repr(recipe["data"]["prompt_template"]), recipe["train"]["max_tokens"]
+    finetune = {"data": text["finetune_data"].format(template=template, max_tokens=max_tokens)}
+    finetune.update(rows=args.max_samples, eval_rows=args.eval_samples, epochs=recipe["train"]["epochs"])
+    lora = {k: v for k, v in spec["sides"]["lora"]["recipe"]["method"].items() if k != "kind"}
+    finetune.update(lrs=args.lrs, schedule=text["schedule"], lora=lora)
+    setup = {"model": text["model"], "pretrain": pretrain_setup, "finetune": finetune}
+    setup["engine"] = text["engine"]
+    setup["torch_threads"] = sorted({r["torch_threads"] for r in runs})
+    checks = {"same_train_tokens_on_every_run": len(tokens) == 1, "same_steps_on_every_run": len(steps) == 1}
+    checks.update(train_tokens=tokens, steps=steps)
+    report = comparison.report
+    compare = {"report": str(report.relative_to(ROOT)) if report.is_relative_to(ROOT) else ""}
+    compare["plots"] = sorted(p.name for p in comparison.plots.values())
     result = bench.result(measures=spec["measures"])
-    result.update(
-        setup={
-            "model": text["model"],
-            "pretrain": {
-                "method": "full",
-                "data": text["pretrain_data"],
-                "epochs": args.pretrain_epochs,
-                **{k: pretrain["train"][k] for k in ("lr", "max_tokens")},
-            },
-            "finetune": {
-                "data": text["finetune_data"].format(
-                    template=repr(recipe["data"]["prompt_template"]), max_tokens=recipe["train"]["max_tokens"]
-                ),
-                "rows": args.max_samples,
-                "eval_rows": args.eval_samples,
-                "epochs": recipe["train"]["epochs"],
-                "lrs": args.lrs,
-                "schedule": text["schedule"],
-                "lora": {k: v for k, v in spec["sides"]["lora"]["recipe"]["method"].items() if k != "kind"},
-            },
-            "engine": text["engine"],
-            "torch_threads": sorted({r["torch_threads"] for r in runs}),
-        },
-        checks={
-            "same_train_tokens_on_every_run": len(tokens) == 1,
-            "same_steps_on_every_run": len(steps) == 1,
-            "train_tokens": tokens,
-            "steps": steps,
-        },
-        pretrain={k: pre[k] for k in ("eval_loss", "loss_first", "loss_last", "steps", "train_tokens")},
-        best={m: {k: v for k, v in best[m].items() if k != "model_dir"} for m in METHODS},
-        summary=summarise(runs, best),
-        compare={
-            "report": str(comparison.report.relative_to(ROOT))
-            if comparison.report.is_relative_to(ROOT)
-            else "",
-            "plots": sorted(p.name for p in comparison.plots.values()),
-        },
-        runs=[{k: v for k, v in r.items() if k != "model_dir"} for r in runs],
-    )
+    result.update(setup=setup, checks=checks)
+    kept = ("eval_loss", "loss_first", "loss_last", "steps", "train_tokens")
+    result["pretrain"] = {k: pre[k] for k in kept}
+    result["best"] = {m: {k: v for k, v in best[m].items() if k != "model_dir"} for m in METHODS}
+    result.update(summary=summarise(runs, best), compare=compare)
+    result["runs"] = [{k: v for k, v in r.items() if k != "model_dir"} for r in runs]
     s = result["summary"]
+    cpu = s["lora_over_full_tokens_per_cpu_second"]["median"]
+    wall = s["lora_over_full_tokens_per_second"]["median"]
     log(
         f"best lr: lora {s['best_lr']['lora']:g}, full {s['best_lr']['full']:g}; eval loss lora "
-        f"{s['eval_loss_best']['lora']:.4f}, full {s['eval_loss_best']['full']:.4f}; tokens per CPU-second lora/full "
-        f"{s['lora_over_full_tokens_per_cpu_second']['median']:.2f}x (wall {s['lora_over_full_tokens_per_second']['median']:.2f}x); "
-        f"model state full/lora {s['full_over_lora_model_state_bytes']:.2f}x; report in {report_dir}/"
+        f"{s['eval_loss_best']['lora']:.4f}, full {s['eval_loss_best']['full']:.4f}; tokens per CPU-second "
+        f"lora/full {cpu:.2f}x (wall {wall:.2f}x); model state full/lora "
+        f"{s['full_over_lora_model_state_bytes']:.2f}x; report in {report_dir}/"
     )
-    same = result["checks"]["same_train_tokens_on_every_run"] and result["checks"]["same_steps_on_every_run"]
+    same = checks["same_train_tokens_on_every_run"] and checks["same_steps_on_every_run"]
     return bench.finish(result, same)
 
 
@@ -203,10 +173,8 @@ def plot(result: dict, plt):
     lrs = result["setup"]["finetune"]["lrs"]
     a2.set_xticks(range(len(lrs)), [f"lr {lr:g}" for lr in lrs])
     speed = result["summary"]["lora_over_full_tokens_per_cpu_second"]["median"]
-    a2.set(
-        ylabel="useful tokens per CPU-second (1 thread)",
-        title=f"speed per round (LoRA / full, median of rounds: {speed:.2f}x)",
-    )
+    title = f"speed per round (LoRA / full, median of rounds: {speed:.2f}x)"
+    a2.set(ylabel="useful tokens per CPU-second (1 thread)", title=title)
     bottom = [0.0, 0.0]
     for j, part in enumerate(("weights", "grads", "optimizer")):
         values = [result["best"][m]["model_state_bytes"][part] / 2**20 for m in METHODS]

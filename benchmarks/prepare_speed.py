@@ -4,24 +4,12 @@ the same rows with the same number of processes, measured side by side.
     python benchmarks/prepare_speed.py --rows 302000          # -> benchmarks/results/prepare_speed.json
     python benchmarks/prepare_speed.py --smoke --output /tmp/ps.json      # 500 rows: tests the script
 
-The rows: the bundled news_summaries train split (1,000 rows) repeated to `--rows` rows, each article prefixed
-with its row number (`Report 1234. `) so no two rows are the same; written once as a JSONL file that both
-sides read. The tokenizer: lorakit's tiny T5 tokenizer (nothing can be downloaded here).
-
-- **guide**: Philipp Schmid's "Fine-tune FLAN-T5 XL/XXL using DeepSpeed & Hugging Face Transformers":
-  `load_dataset("json")`, then `dataset.map(preprocess_function, batched=True, remove_columns=...)` where
-  `preprocess_function` tokenizes the templated inputs with `padding="max_length", max_length=512,
-  truncation=True` and the targets the same way to the longest target (the guide measures it with a full
-  tokenizing pass of its own, which is not timed here), and replaces the label pad ids by -100; then
-  `save_to_disk`, as the guide does. `--num-proc N` passes `num_proc=N` (1: the map runs in this process).
-- **lorakit**: `lorakit.prepare(recipe)` on a recipe reading the same file with the quickstart's template and
-  `auto` caps (longest source, p95 target), `data.num_proc` N, a fresh `data.cache_dir` (no cache hit):
-  rows read and checked, tokenized, caps resolved, over-long rows truncated, written to the cache.
-
-Each run is a fresh process, timed from before loading the tokenizer to the end of the write; the sides
-alternate (the order reversed every other round), so load on the machine hits both. Wall seconds, and CPU
-seconds of the process and of any worker processes it waited for, are recorded; the ratio that counts is
-lorakit's wall time over the guide's in the same round (below 1.0: lorakit is faster).
+The rows: the bundled news_summaries train split repeated to `--rows` rows (each article prefixed with its row
+number), one JSONL file both sides read; lorakit's tiny T5 tokenizer. **guide**: the FLAN-T5 DeepSpeed
+guide's `datasets.map(preprocess_function)` (padding to 512 and to the longest target) and `save_to_disk`;
+**lorakit**: `lorakit.prepare` on the quickstart's template with `auto` caps and a fresh cache. Each run is a
+fresh process; the sides alternate. The ratio that counts is lorakit's wall time over the guide's in the same
+round (below 1.0: lorakit is faster). benchmarks/README.md says more.
 """
 
 from __future__ import annotations
@@ -39,20 +27,27 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # as a script: the harness and this lorakit
+
+from benchmarks.harness.workers import guide_preprocess  # noqa: E402
+
 RESULT = ROOT / "benchmarks" / "results" / "prepare_speed.json"
 SAMPLE = ROOT / "lorakit" / "data" / "samples" / "news_summaries" / "train.jsonl"
 TEMPLATE = "Summarize the following news article:\n{input}\nSummary:\n"
 GUIDE_SOURCE_CAP = 512
 
 
+def _base_rows() -> list[dict]:
+    return [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
+
+
 def write_rows(path: Path, rows: int) -> None:
-    base = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
+    base = _base_rows()
     with open(path, "w") as f:
         for i in range(rows):
             r = base[i % len(base)]
-            f.write(
-                json.dumps({"article": f"Report {i}. {r['article']}", "highlights": r["highlights"]}) + "\n"
-            )
+            row = {"article": f"Report {i}. {r['article']}", "highlights": r["highlights"]}
+            f.write(json.dumps(row) + "\n")
 
 
 def _cpu() -> float:
@@ -69,22 +64,11 @@ def guide(rows: Path, model: Path, out: Path, num_proc: int, target_cap: int) ->
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     ds = datasets.load_dataset("json", data_files=str(rows), split="train", cache_dir=str(out / "hf-cache"))
 
-    def preprocess_function(sample):
-        inputs = [TEMPLATE.format(input=a) for a in sample["article"]]
-        model_inputs = tokenizer(inputs, max_length=GUIDE_SOURCE_CAP, padding="max_length", truncation=True)
-        labels = tokenizer(
-            text_target=sample["highlights"], max_length=target_cap, padding="max_length", truncation=True
-        )
-        pad = tokenizer.pad_token_id
-        model_inputs["labels"] = [[(t if t != pad else -100) for t in label] for label in labels["input_ids"]]
-        return model_inputs
-
-    tokenized = ds.map(
-        preprocess_function,
-        batched=True,
-        remove_columns=["article", "highlights"],
-        num_proc=num_proc if num_proc > 1 else None,
-    )
+    columns, caps = ("article", "highlights"), (GUIDE_SOURCE_CAP, target_cap)
+    preprocess_function = guide_preprocess(tokenizer, TEMPLATE, columns, caps)
+    num_proc = num_proc if num_proc > 1 else None
+    mapping = {"remove_columns": ["article", "highlights"], "num_proc": num_proc}
+    tokenized = ds.map(preprocess_function, batched=True, **mapping)
     tokenized.save_to_disk(str(out / "train"))
     return {"wall_seconds": time.perf_counter() - wall, "cpu_seconds": _cpu() - cpu, "rows": len(tokenized)}
 
@@ -97,25 +81,12 @@ def lorakit_side(rows: Path, model: Path, out: Path, num_proc: int) -> dict:
     from lorakit.recipe import recipe_from_dict
 
     datasets.disable_progress_bars()
-    recipe = recipe_from_dict(
-        {
-            "model": {"name_or_path": str(model)},
-            "method": {"kind": "lora"},
-            "data": {
-                "source": str(rows),
-                "input_column": "article",
-                "target_column": "highlights",
-                "prompt_template": TEMPLATE,
-                "max_source_length": "auto",
-                "max_target_length": "auto",
-                "num_proc": num_proc,
-                "cache_dir": str(out / "cache"),
-            },
-            "eval": {"enabled": False},
-            "distributed": {"num_processes": 1},
-            "output": {"dir": str(out / "run")},
-        }
-    )
+    data = {"source": str(rows), "input_column": "article", "target_column": "highlights"}
+    data.update(prompt_template=TEMPLATE, max_source_length="auto", max_target_length="auto")
+    data.update(num_proc=num_proc, cache_dir=str(out / "cache"))
+    recipe = {"model": {"name_or_path": str(model)}, "method": {"kind": "lora"}, "data": data}
+    recipe.update(eval={"enabled": False}, distributed={"num_processes": 1}, output={"dir": str(out / "run")})
+    recipe = recipe_from_dict(recipe)
     wall, cpu = time.perf_counter(), _cpu()
     data = lorakit.prepare(recipe)
     took = {"wall_seconds": time.perf_counter() - wall, "cpu_seconds": _cpu() - cpu, "rows": len(data.train)}
@@ -128,8 +99,7 @@ def longest_target(model: Path) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
-    base = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
-    return max(len(ids) for ids in tokenizer([r["highlights"] for r in base])["input_ids"])
+    return max(len(ids) for ids in tokenizer([r["highlights"] for r in _base_rows()])["input_ids"])
 
 
 def run_side(side: str, rows: Path, model: Path, num_proc: int, target_cap: int) -> dict:
@@ -157,13 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=302_000)
     p.add_argument("--num-proc", type=int, default=1, help="processes of both sides' map (data.num_proc)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of (guide, lorakit)")
-    p.add_argument(
-        "--work-dir", default=None, help="where the rows file and outputs go (default: a temp dir)"
-    )
+    p.add_argument("--work-dir", help="where the rows file and outputs go (default: a temp dir)")
     p.add_argument("--output", default=None, help=f"result JSON (default {RESULT.relative_to(ROOT)})")
-    p.add_argument(
-        "--cache-dir", default=None, help="where lorakit's tiny T5 is built or found (default: work dir)"
-    )
+    p.add_argument("--cache-dir", help="where lorakit's tiny T5 is built or found (default: work dir)")
     p.add_argument("--smoke", action="store_true", help="500 rows, 1 round: tests the script")
     p.add_argument("--note", default="")
     a = p.parse_args(args)
@@ -187,23 +153,12 @@ def main(argv: list[str] | None = None) -> int:
             r["ratio_cpu"] = r["lorakit"]["cpu_seconds"] / r["guide"]["cpu_seconds"]
             print(f"round {i + 1}: lorakit / guide = {r['ratio_wall']:.2f}x wall, {r['ratio_cpu']:.2f}x CPU")
     med = {side: statistics.median(r[side]["wall_seconds"] for r in rounds) for side in ("guide", "lorakit")}
-    result = {
-        "benchmark": "prepare_speed",
-        "rows": a.rows,
-        "num_proc": a.num_proc,
-        "guide_caps": {"source": GUIDE_SOURCE_CAP, "target": target_cap},
-        "note": a.note,
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": sys.version.split()[0],
-        },
-        "rounds": rounds,
-        "median_wall_seconds": med,
-        "ratio_of_medians": med["lorakit"] / med["guide"],
-        "ratio_per_round": [r["ratio_wall"] for r in rounds],
-        "claim": {"text": "lorakit.prepare takes at most the guide's time (ratio <= 1.0)", "met": None},
-    }
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0]}
+    result = {"benchmark": "prepare_speed", "rows": a.rows, "num_proc": a.num_proc}
+    result.update(guide_caps={"source": GUIDE_SOURCE_CAP, "target": target_cap}, note=a.note, machine=machine)
+    result.update(rounds=rounds, median_wall_seconds=med, ratio_of_medians=med["lorakit"] / med["guide"])
+    result["ratio_per_round"] = [r["ratio_wall"] for r in rounds]
+    result["claim"] = {"text": "lorakit.prepare takes at most the guide's time (ratio <= 1.0)", "met": None}
     result["claim"]["met"] = result["ratio_of_medians"] <= 1.0
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2) + "\n")

@@ -27,25 +27,22 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # as a script: the harness and this lorakit
+
+from benchmarks.harness import memory  # noqa: E402
+from benchmarks.harness.memory import Sampler, against_plan, gib, planned_of, step_memory, step_times  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
-GIB = 1 << 30
+PIPED = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}  # output read as text
 
 # name -> (family, config overrides). T5 v1.1 XL (FLAN-T5-XL), Llama-3-8B; "-Nl": fewer layers, same width.
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 SHAPES = {
     "flan-t5-xl": ("t5", {}),
     "flan-t5-xl-2l": ("t5", dict(num_layers=2, num_decoder_layers=2)),
     "llama3-8b-2l": ("llama", dict(num_hidden_layers=2)),
     "tiny": ("t5", dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, num_decoder_layers=2)),
-    "tiny-llama": (
-        "llama",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_hidden_layers=2,
-        ),
-    ),  # fmt: skip
+    "tiny-llama": ("llama", dict(TINY_LLAMA, num_hidden_layers=2)),
 }
 
 
@@ -142,73 +139,6 @@ def build(shape: str, path: Path, shard_size: str = "2GB") -> dict:
     return {"shape": shape, "params": n, "bytes": total, "shards": len(groups)}
 
 
-def private_bytes(pid: int) -> int | None:
-    """RssAnon of a process, or None when it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-class Sampler:
-    """Samples RssAnon of a process tree every `every` seconds: worker ranks by their RANK variable."""
-
-    def __init__(self, root: int, every: float = 0.2):
-        self.root, self.every = root, every
-        self.samples: list[dict] = []  # {t, rank -> bytes}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.t0 = time.monotonic()
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def _ranks(self) -> dict[str, int]:
-        import psutil
-
-        try:
-            procs = [psutil.Process(self.root), *psutil.Process(self.root).children(recursive=True)]
-        except psutil.Error:
-            return {}
-        out = {}
-        for p in procs:
-            try:
-                rank = p.environ().get("RANK") if p.pid != self.root else None
-            except psutil.Error:
-                continue
-            out[f"rank{rank}" if rank is not None else f"pid{p.pid}"] = p.pid
-        return out
-
-    def _run(self):
-        while not self._stop.wait(self.every):
-            row = {"t": time.monotonic() - self.t0}
-            for name, pid in self._ranks().items():
-                b = private_bytes(pid)
-                if b is not None:
-                    row[name] = b
-            self.samples.append(row)
-
-
-def _metrics_times(run_dir: Path, seen: dict[int, float], t0: float) -> None:
-    f = run_dir / "metrics.jsonl"
-    if not f.is_file():
-        return
-    for line in f.read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("kind") == "train" and rec["step"] not in seen:
-            seen[rec["step"]] = time.monotonic() - t0
-            if rec["step"] == 1 and rec.get("tokens_per_second"):  # when the first step began
-                seen[0] = seen[1] - rec["tokens"] / rec["tokens_per_second"]
-
-
 # The recipe each family trains with, and what makes its rows 128 + 32 tokens, one per micro-batch.
 RECIPES = {
     "t5": ("flan_t5_xl_lora.yaml", ["data.max_source_length=128", "data.max_target_length=32"]),
@@ -230,24 +160,22 @@ def train(model: Path, out: Path, steps: int, extra: list[str], env: dict, famil
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resume of an earlier one
     cmd = [sys.executable, "-m", "lorakit.run", str(ROOT / "recipes" / recipe), *overrides]
     step_t: dict[int, float] = {}
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, **PIPED)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     with Sampler(proc.pid) as s:
         while proc.poll() is None:
-            _metrics_times(out, step_t, s.t0)
+            step_times(out, step_t, s.t0)
             time.sleep(0.2)
-        _metrics_times(out, step_t, s.t0)
+        step_times(out, step_t, s.t0)
         end = time.monotonic() - s.t0
     reader.join()
     if proc.returncode != 0:
         raise SystemExit(f"training failed ({proc.returncode}):\n" + "".join(lines[-40:]))
     summary = json.loads((out / "summary.json").read_text())
-    return {"phases": phases(s.samples, step_t, end), "per_step": per_step(s.samples, step_t),
-            "per_step_peak": per_step_peak(s.samples, step_t),
+    return {"phases": memory.phases(s.samples, step_t, end), "per_step": memory.per_step(s.samples, step_t),
+            "per_step_peak": memory.per_step_peak(s.samples, step_t),
             "summary": _summary_memory(summary), "planned_phases_gib": planned_phases(out / "recipe.yaml"),
             "seconds": end}  # fmt: skip
 
@@ -256,78 +184,18 @@ def planned_phases(recipe: Path) -> dict:
     """The planner's bytes per process of each phase of this run on CPUs (lorakit/planner/phases.py), GiB."""
     from lorakit.planner.phases import cpu_phases
 
-    return {k: round(v / GIB, 3) for k, v in cpu_phases(recipe).items()}
-
-
-def _ranks_of(samples: list[dict]) -> list[str]:
-    return sorted({k for row in samples for k in row if k.startswith("rank")})
-
-
-def phases(samples: list[dict], step_t: dict[int, float], end: float) -> dict:
-    """Peak private memory of each rank in each phase (GiB). Step 0's time is when the first step began (its
-    record's time less its duration), step N's when its record was written."""
-    last = max(step_t)
-    bounds = {
-        "load": (0.0, step_t.get(0, step_t.get(1, end))),
-        "first_step": (step_t.get(0, step_t.get(1, end)), step_t.get(1, end)),
-        "steady": (step_t.get(2, end), step_t[last]),
-        "save": (step_t[last], end),
-    }
-    out = {}
-    for name, (a, b) in bounds.items():
-        rows = [r for r in samples if a <= r["t"] <= b]
-        out[name] = {
-            rk: round(max((r.get(rk, 0) for r in rows), default=0) / GIB, 3) for rk in _ranks_of(samples)
-        }
-    return out
-
-
-def per_step(samples: list[dict], step_t: dict[int, float]) -> dict:
-    """Each rank's private memory at each step's record (GiB): flat in steady state, or growing."""
-    out = {}
-    for step, t in sorted(step_t.items()):
-        if step == 0:
-            continue
-        before = [r for r in samples if r["t"] <= t]
-        if before:
-            out[step] = {rk: round(before[-1].get(rk, 0) / GIB, 3) for rk in _ranks_of(samples)}
-    return out
-
-
-def per_step_peak(samples: list[dict], step_t: dict[int, float]) -> dict:
-    """Each rank's peak private memory within each step (GiB): from the previous step's record (step 1:
-    when it began) to its own. A sample at the record alone may land before or after ZeRO-3 frees what it
-    gathered, so the peaks are what "flat from step 2 on" is judged by."""
-    out, previous = {}, step_t.get(0)
-    for step, t in sorted(step_t.items()):
-        if step == 0:
-            continue
-        rows = [r for r in samples if (previous is None or r["t"] > previous) and r["t"] <= t]
-        previous = t
-        if rows:
-            out[step] = {rk: round(max(r.get(rk, 0) for r in rows) / GIB, 3) for rk in _ranks_of(samples)}
-    return out
-
-
-def step_memory(train: dict) -> dict:
-    """A result's memory per step: each step's peak where the run recorded it, else (results from before
-    `per_step_peak`) the sample at each step's record."""
-    return train.get("per_step_peak") or train["per_step"]
+    return {k: gib(v) for k, v in cpu_phases(recipe).items()}
 
 
 def _summary_memory(summary: dict) -> dict:
-    plan = summary.get("plan") or {}
-    recipe = plan.get("recipe") or {}
-    states = sum(i["bytes"] for i in recipe.get("items", []) if i.get("kind") == "state")
-    return {
-        "planned_per_device_gib": round((plan.get("per_gpu_bytes") or 0) / GIB, 3),
-        "planned_per_node_cpu_gib": round((plan.get("per_node_cpu_bytes") or 0) / GIB, 3),
-        "planned_model_states_gib": round(states / GIB, 3),
-        "measured_model_states_gib": round((summary["peak_memory_bytes"].get("model_states") or 0) / GIB, 3),
-        "peak_cpu_rss_gib": round(summary["peak_memory_bytes"]["cpu_rss"] / GIB, 3),
-        "total_params": summary.get("total_params"),
-        "trainable_params": summary.get("trainable_params"),
-    }
+    plan, peaks = summary.get("plan") or {}, summary["peak_memory_bytes"]
+    states = sum(i["bytes"] for i in (plan.get("recipe") or {}).get("items", []) if i.get("kind") == "state")
+    out = {"planned_per_device_gib": gib(plan.get("per_gpu_bytes") or 0)}
+    out["planned_per_node_cpu_gib"] = gib(plan.get("per_node_cpu_bytes") or 0)
+    out["planned_model_states_gib"] = gib(states)
+    out["measured_model_states_gib"] = gib(peaks.get("model_states") or 0)
+    out["peak_cpu_rss_gib"] = gib(peaks["cpu_rss"])
+    return {**out, **{k: summary.get(k) for k in ("total_params", "trainable_params")}}
 
 
 def merge(source: Path, out: Path, env: dict, base: Path | None = None, extra: tuple[str, ...] = ()) -> dict:
@@ -337,23 +205,17 @@ def merge(source: Path, out: Path, env: dict, base: Path | None = None, extra: t
            "--verify-logits", "never", "--max-shard-size", "2GB", *(["--base", str(base)] if base else []),
            *extra]  # fmt: skip
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, **PIPED)
     with Sampler(proc.pid, every=0.05) as s:
         text = proc.communicate()[0]
     if proc.returncode != 0:
         raise SystemExit(f"merge failed ({proc.returncode}):\n{text[-3000:]}")
     peak = max((r.get(k, 0) for r in s.samples for k in r if k != "t"), default=0)
     shards = sorted(out.glob("*.safetensors"))
-    return {"peak_private_gib": round(peak / GIB, 3), "seconds": round(time.monotonic() - t0, 1),
-            "largest_shard_gib": round(max(f.stat().st_size for f in shards) / GIB, 3),
+    return {"peak_private_gib": gib(peak), "seconds": round(time.monotonic() - t0, 1),
+            "largest_shard_gib": gib(max(f.stat().st_size for f in shards)),
             "tensor_check": next((ln for ln in text.splitlines() if ln.startswith("tensors: ")), None),
             "logits_check": next((ln.strip() for ln in text.splitlines() if "max |logit diff|" in ln), None)}  # fmt: skip
-
-
-def _largest_shard_gib(model: Path) -> float:
-    return round(max(f.stat().st_size for f in model.glob("*.safetensors")) / GIB, 3)
 
 
 def compare_outputs(a: Path, b: Path) -> dict:
@@ -386,45 +248,18 @@ def merge_compare(model: Path, work: Path, env: dict) -> dict:
     then the bfloat16 streaming merge with the whole-model logits check. Peaks against the must-show bound:
     1.5 x the base's largest shard + the adapter."""
     adapter = _random_adapter(model, work / "adapter")
-    adapter_gib = round(sum(f.stat().st_size for f in adapter.glob("*.safetensors")) / GIB, 3)
-    shard = _largest_shard_gib(model)
-    out = {"base_largest_shard_gib": shard, "adapter_gib": adapter_gib,
-           "bound_gib": round(1.5 * shard + adapter_gib, 3)}  # fmt: skip
-    f32 = ("--dtype", "float32")
-    out["stream_fp32"] = merge(
-        adapter, work / "stream32", env, base=model, extra=(*f32, "--strategy", "stream")
-    )
-    out["memory_fp32"] = merge(
-        adapter, work / "memory32", env, base=model, extra=(*f32, "--strategy", "memory")
-    )
+    adapter_gib = gib(sum(f.stat().st_size for f in adapter.glob("*.safetensors")))
+    shard = gib(max(f.stat().st_size for f in model.glob("*.safetensors")))
+    out = {"base_largest_shard_gib": shard, "adapter_gib": adapter_gib}
+    out["bound_gib"] = round(1.5 * shard + adapter_gib, 3)
+    for strategy in ("stream", "memory"):
+        extra = ("--dtype", "float32", "--strategy", strategy)
+        out[f"{strategy}_fp32"] = merge(adapter, work / f"{strategy}32", env, base=model, extra=extra)
     out["fp32_stream_vs_memory"] = compare_outputs(work / "stream32", work / "memory32")
     for d in ("stream32", "memory32"):
         shutil.rmtree(work / d, ignore_errors=True)
-    out["stream_bf16_verified"] = merge(adapter, work / "stream16", env, base=model,
-                                        extra=("--dtype", "bfloat16", "--strategy", "stream", "--verify-logits", "always"))  # fmt: skip
-    return out
-
-
-def against_plan(result: dict, processes: int = 2) -> dict:
-    """Each phase's peak per rank against the plan for that phase per process (planned_phases; results
-    from before it: the planner's per-node RAM divided by the processes), the merge's peak against the
-    merge's plan, and the growth from step 2 to the last step."""
-    t = result["train"]
-    single = t["summary"]["planned_per_node_cpu_gib"] / processes
-    planned = t.get("planned_phases_gib") or dict.fromkeys([*t["phases"], "merge"], single)
-    out = {"planned_per_process_gib": planned}
-    for name, ranks in t["phases"].items():
-        out[name] = {rk: round(v / planned[name], 3) for rk, v in ranks.items()}
-    if result.get("merge") and planned.get("merge"):
-        out["merge"] = round(result["merge"]["peak_private_gib"] / planned["merge"], 3)
-    by_step = step_memory(t)
-    steps = sorted(by_step, key=int)
-    first, last = by_step.get("2", by_step[steps[0]]), by_step[steps[-1]]
-    out["growth_step2_to_last_gib"] = {rk: round(last[rk] - first[rk], 3) for rk in last}
-    steady = [by_step[k] for k in steps if int(k) >= 2] or [last]
-    out["steady_step_range_gib"] = {
-        rk: round(max(v[rk] for v in steady) - min(v[rk] for v in steady), 3) for rk in last
-    }
+    extra = ("--dtype", "bfloat16", "--strategy", "stream", "--verify-logits", "always")
+    out["stream_bf16_verified"] = merge(adapter, work / "stream16", env, base=model, extra=extra)
     return out
 
 
@@ -444,8 +279,7 @@ def plot(results: list[Path], png: Path) -> None:
         for i, rk in enumerate(ranks):
             ax_phase.bar([j + 0.35 * i for j in range(len(names))], [t["phases"][n][rk] for n in names], 0.35,
                          label=rk)  # fmt: skip
-        single = t["summary"]["planned_per_node_cpu_gib"] / 2
-        planned = t.get("planned_phases_gib") or dict.fromkeys([*names, "merge"], single)
+        planned = planned_of(t)
         ax_phase.scatter([j + 0.175 for j in range(len(names))], [planned[n] for n in names], marker="_",
                          s=900, color="k", zorder=3, label="plan per process (phase)")  # fmt: skip
         ax_phase.bar(len(names) + 0.2, r["merge"]["peak_private_gib"], 0.5, color="tab:green", label="merge")
@@ -462,11 +296,9 @@ def plot(results: list[Path], png: Path) -> None:
             ax_step.plot([int(s) for s in steps], [by_step[s][rk] for s in steps], marker=".", label=rk)
         ax_step.set_ylim(bottom=0)
         ax_step.set_xlabel("optimizer step")
-        ax_step.set_title(
-            "peak private memory within each step"
-            if "per_step_peak" in t
-            else "private memory at each step's record"
-        )
+        title = "peak private memory within each step"
+        title = title if "per_step_peak" in t else "private memory at each step's record"
+        ax_step.set_title(title)
         ax_step.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -487,17 +319,13 @@ def main(argv: list[str] | None = None) -> int:
                         "tensor for tensor, and streaming in bfloat16 with the logits check (the in-memory merge holds the model in float32: ~12 GiB at the full XL shape, 1.4 GiB at flan-t5-xl-2l)")  # fmt: skip
     p.add_argument("--env", action="append", default=[], help="NAME=VALUE for the run's processes")
     p.add_argument("--override", action="append", default=[], help="recipe override for the run")
-    p.add_argument(
-        "--out", type=Path, default=None, help="results JSON (default results/rehearsal_SHAPE.json)"
-    )
+    p.add_argument("--out", type=Path, help="results JSON (default results/rehearsal_SHAPE.json)")
     args = p.parse_args(argv)
     if args.plot_only:
         for f in args.plot_only:  # older results get the comparison with the plan too
             r = json.loads(f.read_text())
             if "train" in r and args.replan:  # the planner changed since the run: plan the run's recipe again
-                r["train"]["planned_phases_gib"] = planned_phases(
-                    args.work / r["shape"] / "run" / "recipe.yaml"
-                )
+                r["train"]["planned_phases_gib"] = planned_phases(args.work / r["shape"] / "run/recipe.yaml")
             if "train" in r:
                 r["measured_over_planned"] = against_plan(r)
                 f.write_text(json.dumps(r, indent=2) + "\n")
@@ -509,21 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     built = build(args.shape, model) if not (model / "config.json").is_file() else {"shape": args.shape}
     built["build_seconds"] = round(time.monotonic() - t0, 1)
-    result = {
-        "shape": args.shape,
-        "model": built,
-        "env": args.env,
-        "overrides": args.override,
-        "label": args.label,
-    }
+    result = {"shape": args.shape, "model": built, "env": args.env, "overrides": args.override}
+    result["label"] = args.label
     print(json.dumps(built), flush=True)
     if args.merge_compare:
         result["merge_compare"] = merge_compare(model, args.work / args.shape / "compare", env)
-        out = args.out or RESULTS / f"rehearsal_{args.shape}_merge.json"
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps(result, indent=2))
-        return 0
-    if args.merge_only:
+    elif args.merge_only:
         adapter = _random_adapter(model, args.work / args.shape / "adapter")
         result["merge"] = merge(adapter, args.work / args.shape / "merged", env, base=model)
     else:
@@ -531,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         result["train"] = train(model, run, args.steps, args.override, env, SHAPES[args.shape][0])
         result["merge"] = merge(run, args.work / args.shape / "merged", env)
         result["measured_over_planned"] = against_plan(result)
-    out = args.out or RESULTS / f"rehearsal_{args.shape}.json"
+    out = args.out or RESULTS / f"rehearsal_{args.shape}{'_merge' if args.merge_compare else ''}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
@@ -551,12 +370,9 @@ def _random_adapter(model: Path, out: Path) -> Path:
     tensors = {}
     for name, mod in skeleton.named_modules():
         if isinstance(mod, torch.nn.Linear) and not name.endswith("lm_head"):
-            tensors[f"base_model.model.{name}.lora_A.weight"] = (
-                torch.randn(16, mod.in_features, generator=gen) / 64
-            )
-            tensors[f"base_model.model.{name}.lora_B.weight"] = (
-                torch.randn(mod.out_features, 16, generator=gen) / 64
-            )
+            lora = f"base_model.model.{name}.lora_"
+            tensors[lora + "A.weight"] = torch.randn(16, mod.in_features, generator=gen) / 64
+            tensors[lora + "B.weight"] = torch.randn(mod.out_features, 16, generator=gen) / 64
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "adapter_model.safetensors")
     cfg = {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": "all-linear",

@@ -6,15 +6,10 @@ eval loss after it.
     python benchmarks/seq2seq_packing.py --plot-only benchmarks/results/seq2seq_packing.json
 
 Four ways to batch the same (source, summary) pairs (specs/seq2seq_packing.yaml), every side at the same
-examples per optimizer step (--examples-per-step, 32), so every side takes the same optimisation path in
-expectation: random micro-batches of 8 padded to their longest member, 4 per step; the same grouped by
-length; lorakit's default packing, rows of k random examples (the steps of random padding at each seed); and
-rows filled to a token budget (train.max_tokens: the largest budget at which the epoch still packs into
-n / k rows). k is chosen in the same invocation: a sweep trains the packed side with rows of 8, 16 and 32 and
-picks the highest median useful tokens per CPU second (one torch thread: what the run computed, whatever
-other jobs took from the machine). Round r trains every side with seed 42 + r, so the eval-loss claim is
-judged over several data orders, paired by seed. Every run evaluates once after its epoch (loss only, timed
-apart).
+examples per optimizer step: random and length-grouped padded micro-batches, rows of k random examples
+(lorakit's default packing; k chosen by a sweep on useful tokens per CPU second) and rows filled to a token
+budget. Round r trains every side with seed 42 + r, so the eval-loss claim is paired by seed; every run
+evaluates once after its epoch. benchmarks/README.md says more.
 """
 
 from __future__ import annotations
@@ -23,11 +18,10 @@ import math
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a script from a checkout: the harness and this lorakit
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the harness and this lorakit
 
 from benchmarks.harness import load_spec, main, plots  # noqa: E402
+from benchmarks.harness.cli import whole_micro_batches  # noqa: E402
 from benchmarks.harness.runner import claims, first_of, token_checks  # noqa: E402
 
 SPEC = load_spec("seq2seq_packing")
@@ -40,11 +34,7 @@ def default_output(args) -> str:
 
 
 def check_args(args, error) -> None:
-    if args.max_samples % MICRO_BATCH:
-        # The padded sides' sampler fills a last short micro-batch with repeats: counts would differ.
-        error(
-            f"--max-samples must be a multiple of the micro batch size {MICRO_BATCH}, got {args.max_samples}"
-        )
+    whole_micro_batches(args, error, MICRO_BATCH)
     if args.examples_per_step % MICRO_BATCH:
         error(f"--examples-per-step must be a multiple of the micro batch size {MICRO_BATCH}")
     args.examples_per_row = sorted(set(args.examples_per_row))
@@ -66,9 +56,7 @@ def rows_at(budget: int, sources: list[int], targets: list[int]) -> int:
     return len(Seq2SeqMultipackBatchSampler(sources, targets, budget, max_target, num_replicas=1))
 
 
-def packed_candidates(
-    row_examples: list[int], examples_per_step: int, sources: list[int], targets: list[int]
-):
+def packed_candidates(row_examples: list, examples_per_step: int, sources: list, targets: list) -> list:
     """(examples per row, train.max_tokens, rows per optimizer step) for each packed row size swept.
 
     The budget is the largest multiple of 8 at which the epoch still packs into at least n / k rows, so
@@ -86,14 +74,8 @@ def packed_candidates(
                 lo = mid
             else:
                 hi = mid - 8
-        out.append(
-            {
-                "examples_per_row": k,
-                "max_tokens": lo,
-                "accumulation": examples_per_step // k,
-                "rows_per_epoch": rows_at(lo, sources, targets),
-            }
-        )
+        c = {"examples_per_row": k, "max_tokens": lo, "accumulation": examples_per_step // k}
+        out.append({**c, "rows_per_epoch": rows_at(lo, sources, targets)})
     return out
 
 
@@ -160,83 +142,59 @@ def measure(bench) -> int:
     where = lambda r: f"@{r['max_tokens'] or r['micro_batch']}" if r["side"].startswith("packed") else ""  # noqa: E731
     checks = token_checks(every, args.max_samples, lambda r: r["side"] + where(r))
     checks["every_run_evaluated"] = all(r["eval_loss"] is not None for r in every)
-    valid = all(
-        checks[k] for k in ("useful_tokens_equal_on_all_runs", "each_example_once", "every_run_evaluated")
-    )
+    needed = ("useful_tokens_equal_on_all_runs", "each_example_once", "every_run_evaluated")
+    valid = all(checks[k] for k in needed)
     medians, ratios = bench.summarise(runs, SIDES, spec["comparisons"])
     judged = claims(spec["claims"], ratios, medians, valid)
-    result = bench.result(
-        dataset=args.dataset, claims=judged, claims_met={c["name"]: c["claim_met"] for c in judged}
-    )
+    met = {c["name"]: c["claim_met"] for c in judged}
+    result = bench.result(dataset=args.dataset, claims=judged, claims_met=met)
     result.update(chosen_examples_per_row=best, chosen_max_tokens=budget["max_tokens"])
     result["budget_rows_per_epoch"] = budget["rows_per_epoch"]
-    result.update(
-        {
-            key: {s: batching_of[s][key] for s in SIDES}
-            for key in ("micro_batch", "max_tokens", "accumulation")
-        }
-    )
+    for k in ("micro_batch", "max_tokens", "accumulation"):
+        result[k] = {s: batching_of[s][k] for s in SIDES}
     result.update(examples_per_step=per_step, seeds=seeds, mean_source_tokens=sum(sources) / len(sources))
     result["max_target_tokens"] = first_of(runs, SIDES, "max_target_tokens")
     r0, eval_rows = runs[0], sorted({r["eval_rows"] for r in every if r["eval_rows"] is not None})
     data_setup = {**dataset, "split": "train", "rows": args.max_samples, "format": "instruction"}
-    data_setup.update(
-        {key: r0[key] for key in ("max_source_length", "max_target_length")}, caps_from=spec["caps_from"]
-    )
-    data_setup.update({key: r0[key] for key in ("source_tokens_untruncated", "target_tokens_untruncated")})
+    caps = ("max_source_length", "max_target_length")
+    data_setup.update({k: r0[k] for k in caps}, caps_from=spec["caps_from"])
+    data_setup.update({k: r0[k] for k in ("source_tokens_untruncated", "target_tokens_untruncated")})
     data_setup.update(eval_split="validation", eval_rows=eval_rows[0] if len(eval_rows) == 1 else eval_rows)
     evaluation = spec["evaluation"].format(n=args.max_eval_samples)
-    zero_stage = first_of(runs, SIDES, "zero_stage")
-    setup = bench.setup(
-        every, SIDES, config, data_setup, zero_stage=zero_stage, evaluation=evaluation, saving="disabled"
-    )
+    more = {"zero_stage": first_of(runs, SIDES, "zero_stage"), "evaluation": evaluation, "saving": "disabled"}
+    setup = bench.setup(every, SIDES, config, data_setup, **more)
     how = "chosen by the sweep" if row_sweep else "the only row size given, no sweep"
-    context = {
-        "k": best,
-        "how": how,
-        "packed_accumulation": chosen["accumulation"],
-        "budget": budget["max_tokens"],
-    }
-    context.update(
-        padded_accumulation=padded["accumulation"], budget_k=best, budget_accumulation=budget["accumulation"]
-    )
+    context = {"k": best, "how": how, "packed_accumulation": chosen["accumulation"]}
+    context["budget"] = budget["max_tokens"]
+    context.update(padded_accumulation=padded["accumulation"], budget_k=best)
+    context["budget_accumulation"] = budget["accumulation"]
     firsts = ("optimizer_steps", "examples_per_optimizer_step", "useful_tokens_per_optimizer_step")
     result.update(setup=setup, sides=bench.describe(SIDES, **context))
     result["batch_size_matching"] = spec["batch_size_matching"].format(n=per_step, **context)
-    result.update(
-        checks=checks,
-        **bench.per_side(runs, SIDES, checks["useful_tokens_equal_on_all_runs"], medians, firsts),
-    )
-    result.update(
-        {
-            key: {s: medians[s][key] for s in SIDES}
-            for key in ("source_efficiency", "target_efficiency", "eval_loss")
-        }
-    )
+    result["checks"] = checks
+    result.update(bench.per_side(runs, SIDES, checks["useful_tokens_equal_on_all_runs"], medians, firsts))
+    result.update({k: {s: medians[s][k] for s in SIDES} for k in ("source_efficiency", "target_efficiency")})
+    result["eval_loss"] = {s: medians[s]["eval_loss"] for s in SIDES}
     result.update(medians=medians, ratios=ratios, row_sweep=row_sweep, runs=runs)
     for s, m in medians.items():
-        log(
-            f"{s:15s} median {m['useful_tokens_per_second']:7.0f} useful tok/s, eval loss {m['eval_loss']:.4f}"
-        )
+        rate, loss = m["useful_tokens_per_second"], m["eval_loss"]
+        log(f"{s:15s} median {rate:7.0f} useful tok/s, eval loss {loss:.4f}")
     return bench.finish(result, valid)
 
 
 def plot(result: dict, plt):
     """Useful tokens/s and eval loss per side, and the row size sweep."""
     fig, axes, sides, swept = plots.side_and_sweep_panels(plt, result, "row_sweep", "row_sizes", 2, scale=1.3)
-    budget, per_row = result["max_tokens"], result["micro_batch"]
-    labels = {
-        s: SPEC["sides"][s]["label"] + (f"\nmax_tokens {budget[s]}" if budget.get(s) else "") for s in sides
-    }
+    per_row = result["micro_batch"]
+    labels = plots.budget_labels(result, SPEC, sides)
     labels["packed"] += f"\n{per_row['packed']} per row"
 
     def loss(side: str) -> str:
         return f"{result['medians'][side]['eval_loss']:.3f}\n{result['optimizer_steps'][side]} steps"
 
     plots.speed_bars(axes[0], result, labels, "padding eff.", 7)
-    plots.side_bars(
-        axes[1], result, "eval_loss", "eval loss after the epoch (lower is better)", labels, loss, 7
-    )
+    title = "eval loss after the epoch (lower is better)"
+    plots.side_bars(axes[1], result, "eval_loss", title, labels, loss, 7)
     losses = [r["eval_loss"] for r in result["runs"]]
     pad = 0.5 * (max(losses) - min(losses) + 0.05)
     axes[1].set_ylim(min(losses) - pad, max(losses) + pad)
@@ -244,9 +202,8 @@ def plot(result: dict, plt):
         title = f"row size sweep: packed useful tokens / CPU s ({swept['repeats']} round(s))"
 
         def notes(p: dict) -> str:
-            return (
-                f"eff. {p['padding_efficiency']:.2f}\n{p['optimizer_steps']} steps\neval {p['eval_loss']:.3f}"
-            )
+            eff, steps, loss = p["padding_efficiency"], p["optimizer_steps"], p["eval_loss"]
+            return f"eff. {eff:.2f}\n{steps} steps\neval {loss:.3f}"
 
         metric = "useful_tokens_per_cpu_second"
         plots.sweep_bars(axes[2], swept, SPEC["sweep"], metric, notes, title)

@@ -16,13 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a script from a checkout: the harness and this lorakit
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the harness and this lorakit
 
 from benchmarks.harness import load_spec, main, plots  # noqa: E402
+from benchmarks.harness.cli import whole_micro_batches  # noqa: E402
 from benchmarks.harness.runner import claims, first_of  # noqa: E402
-from benchmarks.harness.workers import one_process_env, train, training_args, with_lora  # noqa: E402
+from benchmarks.harness.workers import guide_preprocess, one_process_env, train, training_args, with_lora  # noqa: E402
 
 SPEC = load_spec("seq2seq_padding")
 SIDES = list(SPEC["sides"])
@@ -33,11 +32,7 @@ def check_args(args, error) -> None:
     unknown = sorted(set(args.sides or ()) - set(SIDES))
     if unknown:
         error(f"--sides: unknown side(s) {', '.join(unknown)}; the sides are {', '.join(SIDES)}")
-    if args.max_samples % MICRO_BATCH:
-        # lorakit's sampler fills a last short batch with repeats; the Trainer does not: counts would differ.
-        error(
-            f"--max-samples must be a multiple of the micro batch size {MICRO_BATCH}, got {args.max_samples}"
-        )
+    whole_micro_batches(args, error, MICRO_BATCH)
 
 
 def hf_worker(spec: dict) -> dict:
@@ -57,20 +52,10 @@ def hf_worker(spec: dict) -> dict:
     rows = datasets.load_dataset("json", data_files={"train": str(path)}, split="train")
     rows = rows.select(range(data["max_samples"]))
     # The guide pads every row to the caps; the expert leaves padding to the collator, batch by batch.
-    pad = {"padding": "do_not_pad" if dynamic else "max_length", "truncation": True}
-
-    def preprocess(sample):  # the guide's preprocess_function
-        inputs = [data["prompt_template"].format(input=x) for x in sample[data["input_column"]]]
-        model_inputs = tokenizer(inputs, max_length=spec["max_source_length"], **pad)
-        labels = tokenizer(
-            text_target=sample[data["target_column"]], max_length=spec["max_target_length"], **pad
-        )
-        ids = labels["input_ids"]
-        model_inputs["labels"] = [
-            [t if t != tokenizer.pad_token_id else -100 for t in label] for label in ids
-        ]
-        return model_inputs
-
+    columns = (data["input_column"], data["target_column"])
+    caps = (spec["max_source_length"], spec["max_target_length"])
+    padding = "do_not_pad" if dynamic else "max_length"
+    preprocess = guide_preprocess(tokenizer, data["prompt_template"], columns, caps, padding)
     rows = rows.map(preprocess, batched=True, remove_columns=rows.column_names)
     hf.set_seed(cfg["seed"])
     dtype, attention = getattr(torch, recipe["model"]["dtype"]), spec["attention"]
@@ -119,27 +104,20 @@ def hf_worker(spec: dict) -> dict:
     schedule = {"learning_rate": cfg["lr"], "warmup_steps": cfg["warmup_ratio"], "seed": cfg["seed"]}
     schedule.update(lr_scheduler_type=cfg["lr_schedule"], weight_decay=cfg["weight_decay"])
     schedule["max_grad_norm"] = cfg["max_grad_norm"]
-    args = training_args(
-        hf.Seq2SeqTrainingArguments,
-        checkpointing=recipe["model"]["gradient_checkpointing"],
-        group_by_length=dynamic,  # the expert's LengthGroupedSampler; the guide samples at random
-        **spec["hf_args"],
-        **sizes,
-        **schedule,
-        deepspeed=deepspeed,
-        output_dir=spec["work_dir"],
+    # group_by_length: the expert's LengthGroupedSampler; the guide samples at random.
+    kwargs = {**spec["hf_args"], **sizes, **schedule, "deepspeed": deepspeed, "output_dir": spec["work_dir"]}
+    kwargs.update(checkpointing=recipe["model"]["gradient_checkpointing"], group_by_length=dynamic)
+    args = training_args(hf.Seq2SeqTrainingArguments, **kwargs)
+    trainer, metrics, losses = train(
+        hf.Seq2SeqTrainer, model, args, rows, counting_collator, tokenizer, Timer()
     )
-    kwargs = {"train_dataset": rows, "data_collator": counting_collator, "processing_class": tokenizer}
-    trainer = hf.Seq2SeqTrainer(model=model, args=args, **kwargs, callbacks=[Timer()])
-    metrics, losses = train(trainer)
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     out.update(steps=trainer.state.global_step, trainer_train_runtime=metrics["train_runtime"], **losses)
     out.update(attention=model.config._attn_implementation, total_params=sum(p.numel() for p in params))
     out["trainable_params"] = sum(p.numel() for p in params if p.requires_grad)
     out.update(torch_threads=torch.get_num_threads(), train_sampling_strategy=args.train_sampling_strategy)
-    out.update(
-        max_source_length=max(map(len, rows["input_ids"])), max_target_length=max(map(len, rows["labels"]))
-    )
+    out["max_source_length"] = max(map(len, rows["input_ids"]))
+    out["max_target_length"] = max(map(len, rows["labels"]))
     return out
 
 
@@ -151,28 +129,23 @@ def analysis(medians: dict, first: dict) -> dict:
     that need a side which was not run (--sides) are left out."""
     sides = list(first)
     epoch = {s: medians[s]["epoch_seconds"] for s in sides}
-    out = {
-        "steps_per_epoch": {s: first[s]["steps"] for s in sides},
-        "seconds_per_step": {s: medians[s]["seconds_per_step"] for s in sides},
-        "cpu_seconds_per_wall_second": {s: medians[s]["epoch_cpu_seconds"] / epoch[s] for s in sides},
-    }
+    out = {"steps_per_epoch": {s: first[s]["steps"] for s in sides}}
+    out["seconds_per_step"] = {s: medians[s]["seconds_per_step"] for s in sides}
+    out["cpu_seconds_per_wall_second"] = {s: medians[s]["epoch_cpu_seconds"] / epoch[s] for s in sides}
     lorakit = "lorakit_zero0"
     for other in ("baseline", "expert"):
         if other in first and lorakit in first:
             slots = first[other]["token_slots"] / first[lorakit]["token_slots"]
             out[f"token_slots_{other}_over_lorakit"] = slots
-            out[f"{other}_minus_zero0_seconds_per_step"] = (epoch[other] - epoch[lorakit]) / first[other][
-                "steps"
-            ]
+            steps = first[other]["steps"]
+            out[f"{other}_minus_zero0_seconds_per_step"] = (epoch[other] - epoch[lorakit]) / steps
     if {"lorakit_zero0", "lorakit_zero3"} <= set(sides):
         z3, z0 = epoch["lorakit_zero3"], epoch["lorakit_zero0"]
         out["zero3_minus_zero0_seconds_per_step"] = (z3 - z0) / first["lorakit_zero0"]["steps"]
         out["zero3_minus_zero0_share_of_zero3_epoch"] = (z3 - z0) / z3
     if {"baseline", "baseline_zero3"} <= set(sides):
-        steps = first["baseline"]["steps"]
-        out["baseline_zero3_minus_baseline_seconds_per_step"] = (
-            epoch["baseline_zero3"] - epoch["baseline"]
-        ) / steps
+        z3, z0 = epoch["baseline_zero3"], epoch["baseline"]
+        out["baseline_zero3_minus_baseline_seconds_per_step"] = (z3 - z0) / first["baseline"]["steps"]
     out["how_to_read"] = SPEC["analysis_how_to_read"]
     return out
 
@@ -213,24 +186,17 @@ def measure(bench) -> int:
     first = {side: next(r for r in runs if r["side"] == side) for side in sides}
     judged = [c for c in spec["claims"] if {c["side"], c["versus"]} <= set(sides)]
     measured = claims(judged, ratios, medians, equal, spec["ratio_key"])
-    result = bench.result(
-        claims=measured, claims_met=bool(measured) and all(c["claim_met"] for c in measured)
-    )
+    met = bool(measured) and all(c["claim_met"] for c in measured)
+    result = bench.result(claims=measured, claims_met=met)
     # The first claim's pair; none when --sides left out both claims' sides.
     head = measured[0] if measured else None
-    result.update(
-        headline_pair=spec["ratio_key"].format(**head) if head else None,
-        headline_ratio=head["measured_ratio"] if head else None,
-    )
+    result["headline_pair"] = spec["ratio_key"].format(**head) if head else None
+    result["headline_ratio"] = head["measured_ratio"] if head else None
     base = spec["recipe"]["data"]
     data_setup = {"source": base["source"], "split": base["split"], "rows": args.max_samples}
     data_setup.update(prompt_template=base["prompt_template"], **lengths, lengths_from=spec["lengths_from"])
-    stats = (
-        "source_tokens_untruncated",
-        "target_tokens_untruncated",
-        "truncated_sources",
-        "truncated_targets",
-    )
+    stats = ("source_tokens_untruncated", "target_tokens_untruncated", "truncated_sources")
+    stats += ("truncated_targets",)
     data_setup.update({k: data.stats.get(k) for k in stats})
     checkpointing = {"use_reentrant": False} if args.gradient_checkpointing else None
     whole = next((s for s in sides if "zero3" not in s), sides[0])  # ZeRO-3 sides count a partition
@@ -252,9 +218,8 @@ def plot(result: dict, plt):
 
     plots.speed_bars(ax, result, labels, None, name=lambda s: labels[s].replace("\n", " "))
     efficiency = [result["padding_efficiency"][s] for s in labels]
-    plots.bars(
-        ax2, list(labels.values()), efficiency, [[]] * len(labels), [""] * len(labels), "padding efficiency"
-    )
+    no_runs, no_notes = [[]] * len(labels), [""] * len(labels)
+    plots.bars(ax2, list(labels.values()), efficiency, no_runs, no_notes, "padding efficiency")
     ax2.set_ylim(0, 1)
     return fig
 

@@ -4,23 +4,14 @@ packed rows, 2 processes, ZeRO-3, ROUGE evaluation, epoch checkpoints).
     python benchmarks/step_overhead.py                    # -> benchmarks/results/step_overhead.json
     python benchmarks/step_overhead.py --smoke --output /tmp/so.json     # 1 process, 2 steps: tests the script
 
-Three measurements, each in fresh processes:
-
-- **imports**: `import lorakit` and the launcher's imports (`lorakit.api`), wall and CPU seconds, and which of
-  the heavy libraries each one loads.
-- **first step**: `python -m lorakit.run RECIPE` exactly as a user types it (train.max_steps=1, no
-  evaluation), from the command to the first step's record in metrics.jsonl, and to the process's exit.
-- **phases**: the recipe trained under torchrun by this script's `--worker`, which wraps the loop's parts
-  with timers on every rank: batch loading (the DataLoader's next), the forward and loss
-  (`Objective.loss`), DeepSpeed's backward and step, the rest of `train_window` (the window's all_reduces,
-  counting, the loss and grad-norm reads), the step's record (`Trainer._account`: metrics.jsonl,
-  TensorBoard, progress bar), evaluation, checkpoints, and `Trainer.run` as a whole. The share the issue
-  asks about is per-step work outside forward, backward and optimizer step over the steps' time (batch
-  loading + the rest of train_window + the record, over those plus forward, backward and step).
-
-The timers wrap lorakit's internals (it has no hooks), as benchmarks/harness/workers.py does: if one is
-renamed, the worker fails loudly and the smoke test catches it. Wall seconds on a shared machine stretch with
-the load; CPU seconds (each rank's process time) are the steadier of the two, and both are recorded.
+Three measurements, each in fresh processes: `import lorakit` and the launcher's imports (wall, CPU, the heavy
+libraries each loads); `python -m lorakit.run RECIPE` for one step, to its first metrics record and to its
+exit; and the recipe trained under torchrun by this script's `--worker`, with the loop's parts timed on every
+rank (batch loading, forward and loss, DeepSpeed's backward and step, the rest of `train_window`, the step's
+record, evaluation, checkpoints, `Trainer.run`). The share the issue asks about: per-step work outside
+forward, backward and optimizer step over the steps' time. The timers wrap lorakit's internals (it has no
+hooks): if one is renamed, the worker fails loudly and the smoke test catches it. benchmarks/README.md says
+more.
 """
 
 from __future__ import annotations
@@ -37,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = ROOT / "benchmarks" / "results" / "step_overhead.json"
+PHASES = ("data", "window", "forward", "backward", "optimizer", "record", "eval", "checkpoint", "run")
 HEAVY = ("torch", "deepspeed", "transformers", "datasets", "peft", "matplotlib", "evaluate", "pandas")
 
 
@@ -109,25 +101,16 @@ def shares(rank: dict) -> dict:
     """Per-step work outside forward/backward/optimizer step, from one rank's phase sums."""
     out = {}
     for kind in ("wall", "cpu"):
-        t = {p: rank[kind].get(p, 0.0) for p in ("data", "window", "forward", "backward", "optimizer")}
-        t.update({p: rank[kind].get(p, 0.0) for p in ("record", "eval", "checkpoint", "run")})
+        t = {p: rank[kind].get(p, 0.0) for p in PHASES}
         compute = t["forward"] + t["backward"] + t["optimizer"]
         window_rest = t["window"] - compute
         other = t["data"] + window_rest + t["record"]
         steps = t["data"] + t["window"] + t["record"]
-        out[kind] = {
-            "compute": compute,
-            "data": t["data"],
-            "window_rest": window_rest,
-            "record": t["record"],
-            "per_step_other": other,
-            "per_step_other_share": other / steps if steps else None,
-            "eval": t["eval"],
-            "checkpoint": t["checkpoint"],
-            # Trainer.run outside the steps, evaluations and checkpoints: epoch starts and the loop itself.
-            "run_rest": t["run"] - steps - t["eval"] - t["checkpoint"],
-            "run": t["run"],
-        }
+        out[kind] = {"compute": compute, "data": t["data"], "window_rest": window_rest, "record": t["record"]}
+        out[kind].update(per_step_other=other, per_step_other_share=other / steps if steps else None)
+        out[kind].update(eval=t["eval"], checkpoint=t["checkpoint"])
+        # Trainer.run outside the steps, evaluations and checkpoints: epoch starts and the loop itself.
+        out[kind].update(run_rest=t["run"] - steps - t["eval"] - t["checkpoint"], run=t["run"])
     return out
 
 
@@ -136,14 +119,8 @@ def measure_phases(recipe: str, overrides: list[str], processes: int) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as tmp:
         out = Path(tmp)
-        args = [
-            str(Path(__file__).resolve()),
-            "--worker",
-            str(out),
-            recipe,
-            *overrides,
-            f"output.dir={out / 'run'}",
-        ]
+        args = [str(Path(__file__).resolve()), "--worker", str(out), recipe, *overrides]
+        args.append(f"output.dir={out / 'run'}")
         if processes > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}"]
             cmd += [f"--master-port={free_port()}", *args]
@@ -168,9 +145,8 @@ def measure_imports() -> dict:
             "print(json.dumps({'wall': time.perf_counter() - w, 'cpu': time.process_time() - c, "
             f"'heavy': sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))}}))"
         )
-        res = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
-        )
+        command = [sys.executable, "-c", code]
+        res = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
         out[name] = json.loads(res.stdout.strip().splitlines()[-1])
     return out
 
@@ -206,13 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", default="recipes/quickstart.yaml")
     p.add_argument("--processes", type=int, default=2, help="processes of the phase run (the recipe's: 2)")
     p.add_argument("--skip-first-step", action="store_true", help="leave out the first-step measurement")
-    p.add_argument(
-        "--smoke", action="store_true", help="1 process, no ZeRO, 2 steps, no evaluation: tests the script"
-    )
+    smoke = "1 process, no ZeRO, 2 steps, no evaluation: tests the script"
+    p.add_argument("--smoke", action="store_true", help=smoke)
     p.add_argument("--output", default=None, help=f"result JSON (default {RESULT.relative_to(ROOT)})")
-    p.add_argument(
-        "--cache-dir", default=None, help="data.cache_dir of every run (tiny model, tokenized data)"
-    )
+    p.add_argument("--cache-dir", help="data.cache_dir of every run (tiny model, tokenized data)")
     p.add_argument("--note", default="")
     p.add_argument("overrides", nargs="*", help="dotted overrides of the recipe, e.g. train.epochs=1")
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
@@ -228,13 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     elif processes != 2:
         overrides.append(f"distributed.num_processes={processes}")
     output = Path(a.output) if a.output else (Path(tempfile.mkdtemp()) / "so.json" if a.smoke else RESULT)
-    result = {
-        "benchmark": "step_overhead",
-        "recipe": a.recipe,
-        "overrides": overrides,
-        "note": a.note,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": load_now()},
-    }
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": load_now()}
+    result = {"benchmark": "step_overhead", "recipe": a.recipe, "overrides": overrides, "note": a.note}
+    result["machine"] = machine
     if not a.smoke:  # tests/unit/test_startup_imports.py checks the imports
         result["imports"] = measure_imports()
     if not (a.skip_first_step or a.smoke):
@@ -245,11 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     output.write_text(json.dumps(result, indent=2) + "\n")
     for i, s in enumerate(result["phases"]["shares"]):
         w, c = s["wall"], s["cpu"]
-        print(
-            f"rank {i}: per-step work outside forward/backward/step {w['per_step_other_share']:.1%} of the steps' "
-            f"wall time ({c['per_step_other_share']:.1%} of CPU time); eval {w['eval']:.1f} s, checkpoints "
-            f"{w['checkpoint']:.1f} s, rest of the loop {w['run_rest']:.2f} s"
-        )
+        wall, cpu = w["per_step_other_share"], c["per_step_other_share"]
+        share = f"{wall:.1%} of the steps' wall time ({cpu:.1%} of CPU time)"
+        rest = f"eval {w['eval']:.1f} s, checkpoints {w['checkpoint']:.1f} s"
+        rest += f", rest of the loop {w['run_rest']:.2f} s"
+        print(f"rank {i}: per-step work outside forward/backward/step {share}; {rest}")
     print(f"wrote {output}")
     return 0
 

@@ -59,9 +59,8 @@ def parser(spec: dict) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python benchmarks/{spec['benchmark']}.py", description=spec["about"])
     default = spec.get("output_help", spec.get("output"))
     p.add_argument("--output", help=f"result JSON (default: {default}; --smoke: a temp file)")
-    p.add_argument(
-        "--smoke", action="store_true", help=f"small runs that test the script: {' '.join(spec['smoke'])}"
-    )
+    smoke = f"small runs that test the script: {' '.join(spec['smoke'])}"
+    p.add_argument("--smoke", action="store_true", help=smoke)
     p.add_argument("--note", action="append", help="a note to store in the result (repeatable)")
     p.add_argument("--plot-only", metavar="RESULT_JSON", help="only redraw the chart of an existing result")
     for name, o in options(spec).items():
@@ -117,6 +116,15 @@ def main(module, argv: list[str] | None = None) -> int:
         shutil.rmtree(bench.tmp, ignore_errors=True)
 
 
+def whole_micro_batches(args, error, micro_batch: int) -> None:
+    """--max-samples must fill whole micro-batches: lorakit's sampler fills a last short one with repeats (the
+    Trainer does not), so the sides' counts would differ."""
+    if args.max_samples % micro_batch:
+        error(
+            f"--max-samples must be a multiple of the micro batch size {micro_batch}, got {args.max_samples}"
+        )
+
+
 def set_dotted(raw: dict, key: str, value) -> None:
     """raw['a']['b'] = value for key 'a.b' (a dotted override, as on lorakit's command line)."""
     *path, last = key.split(".")
@@ -161,10 +169,8 @@ class Bench:
         label = label or side
         work = str(self.tmp / f"work-{label}-{time.monotonic_ns()}")
         if spec is None:
-            spec = {
-                "recipe": self.recipe(side, {"output.dir": work, **(overrides or {})}),
-                **self.spec["worker"],
-            }
+            recipe = self.recipe(side, {"output.dir": work, **(overrides or {})})
+            spec = {"recipe": recipe, **self.spec["worker"]}
         spec = {"torch_threads": getattr(self.args, "torch_threads", None), "work_dir": work, **spec}
         r = derive(dict(self.runner.run(kind, spec, label), side=side, **fields), self.spec.get("rates", {}))
         try:
@@ -190,9 +196,7 @@ class Bench:
             per[str(x)] = {**medians_of(mine, self.spec["medians"]), **extra(x, mine)}
             per[str(x)].update({f"{k}_runs": [r[k] for r in mine] for k in sw["run_lists"]})
             per[str(x)].update({k: mine[0][k] for k in sw["firsts"]})
-        best = {
-            name: max(items, key=lambda x, m=metric: per[str(x)][m]) for name, metric in sw["choose"].items()
-        }
+        best = {name: max(items, key=lambda x, m=m: per[str(x)][m]) for name, m in sw["choose"].items()}
         head = {"how": sw["how"], sw["items"]: list(items), "repeats": self.args.sweep_repeats}
         return {**head, sw["per"]: per, **best, "runs": runs}
 
@@ -206,23 +210,15 @@ class Bench:
         shared recipe's method, train and dtype, each side's attention, and `more`."""
         recipe, first = self.spec["recipe"], runs[0]
         attrs = {k: getattr(config, k, None) for k in self.spec["model_config"]}
-        model = {
-            "name_or_path": recipe["model"]["name_or_path"],
-            "built_by": "lorakit.testing.resolve_model_source",
-        }
-        params = {k: first[k] for k in ("total_params", "trainable_params")}
-        return {
-            "model": {**model, **attrs, **params},
-            "data": data,
-            "lora": recipe["method"],
-            "train": dict(recipe["train"], optimizer=self.spec["optimizer"]),
-            "dtype": recipe["model"]["dtype"],
-            "gradient_checkpointing": self.args.gradient_checkpointing,
-            "attention": first_of(runs, sides, "attention"),
-            **more,
-            "processes": 1,
-            "torch_threads": sorted({r["torch_threads"] for r in runs}),
-        }
+        model = {"name_or_path": recipe["model"]["name_or_path"]}
+        model["built_by"] = "lorakit.testing.resolve_model_source"
+        model.update(attrs, **{k: first[k] for k in ("total_params", "trainable_params")})
+        out = {"model": model, "data": data, "lora": recipe["method"]}
+        out["train"] = dict(recipe["train"], optimizer=self.spec["optimizer"])
+        out["dtype"] = recipe["model"]["dtype"]
+        out.update(gradient_checkpointing=self.args.gradient_checkpointing)
+        out.update(attention=first_of(runs, sides, "attention"), **more, processes=1)
+        return {**out, "torch_threads": sorted({r["torch_threads"] for r in runs})}
 
     def per_side(self, runs: list[dict], sides: list[str], equal: bool, meds: dict, firsts=()) -> dict:
         """Tables by side: useful tokens (and whether all sides agree), median padding efficiency, token
@@ -258,17 +254,14 @@ class Bench:
         write_json(self.output, result)
         checks = result.get("checks", {})
         if "examples_per_run" in checks:
-            self.log(
-                f"useful tokens: {checks['useful_tokens']} on every run, {checks['examples_per_run']} examples"
-            )
+            useful, examples = checks["useful_tokens"], checks["examples_per_run"]
+            self.log(f"useful tokens: {useful} on every run, {examples} examples")
         for key, r in result.get("ratios", {}).items():
             paired = [round(x, 2) for x in r["paired_useful_tokens_per_second"]]
-            self.log(
-                f"{key}: x{r['useful_tokens_per_second']:.2f} useful tokens/s (of medians), paired {paired}"
-            )
-        claims = result.get("claims") or (
-            [{"name": "claim", "claim_met": result["claim_met"]}] if "claim_met" in result else []
-        )
+            ratio = r["useful_tokens_per_second"]
+            self.log(f"{key}: x{ratio:.2f} useful tokens/s (of medians), paired {paired}")
+        one = [{"name": "claim", "claim_met": result["claim_met"]}] if "claim_met" in result else []
+        claims = result.get("claims") or one
         for c in claims:
             self.log(f"{c['name']}: {'met' if c['claim_met'] else 'NOT met'}")
         self.log(f"wrote {self.output} in {result['benchmark_wall_seconds']:.0f} s")

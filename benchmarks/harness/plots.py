@@ -42,9 +42,8 @@ def title(result: dict, text: str) -> str:
 def panels(plt, widths: list[int], height: float = 4.8, scale: float = 1.4):
     """A figure with one row of panels of the given relative widths; (figure, list of axes)."""
     size = (scale * sum(widths) + 1, height)
-    fig, axes = plt.subplots(
-        1, len(widths), figsize=size, squeeze=False, gridspec_kw={"width_ratios": widths}
-    )
+    grid = {"width_ratios": widths}
+    fig, axes = plt.subplots(1, len(widths), figsize=size, squeeze=False, gridspec_kw=grid)
     return fig, list(axes[0])
 
 
@@ -76,6 +75,13 @@ def side_bars(ax, result: dict, metric: str, title: str, labels: dict, notes, fo
     runs = [[r[metric] for r in result["runs"] if r["side"] == s] for s in sides]
     heights, texts = [result["medians"][s][metric] for s in sides], [notes(s) for s in sides]
     bars(ax, [labels[s] for s in sides], heights, runs, texts, title, fontsize=fontsize)
+
+
+def budget_labels(result: dict, spec: dict, sides: list[str]) -> dict:
+    """{side: its label in the spec, with its packed rows' token budget (`result['max_tokens']`) if it has one}."""
+    budget = result["max_tokens"]
+    own = {s: f"\nmax_tokens {budget[s]}" for s in sides if budget.get(s)}
+    return {s: spec["sides"][s]["label"] + own.get(s, "") for s in sides}
 
 
 def ratio_notes(result: dict, side: str, name=str) -> list[str]:

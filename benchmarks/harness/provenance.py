@@ -47,10 +47,8 @@ def load_average() -> dict:
 
 def source_files() -> dict[str, str]:
     """{path: sha256} of lorakit's source files, to name the files that changed while a benchmark ran."""
-    return {
-        str(p.relative_to(ROOT)): hashlib.sha256(p.read_bytes()).hexdigest()[:16]
-        for p in sorted((ROOT / "lorakit").rglob("*.py"))
-    }
+    files = sorted((ROOT / "lorakit").rglob("*.py"))
+    return {str(p.relative_to(ROOT)): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in files}
 
 
 def source_digest(files: dict[str, str] | None = None) -> str:
@@ -61,9 +59,8 @@ def source_digest(files: dict[str, str] | None = None) -> str:
 
 def source_dirty() -> bool | None:
     """Whether lorakit/ has uncommitted changes (None when git cannot tell)."""
-    diff = subprocess.run(
-        ["git", "status", "--porcelain", "--", "lorakit"], cwd=ROOT, capture_output=True, text=True
-    )
+    command = ["git", "status", "--porcelain", "--", "lorakit"]
+    diff = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     return bool(diff.stdout.strip()) if diff.returncode == 0 else None
 
 

@@ -49,9 +49,8 @@ class Runner:
             log.write(f"\n===== {name} ({kind}) {datetime.now(timezone.utc).isoformat(timespec='seconds')}\n")
             log.flush()
             offset, start = log.tell(), time.perf_counter()
-            proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            own = {"stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}  # killed as a group
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, **own)
             try:
                 code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -138,33 +137,26 @@ def ratios(runs: list[dict], meds: dict, comparisons, key_format: str = "{side}/
     for side, base in comparisons:
         m, b = meds[side], meds[base]
         paired = paired_ratios(runs, side, base, "useful_tokens_per_second")
-        r = {
-            "side": side,
-            "versus": base,
-            "useful_tokens_per_second": m["useful_tokens_per_second"] / b["useful_tokens_per_second"],
-        }
+        r = {"side": side, "versus": base}
+        r["useful_tokens_per_second"] = m["useful_tokens_per_second"] / b["useful_tokens_per_second"]
         r.update(paired_useful_tokens_per_second=paired, paired_median=statistics.median(paired))
         r["epoch_time_speedup"] = b["epoch_seconds"] / m["epoch_seconds"]
         for key in ("step_useful_tokens_per_second", "useful_tokens_per_cpu_second"):
             if key in m:
                 r[key] = m[key] / b[key]
         if "useful_tokens_per_cpu_second" in m:
-            r["paired_useful_tokens_per_cpu_second"] = paired_ratios(
-                runs, side, base, "useful_tokens_per_cpu_second"
-            )
+            cpu = paired_ratios(runs, side, base, "useful_tokens_per_cpu_second")
+            r["paired_useful_tokens_per_cpu_second"] = cpu
         r["padding_efficiency_ratio"] = m["padding_efficiency"] / b["padding_efficiency"]
         if "eval_loss" in m:
             r["eval_loss_difference"] = m["eval_loss"] - b["eval_loss"]
-            r["paired_eval_loss_differences"] = [
-                s["eval_loss"] - v["eval_loss"] for v, s in pairs(runs, side, base)
-            ]
+            differences = [s["eval_loss"] - v["eval_loss"] for v, s in pairs(runs, side, base)]
+            r["paired_eval_loss_differences"] = differences
         out[key_format.format(side=side, versus=base)] = r
     return out
 
 
-def claims(
-    specs: list[dict], ratio_of: dict, meds: dict, valid: bool, key_format="{side}/{versus}"
-) -> list[dict]:
+def claims(specs: list[dict], ratio_of: dict, meds: dict, valid: bool, key_format="{side}/{versus}") -> list:
     """Each claim of the spec with the measured value it is judged on; `claim_met` comes from the recorded
     medians, and is False whenever the runs failed their checks (`valid`).
 

@@ -128,8 +128,28 @@ def with_lora(model, lora: dict, seq2seq: bool):
     return get_peft_model(model, LoraConfig(**kwargs, target_modules=lora["target_modules"], task_type=task))
 
 
-def train(trainer) -> tuple[dict, dict]:
-    """`trainer.train()`; (its metrics, the first and last loss it logged)."""
+def guide_preprocess(tokenizer, template: str, columns: tuple, caps: tuple, padding: str = "max_length"):
+    """The preprocess_function of Philipp Schmid's "Fine-tune FLAN-T5 XL/XXL using DeepSpeed & Hugging Face
+    Transformers": the templated inputs and the targets (`columns`) tokenized, padded to the `caps` (or not:
+    `padding` "do_not_pad") and truncated, the labels' pad ids replaced by -100."""
+    pad = {"padding": padding, "truncation": True}
+
+    def preprocess_function(sample):
+        model_inputs = tokenizer(
+            [template.format(input=x) for x in sample[columns[0]]], max_length=caps[0], **pad
+        )
+        labels = tokenizer(text_target=sample[columns[1]], max_length=caps[1], **pad)["input_ids"]
+        model_inputs["labels"] = [[t if t != tokenizer.pad_token_id else -100 for t in ids] for ids in labels]
+        return model_inputs
+
+    return preprocess_function
+
+
+def train(cls, model, args, rows, collator, tokenizer, callback) -> tuple:
+    """`cls` (Trainer or Seq2SeqTrainer) trained on `rows`; (the trainer, its metrics, the first and last loss
+    it logged)."""
+    kwargs = {"train_dataset": rows, "data_collator": collator, "processing_class": tokenizer}
+    trainer = cls(model=model, args=args, **kwargs, callbacks=[callback])
     metrics = trainer.train().metrics
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h] or [None]
-    return metrics, {"loss_first": losses[0], "loss_last": losses[-1]}
+    return trainer, metrics, {"loss_first": losses[0], "loss_last": losses[-1]}

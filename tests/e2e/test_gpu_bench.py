@@ -212,16 +212,17 @@ BODIES = {
 @pytest.mark.parametrize("outcome, passed", [("skipped", False), ("failing", False), ("passing", True)])
 def test_gpu_test_outcome_sets_the_exit_status(tmp_path, outcome, passed):
     """--run-gpu-tests: the script exits 1 unless the GPU tests ran and passed (all skipped is not a pass)."""
-    from benchmarks import gpu_bench
+    from benchmarks.harness.device import run_gpu_tests
+    from benchmarks.harness.gpu_result import exit_status
 
     path = tmp_path / "test_gpu_outcome.py"
     path.write_text(GPU_TEST.format(body=BODIES[outcome]))
-    gpu_tests = gpu_bench.run_gpu_tests(tmp_path / "log.txt", [].append, tests=str(path))
+    gpu_tests = run_gpu_tests(tmp_path / "log.txt", [].append, tests=str(path))
     assert gpu_tests["passed"] is passed, gpu_tests
     assert gpu_tests["exit_code"] == (1 if outcome == "failing" else 0)
     assert {"skipped": "1 skipped", "failing": "1 failed", "passing": "1 passed"}[outcome] in gpu_tests[
         "summary"
     ]
     measured = {"workloads": {"causal_1b_lora": {"status": "measured"}}}
-    assert gpu_bench.exit_status(measured) == 0  # not asked for: the workloads decide
-    assert gpu_bench.exit_status({**measured, "gpu_tests": gpu_tests}) == (0 if passed else 1)
+    assert exit_status(measured) == 0  # not asked for: the workloads decide
+    assert exit_status({**measured, "gpu_tests": gpu_tests}) == (0 if passed else 1)

@@ -1,10 +1,11 @@
-"""benchmarks/rehearsal.py at tiny shape: the model it builds tensor by tensor loads with transformers at the
+"""benchmarks/rehearsal.py (and harness/memory.py) at tiny shape: the model it builds tensor by tensor loads with transformers at the
 config's parameter count (T5's own head kept), at the family's init scales; phases and per-step memory are
 read from samples as the run's records time them."""
 
 import torch
 
-from benchmarks.rehearsal import GIB, SHAPES, build, init_std, per_step, per_step_peak, phases
+from benchmarks.harness.memory import GIB, per_step, per_step_peak, phases
+from benchmarks.rehearsal import SHAPES, build, init_std
 
 
 def test_the_built_model_loads_with_its_own_head_at_init_scales(tmp_path):
