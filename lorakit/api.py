@@ -12,7 +12,6 @@ import warnings
 from pathlib import Path
 
 from lorakit import preflight, rundir, runlock
-from lorakit.data import PreparedData, prepare_data
 from lorakit.engine import dist
 from lorakit.engine.deepspeed_config import check_zero_plus_plus
 from lorakit.engine.launch import (
@@ -36,16 +35,9 @@ from lorakit.errors import (
     WorkerFailedError,
 )
 from lorakit.export import publish
-from lorakit.model.source import load_config, load_tokenizer
 from lorakit.observe import trackers
+from lorakit.preflight import prepare
 from lorakit.recipe import Recipe, dump_recipe
-
-
-def prepare(recipe: Recipe) -> PreparedData:
-    """Tokenize and cache the recipe's data (or find it cached); needs no GPU."""
-    preflight.check_cache_dir(recipe)
-    source, config = load_config(recipe)
-    return prepare_data(recipe, load_tokenizer(recipe, source), config)
 
 
 def doctor(recipe=None, **options):
