@@ -21,7 +21,7 @@ import datasets
 
 from lorakit.data import cache
 from lorakit.data.causal import TemplateFailed, _Chat, check_tokenizer, encode_prompts
-from lorakit.data.pipeline import PreparedData, bad_rows_stats
+from lorakit.data.prepared import PreparedData, bad_rows_stats
 from lorakit.data.rows import MAX_QUOTED, SourceRows, required_columns
 from lorakit.data.sources import OVERLONG_DOC, eval_source, load_split, source_fingerprint, split_holdout
 from lorakit.data.templates import prompt_columns, render_prompt, rows_of

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from lorakit.data.batching import Batching
 from lorakit.data.collate import IGNORE_INDEX, _pad, right_pad_sources, shift_labels
+from lorakit.data.micro_batches import Batching
 from lorakit.data.multipack import MultipackBatchSampler
 from lorakit.data.sampler import LengthGroupedBatchSampler
 from lorakit.errors import DataError
@@ -140,10 +140,19 @@ def pair_collator(tokenizer, config):
 
 
 def preference_batching(
-    recipe: Recipe, data, tokenizer, config, *, packing: bool, world: int = 1, rank: int = 0
+    recipe: Recipe,
+    data,
+    tokenizer,
+    config,
+    *,
+    packing: bool,
+    world: int = 1,
+    rank: int = 0,
+    share_prompt_problem: str | None = None,
 ) -> Batching:
-    """Sampler and collators of preference pairs: multipack rows of whole pairs for causal LMs that pack,
-    else micro-batches of train.micro_batch_size pairs grouped by length and padded."""
+    """Sampler and collators of preference pairs: multipack rows of whole pairs for causal LMs that pack
+    (each pair's prompt once, unless dpo.share_prompt is off or `share_prompt_problem` says why the model
+    cannot), else micro-batches of train.micro_batch_size pairs grouped by length and padded."""
     t = recipe.train
     padded = pair_collator(tokenizer, config)
     lengths = data.train["length"]
@@ -152,7 +161,9 @@ def preference_batching(
         max_tokens = t.max_tokens or t.micro_batch_size * 2 * data.lengths.max_length
         from lorakit.data.preference_shared import shared_prompt_batching
 
-        shared = shared_prompt_batching(recipe, data, config, max_tokens, padded, world=world, rank=rank)
+        shared = shared_prompt_batching(
+            recipe, data, max_tokens, padded, world=world, rank=rank, problem=share_prompt_problem
+        )
         if shared is not None:
             return shared
         if max(lengths) > max_tokens:

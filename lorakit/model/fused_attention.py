@@ -177,7 +177,7 @@ def _varlen_takes_gqa() -> bool:
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
-def _varlen(q, k, v, q_layout: PackedLayout, k_layout: PackedLayout, scaling, window_size):
+def varlen_attention(q, k, v, q_layout: PackedLayout, k_layout: PackedLayout, scaling, window_size):
     from torch.nn.attention.varlen import varlen_attn
 
     # (1, H, T, D) -> (T, H, D): varlen takes the row's tokens as one flat sequence.
@@ -208,12 +208,12 @@ def _varlen(q, k, v, q_layout: PackedLayout, k_layout: PackedLayout, scaling, wi
 def varlen_causal(q, k, v, layout: PackedLayout, scaling: float | None, window: int | None) -> torch.Tensor:
     """Causal attention inside each example of a packed row: (1, H, T, D) in, (1, T, H, D) out. `window`:
     a key at most window - 1 tokens before its query (transformers' sliding_window), or None."""
-    return _varlen(q, k, v, layout, layout, scaling, (-1, 0) if window is None else (window - 1, 0))
+    return varlen_attention(q, k, v, layout, layout, scaling, (-1, 0) if window is None else (window - 1, 0))
 
 
 def varlen_cross(q, k, v, q_layout: PackedLayout, k_layout: PackedLayout, scaling) -> torch.Tensor:
     """T5 cross-attention of a packed row pair: decoder example i attends to all of encoder example i."""
-    return _varlen(q, k, v, q_layout, k_layout, scaling, (-1, -1))
+    return varlen_attention(q, k, v, q_layout, k_layout, scaling, (-1, -1))
 
 
 def bias_table(position_bias: torch.Tensor, max_distance: int | None = None) -> torch.Tensor:

@@ -33,10 +33,19 @@ from typing import Any
 import torch
 
 from lorakit.data.preference_shared import PAIR_SPANS
-from lorakit.model.fused_attention import LOOP, VARLEN, PackedLayout, _varlen, choose_kernel, cu_seqlens, used
+from lorakit.model.fused_attention import (
+    LOOP,
+    VARLEN,
+    PackedLayout,
+    choose_kernel,
+    cu_seqlens,
+    used,
+    varlen_attention,
+)
+from lorakit.model.varlen import ROW_ATTENTION, VARLEN_SDPA
 
-# The forward keyword the spans travel under (transformers passes unknown kwargs to the attention function).
-SHARED_PROMPT = "lorakit_shared_prompt"
+# The forward keyword the spans travel under: lorakit_varlen_sdpa hands the row to its `attend`.
+SHARED_PROMPT = ROW_ATTENTION
 
 
 class SharedPromptSpans(tuple):
@@ -58,6 +67,10 @@ class SharedPromptSpans(tuple):
             out.append(((s + p + c, s + p + c + r), [(s, s + p), (s + p + c, s + p + c + r)]))
             s += p + c + r
         return out
+
+    def attend(self, module, query, key, value, scaling, dropout, window):
+        """The row's tree attention (shared_prompt_attention), as lorakit_varlen_sdpa calls it."""
+        return shared_prompt_attention(module, query, key, value, scaling, dropout, self, window)
 
 
 def sharing_problem(attention: str) -> str | None:
@@ -109,8 +122,6 @@ def shared_prompt_kwargs(inputs, batch: dict[str, Any], device) -> dict[str, Any
     """Forward kwargs of a shared-prompt packed batch for `inputs`' backend (a lorakit ModelInputs)."""
     spans = SharedPromptSpans(batch[PAIR_SPANS].tolist())
     out: dict[str, Any] = {k: batch[k].to(device) for k in ("input_ids", "position_ids")}
-    from lorakit.model.varlen import VARLEN_SDPA
-
     if inputs.attention == VARLEN_SDPA:
         out[SHARED_PROMPT] = spans
         # All ones: transformers builds no T x T mask the attention function would not use.
@@ -168,7 +179,7 @@ def shared_prompt_attention(module, query, key, value, scaling, dropout, spans: 
         index, q_layout, k_layout = _gathered(spans, device)
         k, v = key.index_select(2, index), value.index_select(2, index)
         # Bottom-right causal alignment of flash: a query group shorter than its keys ends where they end.
-        out = _varlen(
+        out = varlen_attention(
             query, k, v, q_layout, k_layout, scaling, (-1, 0) if window is None else (window - 1, 0)
         )
         return out, None

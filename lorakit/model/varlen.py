@@ -45,9 +45,13 @@ from lorakit.model.fused_attention import (
     varlen_cross,
     varlen_layout,
 )
-from lorakit.model.shared_prompt import SHARED_PROMPT, shared_prompt_attention
 
 VARLEN_SDPA = "lorakit_varlen_sdpa"
+# The forward keyword of a packed row that attends its own way (lorakit.model.shared_prompt's DPO pairs): an
+# object whose `attend(module, query, key, value, scaling, dropout, window)` returns what
+# varlen_sdpa_attention returns. This kernel calls it without knowing the layout (transformers passes
+# unknown kwargs to the attention function).
+ROW_ATTENTION = "lorakit_row_attention"
 # Examples of a packed T5 row are attended in groups padded to a common size when that adds at most this
 # share of attention work (see _buckets).
 _BUCKET_WASTE = 0.25
@@ -285,11 +289,9 @@ def varlen_sdpa_attention(
     """transformers attention function: (B, H, T, D) inputs -> ((B, T, H, D) output, None)."""
     segments = kwargs.pop("lorakit_segments", None)
     seq2seq = kwargs.pop("lorakit_seq2seq_segments", None)
-    shared = kwargs.pop(SHARED_PROMPT, None)
-    if shared is not None:
-        # Packed DPO pairs whose prompt both responses share (lorakit.model.shared_prompt).
-        window = kwargs.get("sliding_window")
-        return shared_prompt_attention(module, query, key, value, scaling, dropout, shared, window)
+    row = kwargs.pop(ROW_ATTENTION, None)
+    if row is not None:
+        return row.attend(module, query, key, value, scaling, dropout, kwargs.get("sliding_window"))
     if seq2seq is not None:
         dropout = dropout if module.training else 0.0
         return _seq2seq_attention(

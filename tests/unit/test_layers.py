@@ -55,9 +55,24 @@ FLOORS = {
     "lorakit.doctor.__main__": 11,
 }
 
-# Arrows up a floor that other parts of issue 43 remove; each names the area whose change removes it.
-# This list only shrinks: a new arrow up is a failure, and so is an entry here that no longer exists.
-KNOWN: set[tuple[str, str]] = set()
+# Arrows up a floor and circles that other parts of issue 43 remove; each names the area whose change
+# removes it. These lists only shrink: a new arrow or circle is a failure, and so is an entry here that no
+# longer exists.
+KNOWN: set[tuple[str, str]] = {
+    ("lorakit.engine.summary", "lorakit.planner"),  # engine (backends helper)
+    ("lorakit.evaluation.generate", "lorakit.engine.dist"),  # engine/dist.py (backends helper)
+    ("lorakit.evaluation.generate", "lorakit.engine.loss"),  # engine (backends helper)
+    ("lorakit.evaluation.runner", "lorakit.engine.dist"),  # engine/dist.py (backends helper)
+    ("lorakit.evaluation.runner", "lorakit.engine.dpo"),  # objectives helper
+    ("lorakit.evaluation.runner", "lorakit.engine.objective"),  # objectives helper
+    ("lorakit.model.source", "lorakit.testing"),  # testing.py (families helper)
+    ("lorakit.recipe.schema", "lorakit.evaluation.scoring"),  # recipe (recipe helper)
+}
+KNOWN_CYCLES: set[frozenset[str]] = {
+    frozenset({"lorakit.engine.job", "lorakit.engine.summary"}),  # engine (backends helper)
+    # recipe (recipe helper)
+    frozenset({"lorakit.recipe.dpo_section", "lorakit.recipe.fsdp_section", "lorakit.recipe.schema"}),
+}
 
 
 def module_files(package: Path = PACKAGE) -> dict[str, Path]:
@@ -170,12 +185,40 @@ def test_a_fake_circle_and_a_fake_arrow_up_are_found(tmp_path):
     (pkg / "errors.py").write_text("import lorakit.data.b\n")
     graph = import_graph(module_files(pkg))
     assert cycles(graph) == [["lorakit.data.a", "lorakit.data.b"]]
+    assert circle_path(graph, ["lorakit.data.a", "lorakit.data.b"]) == [
+        "lorakit.data.a",
+        "lorakit.data.b",
+        "lorakit.data.a",
+    ]
     assert upward(graph) == {("lorakit.errors", "lorakit.data.b")}
 
 
+def circle_path(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """One circle through the first module of `component`, as the modules in import order, first again last."""
+    start, members = component[0], set(component)
+    paths = {start: [start]}
+    queue = [start]
+    while queue:  # breadth first: the shortest way back to start
+        node = queue.pop(0)
+        for child in sorted(graph[node] & members):
+            if child == start:
+                return paths[node] + [start]
+            if child not in paths:
+                paths[child] = paths[node] + [child]
+                queue.append(child)
+    raise AssertionError(f"{component} is not a circle")
+
+
 def test_no_import_circles():
-    found = cycles(import_graph(module_files()))
-    assert not found, "import circles:\n" + "\n".join(" -> ".join(c + c[:1]) for c in found)
+    graph = import_graph(module_files())
+    found = cycles(graph)
+    new = [c for c in found if frozenset(c) not in KNOWN_CYCLES]
+    gone = KNOWN_CYCLES - {frozenset(c) for c in found}
+    circles = "\n".join("  " + " -> ".join(circle_path(graph, c)) for c in new)
+    assert not new, (
+        "import circles (each file imports the next, directly, in a function or for typing):\n" + circles
+    )
+    assert not gone, f"KNOWN_CYCLES lists circles that no longer exist, remove them: {gone}"
 
 
 def test_no_import_from_a_lower_floor_to_a_higher_one():
