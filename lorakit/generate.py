@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from lorakit.callable_module import forward_calls
-from lorakit.cli import quiet_libraries, run_cli
+from lorakit.cli import options, quiet_libraries, run_cli
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,16 +52,8 @@ def _generate(args: argparse.Namespace) -> int:
     from lorakit.inference.generation import to_jsonl
 
     quiet_libraries()
-    result = generate(
-        args.source,
-        args.input,
-        output=args.output,
-        max_new_tokens=args.max_new_tokens,
-        num_beams=args.num_beams,
-        batch_size=args.batch_size,
-        device=args.device,
-        dtype=args.dtype,
-    )
+    names = ("output", "max_new_tokens", "num_beams", "batch_size", "device", "dtype")
+    result = generate(args.source, args.input, **options(args, *names))
     if args.output is None:
         sys.stdout.write(to_jsonl(result.records))
     return 0

@@ -5,11 +5,10 @@ kept. See docs/merge.md."""
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 from lorakit.callable_module import forward_calls
-from lorakit.cli import quiet_libraries, run_cli
+from lorakit.cli import options, quiet_libraries, run_interruptible
 
 
 def parser() -> argparse.ArgumentParser:
@@ -63,11 +62,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m lorakit.merge`."""
     args = parser().parse_args(argv)
-    try:
-        return run_cli(_merge, args)
-    except KeyboardInterrupt:
-        print(f"interrupted: nothing was written to {args.output}", file=sys.stderr)
-        return 130
+    return run_interruptible(_merge, args, f"nothing was written to {args.output}")
 
 
 def _merge(args: argparse.Namespace) -> int:
@@ -75,25 +70,9 @@ def _merge(args: argparse.Namespace) -> int:
     from lorakit.export import merge
 
     quiet_libraries()
-    # A kill (SIGTERM) unwinds like Ctrl-C, so the temporary export directory is removed.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    merge(
-        args.source,
-        args.output,
-        dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
-        base=args.base,
-        force=args.force,
-        tolerance=args.tolerance,
-        compare_quantized=args.compare_quantized,
-        strategy=args.strategy,
-        verify=args.verify_logits,
-    )
+    names = ("dtype", "max_shard_size", "base", "force", "tolerance", "compare_quantized", "strategy")
+    merge(args.source, args.output, **options(args, *names, verify="verify_logits"))
     return 0
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 forward_calls(__name__, "lorakit.export:merge")

@@ -30,7 +30,7 @@ from lorakit.export.loading import (
     save_tokenizer,
 )
 from lorakit.export.output import atomic_directory, check_output, parse_size
-from lorakit.export.result import MergeResult, require, say
+from lorakit.export.result import MergeOptions, MergeResult, require, say
 from lorakit.export.sources import MergeSource, locate
 from lorakit.export.verify import RELATIVE_TOLERANCE, Check, compare, probe_batch, probe_logits
 from lorakit.runlock import holding_run_lock
@@ -87,20 +87,8 @@ def merge(
 
         streamed = streaming_plan(src, adapter, auto_cls, config, dtype, strategy == "stream")
         if streamed is not None:
-            return merge_streamed(
-                streamed,
-                src,
-                adapter,
-                out,
-                force=force,
-                auto_cls=auto_cls,
-                config=config,
-                dtype=dtype,
-                tol=tol,
-                shard_bytes=shard_bytes,
-                verify=verify,
-                compare_quantized=compare_quantized,
-            )
+            options = MergeOptions(force, dtype, tol, shard_bytes, verify, compare_quantized)
+            return merge_streamed(streamed, src, adapter, out, auto_cls, config, options)
     batch = probe_batch(config, config.vocab_size)
     if adapter is None:
         done = _full_model(src, auto_cls, dtype, batch)

@@ -194,14 +194,8 @@ def push(
 
 def push_after_training(recipe: Any, result: Any) -> Any:
     """output.push_to_hub: push the finished run (rank 0, after the merge). Returns `result` unchanged."""
-    options = recipe.output.push_to_hub
-    push(
-        result.run_dir,
-        options.repo_id,
-        private=options.private,
-        revision=options.revision,
-        create_pr=options.create_pr,
-    )
+    o = recipe.output.push_to_hub
+    push(result.run_dir, o.repo_id, private=o.private, revision=o.revision, create_pr=o.create_pr)
     return result
 
 

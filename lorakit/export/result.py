@@ -28,6 +28,18 @@ class TensorCheck:
 
 
 @dataclass(frozen=True)
+class MergeOptions:
+    """What lorakit.merge was asked, checked: handed to the streaming merge as one."""
+
+    force: bool  # replace a non-empty output
+    dtype: str  # of the exported weights
+    tol: float  # relative logit tolerance
+    shard_bytes: int  # largest safetensors shard
+    verify: str  # the streaming merge's whole-model logits check: auto | always | never
+    compare_quantized: bool  # QLoRA: also report the merge against the adapter on the 4-bit base
+
+
+@dataclass(frozen=True)
 class MergeResult:
     """What lorakit.merge returns: where the model went and what was checked."""
 

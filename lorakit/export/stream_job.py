@@ -19,7 +19,7 @@ from lorakit.export.adapter import Adapter
 from lorakit.export.card import CARD, QLORA_NOTE, model_card
 from lorakit.export.loading import adapter_on_4bit, check_architecture, load_pretrained, save_tokenizer
 from lorakit.export.output import atomic_directory
-from lorakit.export.result import MergeResult, TensorCheck, require, say
+from lorakit.export.result import MergeOptions, MergeResult, TensorCheck, require, say
 from lorakit.export.shards import (
     Reader,
     ShardWriter,
@@ -64,17 +64,12 @@ def merge_streamed(
     src: MergeSource,
     adapter: Adapter | None,
     out: Path,
-    *,
-    force: bool,
     auto_cls,
     config,
-    dtype: str,
-    tol: float,
-    shard_bytes: int,
-    verify: str,
-    compare_quantized: bool,
+    options: MergeOptions,
 ) -> MergeResult:
     """Merge shard by shard into `out` (atomically) and return what was written and checked."""
+    dtype, verify = options.dtype, options.verify
     what = adapter.describe() if adapter is not None else f"the fully fine-tuned model {src.path}"
     verb = "merging" if adapter is not None else "exporting"
     say(f"{verb} (streaming, shard by shard): {what} into {src.base_name} ({plan.base_dir}) in {dtype}")
@@ -88,15 +83,15 @@ def merge_streamed(
         notes.append(f"whole-model logits check skipped ({why}); every tensor was checked")
         say(notes[-1])
     checks, quantized = [], None
-    with atomic_directory(out, force) as tmp:
-        shards, tensor_check = write_shards(plan, tmp, shard_bytes)
+    with atomic_directory(out, options.force) as tmp:
+        shards, tensor_check = write_shards(plan, tmp, options.shard_bytes)
         say(tensor_check.describe())
         notes.append(tensor_check.describe())
         _save_config(plan, src, config, getattr(torch, dtype), tmp)
         save_tokenizer(src, tmp, notes)
         if logits:
             check, quantized = _logits_check(
-                src, adapter, auto_cls, config, dtype, tol, tmp, compare_quantized
+                src, adapter, auto_cls, config, dtype, options.tol, tmp, options.compare_quantized
             )
             checks.append(check)
             if not check.effect_visible:

@@ -22,6 +22,7 @@ FLOORS = {
     "lorakit.runlock": 1,
     "lorakit.meter": 1,
     "lorakit.observe": 1,
+    "lorakit.lazy": 1,  # packages whose names load on first use
     "lorakit.units": 1,  # byte sizes: storage, the planner and the doctor speak them
     # Makes a CLI module callable; imports nothing of lorakit, so the doctor's package may use it too.
     "lorakit.callable_module": 1,
