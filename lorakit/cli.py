@@ -86,6 +86,15 @@ def run_cli(body: Callable[..., int | None], *args) -> int:
         return e.exit_code
 
 
+# The dtypes a command can load or export weights in (--dtype of merge and generate).
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def add_dtype_option(p: argparse.ArgumentParser, help: str) -> None:
+    """--dtype: one of DTYPES, default None (the command's own default, which `help` says)."""
+    p.add_argument("--dtype", choices=DTYPES, default=None, help=help)
+
+
 def run_interruptible(body: Callable[..., int | None], args, interrupted: str) -> int:
     """run_cli for a command that undoes its partial work when interrupted (merge, push): a kill (SIGTERM)
     unwinds like Ctrl-C, and either prints `interrupted` (what was left as it was) and exits 130."""

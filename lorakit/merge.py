@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from lorakit.callable_module import forward_calls
-from lorakit.cli import options, quiet_libraries, run_interruptible
+from lorakit.cli import add_dtype_option, options, quiet_libraries, run_interruptible
 
 
 def parser() -> argparse.ArgumentParser:
@@ -16,12 +16,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lorakit.merge", description=__doc__)
     p.add_argument("source", help="run directory, or an adapter (or full model) directory")
     p.add_argument("--output", required=True, help="directory to write the merged model to")
-    p.add_argument(
-        "--dtype",
-        choices=("bfloat16", "float16", "float32"),
-        default=None,
-        help="dtype of the exported weights (default: the run's model.dtype, else bfloat16)",
-    )
+    add_dtype_option(p, "dtype of the exported weights (default: the run's model.dtype, else bfloat16)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB")
     p.add_argument(
         "--base",
@@ -42,20 +37,16 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="QLoRA runs: also report the merged model against the adapter on the 4-bit base (loads it)",
     )
-    p.add_argument(
-        "--strategy",
-        choices=("auto", "stream", "memory"),
-        default="auto",
-        help="stream: shard by shard, one tensor in memory at a time; memory: load the model and merge with "
-        "peft; auto (default): stream unless the merge is not per tensor (DoRA, IA3, ...), saying why",
+    strategy = (
+        "stream: shard by shard, one tensor in memory at a time; memory: load the model and merge with peft; "
+        "auto (default): stream unless the merge is not per tensor (DoRA, IA3, ...), saying why"
     )
-    p.add_argument(
-        "--verify-logits",
-        choices=("auto", "always", "never"),
-        default="auto",
-        help="streaming: also load the export and check its logits against the adapter model; auto (default): "
-        "when there is free memory for one copy of the model",
+    p.add_argument("--strategy", choices=("auto", "stream", "memory"), default="auto", help=strategy)
+    verify = (
+        "streaming: also load the export and check its logits against the adapter model; auto (default): "
+        "when there is free memory for one copy of the model"
     )
+    p.add_argument("--verify-logits", choices=("auto", "always", "never"), default="auto", help=verify)
     return p
 
 

@@ -20,6 +20,7 @@ FLOORS = {
     "lorakit.storage": 1,
     "lorakit.rundir": 1,
     "lorakit.runlock": 1,
+    "lorakit.lock_holder": 1,
     "lorakit.meter": 1,
     "lorakit.observe": 1,
     "lorakit.lazy": 1,  # packages whose names load on first use
