@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +48,6 @@ from lorakit.evaluation.classify import save_classification
 from lorakit.evaluation.runner import run_eval
 from lorakit.meter import TokenMeter
 from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
-from lorakit.model.fused_attention import KERNELS_USED
 from lorakit.model.quantize import describe_quantization, quantization_summary
 from lorakit.model.shared_prompt import sharing_problem
 from lorakit.observe import MetricsLogger
@@ -242,8 +240,6 @@ class Job:
     state: LoopState = field(default_factory=LoopState)
     meter: TokenMeter = field(default_factory=TokenMeter)
     stops: StopRequests = field(default_factory=StopRequests)
-    # The packed attention calls made before this job, so summary.json counts this job's own.
-    kernels_before: Counter = field(default_factory=lambda: Counter(KERNELS_USED))
 
     def resume(self, ckpt: Checkpoint | None) -> None:
         """Restore engine, RNG states, loop state and this rank's counts from `ckpt` (collective)."""

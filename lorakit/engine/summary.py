@@ -15,7 +15,6 @@ import torch
 from lorakit import rundir
 from lorakit.engine import dist
 from lorakit.meter import live_tensor_bytes, peak_memory
-from lorakit.model.fused_attention import kernels_since
 from lorakit.observe import trackers
 
 if TYPE_CHECKING:
@@ -211,7 +210,7 @@ def summarize(
         model=recipe.model.name_or_path,
         model_source=job.built.source,
         attention=job.built.attention,
-        attention_kernels=kernels_since(job.kernels_before),
+        attention_kernels=job.built.inputs.kernels.counts(),
         dtype=recipe.model.dtype,
         world_size=world,
         strategy=recipe.distributed.strategy,
