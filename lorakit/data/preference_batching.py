@@ -138,10 +138,10 @@ def preference_batching(
     tokenizer,
     config,
     *,
+    share_prompt_problem: str | None = None,
     packing: bool,
     world: int = 1,
     rank: int = 0,
-    share_prompt_problem: str | None = None,
 ) -> Batching:
     """Sampler and collators of preference pairs: multipack rows of whole pairs for causal LMs that pack
     (each pair's prompt once, unless dpo.share_prompt is off or `share_prompt_problem` says why the model

@@ -46,21 +46,17 @@ from lorakit.model.fused_attention import (
 )
 
 VARLEN_SDPA = "lorakit_varlen_sdpa"
-# The forward keyword of a packed row that attends its own way (lorakit.model.shared_prompt's DPO pairs): an
-# object whose `attend(module, query, key, value, scaling, dropout, window)` returns what
-# varlen_sdpa_attention returns. This kernel calls it without knowing the layout (transformers passes
-# unknown kwargs to the attention function).
+# Forward keyword of a packed row that attends its own way (shared_prompt's DPO pairs): an object whose
+# `attend(module, query, key, value, scaling, dropout, window)` returns what varlen_sdpa_attention returns.
 ROW_ATTENTION = "lorakit_row_attention"
 # Examples of a packed T5 row are attended in groups padded to a common size when that adds at most this
 # share of attention work (see _buckets).
 _BUCKET_WASTE = 0.25
-# Attributes attach_t5_position_bias sets: on a T5 attention module, its hook's handle; on the model, how
-# many modules have the hook.
+# What attach_t5_position_bias sets: on a T5 attention module its hook's handle, on the model the count.
 T5_BIAS_HOOK, T5_BIAS_MODULES = "lorakit_position_bias_hook", "lorakit_position_bias_modules"
 
 
-def _lengths(bounds) -> list[int]:
-    """Example lengths from boundaries (0, end 1, ..., T)."""
+def _lengths(bounds) -> list[int]:  # example lengths from boundaries (0, end 1, ..., T)
     return [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
@@ -128,8 +124,7 @@ class Segments(tuple):
 
 def kernel_log(segments) -> KernelLog:
     """The KernelLog that `segments` carry (a fresh one for plain boundary tuples)."""
-    log = getattr(segments, "kernels", None)
-    return log if log is not None else KernelLog()
+    return getattr(segments, "kernels", None) or KernelLog()
 
 
 def _cached(segments, key, build):
