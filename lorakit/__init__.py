@@ -83,8 +83,8 @@ def doctor(recipe=None, **options):
 
 
 def prepare(recipe):
-    """Tokenize and cache a recipe's data without training. See lorakit.api.prepare."""
-    from lorakit.api import prepare as _prepare
+    """Tokenize and cache a recipe's data without training. See lorakit.preflight.prepare."""
+    from lorakit.preflight import prepare as _prepare
 
     return _prepare(recipe)
 

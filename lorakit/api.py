@@ -13,7 +13,6 @@ from pathlib import Path
 
 from lorakit import preflight, rundir, runlock
 from lorakit.backends.deepspeed_config import check_zero_plus_plus
-from lorakit.data import PreparedData
 from lorakit.engine import dist
 from lorakit.engine.launch import (
     launch_env,
@@ -36,18 +35,9 @@ from lorakit.errors import (
     WorkerFailedError,
 )
 from lorakit.export import publish
-from lorakit.model.source import load_config, load_tokenizer
 from lorakit.observe import trackers
+from lorakit.preflight import prepare
 from lorakit.recipe import Recipe, dump_recipe
-
-
-def prepare(recipe: Recipe) -> PreparedData:
-    """Tokenize and cache the recipe's data (or find it cached); needs no GPU."""
-    preflight.check_cache_dir(recipe)
-    from lorakit.objectives import prepare_data  # the objective's rows (SFT examples, DPO pairs)
-
-    source, config = load_config(recipe)
-    return prepare_data(recipe, load_tokenizer(recipe, source), config)
 
 
 def doctor(recipe=None, **options):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -83,6 +84,36 @@ def run_cli(body: Callable[..., int | None], *args) -> int:
     except LorakitError as e:
         print(error_message(e), file=sys.stderr)
         return e.exit_code
+
+
+# The dtypes a command can load or export weights in (--dtype of merge and generate).
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def add_dtype_option(p: argparse.ArgumentParser, help: str) -> None:
+    """--dtype: one of DTYPES, default None (the command's own default, which `help` says)."""
+    p.add_argument("--dtype", choices=DTYPES, default=None, help=help)
+
+
+def run_interruptible(body: Callable[..., int | None], args, interrupted: str) -> int:
+    """run_cli for a command that undoes its partial work when interrupted (merge, push): a kill (SIGTERM)
+    unwinds like Ctrl-C, and either prints `interrupted` (what was left as it was) and exits 130."""
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return run_cli(body, args)
+    except KeyboardInterrupt:
+        print(f"interrupted: {interrupted}", file=sys.stderr)
+        return 130
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def options(args, *names: str, **renamed: str) -> dict:
+    """Keyword arguments from parsed command-line `args`: each of `names` as itself, and each keyword of
+    `renamed` from the attribute it names (verify="verify_logits")."""
+    return {name: getattr(args, name) for name in names} | {k: getattr(args, a) for k, a in renamed.items()}
 
 
 def error_message(error: Exception) -> str:

@@ -45,14 +45,17 @@ def _rebuild(cls: type[LorakitError], args: tuple, doc: str | None) -> LorakitEr
 
 
 RECIPE_REFERENCE = "docs/recipes.md"
+# The recipe's top-level sections, in schema order: this module sits below lorakit.recipe, which imports it,
+# so it names them here; tests/docs/test_error_docs.py checks they are the schema's.
+RECIPE_SECTIONS = (
+    "model", "method", "data", "train", "distributed", "eval", "checkpoint", "dpo", "output", "preflight",
+)  # fmt: skip
 
 
 def recipe_section_link(message: str) -> str | None:
     """The recipe reference's section (`docs/recipes.md#train`) of the first `section.key` field a message
     names (each section of the schema is a heading of the generated page), or None."""
-    from lorakit.recipe.schema import Recipe  # not at the top: lorakit.recipe imports this module
-
-    sections = "|".join(Recipe.model_fields)
+    sections = "|".join(RECIPE_SECTIONS)
     m = re.search(rf"(?<![\w./-])({sections})\.[a-z_]+", message)
     return f"{RECIPE_REFERENCE}#{m[1]}" if m else None
 
@@ -65,6 +68,13 @@ class RecipeError(LorakitError):
 
     def doc_link(self) -> str | None:
         return self.doc if self.doc is not None else recipe_section_link(str(self))
+
+
+class PlanError(LorakitError):
+    """The plan cannot be made as asked: a malformed size, an unknown model, an impossible option."""
+
+    # Where the CLI points for the fix (lorakit.errors: `see DOC` after the message).
+    doc = "docs/planning.md"
 
 
 class DataError(LorakitError):

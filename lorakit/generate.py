@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from lorakit.callable_module import forward_calls
-from lorakit.cli import quiet_libraries, run_cli
+from lorakit.cli import add_dtype_option, options, quiet_libraries, run_cli
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,11 +32,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-beams", type=int, default=1, help="beam search width (default 1: greedy)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default 8)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: the GPU if any, else cpu)")
-    p.add_argument(
-        "--dtype",
-        choices=("bfloat16", "float16", "float32"),
-        default=None,
-        help="dtype to run in (default: the run's model.dtype; without a recipe, as the weights were saved)",
+    add_dtype_option(
+        p, "dtype to run in (default: the run's model.dtype; without a recipe, as the weights were saved)"
     )
     return p
 
@@ -52,16 +49,8 @@ def _generate(args: argparse.Namespace) -> int:
     from lorakit.inference.generation import to_jsonl
 
     quiet_libraries()
-    result = generate(
-        args.source,
-        args.input,
-        output=args.output,
-        max_new_tokens=args.max_new_tokens,
-        num_beams=args.num_beams,
-        batch_size=args.batch_size,
-        device=args.device,
-        dtype=args.dtype,
-    )
+    names = ("output", "max_new_tokens", "num_beams", "batch_size", "device", "dtype")
+    result = generate(args.source, args.input, **options(args, *names))
     if args.output is None:
         sys.stdout.write(to_jsonl(result.records))
     return 0

@@ -5,11 +5,10 @@ kept. See docs/merge.md."""
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 from lorakit.callable_module import forward_calls
-from lorakit.cli import quiet_libraries, run_cli
+from lorakit.cli import add_dtype_option, options, quiet_libraries, run_interruptible
 
 
 def parser() -> argparse.ArgumentParser:
@@ -17,12 +16,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lorakit.merge", description=__doc__)
     p.add_argument("source", help="run directory, or an adapter (or full model) directory")
     p.add_argument("--output", required=True, help="directory to write the merged model to")
-    p.add_argument(
-        "--dtype",
-        choices=("bfloat16", "float16", "float32"),
-        default=None,
-        help="dtype of the exported weights (default: the run's model.dtype, else bfloat16)",
-    )
+    add_dtype_option(p, "dtype of the exported weights (default: the run's model.dtype, else bfloat16)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB, 500MB")
     p.add_argument(
         "--base",
@@ -43,31 +37,23 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="QLoRA runs: also report the merged model against the adapter on the 4-bit base (loads it)",
     )
-    p.add_argument(
-        "--strategy",
-        choices=("auto", "stream", "memory"),
-        default="auto",
-        help="stream: shard by shard, one tensor in memory at a time; memory: load the model and merge with "
-        "peft; auto (default): stream unless the merge is not per tensor (DoRA, IA3, ...), saying why",
+    strategy = (
+        "stream: shard by shard, one tensor in memory at a time; memory: load the model and merge with peft; "
+        "auto (default): stream unless the merge is not per tensor (DoRA, IA3, ...), saying why"
     )
-    p.add_argument(
-        "--verify-logits",
-        choices=("auto", "always", "never"),
-        default="auto",
-        help="streaming: also load the export and check its logits against the adapter model; auto (default): "
-        "when there is free memory for one copy of the model",
+    p.add_argument("--strategy", choices=("auto", "stream", "memory"), default="auto", help=strategy)
+    verify = (
+        "streaming: also load the export and check its logits against the adapter model; auto (default): "
+        "when there is free memory for one copy of the model"
     )
+    p.add_argument("--verify-logits", choices=("auto", "always", "never"), default="auto", help=verify)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m lorakit.merge`."""
     args = parser().parse_args(argv)
-    try:
-        return run_cli(_merge, args)
-    except KeyboardInterrupt:
-        print(f"interrupted: nothing was written to {args.output}", file=sys.stderr)
-        return 130
+    return run_interruptible(_merge, args, f"nothing was written to {args.output}")
 
 
 def _merge(args: argparse.Namespace) -> int:
@@ -75,25 +61,9 @@ def _merge(args: argparse.Namespace) -> int:
     from lorakit.export import merge
 
     quiet_libraries()
-    # A kill (SIGTERM) unwinds like Ctrl-C, so the temporary export directory is removed.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    merge(
-        args.source,
-        args.output,
-        dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
-        base=args.base,
-        force=args.force,
-        tolerance=args.tolerance,
-        compare_quantized=args.compare_quantized,
-        strategy=args.strategy,
-        verify=args.verify_logits,
-    )
+    names = ("dtype", "max_shard_size", "base", "force", "tolerance", "compare_quantized", "strategy")
+    merge(args.source, args.output, **options(args, *names, verify="verify_logits"))
     return 0
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 forward_calls(__name__, "lorakit.export:merge")

@@ -74,6 +74,17 @@ def check_cache_dir(recipe) -> None:
     _check_space([(cache, "data.cache_dir", CACHE_MIN_BYTES, None)])
 
 
+def prepare(recipe):
+    """Tokenize and cache the recipe's data (or find it cached), after checking data.cache_dir; needs no GPU.
+    Returns lorakit.data.PreparedData. Here, below the API and the doctor, since both prepare data."""
+    from lorakit.model.source import load_config, load_tokenizer
+    from lorakit.objectives import prepare_data  # the objective's rows (SFT examples, DPO pairs)
+
+    check_cache_dir(recipe)
+    source, config = load_config(recipe)
+    return prepare_data(recipe, load_tokenizer(recipe, source), config)
+
+
 def check_directory(path: Path, field: str) -> None:
     """`path` is a writable directory, or can be created as one (RunDirError naming `field` otherwise)."""
     if path.exists():
@@ -191,6 +202,6 @@ def _config(recipe):
 
 
 def _fmt(n: int) -> str:
-    from lorakit.planner.units import format_bytes
+    from lorakit.units import format_bytes
 
     return format_bytes(n)

@@ -5,11 +5,10 @@ from HF_TOKEN or `hf auth login`. See docs/publish.md."""
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 from lorakit.callable_module import forward_calls
-from lorakit.cli import run_cli
+from lorakit.cli import options, run_interruptible
 
 
 def parser() -> argparse.ArgumentParser:
@@ -30,28 +29,19 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m lorakit.push`."""
     args = parser().parse_args(argv)
-    try:
-        return run_cli(_push, args)
-    except KeyboardInterrupt:
-        print(
-            f"interrupted: no commit was made to {args.repo_id} and the local files are untouched; run the "
-            "same push again (files already uploaded are not sent twice)",
-            file=sys.stderr,
-        )
-        return 130
+    # The commit is one request, so nothing half-made is left.
+    interrupted = (
+        f"no commit was made to {args.repo_id} and the local files are untouched; run the same push again "
+        "(files already uploaded are not sent twice)"
+    )
+    return run_interruptible(_push, args, interrupted)
 
 
 def _push(args: argparse.Namespace) -> int:
     from lorakit.export.publish import push
 
-    # A kill (SIGTERM) unwinds like Ctrl-C: the commit is one request, so nothing half-made is left.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    push(args.source, args.repo_id, private=args.private, revision=args.revision, create_pr=args.create_pr)
+    push(args.source, args.repo_id, **options(args, "private", "revision", "create_pr"))
     return 0
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 forward_calls(__name__, "lorakit.export.publish:push")

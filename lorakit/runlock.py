@@ -25,107 +25,32 @@ import errno
 import json
 import os
 import shlex
-import socket
 import sys
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
 from lorakit.errors import RunDirError, RunLockedError
+from lorakit.lock_holder import (
+    HEARTBEAT_SECONDS,
+    Holder,
+    alive,
+    pid_namespace,
+    process_start,
+    read_holder,
+    this_host,
+)
 
 LOCK = "run.lock"
 # The token of the lock a lorakit launcher holds for the workers it starts (their environment only).
 ENV = "LORAKIT_RUN_LOCK"
-HEARTBEAT_SECONDS = 30.0
 # Ten missed heartbeats: generous for clocks that disagree between hosts and for a stalled filesystem.
 STALE_AFTER_SECONDS = 300.0
 # What link(2) says on filesystems that have no hard links (some FUSE and SMB mounts).
 _NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS}
-
-
-@dataclass(frozen=True)
-class Holder:
-    """Who holds a run lock: what the lock file says."""
-
-    token: str
-    host: str
-    pid: int
-    started: str  # ISO 8601, UTC
-    command: str
-    heartbeat: float  # seconds since the epoch, renewed every heartbeat_every seconds
-    heartbeat_every: float = HEARTBEAT_SECONDS
-    # Identifies the process beyond its pid (pids are reused): its start time in clock ticks since boot.
-    pid_start: int | None = None
-    # Same host name in another PID namespace (another container) means another machine for pids.
-    pid_namespace: str | None = None
-    # Processes the holder started that write the run directory (torchrun's agent): alive means held.
-    children: list[list[int | None]] = field(default_factory=list)
-
-    def describe(self, now: float | None = None) -> str:
-        """`pid 123 on host gpu-7 since 2026-... (python -m lorakit.run x.yaml), heartbeat 12 s ago`."""
-        age = (now if now is not None else time.time()) - self.heartbeat
-        return (
-            f"pid {self.pid} on host {self.host} since {self.started} ({self.command}), last heartbeat "
-            f"{age:.0f} s ago"
-        )
-
-
-def this_host() -> str:
-    """The host name lorakit records in locks."""
-    return socket.gethostname()
-
-
-def _pid_namespace() -> str | None:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-
-
-def _process_start(pid: int) -> int | None:
-    """The process's start time in clock ticks after boot (Linux), or None where /proc cannot tell."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # The command name (field 2) may hold spaces and parentheses: count from the last ")".
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _alive(pid: int | None, start: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's process: it exists
-    now_start = _process_start(pid)
-    return start is None or now_start is None or now_start == start
-
-
-def read_holder(path: Path, wait: float = 1.0) -> Holder | None:
-    """The holder recorded in lock file `path`; None when there is no such file. A file without readable
-    content (being written where hard links are not available, or damaged) is retried for `wait`
-    seconds, then described as an unknown holder whose heartbeat is the file's modification time."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            text = path.read_text()
-            mtime = path.stat().st_mtime
-        except FileNotFoundError:
-            return None
-        try:
-            raw = json.loads(text)
-            return Holder(**{k: raw[k] for k in Holder.__dataclass_fields__ if k in raw})
-        except (ValueError, TypeError, KeyError):
-            if time.monotonic() >= deadline:
-                return Holder("", "unknown", 0, "unknown", f"(unreadable lock file {path})", mtime)
-            time.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -237,7 +162,7 @@ class RunLock:
         with self._lock:
             if self._holder is None:
                 return
-            children = [*self._holder.children, [pid, _process_start(pid)]]
+            children = [*self._holder.children, [pid, process_start(pid)]]
             self._holder = Holder(**{**asdict(self._holder), "children": children})
             self._rewrite()
 
@@ -251,13 +176,11 @@ class RunLock:
         """Why `holder`'s lock is stale (its processes are gone, its heartbeat stopped), or None if held."""
         now = time.time() if now is None else now
         same_machine = holder.host == this_host() and (
-            holder.pid_namespace is None
-            or _pid_namespace() is None
-            or holder.pid_namespace == _pid_namespace()
+            holder.pid_namespace is None or pid_namespace() is None or holder.pid_namespace == pid_namespace()
         )
         if same_machine and holder.pid:
             processes = [[holder.pid, holder.pid_start], *holder.children]
-            if any(_alive(pid, start) for pid, start in processes):
+            if any(alive(pid, start) for pid, start in processes):
                 return None
             return f"its process {holder.pid} is gone"
         age = now - holder.heartbeat
@@ -297,8 +220,8 @@ class RunLock:
             command=self.command,
             heartbeat=now,
             heartbeat_every=self.heartbeat,
-            pid_start=_process_start(os.getpid()),
-            pid_namespace=_pid_namespace(),
+            pid_start=process_start(os.getpid()),
+            pid_namespace=pid_namespace(),
         )
 
     def _create(self) -> bool:

@@ -124,6 +124,6 @@ def _free_or_none(path: str | Path) -> int | None:
 def _size(n: int | None) -> str:
     if n is None:
         return "unknown"
-    from lorakit.planner.units import format_bytes
+    from lorakit.units import format_bytes
 
     return format_bytes(n)

@@ -3,28 +3,25 @@
 Names are imported on first use, so `lorakit.data.samples` loads without torch and datasets.
 """
 
-from importlib import import_module
+from lorakit.lazy import lazy_names
 
-_EXPORTS = {
-    "IGNORE_INDEX": "lorakit.data.collate",
-    "CausalCollator": "lorakit.data.collate",
-    "PackedCausalCollator": "lorakit.data.collate",
-    "PackedSeq2SeqCollator": "lorakit.data.collate",
-    "Seq2SeqCollator": "lorakit.data.collate",
-    "PreparedData": "lorakit.data.pipeline",
-    "prepare_data": "lorakit.data.pipeline",
-    "BalancedRandomBatchSampler": "lorakit.data.balanced",
-    "LengthGroupedBatchSampler": "lorakit.data.sampler",
-    "TokenBudgetBatchSampler": "lorakit.data.token_budget",
-    "Batching": "lorakit.data.batching",
-    "make_batching": "lorakit.data.batching",
-    "MultipackBatchSampler": "lorakit.data.multipack",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'lorakit.data' has no attribute {name!r}")
+__all__, __getattr__ = lazy_names(
+    __name__,
+    {
+        "lorakit.data.collate": (
+            "IGNORE_INDEX",
+            "CausalCollator",
+            "PackedCausalCollator",
+            "PackedSeq2SeqCollator",
+            "Seq2SeqCollator",
+        ),
+        "lorakit.data.prepared": ("PreparedData",),
+        "lorakit.data.pipeline": ("prepare_data",),
+        "lorakit.data.balanced": ("BalancedRandomBatchSampler",),
+        "lorakit.data.sampler": ("LengthGroupedBatchSampler",),
+        "lorakit.data.token_budget": ("TokenBudgetBatchSampler",),
+        "lorakit.data.micro_batches": ("Batching",),
+        "lorakit.data.batching": ("make_batching",),
+        "lorakit.data.multipack": ("MultipackBatchSampler",),
+    },
+)

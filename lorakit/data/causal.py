@@ -77,7 +77,7 @@ class TemplateFailed(DataError):
     """The chat template refused one conversation (e.g. roles that do not alternate): a bad row."""
 
 
-class _Chat:
+class ChatTurns:
     """Renders one conversation and finds the token span of each assistant turn."""
 
     def __init__(self, tokenizer, where: str):
@@ -149,7 +149,7 @@ class _Chat:
 def chat_prompt(tokenizer, messages: list[dict], where: str) -> tuple[str, list[int]]:
     """(text, token ids) that generation continues for a conversation, as training's eval prompts are made
     (lorakit.data.causal); TemplateFailed (a DataError naming `where`) when the template refuses it."""
-    chat = _Chat(tokenizer, where)
+    chat = ChatTurns(tokenizer, where)
     text = chat.prompt_text(messages)
     return text, chat.encode(text)
 
@@ -194,7 +194,7 @@ def tokenize_causal(
     def chat(batch, first: int) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "labels": [], "prompt_ids": [], "reference": [], "_bad": []}
         for k, messages in enumerate(batch[data.messages_column]):
-            conv = _Chat(tokenizer, where(first + k))
+            conv = ChatTurns(tokenizer, where(first + k))
             try:
                 ids, labels = conv.labels(messages, data.train_on_inputs)
                 prompt, reference = conv.prompt(messages)

@@ -15,7 +15,8 @@ import torch
 IGNORE_INDEX = -100
 
 
-def _pad(rows: Sequence[Sequence[int]], value: int) -> torch.Tensor:
+def pad(rows: Sequence[Sequence[int]], value: int) -> torch.Tensor:
+    """(rows, longest) long tensor of `rows` right-padded with `value`."""
     width = max(len(r) for r in rows)
     out = torch.full((len(rows), width), value, dtype=torch.long)
     for i, r in enumerate(rows):
@@ -33,15 +34,9 @@ class Seq2SeqCollator:
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         sources = right_pad_sources([r["input_ids"] for r in rows], self.pad_token_id)
         input_ids, attention_mask = sources["input_ids"], sources["attention_mask"]
-        labels = _pad([r["labels"] for r in rows], IGNORE_INDEX)
+        labels = pad([r["labels"] for r in rows], IGNORE_INDEX)
         num_target = int((labels != IGNORE_INDEX).sum())
-        # Teacher forcing: the decoder sees the start token, then the target shifted right. Built here so
-        # the model never computes its own (mean) loss; the loop takes a token-weighted one.
-        decoder_input_ids = torch.full_like(labels, self.pad_token_id)
-        decoder_input_ids[:, 0] = self.decoder_start_token_id
-        decoder_input_ids[:, 1:] = labels[:, :-1].masked_fill(
-            labels[:, :-1] == IGNORE_INDEX, self.pad_token_id
-        )
+        decoder_input_ids = decoder_inputs(labels, self.pad_token_id, self.decoder_start_token_id)
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -53,6 +48,15 @@ class Seq2SeqCollator:
             "num_token_slots": input_ids.numel() + labels.numel(),
             "num_examples": len(rows),
         }
+
+
+def decoder_inputs(labels: torch.Tensor, pad_token_id: int, decoder_start_token_id: int) -> torch.Tensor:
+    """Teacher forcing: the decoder sees the start token, then the padded `labels` shifted right. Built by
+    the collator so the model never computes its own (mean) loss; the loop takes a token-weighted one."""
+    decoder = torch.full_like(labels, pad_token_id)
+    decoder[:, 0] = decoder_start_token_id
+    decoder[:, 1:] = labels[:, :-1].masked_fill(labels[:, :-1] == IGNORE_INDEX, pad_token_id)
+    return decoder
 
 
 def shift_labels(labels: Sequence[int]) -> list[int]:
@@ -71,9 +75,9 @@ class CausalCollator:
         self.pad_token_id = pad_token_id
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        input_ids = _pad([r["input_ids"] for r in rows], self.pad_token_id)
-        attention_mask = _pad([[1] * len(r["input_ids"]) for r in rows], 0)
-        labels = _pad([shift_labels(r["labels"]) for r in rows], IGNORE_INDEX)
+        input_ids = pad([r["input_ids"] for r in rows], self.pad_token_id)
+        attention_mask = pad([[1] * len(r["input_ids"]) for r in rows], 0)
+        labels = pad([shift_labels(r["labels"]) for r in rows], IGNORE_INDEX)
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -97,25 +101,38 @@ class PackedCausalCollator:
         self.max_tokens = max_tokens
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        ids: list[int] = []
-        positions: list[int] = []
-        labels: list[int] = []
-        for r in rows:
-            ids.extend(r["input_ids"])
-            positions.extend(range(len(r["input_ids"])))
-            labels.extend(shift_labels(r["labels"]))
-        if len(ids) > self.max_tokens:
-            raise ValueError(f"packed row of {len(ids)} tokens exceeds max_tokens={self.max_tokens}")
-        label_t = torch.tensor([labels], dtype=torch.long)
+        row, _ = pack_sequences([(r["input_ids"], shift_labels(r["labels"])) for r in rows], self.max_tokens)
         return {
-            "input_ids": torch.tensor([ids], dtype=torch.long),
-            "position_ids": torch.tensor([positions], dtype=torch.long),
-            "labels": label_t,
-            "num_target_tokens": int((label_t != IGNORE_INDEX).sum()),
-            "num_real_tokens": len(ids),
+            **row,
+            "num_target_tokens": int((row["labels"] != IGNORE_INDEX).sum()),
+            "num_real_tokens": row["input_ids"].shape[1],
             "num_token_slots": self.max_tokens,
             "num_examples": len(rows),
         }
+
+
+def pack_sequences(
+    sequences: Sequence[tuple[Sequence[int], Sequence[int]]], max_tokens: int
+) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """(input_ids, shifted labels) sequences concatenated into ONE row of at most `max_tokens`, each with
+    position_ids from 0: the row's input_ids, position_ids and labels, and which sequence each token is."""
+    ids: list[int] = []
+    positions: list[int] = []
+    labels: list[int] = []
+    sequence: list[int] = []
+    for k, (seq, lab) in enumerate(sequences):
+        ids += seq
+        positions += range(len(seq))
+        labels += lab
+        sequence += [k] * len(seq)
+    if len(ids) > max_tokens:
+        raise ValueError(f"packed row of {len(ids)} tokens exceeds max_tokens={max_tokens}")
+    row = {
+        "input_ids": torch.tensor([ids], dtype=torch.long),
+        "position_ids": torch.tensor([positions], dtype=torch.long),
+        "labels": torch.tensor([labels], dtype=torch.long),
+    }
+    return row, sequence
 
 
 class PackedSeq2SeqCollator:
@@ -184,8 +201,8 @@ def right_pad_sources(sources: Sequence[Sequence[int]], pad_token_id: int) -> di
     """Encoder inputs padded on the right to the longest, with their attention mask (what Seq2SeqCollator
     gives the encoder, and what encoder-decoders generate from)."""
     return {
-        "input_ids": _pad(sources, pad_token_id),
-        "attention_mask": _pad([[1] * len(s) for s in sources], 0),
+        "input_ids": pad(sources, pad_token_id),
+        "attention_mask": pad([[1] * len(s) for s in sources], 0),
     }
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import datasets
 
 from lorakit.data import cache
-from lorakit.data.causal import TemplateFailed, _Chat, check_tokenizer, encode_prompts
-from lorakit.data.pipeline import PreparedData, bad_rows_stats
+from lorakit.data.causal import ChatTurns, TemplateFailed, check_tokenizer, encode_prompts
+from lorakit.data.prepared import PreparedData, bad_rows_stats
 from lorakit.data.rows import MAX_QUOTED, SourceRows, required_columns
 from lorakit.data.sources import OVERLONG_DOC, eval_source, load_split, source_fingerprint, split_holdout
 from lorakit.data.templates import prompt_columns, render_prompt, rows_of
@@ -79,7 +79,7 @@ def _causal_pairs(src: SourceRows, recipe: Recipe, tokenizer) -> tuple[dict[str,
         out["prompt_ids"], out["reference"] = prompts, [r[dpo.chosen_column] for r in rows]
         return out, refused
     for i, r in enumerate(rows):
-        chat = _Chat(tokenizer, src.where(i))
+        chat = ChatTurns(tokenizer, src.where(i))
         try:
             messages = r[data.messages_column]
             prompt_text = chat.render(messages, generation_prompt=True)

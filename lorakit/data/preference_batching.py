@@ -21,8 +21,15 @@ from typing import Any
 
 import torch
 
-from lorakit.data.batching import Batching
-from lorakit.data.collate import IGNORE_INDEX, _pad, right_pad_sources, shift_labels
+from lorakit.data.collate import (
+    IGNORE_INDEX,
+    decoder_inputs,
+    pack_sequences,
+    pad,
+    right_pad_sources,
+    shift_labels,
+)
+from lorakit.data.micro_batches import Batching
 from lorakit.data.multipack import MultipackBatchSampler
 from lorakit.data.sampler import LengthGroupedBatchSampler
 from lorakit.errors import DataError
@@ -60,9 +67,9 @@ class CausalPairCollator:
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         seqs = _sequences(rows)
-        input_ids = _pad([s for s, _ in seqs], self.pad_token_id)
-        labels = _pad([lab for _, lab in seqs], IGNORE_INDEX)
-        attention_mask = _pad([[1] * len(s) for s, _ in seqs], 0)
+        input_ids = pad([s for s, _ in seqs], self.pad_token_id)
+        labels = pad([lab for _, lab in seqs], IGNORE_INDEX)
+        attention_mask = pad([[1] * len(s) for s, _ in seqs], 0)
         sequence_ids = torch.arange(len(seqs))[:, None].expand_as(labels).contiguous()
         return {
             "input_ids": input_ids,
@@ -81,24 +88,11 @@ class PackedCausalPairCollator:
         self.max_tokens = max_tokens
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        ids: list[int] = []
-        positions: list[int] = []
-        labels: list[int] = []
-        sequence: list[int] = []
-        for k, (seq, lab) in enumerate(_sequences(rows)):
-            ids += seq
-            positions += range(len(seq))
-            labels += lab
-            sequence += [k] * len(seq)
-        if len(ids) > self.max_tokens:
-            raise ValueError(f"packed row of {len(ids)} tokens exceeds max_tokens={self.max_tokens}")
-        label_t = torch.tensor([labels], dtype=torch.long)
+        row, sequence = pack_sequences(_sequences(rows), self.max_tokens)
         return {
-            "input_ids": torch.tensor([ids], dtype=torch.long),
-            "position_ids": torch.tensor([positions], dtype=torch.long),
-            "labels": label_t,
+            **row,
             "sequence_ids": torch.tensor([sequence], dtype=torch.long),
-            **_counts(label_t, len(rows), len(ids), self.max_tokens),
+            **_counts(row["labels"], len(rows), len(sequence), self.max_tokens),
         }
 
 
@@ -113,12 +107,11 @@ class Seq2SeqPairCollator:
         real, slots = int(out["attention_mask"].sum()), out["input_ids"].numel()
         targets = 0
         for side in SIDES:
-            labels = _pad([r[f"{side}_ids"] for r in rows], IGNORE_INDEX)
-            decoder = torch.full_like(labels, self.pad_token_id)
-            decoder[:, 0] = self.decoder_start_token_id
-            decoder[:, 1:] = labels[:, :-1].masked_fill(labels[:, :-1] == IGNORE_INDEX, self.pad_token_id)
+            labels = pad([r[f"{side}_ids"] for r in rows], IGNORE_INDEX)
             out[f"{side}_labels"] = labels
-            out[f"{side}_decoder_input_ids"] = decoder
+            out[f"{side}_decoder_input_ids"] = decoder_inputs(
+                labels, self.pad_token_id, self.decoder_start_token_id
+            )
             out[f"{side}_decoder_attention_mask"] = (labels != IGNORE_INDEX).long()
             targets += int((labels != IGNORE_INDEX).sum())
             slots += labels.numel()
@@ -140,10 +133,19 @@ def pair_collator(tokenizer, config):
 
 
 def preference_batching(
-    recipe: Recipe, data, tokenizer, config, *, packing: bool, world: int = 1, rank: int = 0
+    recipe: Recipe,
+    data,
+    tokenizer,
+    config,
+    *,
+    share_prompt_problem: str | None = None,
+    packing: bool,
+    world: int = 1,
+    rank: int = 0,
 ) -> Batching:
-    """Sampler and collators of preference pairs: multipack rows of whole pairs for causal LMs that pack,
-    else micro-batches of train.micro_batch_size pairs grouped by length and padded."""
+    """Sampler and collators of preference pairs: multipack rows of whole pairs for causal LMs that pack
+    (each pair's prompt once, unless dpo.share_prompt is off or `share_prompt_problem` says why the model
+    cannot), else micro-batches of train.micro_batch_size pairs grouped by length and padded."""
     t = recipe.train
     padded = pair_collator(tokenizer, config)
     lengths = data.train["length"]
@@ -152,7 +154,9 @@ def preference_batching(
         max_tokens = t.max_tokens or t.micro_batch_size * 2 * data.lengths.max_length
         from lorakit.data.preference_shared import shared_prompt_batching
 
-        shared = shared_prompt_batching(recipe, data, config, max_tokens, padded, world=world, rank=rank)
+        shared = shared_prompt_batching(
+            recipe, data, max_tokens, padded, world=world, rank=rank, problem=share_prompt_problem
+        )
         if shared is not None:
             return shared
         if max(lengths) > max_tokens:

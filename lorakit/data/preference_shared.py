@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lorakit.data.batching import Batching
+from lorakit.data.micro_batches import Batching
 from lorakit.data.multipack import MultipackBatchSampler
 from lorakit.errors import DataError
 
@@ -86,15 +86,6 @@ class SharedPromptCollator:
         }
 
 
-def resolved_attention(recipe, config) -> str:
-    """The attention backend the model build will choose for `config` (lorakit.model.build's choice)."""
-    from transformers import AutoModelForCausalLM
-
-    from lorakit.model.attention import choose_attention
-
-    return choose_attention(recipe.model.attention, AutoModelForCausalLM._model_mapping[type(config)])
-
-
 def _say(line: str) -> None:
     import torch.distributed as dist
 
@@ -103,15 +94,13 @@ def _say(line: str) -> None:
 
 
 def shared_prompt_batching(
-    recipe, data, config, max_tokens: int, padded, *, world: int, rank: int
+    recipe, data, max_tokens: int, padded, *, world: int, rank: int, problem: str | None = None
 ) -> Batching | None:
     """Multipack rows of shared-prompt pairs, or None where the prompt is not shared (dpo.share_prompt
-    false, or a backend that cannot run the tree: said on the console)."""
+    false, or `problem`: why the model's attention cannot run the tree, said on the console; the model
+    layer knows, lorakit.model.shared_prompt.sharing_problem)."""
     if not recipe.dpo.share_prompt:
         return None
-    from lorakit.model.shared_prompt import sharing_problem
-
-    problem = sharing_problem(resolved_attention(recipe, config))
     if problem is not None:
         _say(f"dpo.share_prompt: each pair's prompt is packed twice here: {problem}")
         return None

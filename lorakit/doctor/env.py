@@ -198,8 +198,8 @@ def disk(recipe) -> CheckResult:
     """output.dir and data.cache_dir writable, with room for what the run writes (lorakit.preflight)."""
     from lorakit import preflight
     from lorakit.errors import RunDirError
-    from lorakit.planner.units import format_bytes
     from lorakit.storage import existing_ancestor, free_bytes
+    from lorakit.units import format_bytes
 
     try:
         need = preflight.check_run_paths(recipe)

@@ -174,7 +174,7 @@ def _train_tokens(recipe, encoder_decoder: bool) -> int | None:
         source.startswith("builtin:") or Path(source).expanduser().exists()
     ):
         return None
-    from lorakit.api import prepare
+    from lorakit.preflight import prepare
 
     train = prepare(recipe).train
     # Causal rows' labels are their input_ids again; an encoder-decoder's are the decoder's tokens.

@@ -4,6 +4,8 @@ at its full shape, finite, trained) and reloads onto the base with an effect on 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -51,6 +53,20 @@ def _small_recipe(recipe, kind: str, processes: int, out: Path):
     return recipe_from_dict(raw)
 
 
+def _train(small, path: Path) -> dict:
+    """Train `small` as a user would, with `python -m lorakit.run` (the doctor sits below the API that
+    lorakit.train is); return its summary. A failed run raises with the run's last lines."""
+    from lorakit.recipe import dump_recipe
+    from lorakit.rundir import read_summary
+
+    path.write_text(dump_recipe(small))
+    proc = subprocess.run([sys.executable, "-m", "lorakit.run", str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
+        raise RuntimeError(f"`python -m lorakit.run` of the small run exited {proc.returncode}:\n{tail}")
+    return read_summary(Path(small.output.dir))
+
+
 def zero3_save(recipe, processes: int, *, quick: bool) -> CheckResult:
     """Train 2 steps under ZeRO-3 on `processes` processes, then read the adapter back and reload it."""
     from lorakit.doctor.models import recipe_config, small_kind
@@ -71,14 +87,13 @@ def zero3_save(recipe, processes: int, *, quick: bool) -> CheckResult:
         return skipped(
             SECTION, NAME, f"{recipe_config(recipe).model_type}: the check trains lorakit's tiny models only"
         )
-    import lorakit
     from lorakit.errors import AdapterError
     from lorakit.export.adapter import check_fits, read_adapter
 
     with tempfile.TemporaryDirectory(prefix="lorakit-doctor-zero3-") as tmp:
         small = _small_recipe(recipe, kind, processes, Path(tmp) / "run")
-        result = lorakit.train(small)
-        adapter_dir = Path(result.summary["adapter_dir"])
+        summary = _train(small, Path(tmp) / "recipe.yaml")
+        adapter_dir = Path(summary["adapter_dir"])
         try:
             adapter = read_adapter(adapter_dir)
             base, effect = _reload(small, adapter_dir, adapter, check_fits)

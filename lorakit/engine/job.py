@@ -34,6 +34,7 @@ from lorakit.engine.session import Job, say
 from lorakit.engine.summary import MemoryProbe, summarize
 from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
 from lorakit.model.quantize import describe_quantization, quantization_summary
+from lorakit.model.shared_prompt import sharing_problem
 from lorakit.objectives import make_batching, make_objective, prepare_data
 from lorakit.observe import MetricsLogger
 from lorakit.recipe import Recipe, dump_recipe
@@ -69,7 +70,14 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
         or MetricsLogger()
     )
     batching = make_batching(
-        recipe, data, tokenizer, config, packing=built.packing, world=mesh.dp_world, rank=mesh.dp_rank
+        recipe,
+        data,
+        tokenizer,
+        config,
+        packing=built.packing,
+        world=mesh.dp_world,
+        rank=mesh.dp_rank,
+        share_prompt_problem=sharing_problem(built.attention),
     )
     batching = split_sequences(batching, mesh.sp_rank, mesh.sp_world, tokenizer.pad_token_id)
     loader = make_loader(data, batching, seed=recipe.train.seed)

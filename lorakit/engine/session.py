@@ -4,7 +4,6 @@ weights and checkpoints (the loop's callbacks), and finishes (lorakit.engine.job
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ from lorakit.engine.signals import StopRequests
 from lorakit.evaluation.classify import save_classification
 from lorakit.meter import TokenMeter
 from lorakit.model import BuiltModel
-from lorakit.model.fused_attention import KERNELS_USED
 from lorakit.objectives import make_objective
 from lorakit.observe import MetricsLogger
 from lorakit.observe.plot import plot_losses
@@ -62,8 +60,6 @@ class Job:
     state: LoopState = field(default_factory=LoopState)
     meter: TokenMeter = field(default_factory=TokenMeter)
     stops: StopRequests = field(default_factory=StopRequests)
-    # The packed attention calls made before this job, so summary.json counts this job's own.
-    kernels_before: Counter = field(default_factory=lambda: Counter(KERNELS_USED))
 
     def resume(self, ckpt: Checkpoint | None) -> None:
         """Restore engine, RNG states, loop state and this rank's counts from `ckpt` (collective)."""

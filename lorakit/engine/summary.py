@@ -13,7 +13,6 @@ from lorakit import rundir
 from lorakit.backends import Engine
 from lorakit.engine import dist
 from lorakit.meter import live_tensor_bytes, peak_memory
-from lorakit.model.fused_attention import kernels_since
 from lorakit.objectives import objective_type
 from lorakit.observe import trackers
 
@@ -187,7 +186,7 @@ def summarize(
         model=recipe.model.name_or_path,
         model_source=job.built.source,
         attention=job.built.attention,
-        attention_kernels=kernels_since(job.kernels_before),
+        attention_kernels=job.built.inputs.kernels.counts(),
         dtype=recipe.model.dtype,
         world_size=world,
         strategy=recipe.distributed.strategy,

@@ -27,7 +27,8 @@ QLORA_NOTE = (
 _ADAPTER_NAMES = {"qlora": "a QLoRA", "ia3": "an IA3"}
 
 
-def _hub_id(name: str) -> bool:
+def is_hub_id(name: str) -> bool:
+    """Whether `name` is a Hub repository id (OWNER/NAME), which a card's base_model may name."""
     # The hub's `base_model` field takes repository ids only, not tiny:* names or local paths.
     # OWNER/NAME, each starting with a letter or digit (so ./model and ../x are paths).
     return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", name)) and not Path(name).exists()
@@ -50,7 +51,7 @@ def model_card(
     if method != "full":
         tags.append("merged")
     front = ["---"]
-    if _hub_id(src.base_name):
+    if is_hub_id(src.base_name):
         front.append(f"base_model: {src.base_name}")
     front += ["library_name: transformers"]
     front.append(f"pipeline_tag: {'text2text-generation' if is_encoder_decoder else 'text-generation'}")
@@ -172,7 +173,7 @@ def hub_card(f: HubFacts) -> str:
     versions = s.get("versions") or rundir.versions()
     merged = f.layout != "adapter"
     front = ["---"]
-    if _hub_id(f.base_name):
+    if is_hub_id(f.base_name):
         front.append(f"base_model: {f.base_name}")
     front.append(f"library_name: {'transformers' if merged else 'peft'}")
     front.append(f"pipeline_tag: {'text2text-generation' if f.is_encoder_decoder else 'text-generation'}")
@@ -251,7 +252,7 @@ def _usage(f: HubFacts) -> list[str]:
     if f.layout != "merged":
         sub = f', subfolder="{ADAPTER_SUBFOLDER}"' if f.layout == "both" else ""
         note = []
-        if not _hub_id(f.base_name):
+        if not is_hub_id(f.base_name):
             note = [
                 f"# The base, {f.base_name}, is not on the Hub: load it from where it is on your machine."
             ]

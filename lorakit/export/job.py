@@ -15,52 +15,28 @@ import gc
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from lorakit.errors import MergeError, VerificationError
-from lorakit.export.adapter import (
-    Adapter,
-    check_fits,
-    check_same_architecture,
-    config_signature,
-    read_adapter,
-)
+from lorakit.errors import MergeError
+from lorakit.export.adapter import Adapter, check_fits, read_adapter
 from lorakit.export.card import CARD, QLORA_NOTE, model_card
+from lorakit.export.loading import (
+    adapter_on_4bit,
+    auto_model_class,
+    check_architecture,
+    load_pretrained,
+    save_tokenizer,
+)
 from lorakit.export.output import atomic_directory, check_output, parse_size
+from lorakit.export.result import MergeOptions, MergeResult, require, say
 from lorakit.export.sources import MergeSource, locate
 from lorakit.export.verify import RELATIVE_TOLERANCE, Check, compare, probe_batch, probe_logits
 from lorakit.runlock import holding_run_lock
 
-if TYPE_CHECKING:
-    from lorakit.export.stream_job import TensorCheck
-
 INDEX = "model.safetensors.index.json"
 STRATEGIES = ("auto", "stream", "memory")
-
-
-@dataclass(frozen=True)
-class MergeResult:
-    """What lorakit.merge returns: where the model went and what was checked."""
-
-    output_dir: Path
-    method: str  # lora, qlora or full
-    base: str
-    dtype: str
-    shards: int
-    # The checks that gate the export: merged vs adapter model (adapters), saved copy reloaded vs reference.
-    checks: tuple[Check, ...]
-    # QLoRA with compare_quantized: the merged model vs the adapter on the 4-bit base (reported, not gated).
-    quantized: Check | None = None
-    # stream (shard by shard) or memory (peft's merge_and_unload on the loaded model).
-    strategy: str = "memory"
-    # The streaming merge's check of every merged tensor against W + scale * B A.
-    tensors: TensorCheck | None = None
-
-
-def _say(line: str) -> None:
-    print(line, flush=True)
 
 
 @holding_run_lock
@@ -111,20 +87,8 @@ def merge(
 
         streamed = streaming_plan(src, adapter, auto_cls, config, dtype, strategy == "stream")
         if streamed is not None:
-            return merge_streamed(
-                streamed,
-                src,
-                adapter,
-                out,
-                force=force,
-                auto_cls=auto_cls,
-                config=config,
-                dtype=dtype,
-                tol=tol,
-                shard_bytes=shard_bytes,
-                verify=verify,
-                compare_quantized=compare_quantized,
-            )
+            options = MergeOptions(force, dtype, tol, shard_bytes, verify, compare_quantized)
+            return merge_streamed(streamed, src, adapter, out, auto_cls, config, options)
     batch = probe_batch(config, config.vocab_size)
     if adapter is None:
         done = _full_model(src, auto_cls, dtype, batch)
@@ -132,7 +96,7 @@ def merge(
         done = _merge_adapter(src, adapter, auto_cls, config, dtype, batch, tol, compare_quantized)
     shards = _save_verified(done, src, out, force, auto_cls, config, dtype, batch, tol, shard_bytes)
     plural = "s" if shards != 1 else ""
-    _say(
+    say(
         f"saved:    {out} ({shards} safetensors shard{plural}, {dtype}) + tokenizer, generation config, README.md"
     )
     return MergeResult(out, src.method, src.base_name, dtype, shards, tuple(done.checks), done.quantized)
@@ -173,7 +137,7 @@ class _Exported:
 
 def _full_model(src: MergeSource, auto_cls, dtype: str, batch) -> _Exported:
     """A full fine-tuning run: its model as it is, in `dtype`."""
-    _say(f"exporting: the fully fine-tuned model {src.path} in {dtype}")
+    say(f"exporting: the fully fine-tuned model {src.path} in {dtype}")
     model = load_pretrained(auto_cls, src.base_source, getattr(torch, dtype), src)
     return _Exported(model, probe_logits(model, batch), "the run's model")
 
@@ -190,23 +154,23 @@ def _merge_adapter(
 ) -> _Exported:
     """The adapter merged into its base, checked against the adapter model (and, with compare_quantized,
     reported against the adapter on the 4-bit base)."""
-    _say(f"merging: {adapter.describe()} into {src.base_name} ({src.base_source}) in {dtype}")
-    _check_architecture(src, config)
+    say(f"merging: {adapter.describe()} into {src.base_name} ({src.base_source}) in {dtype}")
+    check_architecture(src, config)
     notes: list[str] = []
     if src.method == "qlora":
         notes.append(QLORA_NOTE.format(dtype=dtype))
-        _say(notes[-1])
-    quantized_ref = _adapter_on_4bit(src, auto_cls, batch) if compare_quantized else None
+        say(notes[-1])
+    quantized_ref = adapter_on_4bit(src, auto_cls, batch) if compare_quantized else None
     model, reference, base_logits = _merged_model(src, adapter, auto_cls, getattr(torch, dtype), batch)
     merged = probe_logits(model, batch)
     against = "the adapter model" + (" (on the unquantized base)" if src.method == "qlora" else "")
-    check = _require(compare(f"merged vs {against}", merged, reference, tol, base_logits))
+    check = require(compare(f"merged vs {against}", merged, reference, tol, base_logits))
     if not check.effect_visible:
         notes.append(
             f"warning: the adapter moves the probe logits by at most {check.adapter_effect:.3g}, "
             f"within the {dtype} tolerance, so this check cannot tell the merged model from the base"
         )
-        _say(notes[-1])
+        say(notes[-1])
     quantized = None
     if quantized_ref is not None:
         quantized = compare(
@@ -215,7 +179,7 @@ def _merge_adapter(
             quantized_ref,
             tol,
         )
-        _say(quantized.describe())
+        say(quantized.describe())
     return _Exported(model, reference, against, [check], notes, quantized)
 
 
@@ -239,7 +203,7 @@ def _save_verified(
         # Training turns the KV cache off (and a full run saves that); a served model wants it on.
         model.config.use_cache = True
         _save_model(model, tmp, shard_bytes)
-        _save_tokenizer(src, tmp, done.notes)
+        save_tokenizer(src, tmp, done.notes)
         del model
         gc.collect()
         # What a user will load: the directory just written, read back by transformers.
@@ -247,9 +211,7 @@ def _save_verified(
         reloaded_logits = probe_logits(reloaded, batch)
         del reloaded
         done.checks.append(
-            _require(
-                compare(f"saved copy, reloaded, vs {done.against}", reloaded_logits, done.reference, tol)
-            )
+            require(compare(f"saved copy, reloaded, vs {done.against}", reloaded_logits, done.reference, tol))
         )
         shards = _count_shards(tmp)
         card = model_card(
@@ -263,76 +225,6 @@ def _save_verified(
         )
         (tmp / CARD).write_text(card)
     return shards
-
-
-def _require(check: Check) -> Check:
-    _say(check.describe())
-    if not check.passed and not check.closer_than_base:
-        raise VerificationError(
-            f"merge refused, nothing written: {check.describe()}. The adapter's delta did not reach the "
-            "merged weights (or barely moves the logits: then merge with --dtype float32, whose rounding "
-            "noise is far below any adapter's effect)",
-            doc="docs/merge.md#tolerances",
-        )
-    if not check.passed:
-        raise VerificationError(
-            f"merge refused, nothing written: {check.describe()}. The difference exceeds the tolerance: the "
-            "export does not reproduce the model it came from. If it is rounding noise of a deep model in a "
-            "16-bit dtype, merge with --dtype float32 or raise --tolerance",
-            doc="docs/merge.md#tolerances",
-        )
-    return check
-
-
-def auto_model_class(src: MergeSource):
-    """(AutoModelForSeq2SeqLM or AutoModelForCausalLM, the config) of what `src` loads: its base, or the
-    full model."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
-    try:
-        config = AutoConfig.from_pretrained(
-            src.base_source, revision=src.revision, trust_remote_code=src.trust_remote_code
-        )
-    except (OSError, ValueError) as e:
-        raise MergeError(f"base model {src.base_name!r}: cannot load its config: {e}") from e
-    enc_dec = bool(getattr(config, "is_encoder_decoder", False))
-    return (AutoModelForSeq2SeqLM if enc_dec else AutoModelForCausalLM), config
-
-
-def load_pretrained(auto_cls, source: str, torch_dtype: torch.dtype | str, src: MergeSource | None, **kwargs):
-    """The model in `torch_dtype` (or "auto": as saved), eval mode; on CPU unless kwargs place it."""
-    model = auto_cls.from_pretrained(
-        source,
-        revision=src.revision if src is not None else None,
-        trust_remote_code=src.trust_remote_code if src is not None else False,
-        dtype=torch_dtype,
-        **kwargs,
-    )
-    return model.eval()
-
-
-def _check_architecture(src: MergeSource, config) -> None:
-    """With --base, refuse a base of another architecture than the model the adapter was trained on (same
-    module names and shapes do not make a Llama adapter right for Qwen2)."""
-    if not src.base_overridden:
-        return
-    from transformers import AutoConfig
-
-    for trained in src.trained_on:
-        try:
-            # local_files_only: an optional check must never wait on the network.
-            trained_cfg = AutoConfig.from_pretrained(
-                trained, local_files_only=True, trust_remote_code=src.trust_remote_code
-            )
-        except (OSError, ValueError):
-            continue
-        check_same_architecture(
-            config_signature(trained_cfg), config_signature(config), f"{src.base_name} (trained on {trained})"
-        )
-        return
-    _say(
-        "note: the config of the model the adapter was trained on is not available; checking module names and shapes only"
-    )
 
 
 def _merged_model(src: MergeSource, adapter: Adapter, auto_cls, torch_dtype, batch):
@@ -354,42 +246,9 @@ def _merge_weights(peft_model):
     return peft_model.merge_and_unload(safe_merge=True)
 
 
-def _adapter_on_4bit(src: MergeSource, auto_cls, batch) -> torch.Tensor:
-    """Logits of the adapter on the 4-bit base, as trained (the recipe's quantization and dtype)."""
-    from peft import PeftModel
-
-    from lorakit.model.quantize import bnb_config, keep_standard_4bit_layout
-
-    train_dtype = getattr(torch, src.recipe.model.dtype)
-    quant = bnb_config(src.recipe.method.quantization(), train_dtype)
-    model = load_pretrained(auto_cls, src.base_source, train_dtype, src, quantization_config=quant)
-    keep_standard_4bit_layout(model)  # the layout it trained in (on AVX512-BF16 CPUs too)
-    logits = probe_logits(PeftModel.from_pretrained(model, str(src.path)), batch)
-    del model
-    gc.collect()
-    return logits
-
-
 def _save_model(model, directory: Path, shard_bytes: int) -> None:
     """Sharded safetensors (+ index when more than one shard), config and generation config."""
     model.save_pretrained(str(directory), max_shard_size=shard_bytes)
-
-
-def _save_tokenizer(src: MergeSource, directory: Path, notes: list[str]) -> None:
-    from transformers import AutoTokenizer
-
-    where = src.tokenizer_source()
-    try:
-        tok = AutoTokenizer.from_pretrained(
-            where,
-            revision=src.revision if where == src.base_source else None,
-            trust_remote_code=src.trust_remote_code,
-        )
-    except (OSError, ValueError) as e:
-        notes.append(f"no tokenizer saved: none could be loaded from {where} ({e})")
-        _say(notes[-1])
-        return
-    tok.save_pretrained(str(directory))
 
 
 def _count_shards(directory: Path) -> int:

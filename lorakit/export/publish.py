@@ -20,7 +20,7 @@ import yaml
 
 from lorakit import rundir
 from lorakit.errors import LorakitError, PublishError
-from lorakit.export.card import ADAPTER_SUBFOLDER, CARD, HubFacts, _hub_id, hub_card, read_card
+from lorakit.export.card import ADAPTER_SUBFOLDER, CARD, HubFacts, hub_card, is_hub_id, read_card
 
 DOC = "docs/publish.md"
 # The run's plots the card shows (written by observe/plot.py and evaluation/classify.py).
@@ -194,14 +194,8 @@ def push(
 
 def push_after_training(recipe: Any, result: Any) -> Any:
     """output.push_to_hub: push the finished run (rank 0, after the merge). Returns `result` unchanged."""
-    options = recipe.output.push_to_hub
-    push(
-        result.run_dir,
-        options.repo_id,
-        private=options.private,
-        revision=options.revision,
-        create_pr=options.create_pr,
-    )
+    o = recipe.output.push_to_hub
+    push(result.run_dir, o.repo_id, private=o.private, revision=o.revision, create_pr=o.create_pr)
     return result
 
 
@@ -322,7 +316,7 @@ def _base_load(recipe: Any, adapter_dir: Path | None) -> str:
     """What the card's PEFT snippet loads as the base: the Hub id the run trained on, else the local
     directory peft recorded (tiny:* models and local paths are not on the Hub)."""
     name = recipe.model.name_or_path if recipe is not None else None
-    if name is not None and _hub_id(name):
+    if name is not None and is_hub_id(name):
         return name
     return _adapter_config(adapter_dir).get("base_model_name_or_path") or name or "BASE_MODEL"
 

@@ -10,7 +10,6 @@ whatever the model's size; the logits check, when it runs, loads the model (one 
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,16 +17,9 @@ import torch
 from lorakit.errors import MergeError, VerificationError
 from lorakit.export.adapter import Adapter
 from lorakit.export.card import CARD, QLORA_NOTE, model_card
-from lorakit.export.job import (
-    MergeResult,
-    _adapter_on_4bit,
-    _check_architecture,
-    _require,
-    _save_tokenizer,
-    _say,
-    load_pretrained,
-)
+from lorakit.export.loading import adapter_on_4bit, check_architecture, load_pretrained, save_tokenizer
 from lorakit.export.output import atomic_directory
+from lorakit.export.result import MergeOptions, MergeResult, TensorCheck, require, say
 from lorakit.export.shards import (
     Reader,
     ShardWriter,
@@ -45,26 +37,10 @@ VERIFY = ("auto", "always", "never")
 _VERIFY_MARGIN, _VERIFY_SLACK = 1.25, 1 << 30
 
 
-@dataclass(frozen=True)
-class TensorCheck:
-    """Every merged tensor against W + scale * B A; every written shard read back."""
-
-    tensors: int  # tensors written
-    merged: int  # of which had a LoRA delta added
-    worst: float  # the largest residual, as a fraction of the rounding bound (at most 1 passes)
-
-    def describe(self) -> str:
-        """One line for the terminal and the model card."""
-        return (
-            f"tensors: {self.merged} merged tensors equal W + scale * B A within rounding (largest residual "
-            f"{self.worst:.2g} of the bound); {self.tensors} tensors read back from the written shards as written"
-        )
-
-
 def streaming_plan(src: MergeSource, adapter: Adapter | None, auto_cls, config, dtype: str, required: bool):
     """The streaming merge's plan, or None (said why) when this merge must run in memory."""
     if adapter is not None:
-        _check_architecture(src, config)
+        check_architecture(src, config)
     try:
         return plan(src, adapter, auto_cls, config, dtype)
     except CannotStream as e:
@@ -72,7 +48,7 @@ def streaming_plan(src: MergeSource, adapter: Adapter | None, auto_cls, config, 
             raise MergeError(
                 f"--strategy stream: this merge cannot run shard by shard: {e}", doc="docs/merge.md#streaming"
             ) from e
-        _say(f"note: merging in memory (one copy of the model), not shard by shard: {e}")
+        say(f"note: merging in memory (one copy of the model), not shard by shard: {e}")
         return None
 
 
@@ -88,39 +64,34 @@ def merge_streamed(
     src: MergeSource,
     adapter: Adapter | None,
     out: Path,
-    *,
-    force: bool,
     auto_cls,
     config,
-    dtype: str,
-    tol: float,
-    shard_bytes: int,
-    verify: str,
-    compare_quantized: bool,
+    options: MergeOptions,
 ) -> MergeResult:
     """Merge shard by shard into `out` (atomically) and return what was written and checked."""
+    dtype, verify = options.dtype, options.verify
     what = adapter.describe() if adapter is not None else f"the fully fine-tuned model {src.path}"
     verb = "merging" if adapter is not None else "exporting"
-    _say(f"{verb} (streaming, shard by shard): {what} into {src.base_name} ({plan.base_dir}) in {dtype}")
+    say(f"{verb} (streaming, shard by shard): {what} into {src.base_name} ({plan.base_dir}) in {dtype}")
     notes = list(plan.notes)
     if src.method == "qlora":
         notes.append(QLORA_NOTE.format(dtype=dtype))
-        _say(notes[-1])
+        say(notes[-1])
     logits = verify == "always" or (verify == "auto" and room_for_logits_check(plan))
     if not logits:
         why = "--verify-logits never" if verify == "never" else "not enough free memory for one model copy"
         notes.append(f"whole-model logits check skipped ({why}); every tensor was checked")
-        _say(notes[-1])
+        say(notes[-1])
     checks, quantized = [], None
-    with atomic_directory(out, force) as tmp:
-        shards, tensor_check = write_shards(plan, tmp, shard_bytes)
-        _say(tensor_check.describe())
+    with atomic_directory(out, options.force) as tmp:
+        shards, tensor_check = write_shards(plan, tmp, options.shard_bytes)
+        say(tensor_check.describe())
         notes.append(tensor_check.describe())
         _save_config(plan, src, config, getattr(torch, dtype), tmp)
-        _save_tokenizer(src, tmp, notes)
+        save_tokenizer(src, tmp, notes)
         if logits:
             check, quantized = _logits_check(
-                src, adapter, auto_cls, config, dtype, tol, tmp, compare_quantized
+                src, adapter, auto_cls, config, dtype, options.tol, tmp, options.compare_quantized
             )
             checks.append(check)
             if not check.effect_visible:
@@ -128,7 +99,7 @@ def merge_streamed(
                     f"warning: the adapter moves the probe logits by at most {check.adapter_effect:.3g}, "
                     f"within the {dtype} tolerance, so this check cannot tell the merged model from the base"
                 )
-                _say(notes[-1])
+                say(notes[-1])
         card = model_card(
             src,
             dtype=dtype,
@@ -140,7 +111,7 @@ def merge_streamed(
         )
         (tmp / CARD).write_text(card)
     plural = "s" if shards != 1 else ""
-    _say(
+    say(
         f"saved:    {out} ({shards} safetensors shard{plural}, {dtype}) + tokenizer, generation config, README.md"
     )
     return MergeResult(
@@ -182,7 +153,7 @@ def write_shards(plan: StreamPlan, directory: Path, shard_bytes: int) -> tuple[i
             check_written(writer.path, writer.crcs)
             total += writer.size
             if len(groups) > 1:
-                _say(f"  shard {n}/{len(groups)} written ({writer.size / 1e9:.2f} GB)")
+                say(f"  shard {n}/{len(groups)} written ({writer.size / 1e9:.2f} GB)")
     finally:
         reader.close()
     if len(groups) > 1:
@@ -237,7 +208,7 @@ def _logits_check(src, adapter, auto_cls, config, dtype, tol, directory, compare
     for a full run, the run's model, on the probe batch."""
     batch = probe_batch(config, config.vocab_size)
     torch_dtype = getattr(torch, dtype)
-    quantized_ref = _adapter_on_4bit(src, auto_cls, batch) if compare_quantized else None
+    quantized_ref = adapter_on_4bit(src, auto_cls, batch) if compare_quantized else None
     model = load_pretrained(auto_cls, src.base_source, torch_dtype, src)
     base_logits = None
     if adapter is None:
@@ -256,7 +227,7 @@ def _logits_check(src, adapter, auto_cls, config, dtype, tol, directory, compare
     got = probe_logits(reloaded, batch)
     del reloaded
     gc.collect()
-    check = _require(
+    check = require(
         compare(f"merged vs {against} (the streamed export, reloaded)", got, reference, tol, base_logits)
     )
     quantized = None
@@ -267,5 +238,5 @@ def _logits_check(src, adapter, auto_cls, config, dtype, tol, directory, compare
             quantized_ref,
             tol,
         )
-        _say(quantized.describe())
+        say(quantized.describe())
     return check, quantized

@@ -120,7 +120,7 @@ def load_model(
     the one saved with the adapter or model, else the base's)."""
     import torch
 
-    from lorakit.export.job import auto_model_class, load_pretrained
+    from lorakit.export.loading import auto_model_class, load_pretrained
     from lorakit.model.attention import choose_attention
     from lorakit.model.families import model_class
 

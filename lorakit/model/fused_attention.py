@@ -26,8 +26,9 @@ What a batch's packed attention needs (cu_seqlens, the FlexAttention block mask)
 the device and kept in the batch's segments (`PackedLayout`, in lorakit.model.varlen's segment caches): every
 layer and gradient checkpointing's recompute share it, with no host round trip per layer.
 
-Which kernel ran is counted per call kind in KERNELS_USED (summary.json's `attention_kernels`); the first
-call of each kind with each kernel is named on the console (rank 0).
+Which kernel ran is counted per call kind in the model's KernelLog (ModelInputs.kernels, summary.json's
+`attention_kernels`); the first call of each kind with each kernel is named on the console (rank 0). The
+log lives as long as the model's ModelInputs, so a second run in one process starts from nothing.
 """
 
 from __future__ import annotations
@@ -37,13 +38,11 @@ import importlib.util
 import inspect
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 VARLEN, FLEX, LOOP = "varlen", "flex", "loop"
-# (attention kind, kernel) -> calls, since the process started.
-KERNELS_USED: Counter = Counter()
 KINDS = {
     "causal": "causal self-attention",
     "encoder": "T5 encoder self-attention",
@@ -55,9 +54,37 @@ KERNEL_NAMES = {
     FLEX: "compiled FlexAttention (block mask + position-bias score_mod)",
     LOOP: "per-example SDPA (lorakit.model.varlen)",
 }
-# (kind, kernel) pairs already named on the console, and why FlexAttention cannot be compiled (once known).
-_SAID: set = set()
-_FLEX_BROKEN: list[str] = []
+
+
+@dataclass
+class KernelLog:
+    """The packed attention calls of one model (its ModelInputs holds it; each batch's segments carry it to
+    the attention function): calls per (kind, kernel), the pairs already named on the console, and, once
+    known, why FlexAttention cannot be compiled here with the compiled functions that did run."""
+
+    calls: Counter = field(default_factory=Counter)
+    said: set = field(default_factory=set)
+    flex_broken: str | None = None
+    compiled: set = field(default_factory=set)
+
+    def used(self, kind: str, kernel: str, device: torch.device, dtype: torch.dtype, dropout: float) -> None:
+        """Count one packed attention call of `kind` on `kernel`; the first of each pair is said."""
+        self.calls[kind, kernel] += 1
+        if (kind, kernel) in self.said:
+            return
+        self.said.add((kind, kernel))
+        line = f"packed attention: {KINDS.get(kind, kind)} -> {KERNEL_NAMES[kernel]}"
+        if kernel == LOOP:
+            why = _decide(kind, device, dtype, dropout, kind in ("encoder", "decoder"), self.flex_broken)[1]
+            line += f" ({why})" if why else ""
+        _say(line)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """{kind: {kernel: calls}}, as summary.json's attention_kernels."""
+        out: dict[str, dict[str, int]] = {}
+        for (kind, kernel), n in sorted(self.calls.items()):
+            out.setdefault(kind, {})[kernel] = n
+        return out
 
 
 def varlen_available() -> bool:
@@ -74,8 +101,6 @@ def flex_compile_problem(device: torch.device) -> str | None:
     """Why compiled FlexAttention cannot run on `device` (None when it can)."""
     if not flex_available():
         return "this PyTorch has no FlexAttention"
-    if _FLEX_BROKEN:
-        return _FLEX_BROKEN[0]
     import torch._dynamo
 
     if not torch._dynamo.is_dynamo_supported():
@@ -85,15 +110,24 @@ def flex_compile_problem(device: torch.device) -> str | None:
     return None
 
 
-def choose_kernel(kind: str, device: torch.device, dtype: torch.dtype, dropout: float, *, bias: bool) -> str:
+def choose_kernel(
+    kind: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    dropout: float,
+    *,
+    bias: bool,
+    log: KernelLog | None = None,
+) -> str:
     """The kernel for one packed attention call: VARLEN, FLEX or LOOP (module docstring).
 
     `kind` is causal (a causal LM's row), encoder, decoder (T5 self-attention) or cross (T5); `bias` says
-    whether the call carries a position bias (T5 self-attention does)."""
-    return _decide(kind, device, dtype, dropout, bias)[0]
+    whether the call carries a position bias (T5 self-attention does); `log`, the model's KernelLog, whether
+    compiling FlexAttention has failed for this model."""
+    return _decide(kind, device, dtype, dropout, bias, log.flex_broken if log is not None else None)[0]
 
 
-def _decide(kind, device, dtype, dropout, bias) -> tuple[str, str]:
+def _decide(kind, device, dtype, dropout, bias, flex_broken: str | None = None) -> tuple[str, str]:
     """(kernel, why the loop) for choose_kernel."""
     if device.type != "cuda":
         return LOOP, f"{device.type}: the fused kernels are CUDA-only"
@@ -109,30 +143,9 @@ def _decide(kind, device, dtype, dropout, bias) -> tuple[str, str]:
             return LOOP, "this PyTorch has no torch.nn.attention.varlen"
         return VARLEN, ""
     if kind in ("encoder", "decoder") and bias:
-        problem = flex_compile_problem(device)
+        problem = flex_broken or flex_compile_problem(device)
         return (LOOP, problem) if problem else (FLEX, "")
     return LOOP, "no fused kernel for this call"
-
-
-def used(kind: str, kernel: str, device: torch.device, dtype: torch.dtype, dropout: float) -> None:
-    """Count one packed attention call of `kind` on `kernel`; the first of each pair is named on the console."""
-    KERNELS_USED[kind, kernel] += 1
-    if (kind, kernel) in _SAID:
-        return
-    _SAID.add((kind, kernel))
-    line = f"packed attention: {KINDS.get(kind, kind)} -> {KERNEL_NAMES[kernel]}"
-    if kernel == LOOP:
-        why = _decide(kind, device, dtype, dropout, kind in ("encoder", "decoder"))[1]
-        line += f" ({why})" if why else ""
-    _say(line)
-
-
-def kernels_since(before: Counter) -> dict[str, dict[str, int]]:
-    """{kind: {kernel: calls}} of the packed attention calls made since `before` (a copy of KERNELS_USED)."""
-    out: dict[str, dict[str, int]] = {}
-    for (kind, kernel), n in sorted((KERNELS_USED - before).items()):
-        out.setdefault(kind, {})[kernel] = n
-    return out
 
 
 def _say(line: str) -> None:
@@ -177,7 +190,7 @@ def _varlen_takes_gqa() -> bool:
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
-def _varlen(q, k, v, q_layout: PackedLayout, k_layout: PackedLayout, scaling, window_size):
+def varlen_attention(q, k, v, q_layout: PackedLayout, k_layout: PackedLayout, scaling, window_size):
     from torch.nn.attention.varlen import varlen_attn
 
     # (1, H, T, D) -> (T, H, D): varlen takes the row's tokens as one flat sequence.
@@ -208,12 +221,12 @@ def _varlen(q, k, v, q_layout: PackedLayout, k_layout: PackedLayout, scaling, wi
 def varlen_causal(q, k, v, layout: PackedLayout, scaling: float | None, window: int | None) -> torch.Tensor:
     """Causal attention inside each example of a packed row: (1, H, T, D) in, (1, T, H, D) out. `window`:
     a key at most window - 1 tokens before its query (transformers' sliding_window), or None."""
-    return _varlen(q, k, v, layout, layout, scaling, (-1, 0) if window is None else (window - 1, 0))
+    return varlen_attention(q, k, v, layout, layout, scaling, (-1, 0) if window is None else (window - 1, 0))
 
 
 def varlen_cross(q, k, v, q_layout: PackedLayout, k_layout: PackedLayout, scaling) -> torch.Tensor:
     """T5 cross-attention of a packed row pair: decoder example i attends to all of encoder example i."""
-    return _varlen(q, k, v, q_layout, k_layout, scaling, (-1, -1))
+    return varlen_attention(q, k, v, q_layout, k_layout, scaling, (-1, -1))
 
 
 def bias_table(position_bias: torch.Tensor, max_distance: int | None = None) -> torch.Tensor:
@@ -279,7 +292,7 @@ def _add_bias(table: torch.Tensor, k: int):
     return add_bias
 
 
-def flex_layout(bounds: Sequence[int], *, causal: bool, device) -> PackedLayout | None:
+def flex_layout(bounds: Sequence[int], *, causal: bool, device, log: KernelLog) -> PackedLayout | None:
     """The PackedLayout of a T5 self-attention over `bounds`, with its block mask (built compiled; None
     when compiling fails, said once)."""
     layout = varlen_layout(bounds, device)
@@ -291,12 +304,20 @@ def flex_layout(bounds: Sequence[int], *, causal: bool, device) -> PackedLayout 
     # Where each query's keys start and end: one host-to-device copy per batch and kind.
     span = torch.stack([start, limit]).to(device, non_blocking=True)
     _, create_block_mask = _compiled(torch.device(device).type)
-    mask = _first_compile("mask", lambda: create_block_mask(_keep(span), 1, None, n, n, device=device))
+    mask = _first_compile("mask", lambda: create_block_mask(_keep(span), 1, None, n, n, device=device), log)
     return None if mask is None else PackedLayout(layout.cu, layout.longest, mask)
 
 
 def flex_self_attention(
-    q, k, v, layout: PackedLayout, position_bias: torch.Tensor, *, max_distance: int, scaling: float | None
+    q,
+    k,
+    v,
+    layout: PackedLayout,
+    position_bias: torch.Tensor,
+    *,
+    max_distance: int,
+    scaling: float | None,
+    log: KernelLog,
 ) -> torch.Tensor | None:
     """T5 self-attention of a packed row with compiled FlexAttention: attention inside each example (the
     layout's block mask) plus T5's bias for each pair's distance. (1, H, T, D) in, (1, T, H, D) out; None
@@ -309,29 +330,26 @@ def flex_self_attention(
         lambda: flex(
             q, k, v, score_mod=_add_bias(table, max_distance), block_mask=layout.block_mask, scale=scaling
         ),
+        log,
     )
     return None if out is None else out.transpose(1, 2)
 
 
-# The compiled functions ("mask", "flex") that have run once in this process.
-_COMPILED_ONCE: set = set()
-
-
-def _first_compile(name: str, call):
+def _first_compile(name: str, call, log: KernelLog):
     """call() of the compiled function `name`, where a failure of its first call means compiling is
-    impossible here: said once, returns None, and every later call takes the loop. Later failures are real
-    errors and raise."""
-    if name in _COMPILED_ONCE:
+    impossible here: said once, returns None, and every later call of the model (`log`) takes the loop.
+    Later failures are real errors and raise."""
+    if name in log.compiled:
         return call()
     try:
         out = call()
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - torch.compile raises many kinds (backend, C++ or Triton build)
-        if not _FLEX_BROKEN:
+        if log.flex_broken is None:
             first = (str(e).strip().splitlines() or [""])[0][:200]
-            _FLEX_BROKEN.append(f"compiling FlexAttention failed: {type(e).__name__}: {first}")
-            _say(f"packed attention: {_FLEX_BROKEN[0]}; T5 self-attention takes per-example SDPA instead")
+            log.flex_broken = f"compiling FlexAttention failed: {type(e).__name__}: {first}"
+            _say(f"packed attention: {log.flex_broken}; T5 self-attention takes per-example SDPA instead")
         return None
-    _COMPILED_ONCE.add(name)
+    log.compiled.add(name)
     return out

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from lorakit.data.sequence_split import SEGMENTS
+from lorakit.model.fused_attention import KernelLog
 from lorakit.model.sequence_parallel import SEQUENCE_PARALLEL, SequenceShard
 from lorakit.model.varlen import VARLEN_SDPA, Segments, Seq2SeqSegments, attach_t5_position_bias
 
@@ -117,6 +118,8 @@ class ModelInputs:
         self.sp_group, self.sp_world = sp_group, sp_world
         self.layer_types = sorted(set(getattr(config, "layer_types", None) or [])) or None
         self.config = config
+        # Which kernel each packed attention call of this model took (summary.json's attention_kernels).
+        self.kernels = KernelLog()
 
     def packed_mask(self, position_ids: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor] | None:
         """The attention-mask argument for a packed batch (None for flash attention: varlen from positions)."""
@@ -140,11 +143,13 @@ class ModelInputs:
         if SEGMENTS in batch:
             # A shard of a row split over the sequence-parallel group: attention sees the whole row's
             # example boundaries after its all-to-all; no mask is built for the shard.
-            out[SEQUENCE_PARALLEL] = SequenceShard(Segments(batch[SEGMENTS]), self.sp_group, self.sp_world)
+            out[SEQUENCE_PARALLEL] = SequenceShard(
+                Segments(batch[SEGMENTS], self.kernels), self.sp_group, self.sp_world
+            )
             out["attention_mask"] = torch.ones_like(out["input_ids"])
         elif "source_segments" in batch and self.attention == VARLEN_SDPA:
             out["lorakit_seq2seq_segments"] = Seq2SeqSegments(
-                _bounds(batch["source_segments"][0]), _bounds(batch["target_segments"][0])
+                _bounds(batch["source_segments"][0]), _bounds(batch["target_segments"][0]), self.kernels
             )
         elif "source_segments" in batch:
             encoder, decoder, cross = seq2seq_packed_masks(
@@ -155,7 +160,7 @@ class ModelInputs:
             )
             out.update({"attention_mask": encoder, "decoder_attention_mask": decoder, CROSS_MASK: cross})
         elif "position_ids" in out and "attention_mask" not in out and self.attention in PER_EXAMPLE:
-            out["lorakit_segments"] = Segments(_bounds(example_ids(batch["position_ids"])[0]))
+            out["lorakit_segments"] = Segments(_bounds(example_ids(batch["position_ids"])[0]), self.kernels)
             out["attention_mask"] = torch.ones_like(out["input_ids"])
         elif "position_ids" in out and "attention_mask" not in out:
             mask = self.packed_mask(out["position_ids"])

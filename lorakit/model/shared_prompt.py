@@ -33,10 +33,19 @@ from typing import Any
 import torch
 
 from lorakit.data.preference_shared import PAIR_SPANS
-from lorakit.model.fused_attention import LOOP, VARLEN, PackedLayout, _varlen, choose_kernel, cu_seqlens, used
+from lorakit.model.fused_attention import (
+    LOOP,
+    VARLEN,
+    KernelLog,
+    PackedLayout,
+    choose_kernel,
+    cu_seqlens,
+    varlen_attention,
+)
+from lorakit.model.varlen import ROW_ATTENTION, VARLEN_SDPA
 
-# The forward keyword the spans travel under (transformers passes unknown kwargs to the attention function).
-SHARED_PROMPT = "lorakit_shared_prompt"
+# The forward keyword the spans travel under: lorakit_varlen_sdpa hands the row to its `attend`.
+SHARED_PROMPT = ROW_ATTENTION
 
 
 class SharedPromptSpans(tuple):
@@ -44,9 +53,10 @@ class SharedPromptSpans(tuple):
     of what is derived from them once per forward (gather index, cu_seqlens, masks), as
     lorakit.model.varlen.Segments."""
 
-    def __new__(cls, spans):
+    def __new__(cls, spans, kernels: KernelLog | None = None):
         self = super().__new__(cls, tuple((int(p), int(c), int(r)) for p, c, r in spans))
         self.cache = {}
+        self.kernels = kernels if kernels is not None else KernelLog()
         return self
 
     def groups(self) -> list[tuple[tuple[int, int], list[tuple[int, int]]]]:
@@ -58,6 +68,10 @@ class SharedPromptSpans(tuple):
             out.append(((s + p + c, s + p + c + r), [(s, s + p), (s + p + c, s + p + c + r)]))
             s += p + c + r
         return out
+
+    def attend(self, module, query, key, value, scaling, dropout, window):
+        """The row's tree attention (shared_prompt_attention), as lorakit_varlen_sdpa calls it."""
+        return shared_prompt_attention(module, query, key, value, scaling, dropout, self, window)
 
 
 def sharing_problem(attention: str) -> str | None:
@@ -107,10 +121,8 @@ def _mask_argument(spans, attention: str, dtype, device, config, layer_types):
 
 def shared_prompt_kwargs(inputs, batch: dict[str, Any], device) -> dict[str, Any]:
     """Forward kwargs of a shared-prompt packed batch for `inputs`' backend (a lorakit ModelInputs)."""
-    spans = SharedPromptSpans(batch[PAIR_SPANS].tolist())
+    spans = SharedPromptSpans(batch[PAIR_SPANS].tolist(), inputs.kernels)
     out: dict[str, Any] = {k: batch[k].to(device) for k in ("input_ids", "position_ids")}
-    from lorakit.model.varlen import VARLEN_SDPA
-
     if inputs.attention == VARLEN_SDPA:
         out[SHARED_PROMPT] = spans
         # All ones: transformers builds no T x T mask the attention function would not use.
@@ -162,17 +174,17 @@ def shared_prompt_attention(module, query, key, value, scaling, dropout, spans: 
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one row per micro-batch, got {query.shape[0]}")
     dropout = dropout if module.training else 0.0
-    device = query.device
-    if choose_kernel("causal", device, query.dtype, dropout, bias=False) == VARLEN:
-        used("causal", VARLEN, device, query.dtype, dropout)
+    device, log = query.device, spans.kernels
+    if choose_kernel("causal", device, query.dtype, dropout, bias=False, log=log) == VARLEN:
+        log.used("causal", VARLEN, device, query.dtype, dropout)
         index, q_layout, k_layout = _gathered(spans, device)
         k, v = key.index_select(2, index), value.index_select(2, index)
         # Bottom-right causal alignment of flash: a query group shorter than its keys ends where they end.
-        out = _varlen(
+        out = varlen_attention(
             query, k, v, q_layout, k_layout, scaling, (-1, 0) if window is None else (window - 1, 0)
         )
         return out, None
-    used("causal", LOOP, device, query.dtype, dropout)
+    log.used("causal", LOOP, device, query.dtype, dropout)
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)

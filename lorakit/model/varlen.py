@@ -28,7 +28,6 @@ encoder length): the hook hands it a broadcastable zero and the attention functi
 from __future__ import annotations
 
 import itertools
-import weakref
 from typing import NamedTuple
 
 import torch
@@ -37,24 +36,27 @@ from lorakit.model.fused_attention import (
     FLEX,
     LOOP,
     VARLEN,
+    KernelLog,
     choose_kernel,
     flex_layout,
     flex_self_attention,
-    used,
     varlen_causal,
     varlen_cross,
     varlen_layout,
 )
-from lorakit.model.shared_prompt import SHARED_PROMPT, shared_prompt_attention
 
 VARLEN_SDPA = "lorakit_varlen_sdpa"
+# Forward keyword of a packed row that attends its own way (shared_prompt's DPO pairs): an object whose
+# `attend(module, query, key, value, scaling, dropout, window)` returns what varlen_sdpa_attention returns.
+ROW_ATTENTION = "lorakit_row_attention"
 # Examples of a packed T5 row are attended in groups padded to a common size when that adds at most this
 # share of attention work (see _buckets).
 _BUCKET_WASTE = 0.25
+# What attach_t5_position_bias sets: on a T5 attention module its hook's handle, on the model the count.
+T5_BIAS_HOOK, T5_BIAS_MODULES = "lorakit_position_bias_hook", "lorakit_position_bias_modules"
 
 
-def _lengths(bounds) -> list[int]:
-    """Example lengths from boundaries (0, end 1, ..., T)."""
+def _lengths(bounds) -> list[int]:  # example lengths from boundaries (0, end 1, ..., T)
     return [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
@@ -97,22 +99,32 @@ class Seq2SeqSegments(tuple):
     Every layer of a stack attends over the same examples with the same position bias, so what the
     attention function derives from them (groups, gather indices, masks, the fused kernels' cu_seqlens and
     block masks on the device) is built once per forward and kept in `cache`, which lives as long as the
-    batch's forward arguments (gradient checkpointing's recompute included)."""
+    batch's forward arguments (gradient checkpointing's recompute included); `kernels` counts which kernel
+    each call took (lorakit.model.fused_attention.KernelLog)."""
 
-    def __new__(cls, source, target):
+    def __new__(cls, source, target, kernels: KernelLog | None = None):
         self = super().__new__(cls, (tuple(source), tuple(target)))
         self.cache = {}
+        # The model's KernelLog (lorakit.model.inputs.ModelInputs), or one of this batch's own.
+        self.kernels = kernels if kernels is not None else KernelLog()
         return self
 
 
 class Segments(tuple):
     """Example boundaries (0, end 1, ..., T) of one packed causal row, as `lorakit_segments`, with a `cache`
-    of what is derived from them once per batch (varlen's cu_seqlens on the device), as Seq2SeqSegments."""
+    of what is derived from them once per batch (varlen's cu_seqlens on the device) and the model's
+    KernelLog, as Seq2SeqSegments."""
 
-    def __new__(cls, bounds):
+    def __new__(cls, bounds, kernels: KernelLog | None = None):
         self = super().__new__(cls, tuple(bounds))
         self.cache = {}
+        self.kernels = kernels if kernels is not None else KernelLog()
         return self
+
+
+def kernel_log(segments) -> KernelLog:
+    """The KernelLog that `segments` carry (a fresh one for plain boundary tuples)."""
+    return getattr(segments, "kernels", None) or KernelLog()
 
 
 def _cached(segments, key, build):
@@ -140,28 +152,30 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
     else:
         # T5's cross-attention bias is zero (no relative positions between decoder and encoder tokens).
         q_bounds, k_bounds, kind, position_bias = target, source, "cross", None
-    device = query.device
-    kernel = choose_kernel(kind, device, query.dtype, dropout, bias=position_bias is not None)
+    device, log = query.device, kernel_log(segments)
+    kernel = choose_kernel(kind, device, query.dtype, dropout, bias=position_bias is not None, log=log)
     if kernel == VARLEN:
-        used(kind, VARLEN, device, query.dtype, dropout)
+        log.used(kind, VARLEN, device, query.dtype, dropout)
         q_layout = _cached(segments, ("varlen", "target"), lambda: varlen_layout(target, device))
         k_layout = _cached(segments, ("varlen", "source"), lambda: varlen_layout(source, device))
         return varlen_cross(query, key, value, q_layout, k_layout, scaling), None
     if kernel == FLEX:
         layout = _cached(
-            segments, ("flex", kind), lambda: flex_layout(q_bounds, causal=kind == "decoder", device=device)
+            segments,
+            ("flex", kind),
+            lambda: flex_layout(q_bounds, causal=kind == "decoder", device=device, log=log),
         )
         # T5's constant (128 in FLAN-T5): a bias table of one size for every row.
         distance = getattr(module, "relative_attention_max_distance", None) or position_bias.shape[-1] - 1
         out = None
         if layout is not None:
             out = flex_self_attention(
-                query, key, value, layout, position_bias, max_distance=distance, scaling=scaling
+                query, key, value, layout, position_bias, max_distance=distance, scaling=scaling, log=log
             )
         if out is not None:
-            used(kind, FLEX, device, query.dtype, dropout)
+            log.used(kind, FLEX, device, query.dtype, dropout)
             return out, None
-    used(kind, LOOP, device, query.dtype, dropout)
+    log.used(kind, LOOP, device, query.dtype, dropout)
     cache = getattr(segments, "cache", None)
     cache = {} if cache is None else cache
     if kind not in cache:
@@ -285,11 +299,9 @@ def varlen_sdpa_attention(
     """transformers attention function: (B, H, T, D) inputs -> ((B, T, H, D) output, None)."""
     segments = kwargs.pop("lorakit_segments", None)
     seq2seq = kwargs.pop("lorakit_seq2seq_segments", None)
-    shared = kwargs.pop(SHARED_PROMPT, None)
-    if shared is not None:
-        # Packed DPO pairs whose prompt both responses share (lorakit.model.shared_prompt).
-        window = kwargs.get("sliding_window")
-        return shared_prompt_attention(module, query, key, value, scaling, dropout, shared, window)
+    row = kwargs.pop(ROW_ATTENTION, None)
+    if row is not None:
+        return row.attend(module, query, key, value, scaling, dropout, kwargs.get("sliding_window"))
     if seq2seq is not None:
         dropout = dropout if module.training else 0.0
         return _seq2seq_attention(
@@ -305,12 +317,12 @@ def varlen_sdpa_attention(
         raise ValueError(f"packed attention expects one row per micro-batch, got {query.shape[0]}")
     window = kwargs.get("sliding_window")
     dropout = dropout if module.training else 0.0
-    device = query.device
-    if choose_kernel("causal", device, query.dtype, dropout, bias=False) == VARLEN:
-        used("causal", VARLEN, device, query.dtype, dropout)
+    device, log = query.device, kernel_log(segments)
+    if choose_kernel("causal", device, query.dtype, dropout, bias=False, log=log) == VARLEN:
+        log.used("causal", VARLEN, device, query.dtype, dropout)
         layout = _cached(segments, "varlen", lambda: varlen_layout(segments, device))
         return varlen_causal(query, key, value, layout, scaling, window), None
-    used("causal", LOOP, device, query.dtype, dropout)
+    log.used("causal", LOOP, device, query.dtype, dropout)
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
@@ -370,22 +382,19 @@ def _is_t5_attention(module: torch.nn.Module) -> bool:
 
 def attach_t5_position_bias(model: torch.nn.Module) -> int:
     """Register the per-example position-bias hook on every T5 attention module of `model` that lacks it
-    (idempotent); returns how many modules have it. Only packed rows (`lorakit_seq2seq_segments`) use it."""
-    if model in _ATTACHED:  # called for every packed batch: skip the walk over the modules
-        return _ATTACHED[model]
+    (idempotent); returns how many modules have it. Only packed rows (`lorakit_seq2seq_segments`) use it.
+    Each module keeps its hook's handle (T5_BIAS_HOOK) and the model the count, so the state lives and dies
+    with the model."""
+    count = getattr(model, T5_BIAS_MODULES, None)
+    if count is not None:  # called for every packed batch: skip the walk over the modules
+        return count
     count = 0
     for module in model.modules():
         if not _is_t5_attention(module):
             continue
-        if module not in _HOOKED:
-            module.register_forward_pre_hook(_t5_position_bias_hook, with_kwargs=True)
-            _HOOKED.add(module)
+        if getattr(module, T5_BIAS_HOOK, None) is None:
+            handle = module.register_forward_pre_hook(_t5_position_bias_hook, with_kwargs=True)
+            setattr(module, T5_BIAS_HOOK, handle)
         count += 1
-    _ATTACHED[model] = count
+    setattr(model, T5_BIAS_MODULES, count)
     return count
-
-
-# The T5 attention modules that carry the hook, and the models already walked (weak: a model that is
-# freed leaves them).
-_HOOKED: weakref.WeakSet = weakref.WeakSet()
-_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -81,9 +81,19 @@ class Objective(ABC):
 
     @classmethod
     def make_batching(
-        cls, recipe, data, tokenizer, config, *, packing: bool, world: int = 1, rank: int = 0
+        cls,
+        recipe,
+        data,
+        tokenizer,
+        config,
+        *,
+        packing: bool,
+        world: int = 1,
+        rank: int = 0,
+        share_prompt_problem: str | None = None,
     ) -> Batching:
-        """Sampler and collators for this objective's rows (default: SFT's, lorakit.data.batching)."""
+        """Sampler and collators for this objective's rows (default: SFT's, lorakit.data.batching);
+        `share_prompt_problem` says why the model cannot share a prompt among rows (None: it can)."""
         from lorakit.data.batching import make_batching
 
         return make_batching(recipe, data, tokenizer, config, packing=packing, world=world, rank=rank)

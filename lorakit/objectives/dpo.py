@@ -157,7 +157,18 @@ class DpoObjective(Objective):
         return prepare_preference(recipe, tokenizer, config)
 
     @classmethod
-    def make_batching(cls, recipe, data, tokenizer, config, *, packing: bool, world: int = 1, rank: int = 0):
+    def make_batching(
+        cls,
+        recipe,
+        data,
+        tokenizer,
+        config,
+        *,
+        packing: bool,
+        world: int = 1,
+        rank: int = 0,
+        share_prompt_problem: str | None = None,
+    ):
         """Pairs kept whole in their micro-batch, with their reference log-probabilities when they have
         them (full fine-tuning): packed encoder-decoder pairs hold each prompt once in the encoder row and
         their responses in two decoder rows; the rest as lorakit.data.preference_batching lays them out."""
@@ -171,7 +182,16 @@ class DpoObjective(Objective):
             lengths = pair_lengths(data)
             b = seq2seq_packing(recipe, data, config, padded, world, rank, lengths, PackedSeq2SeqPairCollator)
         else:
-            b = preference_batching(recipe, data, tokenizer, config, packing=packing, world=world, rank=rank)
+            b = preference_batching(
+                recipe,
+                data,
+                tokenizer,
+                config,
+                packing=packing,
+                world=world,
+                rank=rank,
+                share_prompt_problem=share_prompt_problem,
+            )
         return with_reference(b)
 
     def prepare_training(self, recipe, engine, inputs, source: str, data, collator):

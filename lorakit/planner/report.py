@@ -1,14 +1,13 @@
-"""The terminal table of a MemoryPlan."""
+"""The terminal table of a MemoryPlan.
+
+MemoryPlan.describe (lorakit.planner.core) calls this module, so this module does not import core, not
+even for its types: `plan` is a core.MemoryPlan and `e` a core.Estimate, read by their fields only.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from lorakit.objectives import objective_named
 from lorakit.planner.units import HEADROOM, format_bytes
-
-if TYPE_CHECKING:
-    from lorakit.planner.core import Estimate, MemoryPlan
 
 _WHEN = {
     "resident": "",
@@ -36,7 +35,7 @@ def _verdict(ok: bool | None, need: int, cap: int | None) -> str:
     return f"{word} in {_cap(cap)}{tight}"
 
 
-def _breakdown(e: Estimate, where: str) -> list[str]:
+def _breakdown(e, where: str) -> list[str]:
     lines = []
     for i in e.items:
         if i.where != where or not i.bytes:
@@ -47,7 +46,7 @@ def _breakdown(e: Estimate, where: str) -> list[str]:
     return lines
 
 
-def describe_estimate(e: Estimate, plan: MemoryPlan) -> list[str]:
+def describe_estimate(e, plan) -> list[str]:
     """The lines for one setup: GPU breakdown, activations, overhead, CPU RAM, verdicts."""
     a = e.activations
     unit = "per GPU" if plan.device == "cuda" else "per process (CPU run)"
@@ -82,7 +81,7 @@ def describe_estimate(e: Estimate, plan: MemoryPlan) -> list[str]:
     return lines
 
 
-def describe(plan: MemoryPlan) -> str:
+def describe(plan) -> str:
     """The whole report."""
     cap = _cap(plan.gpu_memory) if plan.gpu_memory else "unknown memory"
     head = [

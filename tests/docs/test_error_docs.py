@@ -18,6 +18,13 @@ def test_the_message_then_the_page():
     assert error_message(LorakitError("no page for this one")) == "error: no page for this one"
 
 
+def test_the_errors_know_the_recipe_sections_of_the_schema():
+    from lorakit.errors import RECIPE_SECTIONS
+    from lorakit.recipe.schema import Recipe
+
+    assert RECIPE_SECTIONS == tuple(Recipe.model_fields)
+
+
 def test_recipe_errors_link_the_section_of_the_field_they_name():
     assert RecipeError("invalid recipe:\n  train.lr: must be > 0").doc_link() == "docs/recipes.md#train"
     assert (

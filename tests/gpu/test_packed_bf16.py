@@ -272,10 +272,12 @@ def test_fused_kernels_run_on_cuda(cache_dir, tmp_path):
     and they keep the contract."""
     from lorakit.model import fused_attention as fa
 
-    fa.KERNELS_USED.clear()
     built, reference = _bf16_model(cache_dir, tmp_path, "varlen_sdpa", name_or_path="tiny:llama")
     _check_causal(built, reference, causal_rows(built.model.config.vocab_size))
-    assert fa.KERNELS_USED["causal", fa.VARLEN] > 0 and fa.KERNELS_USED["causal", fa.LOOP] == 0
+    assert (
+        built.inputs.kernels.calls["causal", fa.VARLEN] > 0
+        and built.inputs.kernels.calls["causal", fa.LOOP] == 0
+    )
     built, reference = _bf16_model(cache_dir, tmp_path / "t5", "varlen_sdpa")
     start_id = built.model.config.decoder_start_token_id
     rows = seq2seq_rows()
@@ -283,7 +285,9 @@ def test_fused_kernels_run_on_cuda(cache_dir, tmp_path):
     alone = _seq2seq_alone(built.model, built.inputs, rows, start_id)
     _assert_contract(alone, packed, _seq2seq_alone(*reference, rows, start_id))
     for kind, kernel in (("encoder", fa.FLEX), ("decoder", fa.FLEX), ("cross", fa.VARLEN)):
-        assert fa.KERNELS_USED[kind, kernel] > 0 and fa.KERNELS_USED[kind, fa.LOOP] == 0, fa.KERNELS_USED
+        assert (
+            built.inputs.kernels.calls[kind, kernel] > 0 and built.inputs.kernels.calls[kind, fa.LOOP] == 0
+        ), built.inputs.kernels.calls
 
 
 def _full_finetuning_t5(cache_dir, out_dir):
@@ -312,7 +316,6 @@ def test_packed_seq2seq_step_grads_bf16_through_fused_kernels(cache_dir, tmp_pat
     gradient (the bias weights' included) match the padded step's within bf16 rounding."""
     from lorakit.model import fused_attention as fa
 
-    fa.KERNELS_USED.clear()
     built, reference = _full_finetuning_t5(cache_dir, tmp_path / "run")
     bias_weights = [n for n, p in built.model.named_parameters() if "relative_attention_bias" in n]
     assert len(bias_weights) == 2 and all(built.model.get_parameter(n).requires_grad for n in bias_weights)
@@ -322,7 +325,9 @@ def test_packed_seq2seq_step_grads_bf16_through_fused_kernels(cache_dir, tmp_pat
     packed = PackedSeq2SeqCollator(512, 128, start_id)(rows)
     _check_step(built, reference, padded, packed)
     for kind, kernel in (("encoder", fa.FLEX), ("decoder", fa.FLEX), ("cross", fa.VARLEN)):
-        assert fa.KERNELS_USED[kind, kernel] > 0 and fa.KERNELS_USED[kind, fa.LOOP] == 0, fa.KERNELS_USED
+        assert (
+            built.inputs.kernels.calls[kind, kernel] > 0 and built.inputs.kernels.calls[kind, fa.LOOP] == 0
+        ), built.inputs.kernels.calls
     # The bias weights' own gradients, packed against the float32 reference's padded ones.
     _, ref_grads = _named_grads(*reference, padded)
     _, packed_grads = _named_grads(built.model, built.inputs, packed)
@@ -353,11 +358,13 @@ def test_flex_attention_compiles_once_for_rows_of_any_length(cache_dir, tmp_path
     start_id = built.model.config.decoder_start_token_id
     rows = seq2seq_rows(seed=4) + seq2seq_rows(seed=5)
     graphs = []
-    fa.KERNELS_USED.clear()
     with torch.no_grad():
         for n in range(len(rows), len(rows) - 4, -1):  # four rows of different lengths
             batch = PackedSeq2SeqCollator(4096, 1024, start_id)(rows[:n])
             built.inputs.logits(built.model, batch, DEVICE)
             graphs.append(counters["stats"]["unique_graphs"])
-    assert fa.KERNELS_USED["encoder", fa.FLEX] > 0 and fa.KERNELS_USED["encoder", fa.LOOP] == 0
+    assert (
+        built.inputs.kernels.calls["encoder", fa.FLEX] > 0
+        and built.inputs.kernels.calls["encoder", fa.LOOP] == 0
+    )
     assert graphs[1] == graphs[2] == graphs[3], graphs

@@ -52,12 +52,12 @@ def test_flex_needs_the_compiler(monkeypatch):
     """Where torch.compile cannot run, T5 self-attention takes the loop (never eager FlexAttention), and the
     console says why, once."""
     monkeypatch.setattr(fa, "flex_compile_problem", lambda device: "no Triton here")
-    monkeypatch.setattr(fa, "_SAID", set())
     said = []
     monkeypatch.setattr(fa, "_say", said.append)
+    log = fa.KernelLog()
     for _ in range(3):
-        assert fa.choose_kernel("encoder", CUDA, torch.bfloat16, 0.0, bias=True) == fa.LOOP
-        fa.used("encoder", fa.LOOP, CUDA, torch.bfloat16, 0.0)
+        assert fa.choose_kernel("encoder", CUDA, torch.bfloat16, 0.0, bias=True, log=log) == fa.LOOP
+        log.used("encoder", fa.LOOP, CUDA, torch.bfloat16, 0.0)
     assert said == [
         "packed attention: T5 encoder self-attention -> per-example SDPA (lorakit.model.varlen) "
         "(no Triton here)"
@@ -65,12 +65,12 @@ def test_flex_needs_the_compiler(monkeypatch):
 
 
 def test_attention_dropout_is_a_visible_decision(monkeypatch):
-    monkeypatch.setattr(fa, "_SAID", set())
     said = []
     monkeypatch.setattr(fa, "_say", said.append)
-    fa.used("decoder", fa.LOOP, CUDA, torch.bfloat16, 0.1)
-    fa.used("decoder", fa.LOOP, CUDA, torch.bfloat16, 0.1)
-    fa.used("cross", fa.VARLEN, CUDA, torch.bfloat16, 0.0)
+    log = fa.KernelLog()
+    log.used("decoder", fa.LOOP, CUDA, torch.bfloat16, 0.1)
+    log.used("decoder", fa.LOOP, CUDA, torch.bfloat16, 0.1)
+    log.used("cross", fa.VARLEN, CUDA, torch.bfloat16, 0.0)
     assert len(said) == 2
     assert "attention dropout 0.1" in said[0] and "model.attention_dropout: 0" in said[0]
     assert said[1] == "packed attention: T5 cross-attention -> torch varlen_attn (flash, cu_seqlens)"
@@ -126,13 +126,14 @@ def forced(monkeypatch):
     import torch.nn.attention.varlen as torch_varlen
 
     monkeypatch.setattr(torch_varlen, "varlen_attn", _reference_varlen)
-    fa.KERNELS_USED.clear()
 
     def force(kernels: dict[str, str]):
         real = fa.choose_kernel
 
-        def choose(kind, device, dtype, dropout, *, bias):
-            return kernels[kind] if kind in kernels else real(kind, device, dtype, dropout, bias=bias)
+        def choose(kind, device, dtype, dropout, *, bias, log=None):
+            return (
+                kernels[kind] if kind in kernels else real(kind, device, dtype, dropout, bias=bias, log=log)
+            )
 
         monkeypatch.setattr(varlen, "choose_kernel", choose)
 
@@ -149,7 +150,8 @@ def test_varlen_causal_path_keeps_examples_apart(cache_dir, tmp_path, forced, mo
     monkeypatch.setattr(fa, "cu_seqlens", lambda *a: offsets.append(a) or real(*a))
     alone, sliced, _, _ = _per_example(built, _rows(built.model.config.vocab_size))
     layers = built.model.config.num_hidden_layers
-    assert fa.KERNELS_USED["causal", fa.VARLEN] >= layers and fa.KERNELS_USED["causal", fa.LOOP] == 0
+    calls = built.inputs.kernels.calls
+    assert calls["causal", fa.VARLEN] >= layers and calls["causal", fa.LOOP] == 0
     # Built once for the packed batch (and copied to the device once), not once per layer or recompute.
     assert len(offsets) == 1, offsets
     for (la, sa), (lp, sp) in zip(alone, sliced, strict=True):
@@ -166,7 +168,8 @@ def test_varlen_cross_and_flex_self_attention_keep_t5_pairs_apart(cache_dir, tmp
     with torch.no_grad():  # FlexAttention's backward is CUDA-only
         alone, sliced, _ = _alone_and_packed(built, seq2seq_rows())
     for kind, kernel in (("encoder", fa.FLEX), ("decoder", fa.FLEX), ("cross", fa.VARLEN)):
-        assert fa.KERNELS_USED[kind, kernel] > 0 and fa.KERNELS_USED[kind, fa.LOOP] == 0, fa.KERNELS_USED
+        calls = built.inputs.kernels.calls
+        assert calls[kind, kernel] > 0 and calls[kind, fa.LOOP] == 0, calls
     for (la, sa), (lp, sp) in zip(alone, sliced, strict=True):
         assert (la - lp).abs().max().item() < TOL
         assert abs(sa.item() - sp.item()) < TOL * max(1.0, abs(sa.item()))
@@ -213,14 +216,14 @@ def _t5_attention(decoder: bool):
     return module.eval()
 
 
-def _self_attention(module, bounds, kernel, monkeypatch, layers: int = 2):
+def _self_attention(module, bounds, kernel, monkeypatch, layers: int = 2, kernels=None):
     """`layers` calls of the packed self-attention of one row (as the layers of a stack make them) through
     `kernel`, with T5's bias of the row's longest example (as the position-bias hook supplies it)."""
     monkeypatch.setattr(varlen, "choose_kernel", lambda *a, **k: kernel)
     n, longest = bounds[-1], max(e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, generator=gen) for _ in range(3))
-    segments = varlen.Seq2SeqSegments(bounds, bounds)
+    segments = varlen.Seq2SeqSegments(bounds, bounds, kernels)  # the model's log, else its own
     bias = module.compute_bias(longest, longest)
     if module.is_decoder:
         bias = segments.cache["causal_bias"] = varlen._causal(bias)
@@ -240,9 +243,8 @@ def test_compiled_flex_equals_per_example_attention(monkeypatch, decoder):
     module = _t5_attention(decoder)
     bounds = (0, 300, 340, 341, 1024)  # the memory test's length: one CPU compilation for both
     kind = "decoder" if decoder else "encoder"
-    before = fa.KERNELS_USED[kind, fa.FLEX]
     flex, segments = _self_attention(module, bounds, fa.FLEX, monkeypatch)
-    assert fa.KERNELS_USED[kind, fa.FLEX] == before + 2  # compiled, not fallen back to the loop
+    assert segments.kernels.calls[kind, fa.FLEX] == 2  # compiled, not fallen back to the loop
     loop, _ = _self_attention(module, bounds, fa.LOOP, monkeypatch)
     assert [key for key in segments.cache if key[0] == "flex"] == [
         ("flex", "decoder" if decoder else "encoder")
@@ -295,8 +297,11 @@ def test_compiled_flex_memory_grows_linearly_with_the_row():
 
         def attend(bounds=bounds, q=q, k=k, v=v):
             with torch.no_grad():
-                layout = fa.flex_layout(bounds, causal=False, device="cpu")
-                out = fa.flex_self_attention(q, k, v, layout, bias, max_distance=MAX_DISTANCE, scaling=1.0)
+                log = fa.KernelLog()
+                layout = fa.flex_layout(bounds, causal=False, device="cpu", log=log)
+                out = fa.flex_self_attention(
+                    q, k, v, layout, bias, max_distance=MAX_DISTANCE, scaling=1.0, log=log
+                )
             assert out is not None and out.shape == (1, bounds[-1], HEADS, HEAD_DIM)
 
         attend()  # compiled (once per process) outside the measurement
@@ -392,27 +397,27 @@ def test_a_failed_compilation_falls_back_to_the_loop_once(monkeypatch):
         return run
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    monkeypatch.setattr(fa, "_FLEX_BROKEN", [])
-    monkeypatch.setattr(fa, "_COMPILED_ONCE", set())
-    monkeypatch.setattr(fa, "_SAID", set())
     said = []
     monkeypatch.setattr(fa, "_say", said.append)
     fa._compiled.cache_clear()
     module, bounds = _t5_attention(decoder=False), (0, 30, 31, 64)
     try:
-        before = fa.KERNELS_USED["encoder", fa.LOOP]
-        flex, _ = _self_attention(module, bounds, fa.FLEX, monkeypatch, layers=2)
+        flex, segments = _self_attention(module, bounds, fa.FLEX, monkeypatch, layers=2)
     finally:
         fa._compiled.cache_clear()
-    assert fa.KERNELS_USED["encoder", fa.LOOP] == before + 2
-    loop, _ = _self_attention(module, bounds, fa.LOOP, monkeypatch, layers=1)
+    assert segments.kernels.calls["encoder", fa.LOOP] == 2
+    # The same model's next batch: its log already said why it takes the loop.
+    loop, _ = _self_attention(module, bounds, fa.LOOP, monkeypatch, layers=1, kernels=segments.kernels)
     assert torch.equal(flex[0], loop[0])
     assert said[0] == (
         "packed attention: compiling FlexAttention failed: RuntimeError: C++ compile error; "
         "T5 self-attention takes per-example SDPA instead"
     )
     assert len(said) == 2 and "per-example SDPA" in said[1]  # the loop named once, with the reason
-    assert fa.choose_kernel("encoder", CUDA, torch.bfloat16, 0.0, bias=True) == fa.LOOP
+    # This model's later calls take the loop; a new model (its own log) tries compiling again.
+    log = segments.kernels
+    assert fa.choose_kernel("encoder", CUDA, torch.bfloat16, 0.0, bias=True, log=log) == fa.LOOP
+    assert fa.KernelLog().flex_broken is None
 
 
 def test_grouped_kv_heads_on_a_varlen_without_enable_gqa(monkeypatch):

@@ -10,10 +10,7 @@ from tests.conftest import tiny_recipe
 
 
 @pytest.mark.slow
-def test_train_api_lora_zero2(cache_dir, tmp_path, capsys, monkeypatch):
-    from lorakit.model import fused_attention
-
-    monkeypatch.setattr(fused_attention, "_SAID", set())  # said once per process: this test's run says it
+def test_train_api_lora_zero2(cache_dir, tmp_path, capsys):
     recipe = tiny_recipe(
         cache_dir,
         tmp_path / "run",

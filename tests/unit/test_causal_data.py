@@ -5,7 +5,7 @@ import json
 import pytest
 
 from lorakit.data import prepare_data
-from lorakit.data.causal import IGNORE_INDEX, _Chat
+from lorakit.data.causal import IGNORE_INDEX, ChatTurns
 from lorakit.errors import DataError
 from lorakit.model import load_config, load_tokenizer
 from tests.conftest import tiny_recipe
@@ -183,8 +183,8 @@ class _SlowTokenizer:
 
 def test_chat_spans_without_offsets_match(cache_dir, tmp_path):
     _, tok, _ = _load(cache_dir, tmp_path)
-    fast = _Chat(tok, 0).labels(CONVERSATION, train_on_inputs=False)
-    assert _Chat(_SlowTokenizer(tok), 0).labels(CONVERSATION, train_on_inputs=False) == fast
+    fast = ChatTurns(tok, 0).labels(CONVERSATION, train_on_inputs=False)
+    assert ChatTurns(_SlowTokenizer(tok), 0).labels(CONVERSATION, train_on_inputs=False) == fast
 
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen2"])

@@ -118,7 +118,6 @@ def _force_reference_varlen(monkeypatch):
 
     monkeypatch.setattr(torch_varlen, "varlen_attn", _reference_varlen)
     monkeypatch.setattr(shared_prompt, "choose_kernel", lambda *a, **k: fa.VARLEN)
-    fa.KERNELS_USED.clear()
 
 
 def _shared_equals_padded(built, monkeypatch, paths: tuple[str, ...]):
@@ -132,6 +131,7 @@ def _shared_equals_padded(built, monkeypatch, paths: tuple[str, ...]):
         inputs = None
         if path == "varlen":
             _force_reference_varlen(monkeypatch)
+            built.inputs.kernels.calls.clear()  # the loop path's calls, counted in the same model's log
         elif path in ("sdpa", "eager"):
             inputs = ModelInputs(built.model.config, path, torch.float32)
         shared = _terms(built, rows, SharedPromptCollator(max_tokens=512), inputs)
@@ -143,7 +143,8 @@ def _shared_equals_padded(built, monkeypatch, paths: tuple[str, ...]):
                 shared[3][name], padded[3][name], atol=TOL, rtol=1e-4, msg=f"{path} {name}"
             )
         if path == "varlen":
-            assert fa.KERNELS_USED["causal", fa.VARLEN] > 0 and fa.KERNELS_USED["causal", fa.LOOP] == 0
+            calls = built.inputs.kernels.calls
+            assert calls["causal", fa.VARLEN] > 0 and calls["causal", fa.LOOP] == 0
             monkeypatch.undo()
 
 
@@ -228,7 +229,7 @@ def test_the_sampler_counts_the_prompt_once(cache_dir, tmp_path, monkeypatch):
     data = type("Data", (), {"train": train, "lengths": Lengths(max_length=35)})()
     assert shared_lengths(train) == [40] * 6
 
-    def batching(**dpo):
+    def batching(attention="lorakit_varlen_sdpa", **dpo):
         recipe = tiny_recipe(
             cache_dir,
             tmp_path / "run",
@@ -239,7 +240,10 @@ def test_the_sampler_counts_the_prompt_once(cache_dir, tmp_path, monkeypatch):
             dpo=dpo,
         )
         tokenizer = types.SimpleNamespace(pad_token_id=0)
-        return preference_batching(recipe, data, tokenizer, tiny_config("llama"), packing=True)
+        problem = sharing_problem(attention)  # what the model build's attention tells the data
+        return preference_batching(
+            recipe, data, tokenizer, tiny_config("llama"), packing=True, share_prompt_problem=problem
+        )
 
     # 80 tokens hold two pairs of 30 + 5 + 5, not one of 2 x 30 + 5 + 5 = 70.
     shared = batching()
@@ -247,10 +251,9 @@ def test_the_sampler_counts_the_prompt_once(cache_dir, tmp_path, monkeypatch):
     assert [len(b) for b in shared.sampler] == [2, 2, 2]
     assert [len(b) for b in batching(share_prompt=False).sampler] == [1] * 6
     # flash_attention_2 cannot run the tree: the pairs are packed as two sequences, and the console says so.
-    monkeypatch.setattr("lorakit.data.preference_shared.resolved_attention", lambda *a: "flash_attention_2")
     said = []
     monkeypatch.setattr("lorakit.data.preference_shared._say", said.append)
-    assert not isinstance(batching().collator, SharedPromptCollator)
+    assert not isinstance(batching("flash_attention_2").collator, SharedPromptCollator)
     assert said and "flash_attention_2" in said[0] and sharing_problem("lorakit_varlen_sdpa") is None
 
 

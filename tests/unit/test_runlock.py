@@ -83,19 +83,23 @@ def test_a_lock_whose_process_is_gone_is_taken_over_with_a_message(tmp_path):
 
 def test_a_reused_pid_does_not_keep_a_lock(tmp_path):
     # This process's pid, but recorded with another start time: the pid was reused after the holder died.
-    start = runlock._process_start(os.getpid())
+    start = runlock.process_start(os.getpid())
     if start is None:
         pytest.skip("no /proc: process start times are unknown here")
     _lock_file(tmp_path / "run", pid_start=start + 1)
-    with RunLock(tmp_path / "run", say=lambda line: None):
-        pass
+    lines = []
+    with RunLock(tmp_path / "run", say=lines.append) as lock:
+        holder = read_holder(tmp_path / "run" / LOCK)
+        assert holder.token == lock.token and holder.pid_start == start  # this process, its own start time
+    assert len(lines) == 1 and f"its process {os.getpid()} is gone" in lines[0]
+    assert not (tmp_path / "run" / LOCK).exists()
 
 
 def test_a_live_child_keeps_the_lock_of_a_dead_launcher(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         _lock_file(
-            tmp_path / "run", pid=_dead_pid(), children=[[child.pid, runlock._process_start(child.pid)]]
+            tmp_path / "run", pid=_dead_pid(), children=[[child.pid, runlock.process_start(child.pid)]]
         )
         with pytest.raises(RunLockedError):
             RunLock(tmp_path / "run").acquire()
@@ -120,7 +124,7 @@ def test_another_hosts_lock_is_held_while_its_heartbeat_is_fresh_and_taken_over_
 def test_same_host_name_in_another_pid_namespace_counts_as_another_host(tmp_path):
     # A container with the same host name: its pids mean nothing here, only its heartbeat does.
     _lock_file(tmp_path / "run", pid=_dead_pid(), pid_namespace="pid:[1]", heartbeat=time.time())
-    if runlock._pid_namespace() in (None, "pid:[1]"):
+    if runlock.pid_namespace() in (None, "pid:[1]"):
         pytest.skip("PID namespaces are not visible here")
     with pytest.raises(RunLockedError):
         RunLock(tmp_path / "run").acquire()
