@@ -80,23 +80,13 @@ class Objective(ABC):
         return prepare_data(recipe, tokenizer, config)
 
     @classmethod
-    def make_batching(
-        cls,
-        recipe,
-        data,
-        tokenizer,
-        config,
-        *,
-        packing: bool,
-        world: int = 1,
-        rank: int = 0,
-        share_prompt_problem: str | None = None,
-    ) -> Batching:
-        """Sampler and collators for this objective's rows (default: SFT's, lorakit.data.batching);
-        `share_prompt_problem` says why the model cannot share a prompt among rows (None: it can)."""
+    def make_batching(cls, recipe, data, tokenizer, config, **how) -> Batching:
+        """Sampler and collators for this objective's rows (default: SFT's, lorakit.data.batching). `how`:
+        packing, world, rank, and share_prompt_problem (why the model cannot share a prompt among rows,
+        None when it can), as lorakit.data.batching.make_batching takes them."""
         from lorakit.data.batching import make_batching
 
-        return make_batching(recipe, data, tokenizer, config, packing=packing, world=world, rank=rank)
+        return make_batching(recipe, data, tokenizer, config, **how)
 
     # Evaluation ----------------------------------------------------------------------------------------
 

@@ -157,41 +157,26 @@ class DpoObjective(Objective):
         return prepare_preference(recipe, tokenizer, config)
 
     @classmethod
-    def make_batching(
-        cls,
-        recipe,
-        data,
-        tokenizer,
-        config,
-        *,
-        packing: bool,
-        world: int = 1,
-        rank: int = 0,
-        share_prompt_problem: str | None = None,
-    ):
+    def make_batching(cls, recipe, data, tokenizer, config, **how):
         """Pairs kept whole in their micro-batch, with their reference log-probabilities when they have
         them (full fine-tuning): packed encoder-decoder pairs hold each prompt once in the encoder row and
-        their responses in two decoder rows; the rest as lorakit.data.preference_batching lays them out."""
+        their responses in two decoder rows; the rest as lorakit.data.preference_batching lays them out
+        (`how` as Objective.make_batching)."""
         from lorakit.data.batching import seq2seq_packing
         from lorakit.data.preference_batching import pair_collator, preference_batching
         from lorakit.data.preference_reference import with_reference
         from lorakit.data.preference_seq2seq import PackedSeq2SeqPairCollator, pair_lengths
 
-        if packing and getattr(config, "is_encoder_decoder", False):
-            padded = pair_collator(tokenizer, config)
-            lengths = pair_lengths(data)
+        if how["packing"] and getattr(config, "is_encoder_decoder", False):
+            padded, lengths, world, rank = (
+                pair_collator(tokenizer, config),
+                pair_lengths(data),
+                how.get("world", 1),
+                how.get("rank", 0),
+            )
             b = seq2seq_packing(recipe, data, config, padded, world, rank, lengths, PackedSeq2SeqPairCollator)
         else:
-            b = preference_batching(
-                recipe,
-                data,
-                tokenizer,
-                config,
-                packing=packing,
-                world=world,
-                rank=rank,
-                share_prompt_problem=share_prompt_problem,
-            )
+            b = preference_batching(recipe, data, tokenizer, config, **how)
         return with_reference(b)
 
     def prepare_training(self, recipe, engine, inputs, source: str, data, collator):

@@ -63,18 +63,7 @@ def prepare_data(recipe, tokenizer, config):
     return objective_type(recipe).prepare_data(recipe, tokenizer, config)
 
 
-def make_batching(
-    recipe, data, tokenizer, config, *, packing: bool, world: int = 1, rank: int = 0, share_prompt_problem=None
-):
-    """Sampler and collators for `data` on `rank` of `world`, as the recipe's objective batches its rows;
-    `share_prompt_problem`: why the model's attention cannot share a pair's prompt (None when it can)."""
-    return objective_type(recipe).make_batching(
-        recipe,
-        data,
-        tokenizer,
-        config,
-        packing=packing,
-        world=world,
-        rank=rank,
-        share_prompt_problem=share_prompt_problem,
-    )
+def make_batching(recipe, data, tokenizer, config, **how):
+    """Sampler and collators for `data`, as the recipe's objective batches its rows (`how`: packing, world,
+    rank, share_prompt_problem; lorakit.data.batching.make_batching says what each means)."""
+    return objective_type(recipe).make_batching(recipe, data, tokenizer, config, **how)
