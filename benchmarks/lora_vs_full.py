@@ -59,8 +59,10 @@ def worker(spec: dict) -> dict:
 
     def model_state(trainer) -> None:
         module = trainer.engine.module
-        # DeepSpeed keeps the torch optimizer inside its wrappers; at ZeRO-0 in fp32 it is the optimizer.
-        opt = getattr(trainer.engine.optimizer, "optimizer", trainer.engine.optimizer)
+        # lorakit's Engine wraps DeepSpeed's (`inner`), which keeps the torch optimizer inside its wrappers;
+        # at ZeRO-0 in fp32 it is the optimizer.
+        ds = trainer.engine.inner
+        opt = getattr(ds.optimizer, "optimizer", ds.optimizer)
         measured["weights"] = _bytes(module.parameters())
         measured["trainable_weights"] = _bytes(p for p in module.parameters() if p.requires_grad)
         states = [t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)]

