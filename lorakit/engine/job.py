@@ -94,7 +94,19 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
     if prepared is not data:
         data, loader = prepared, make_loader(prepared, batching, seed=t.seed)
     job = Job(
-        recipe, run_dir, config, tokenizer, data, built, params, batching, plan, engine, quantization, log
+        recipe,
+        run_dir,
+        config,
+        tokenizer,
+        data,
+        built,
+        params,
+        batching,
+        plan,
+        engine,
+        quantization,
+        log,
+        objective,
     )
     job.resume(resume_from)
     trainer = job.trainer(loader)

@@ -25,7 +25,7 @@ from lorakit.engine.signals import StopRequests
 from lorakit.evaluation.classify import save_classification
 from lorakit.meter import TokenMeter
 from lorakit.model import BuiltModel
-from lorakit.objectives import make_objective
+from lorakit.objectives import Objective
 from lorakit.observe import MetricsLogger
 from lorakit.observe.plot import plot_losses
 from lorakit.recipe import Recipe
@@ -56,6 +56,8 @@ class Job:
     # QLoRA's quantization summary (start_engine); None for other methods.
     quantization: dict[str, Any] | None
     log: MetricsLogger
+    # The recipe's objective (run_job made it for its reference pass): the loop's loss and the evaluations.
+    objective: Objective
     resumed_from: Checkpoint | None = None
     state: LoopState = field(default_factory=LoopState)
     meter: TokenMeter = field(default_factory=TokenMeter)
@@ -91,7 +93,7 @@ class Job:
         ev = self.recipe.eval
         # The RNG streams are put back afterwards, so a run with evaluations trains exactly as one without.
         with preserved_rng():
-            outcome = make_objective(self.recipe, self.config).evaluate(
+            outcome = self.objective.evaluate(
                 self.engine,
                 self.built.inputs,
                 self.recipe,
@@ -178,7 +180,7 @@ class Job:
             meter=self.meter,
             eval_every=self.recipe.eval.every,
             best=self.best_policy() if evaluates else None,
-            objective=make_objective(self.recipe, self.config),
+            objective=self.objective,
         )
 
     def train(self, trainer: Trainer) -> None:
