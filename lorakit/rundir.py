@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import platform
 import subprocess
-import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -35,6 +32,14 @@ LOSS_PLOT = "loss.png"
 CLASSIFICATION = "eval_classification.json"
 CONFUSION_MATRIX = "confusion_matrix.png"
 PREDICTIONS = "eval_predictions.jsonl"
+EXIT = "exit.json"
+# lorakit's mark on a directory it made (or adopted) as a run directory: only such a directory, an empty
+# one or a new one is written into (check_trusted).
+MARKER = ".lorakit-run"
+# A run directory of a lorakit from before the marker: its recipe.yaml and one of these.
+_OLDER_RUN = (SUMMARY, EXIT, METRICS, CHECKPOINTS)
+# The directories a run replaces whole (storage.replace_directory), whose leftovers recover() cleans.
+REPLACED = (ADAPTER, MODEL, MERGED, BEST)
 
 _PACKAGES = (
     "lorakit",
@@ -71,7 +76,7 @@ def git_revision(path: str | Path = ".") -> str | None:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically (temp file + rename), so readers never see half a file."""
+    """Write JSON atomically and durably, so readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
@@ -85,19 +90,55 @@ def read_json_if_exists(path: Path) -> Any:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write text atomically; on a full disk, a DiskFullError naming the file and no temp file left."""
+    """Write text atomically and durably (storage.write_file); on a full disk, a DiskFullError naming the
+    file and no temp file left."""
     with storage.writing(path.name, path):
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            # mkstemp makes the file private (0600); a run directory is meant to be read by others too.
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        # A run directory is meant to be read by others too.
+        storage.write_file(path, text, mode=0o644)
+
+
+def check_trusted(run_dir: Path) -> str:
+    """Whether a run may write into `run_dir`: "new" (missing), "empty", "marked" (lorakit's marker) or
+    "older" (a run directory of an older lorakit: recipe.yaml and summary.json, exit.json, metrics.jsonl or
+    checkpoints/). Anything else is a RunDirError (exit 2) naming the directory: a run replaces adapter/,
+    model/, merged/ and best/ and starts its trackers there, which must never touch what lorakit did not
+    write (`output.dir: .` in a project with a model/ package)."""
+    from lorakit.errors import RunDirError
+
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        return "new"
+    if not run_dir.is_dir():
+        return "new"  # preflight.check_directory names a file in the way
+    if (run_dir / MARKER).is_file():
+        return "marked"
+    names = sorted(p.name for p in run_dir.iterdir())
+    if not names:
+        return "empty"
+    if (run_dir / RECIPE).is_file() and any((run_dir / n).exists() for n in _OLDER_RUN):
+        return "older"
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    raise RunDirError(
+        f"output.dir {run_dir} is not empty and is not a lorakit run directory (it holds {shown}); a run "
+        "writes only into a new or empty directory or one a lorakit run made. Point output.dir at a new "
+        "directory (e.g. runs/NAME)",
+        doc="docs/faults.md#run-directory-durability-and-trust",
+    )
+
+
+def mark(run_dir: Path) -> None:
+    """Write lorakit's marker into `run_dir` (a directory check_trusted accepted), durably."""
+    if not (run_dir / MARKER).is_file():
+        write_json(run_dir / MARKER, {"lorakit_run_directory": 1})
+
+
+def recover(run_dir: Path) -> list[str]:
+    """Clean what a crash left in `run_dir` while replacing adapter/, model/, merged/ or best/ (the old one
+    put back if the new one is missing); returns what was done. Only under the run lock."""
+    done = []
+    for name in REPLACED:
+        done += storage.recover_directory(run_dir / name)
+    return done
 
 
 def write_predictions(run_dir: Path, predictions: list[str], references: list[str]) -> None:

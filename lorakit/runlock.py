@@ -7,15 +7,17 @@ foreign launcher started (torchrun, the deepspeed launcher: RANK set, no lorakit
 process above its ranks that lorakit runs in, so its rank 0, the process that writes the run directory,
 takes the lock for the job (lorakit.api).
 
-The lock is a JSON file naming its holder (host, pid, start time, command) with a heartbeat timestamp that
-a background thread renews. It is created whole and atomically: written to a private file, then hard-linked
+The lock is a JSON file naming its holder (host, pid, start time, command) with a heartbeat count (and
+time) that a background thread renews. It is created whole and atomically: written to a private file, then hard-linked
 to `run.lock`, which fails if the name exists (on filesystems without hard links: O_CREAT|O_EXCL, and a
 reader waits for the content). A second run into a held directory stops with RunLockedError (exit code 2)
 naming the holder. A lock whose holder is gone is taken over with a message: on the same host (and PID
 namespace) when none of its processes is alive; from another host (a shared filesystem) when its heartbeat
-is older than `stale_after`. A takeover checks and removes the stale lock under an flock of the run
+count is watched not to advance for `stale_after` seconds of this process's own clock (no two hosts' clocks
+are compared). A takeover checks and removes the stale lock under an flock of the run
 directory, so two processes racing for it never both win. Every exit but SIGKILL (finishing, an error,
-preemption's exit 75) releases it.
+preemption's exit 75) releases it. A training run that loses its lock stops at the next step boundary
+with a checkpoint (LockWatch); merge and push take the lock too (holding_run_lock).
 """
 
 from __future__ import annotations
@@ -35,45 +37,28 @@ from pathlib import Path
 
 from lorakit.errors import RunDirError, RunLockedError
 from lorakit.lock_holder import (
+    ENV,
     HEARTBEAT_SECONDS,
+    LOCK,
     Holder,
     alive,
     pid_namespace,
     process_start,
     read_holder,
+    takeover_guard,
     this_host,
 )
+from lorakit.lock_holder import LockWatch as LockWatch
+from lorakit.lock_holder import held_by_launcher as held_by_launcher
 
-LOCK = "run.lock"
-# The token of the lock a lorakit launcher holds for the workers it starts (their environment only).
-ENV = "LORAKIT_RUN_LOCK"
-# Ten missed heartbeats: generous for clocks that disagree between hosts and for a stalled filesystem.
-STALE_AFTER_SECONDS = 300.0
+# How long another host's lock is watched, on this process's own monotonic clock, for its heartbeat count to
+# advance: this many of the holder's heartbeat periods (plus a margin for a slow filesystem). No two clocks
+# are compared, so skew between hosts never makes a live lock look stale.
+STALE_AFTER_BEATS = 3
+STALE_MARGIN_SECONDS = 10.0
+_RETRY = ""
 # What link(2) says on filesystems that have no hard links (some FUSE and SMB mounts).
 _NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS}
-
-
-@contextlib.contextmanager
-def _takeover_guard(run_dir: Path):
-    """Hold an exclusive flock on the run directory while a stale lock is checked and removed; yields
-    False where the filesystem cannot lock (then the caller takes the unguarded path). The kernel drops the
-    flock when its process dies, so a takeover that was killed leaves nothing stale behind."""
-    import fcntl
-
-    try:
-        fd = os.open(run_dir, os.O_RDONLY)
-    except OSError:
-        yield False
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)  # closing the descriptor releases the flock
 
 
 class RunLock:
@@ -87,14 +72,19 @@ class RunLock:
         run_dir: str | Path,
         *,
         heartbeat: float = HEARTBEAT_SECONDS,
-        stale_after: float = STALE_AFTER_SECONDS,
+        stale_after: float | None = None,
         command: str | None = None,
         say=None,
+        claim: bool = False,
     ):
         self.run_dir = Path(run_dir).expanduser().resolve()
         self.path = self.run_dir / LOCK
         self.heartbeat = heartbeat
+        # Seconds to watch another host's heartbeat (None: STALE_AFTER_BEATS of its periods + the margin).
         self.stale_after = stale_after
+        # A training run's lock (lorakit.api): the directory must be one a run may write (rundir.check_trusted);
+        # once held, it is marked as a run directory and what a crash left in it is recovered.
+        self.claim = claim
         self.token = uuid.uuid4().hex
         # The command line that started this process, for whoever finds the directory locked.
         self.command = command if command is not None else shlex.join(getattr(sys, "orig_argv", sys.argv))
@@ -109,23 +99,32 @@ class RunLock:
     # --- taking and giving back ---------------------------------------------------------------------
 
     def acquire(self) -> RunLock:
-        """Take the lock, taking over a stale one (with a message); RunLockedError when it is held."""
+        """Take the lock, taking over a stale one (with a message); RunLockedError when it is held.
+        With `claim`: RunDirError, before anything is created, for a directory no run may write."""
+        if self.claim:
+            from lorakit import rundir
+
+            found = rundir.check_trusted(self.run_dir)
         self._make_run_dir()
         try:
             for _ in range(10):
                 if self._create():
                     self._start_heartbeat()
+                    if self.claim:
+                        self._claim(found)
                     return self
                 holder = read_holder(self.path)
                 if holder is None:
                     continue  # released meanwhile: try again
                 stale = self.stale_reason(holder)
+                if stale == _RETRY:
+                    continue
                 if stale is None:
                     raise RunLockedError(
                         f"output.dir {self.run_dir} is in use by another run: {holder.describe()}. Wait for it "
                         f"to finish or stop it, or use another output.dir. (A run that was killed leaves the "
-                        f"lock behind; it is taken over once its process is gone, or from another host "
-                        f"{self.stale_after:.0f} s after its last heartbeat.)"
+                        f"lock behind; it is taken over once its process is gone, or from another host once "
+                        f"its heartbeat is seen to stop.)"
                     )
                 if self._remove(holder):
                     self._say(f"run lock: taking over {self.path} from {holder.describe()}: {stale}")
@@ -172,9 +171,9 @@ class RunLock:
 
     # --- who holds it ------------------------------------------------------------------------------
 
-    def stale_reason(self, holder: Holder, now: float | None = None) -> str | None:
-        """Why `holder`'s lock is stale (its processes are gone, its heartbeat stopped), or None if held."""
-        now = time.time() if now is None else now
+    def stale_reason(self, holder: Holder) -> str | None:
+        """Why `holder`'s lock is stale (its processes are gone, its heartbeat stopped), None if it is held,
+        or "" when the lock changed hands or went while it was watched (try again)."""
         same_machine = holder.host == this_host() and (
             holder.pid_namespace is None or pid_namespace() is None or holder.pid_namespace == pid_namespace()
         )
@@ -183,11 +182,29 @@ class RunLock:
             if any(alive(pid, start) for pid, start in processes):
                 return None
             return f"its process {holder.pid} is gone"
-        age = now - holder.heartbeat
-        if age <= self.stale_after:
-            return None
+        return self._watch(holder)
+
+    def _watch(self, holder: Holder) -> str | None:
+        """Another host's lock: stale when its heartbeat count does not advance for the watch window,
+        measured on this process's monotonic clock (the holder's timestamps are never compared with ours)."""
+        window = self.stale_after
+        if window is None:
+            window = STALE_AFTER_BEATS * holder.heartbeat_every + STALE_MARGIN_SECONDS
+        self._say(
+            f"run lock: {self.path} is held from another host ({holder.describe()}); watching its heartbeat "
+            f"for {window:.0f} s"
+        )
+        start = time.monotonic()
+        while time.monotonic() - start < window:
+            time.sleep(min(1.0, window / 10))
+            now = read_holder(self.path, wait=0.2)
+            if now is None or now.token != holder.token:
+                return _RETRY
+            if now.pulse() != holder.pulse():
+                return None
         return (
-            f"its heartbeat stopped {age:.0f} s ago (renewed every {holder.heartbeat_every:.0f} s while held)"
+            f"its heartbeat count stayed at {holder.beats} for {window:.0f} s (renewed every "
+            f"{holder.heartbeat_every:.0f} s while held)"
         )
 
     # --- the file ----------------------------------------------------------------------------------
@@ -204,7 +221,22 @@ class RunLock:
             raise RunDirError(f"output.dir {self.run_dir} cannot be created: {e.strerror or e}") from e
         self._created = missing  # innermost first
 
+    def _claim(self, found: str) -> None:
+        from lorakit import rundir
+
+        if found == "older":
+            self._say(
+                f"output.dir {self.run_dir}: a run directory of an earlier lorakit; marking it as lorakit's"
+            )
+        rundir.mark(self.run_dir)
+        for line in rundir.recover(self.run_dir):
+            self._say(f"output.dir {self.run_dir}: {line}")
+
     def _remove_created(self) -> None:
+        from lorakit import rundir
+
+        if self._created and [p.name for p in self._created[0].iterdir()] == [rundir.MARKER]:
+            (self._created[0] / rundir.MARKER).unlink()  # the run wrote nothing but the mark
         for p in self._created:
             with contextlib.suppress(OSError):
                 p.rmdir()  # only when empty: a run that wrote anything keeps its directory
@@ -287,7 +319,7 @@ class RunLock:
 
     def _remove(self, holder: Holder) -> bool:
         """Remove `holder`'s stale lock, unless another process replaced it meanwhile."""
-        with _takeover_guard(self.run_dir) as guarded:
+        with takeover_guard(self.run_dir) as guarded:
             if guarded:
                 # Every takeover holds the guard, so the lock checked here is the one removed: a lock that a
                 # faster process took over meanwhile (another token) is never touched.
@@ -327,14 +359,9 @@ class RunLock:
             with self._lock:
                 if self._holder is None or self.lost is not None:
                     return
-                self._holder = Holder(**{**asdict(self._holder), "heartbeat": time.time()})
+                beat = {"heartbeat": time.time(), "beats": self._holder.beats + 1}
+                self._holder = Holder(**{**asdict(self._holder), **beat})
                 self._rewrite()
-
-
-def held_by_launcher(environ: dict[str, str] | None = None) -> bool:
-    """Whether this process is a worker of a lorakit launcher that holds the run lock for it."""
-    env = os.environ if environ is None else environ
-    return bool(env.get(ENV))
 
 
 def holding_run_lock(merge_fn):

@@ -1,5 +1,6 @@
-"""Disk space: how much a filesystem has free, and "no space left" turned into a DiskFullError that names
-what was being written.
+"""Disk space and durable writes: how much a filesystem has free, "no space left" turned into a DiskFullError
+that names what was being written, and the one way lorakit writes a file or replaces a directory (temp ->
+fsync -> rename -> fsync of the parent; see write_file and replace_directory).
 
 Writers fail on a full disk in different ways: Python's file objects raise OSError(ENOSPC), safetensors a
 SafetensorError whose text says "No space left on device (os error 28)", and torch.save (DeepSpeed's
@@ -14,6 +15,7 @@ import contextlib
 import errno
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -95,23 +97,152 @@ def writing(what: str, path: str | Path, cleanup: Callable[[], object] | None = 
 
 @contextlib.contextmanager
 def new_directory(final: Path) -> Iterator[Path]:
-    """Yield a private sibling of `final` to write into; when the block finishes, it replaces `final` in
-    one rename. If the block raises, the sibling is deleted and `final` is as it was, so a directory under
-    the final name is always complete (a process killed outright can leave a `.NAME.tmp-*` sibling)."""
+    """Yield a private sibling of `final` to write into; when the block finishes, its files are fsynced and
+    it replaces `final` (replace_directory). If the block raises, the sibling is deleted and `final` is as
+    it was, so a directory under the final name is always complete (a process killed outright can leave a
+    `.NAME.tmp-*` sibling, which recover_directory removes)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = final.parent / f".{final.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         yield tmp
-        if final.exists():
-            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        replace_directory(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --- durable writes: temp -> fsync -> rename -> fsync of the parent ----------------------------------------
+
+# Siblings a directory replacement leaves while it runs: the new one being written, the old one moved aside.
+TMP_MARK = ".tmp-"
+OLD_MARK = ".old-"
+# renameat2(2)'s flag that swaps two names in one step (Linux 3.15+, most local filesystems).
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def fsync_file(path: str | Path) -> None:
+    """Flush one file's content to the disk."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Flush a directory's entries (names created, renamed or removed in it) to the disk."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | Path) -> None:
+    """fsync every file under `path`, then every directory, deepest first: a rename that publishes the
+    tree must not reach the disk before what it publishes."""
+    path = Path(path)
+    dirs = [path]
+    for p in sorted(path.rglob("*")):
+        if p.is_symlink():
+            continue
+        if p.is_dir():
+            dirs.append(p)
+        elif p.is_file():
+            fsync_file(p)
+    for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
+        fsync_dir(d)
+
+
+def write_file(path: str | Path, data: bytes | str, mode: int = 0o644) -> None:
+    """Write `data` to `path` durably and atomically: a temp file beside it, fsynced, renamed over `path`,
+    then the directory fsynced. A reader (or a machine after a power loss) sees the old file or the new
+    one, never a short one. `mode`: the file's permissions (mkstemp makes it private)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def publish_directory(tmp: Path, final: Path) -> None:
+    """Durably rename the complete directory `tmp` to the new name `final`, which must not exist as a
+    non-empty directory."""
+    fsync_tree(tmp)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+
+
+def replace_directory(tmp: Path, final: Path) -> None:
+    """Put the complete directory `tmp` (a sibling of `final`) in place of `final`, durably, with no moment
+    where neither exists: its files are fsynced, then the two names are swapped in one renameat2 exchange
+    and the old one (now under the temp name) is deleted. Where the filesystem cannot exchange, the old one
+    is renamed aside (`.NAME.old-*`) first; a crash between the two renames is undone by
+    recover_directory, which the next run of the directory calls."""
+    if not final.exists():
+        publish_directory(tmp, final)
+        return
+    fsync_tree(tmp)
+    if _exchange(tmp, final):
+        fsync_dir(final.parent)
+        shutil.rmtree(tmp, ignore_errors=True)  # the old directory, now under the temp name
+        return
+    old = final.parent / f".{final.name}{OLD_MARK}{uuid.uuid4().hex[:8]}"
+    os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        os.rename(old, final)
+        raise
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names `a` and `b` atomically (renameat2 RENAME_EXCHANGE); False where this system or
+    filesystem cannot."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    done = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if done == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def recover_directory(final: Path) -> list[str]:
+    """Undo what a crash during replace_directory(_, final) left: the old directory renamed aside with no
+    new one under the final name is put back; other `.NAME.old-*` and `.NAME.tmp-*` siblings are deleted.
+    Only for a writer that holds the run lock (no one else is replacing `final`). Returns what it did, one
+    phrase each, for the log."""
+    done: list[str] = []
+    parent = final.parent
+    if not parent.is_dir():
+        return done
+    olds = sorted(parent.glob(f".{final.name}{OLD_MARK}*"), key=lambda p: p.stat().st_mtime)
+    if olds and not final.exists():
+        os.rename(olds.pop(), final)
+        fsync_dir(parent)
+        done.append(f"restored {final.name}/ from an interrupted replacement")
+    for leftover in [*olds, *parent.glob(f".{final.name}{TMP_MARK}*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+        done.append(f"removed {leftover.name}, left by an interrupted write")
+    return done
 
 
 def _free_or_none(path: str | Path) -> int | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -61,7 +60,7 @@ def save_cached(path: Path, splits: dict[str, datasets.Dataset], meta: dict[str,
                 ds.save_to_disk(str(tmp / name))
             (tmp / "meta.json").write_text(json.dumps({**meta, "splits": list(splits)}, indent=2))
             try:
-                os.rename(tmp, path)
+                storage.publish_directory(tmp, path)  # fsynced, renamed, parent fsynced
             except OSError:
                 # Another process finished the same entry first; theirs is equivalent.
                 if not (path / "meta.json").is_file():

@@ -16,7 +16,6 @@ A checkpoint is a directory `run_dir/checkpoints/step-00000120/` holding
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -25,7 +24,7 @@ from typing import Any
 
 from lorakit import rundir, storage
 from lorakit.backends import Engine
-from lorakit.engine import dist
+from lorakit.engine import branches, dist, manifest
 from lorakit.engine.compatibility import DOC, FORMAT_VERSION, check_compatible, recipe_fingerprint
 from lorakit.engine.rng import read_rank_rng, write_rank_rng
 from lorakit.errors import RecipeError
@@ -82,20 +81,53 @@ def checkpoints_dir(run_dir: Path) -> Path:
     return run_dir / rundir.CHECKPOINTS
 
 
-def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
-    """The run's complete checkpoints, oldest first."""
+def _named(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every checkpoint under its final name with a state.json, oldest first."""
     root = checkpoints_dir(run_dir)
     found = []
     if root.is_dir():
         for d in root.iterdir():
             m = _NAME.match(d.name)
             if m and (d / STATE).is_file():
-                found.append(Checkpoint(d, int(m.group(1)), json.loads((d / STATE).read_text())))
-    return sorted(found, key=lambda c: c.step)
+                found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def complete_checkpoints(run_dir: Path) -> list[Checkpoint]:
+    """The run's complete checkpoints (final name, readable state.json), oldest first; their files are
+    not checked against the manifest here (damage)."""
+    found = []
+    for step, d in _named(run_dir):
+        try:
+            found.append(Checkpoint(d, step, json.loads((d / STATE).read_text())))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with the checkpoint directory `path` (an unreadable state.json, no engine/, files
+    that differ from its manifest), or None; reads nothing with pickle. A checkpoint of a lorakit from
+    before manifests (its state.json names none) is checked for its parts only."""
+    try:
+        state = json.loads((path / STATE).read_text())
+    except (OSError, ValueError) as e:
+        return f"its {STATE} cannot be read ({e})"
+    if not (path / ENGINE).is_dir():
+        return f"it has no {ENGINE}/"
+    if state.get("manifest") != manifest.MANIFEST:
+        return None
+    return manifest.problem(path)
+
+
+def _read(path: Path) -> Checkpoint:
+    state = json.loads((path / STATE).read_text())
+    return Checkpoint(path, int(state["loop"]["step"]), state)
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
-    """A checkpoint directory named by the user (train.resume: PATH), checked to be complete."""
+    """A checkpoint directory named by the user (train.resume: PATH), checked to be complete and as saved
+    (its manifest) before anything in it is loaded."""
     path = Path(path).expanduser().resolve()
     if not (path / STATE).is_file() or not (path / ENGINE).is_dir():
         raise RecipeError(
@@ -103,42 +135,82 @@ def read_checkpoint(path: Path) -> Checkpoint:
             "give a directory like OUTPUT_DIR/checkpoints/step-00000120, or auto",
             doc=DOC,
         )
-    state = json.loads((path / STATE).read_text())
-    return Checkpoint(path, int(state["loop"]["step"]), state)
+    why = damage(path)
+    if why is not None:
+        raise RecipeError(
+            f"train.resume: {path} is damaged: {why}; nothing was loaded from it. Name another checkpoint, "
+            "or auto",
+            doc="docs/resume.md#damaged-checkpoints",
+        )
+    return _read(path)
 
 
 def find_resume(recipe, run_dir: Path, world: int | None = None) -> Checkpoint | None:
-    """The checkpoint this run resumes from (train.resume: auto | never | PATH), checked against the recipe
-    and the world size (default: this process group's); None to start fresh. Rank 0 decides; every rank
-    gets the same answer."""
+    """The checkpoint this run resumes from (train.resume: auto | never | PATH), checked against its
+    manifest, the recipe and the world size (default: this process group's); None to start fresh. Rank 0
+    decides (and moves abandoned or damaged checkpoints aside, engine/branches.py); every rank gets the
+    same answer."""
     choice = error = None
     if dist.is_main():
         try:
             choice = _choose(recipe, run_dir, dist.world_size() if world is None else world)
         except RecipeError as e:
             # Every rank must raise, or the others would wait for rank 0 forever.
-            error = str(e)
+            error = (str(e), e.doc)
     path, error = dist.broadcast_object((str(choice.path) if choice else None, error))
     if error:
-        raise RecipeError(error, doc=DOC)
-    return read_checkpoint(Path(path)) if path else None
+        raise RecipeError(error[0], doc=error[1] or DOC)
+    return _read(Path(path)) if path else None
 
 
 def _choose(recipe, run_dir: Path, world: int) -> Checkpoint | None:
     resume = recipe.train.resume
-    root = checkpoints_dir(run_dir)
     if resume == "never":
-        shutil.rmtree(root, ignore_errors=True)
+        # Start over: the earlier checkpoints are moved aside, not deleted (a failed relaunch loses nothing).
+        branches.set_aside(run_dir, [d for _, d in _named(run_dir)], "train.resume: never")
         return None
     if resume == "auto":
-        found = complete_checkpoints(run_dir)
-        if not found:
+        ckpt, fell_back = _newest_sound(run_dir)
+        if ckpt is None:
             return None
-        ckpt = found[-1]
     else:
-        ckpt = read_checkpoint(Path(resume))
+        ckpt, fell_back = read_checkpoint(Path(resume)), True
     check_compatible(ckpt, recipe, world)
+    if fell_back:
+        _follow_branch(run_dir, ckpt)
     return ckpt
+
+
+def _newest_sound(run_dir: Path) -> tuple[Checkpoint | None, bool]:
+    """The newest checkpoint that is as saved, and whether a damaged newer one was passed over (each is
+    moved aside with a warning naming it); RecipeError when there are checkpoints but none is sound."""
+    named = _named(run_dir)
+    damaged = []
+    for _, d in reversed(named):
+        why = damage(d)
+        if why is None:
+            return _read(d), bool(damaged)
+        print(f"warning: checkpoint {d} is damaged ({why}); falling back to the previous one", flush=True)
+        damaged.append(f"{d.name}: {why}")
+        branches.set_aside(run_dir, [d], f"damaged checkpoint {d.name}")
+    if damaged:
+        raise RecipeError(
+            f"train.resume: auto: every checkpoint in {checkpoints_dir(run_dir)} is damaged "
+            f"({'; '.join(damaged)}); they were moved to {branches.abandoned_dir(run_dir)} and nothing was "
+            "loaded. Resume from a copy you trust (train.resume: PATH) or start over (train.resume: never)",
+            doc="docs/resume.md#damaged-checkpoints",
+        )
+    return None, False
+
+
+def _follow_branch(run_dir: Path, ckpt: Checkpoint) -> None:
+    """Resuming from an older step than the newest (a rollback, or a fallback past a damaged one): the
+    newer checkpoints and best/ weights from after `ckpt` belong to the abandoned branch; move them aside
+    so that a later `resume: auto` and best/ follow the chosen one."""
+    newer = [d for step, d in _named(run_dir) if step > ckpt.step or (step == ckpt.step and d != ckpt.path)]
+    best = branches.best_step(run_dir)
+    best_newer = best is not None and best > ckpt.step
+    branches.set_aside(run_dir, newer, f"rolled back to step {ckpt.step}", best=best_newer)
 
 
 def save_checkpoint(
@@ -197,10 +269,10 @@ def _write_rank_part(engine: Engine, tmp: Path, rank_counters, adapter: bool, wh
 
 def _publish(recipe, run_dir: Path, loop: LoopState, reason: str, final: Path, tmp: Path, what: str) -> None:
     """Rank 0: state.json last, then the rename that makes the checkpoint complete, then the prune."""
-    root = final.parent
     with storage.writing(what, final):
         state = {
             "format": FORMAT_VERSION,
+            "manifest": manifest.MANIFEST,
             "reason": reason,
             "world_size": dist.world_size(),
             "fingerprint": recipe_fingerprint(recipe),
@@ -208,20 +280,19 @@ def _publish(recipe, run_dir: Path, loop: LoopState, reason: str, final: Path, t
             "loop": asdict(loop),
         }
         rundir.write_json(tmp / STATE, state)
-        _fsync_tree(tmp)
-        if final.exists():
-            # Same step saved twice (an epoch end that is also an `every` step): keep the newer one.
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        # Every file with its size and hash, checked before a resume loads any of it (engine/manifest.py).
+        manifest.write_manifest(tmp, rundir.write_json)
+        # Same step saved twice (an epoch end that is also an `every` step): the newer one replaces it.
+        storage.replace_directory(tmp, final)
     prune(run_dir, recipe.checkpoint.keep)
 
 
 def prune(run_dir: Path, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints, and leftovers of interrupted saves."""
-    found = complete_checkpoints(run_dir)
-    for old in found[: max(len(found) - keep, 0)]:
-        shutil.rmtree(old.path, ignore_errors=True)
+    found = _named(run_dir)
+    for _, old in found[: max(len(found) - keep, 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+        print(f"removed checkpoint {old.name} (checkpoint.keep: {keep})", flush=True)
     remove_partial_saves(run_dir)
 
 
@@ -238,20 +309,3 @@ def load_checkpoint(engine: Engine, ckpt: Checkpoint, *, adapter: bool) -> tuple
     engine.load_checkpoint(ckpt.path, ENGINE, trainable_only=adapter)
     counters = read_rank_rng(ckpt.path / "rng")
     return LoopState(**ckpt.state["loop"]), counters
-
-
-def _fsync_tree(path: Path) -> None:
-    # The rename must not reach the disk before the files it publishes.
-    for p in path.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

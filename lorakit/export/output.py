@@ -70,7 +70,7 @@ def atomic_directory(output: Path, force: bool) -> Iterator[Path]:
     sibling, never a directory under the final name."""
     missing = [p for p in [output.parent, *output.parent.parents] if not p.exists()]
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.parent / f".{output.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = output.parent / f".{output.name}{storage.TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         yield tmp
@@ -102,15 +102,23 @@ def _publish(tmp: Path, output: Path, force: bool) -> None:
     if output.exists() and not (output.is_dir() and not any(output.iterdir())):
         if not force:
             raise MergeError(f"--output {output} appeared while merging; nothing was written over it")
-        # Move the old one aside first, so the final name only ever holds a whole export.
-        old = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(output, old)
-        try:
-            os.rename(tmp, output)
-        except BaseException:
-            os.rename(old, output)
-            raise
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        if not output.is_dir():
+            _replace_file(tmp, output)
+            return
+        # The old export stays under the final name until the new one is complete and swapped in.
+        storage.replace_directory(tmp, output)
         return
     # rename(2) replaces an empty directory atomically.
-    os.rename(tmp, output)
+    storage.publish_directory(tmp, output)
+
+
+def _replace_file(tmp: Path, output: Path) -> None:
+    # --force over a file: the file is moved aside, the export renamed in, then the file deleted.
+    old = output.parent / f".{output.name}{storage.OLD_MARK}{uuid.uuid4().hex[:8]}"
+    os.rename(output, old)
+    try:
+        storage.publish_directory(tmp, output)
+    except BaseException:
+        os.rename(old, output)
+        raise
+    old.unlink()

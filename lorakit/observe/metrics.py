@@ -10,6 +10,7 @@ are sinks too, each importing its library lazily in its own module so the extras
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -55,7 +56,12 @@ class JsonlSink:
         self.count += 1
 
     def close(self) -> None:
-        """Close the file."""
+        """Close the file, its lines and its name fsynced to the disk."""
+        if not self._f.closed:
+            with storage.writing(self.path.name, self.path):
+                self._f.flush()
+                os.fsync(self._f.fileno())
+                storage.fsync_dir(self.path.parent)
         self._f.close()
 
 

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -16,11 +17,9 @@ from lorakit.errors import RunLockedError
 from lorakit.runlock import LOCK, RunLock, read_holder
 
 
-def _lock_file(run_dir, **fields):
-    """Write a lock file as another process would have, with `fields` over a plausible holder."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+def _lock_content(**fields):
     now = time.time()
-    content = {
+    return {
         "token": "someone-else",
         "host": runlock.this_host(),
         "pid": os.getpid(),
@@ -30,6 +29,12 @@ def _lock_file(run_dir, **fields):
         "heartbeat_every": 30.0,
         **fields,
     }
+
+
+def _lock_file(run_dir, **fields):
+    """Write a lock file as another process would have, with `fields` over a plausible holder."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    content = _lock_content(**fields)
     (run_dir / LOCK).write_text(json.dumps(content))
     return content
 
@@ -110,24 +115,60 @@ def test_a_live_child_keeps_the_lock_of_a_dead_launcher(tmp_path):
         pass
 
 
-def test_another_hosts_lock_is_held_while_its_heartbeat_is_fresh_and_taken_over_after(tmp_path):
-    _lock_file(tmp_path / "run", host="gpu-node-7", pid=1, heartbeat=time.time() - 20)
-    with pytest.raises(RunLockedError, match="pid 1 on host gpu-node-7"):
-        RunLock(tmp_path / "run", stale_after=60).acquire()
-    _lock_file(tmp_path / "run", host="gpu-node-7", pid=1, heartbeat=time.time() - 120)
+def _beating(run_dir, stop, **fields):
+    """Another host's live holder: its heartbeat count advances every 50 ms (its clock is its own)."""
+    beats = 0
+    while not stop.is_set():
+        beats += 1
+        tmp = run_dir / ".beat"
+        tmp.write_text(json.dumps({**_lock_content(**fields), "beats": beats}))
+        os.replace(tmp, run_dir / LOCK)
+        time.sleep(0.05)
+
+
+def _start_beating(run_dir, **fields):
+    stop = threading.Event()
+    beater = threading.Thread(target=_beating, args=(run_dir, stop), kwargs=fields)
+    beater.start()
+    while not (run_dir / LOCK).exists():
+        time.sleep(0.01)
+    return stop, beater
+
+
+def test_another_hosts_lock_is_judged_by_its_heartbeat_count_never_by_comparing_clocks(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    # Its clock is an hour behind ours: a live holder all the same, because its count advances.
+    stop, beater = _start_beating(run, host="gpu-node-7", pid=1, heartbeat=time.time() - 3600)
+    try:
+        with pytest.raises(RunLockedError, match="pid 1 on host gpu-node-7"):
+            RunLock(run, stale_after=1.0, say=lambda line: None).acquire()
+    finally:
+        stop.set()
+        beater.join()
+    # Its clock is an hour ahead (a "fresh" timestamp) but the count stands still: taken over after the watch.
+    _lock_file(run, host="gpu-node-7", pid=1, heartbeat=time.time() + 3600, beats=7)
     lines = []
-    with RunLock(tmp_path / "run", stale_after=60, say=lines.append):
+    started = time.monotonic()
+    with RunLock(run, stale_after=0.5, say=lines.append):
         pass
-    assert "its heartbeat stopped 120 s ago" in lines[0]
+    assert time.monotonic() - started >= 0.5
+    assert "is held from another host" in lines[0] and "watching its heartbeat" in lines[0]
+    assert "taking over" in lines[-1] and "its heartbeat count stayed at 7" in lines[-1]
 
 
 def test_same_host_name_in_another_pid_namespace_counts_as_another_host(tmp_path):
     # A container with the same host name: its pids mean nothing here, only its heartbeat does.
-    _lock_file(tmp_path / "run", pid=_dead_pid(), pid_namespace="pid:[1]", heartbeat=time.time())
     if runlock.pid_namespace() in (None, "pid:[1]"):
         pytest.skip("PID namespaces are not visible here")
-    with pytest.raises(RunLockedError):
-        RunLock(tmp_path / "run").acquire()
+    (tmp_path / "run").mkdir()
+    stop, beater = _start_beating(tmp_path / "run", pid=_dead_pid(), pid_namespace="pid:[1]")
+    try:
+        with pytest.raises(RunLockedError):
+            RunLock(tmp_path / "run", stale_after=1.0, say=lambda line: None).acquire()
+    finally:
+        stop.set()
+        beater.join()
 
 
 def test_the_heartbeat_is_renewed_and_a_lost_lock_is_noticed(tmp_path):
@@ -153,14 +194,27 @@ def test_the_heartbeat_is_renewed_and_a_lost_lock_is_noticed(tmp_path):
     assert read_holder(tmp_path / "run" / LOCK).token == "usurper"
 
 
-def test_an_unreadable_lock_counts_as_held_until_it_is_old(tmp_path):
+def test_an_unreadable_lock_is_held_while_it_changes_and_taken_over_when_it_stands_still(tmp_path):
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / LOCK).write_text("")  # being written where hard links are not available
-    with pytest.raises(RunLockedError, match="unreadable lock file"):
-        RunLock(tmp_path / "run", stale_after=60).acquire()
-    old = time.time() - 120
-    os.utime(tmp_path / "run" / LOCK, (old, old))
-    with RunLock(tmp_path / "run", stale_after=60, say=lambda line: None):
+    lock_file = tmp_path / "run" / LOCK
+    lock_file.write_text("")  # being written where hard links are not available
+    stop = threading.Event()
+
+    def touching():
+        while not stop.is_set():
+            t = time.time() + 0.05
+            os.utime(lock_file, (t, t))
+            time.sleep(0.05)
+
+    toucher = threading.Thread(target=touching)
+    toucher.start()
+    try:
+        with pytest.raises(RunLockedError, match="unreadable lock file"):
+            RunLock(tmp_path / "run", stale_after=1.0, say=lambda line: None).acquire()
+    finally:
+        stop.set()
+        toucher.join()
+    with RunLock(tmp_path / "run", stale_after=0.3, say=lambda line: None):
         pass
 
 
@@ -208,6 +262,26 @@ def test_workers_of_a_lorakit_launcher_see_its_token():
     lock = RunLock("unused")
     env = lock.environment()
     assert runlock.held_by_launcher(env) and not runlock.held_by_launcher({})
+
+
+def test_a_handed_down_token_must_be_the_locks_own(tmp_path):
+    with RunLock(tmp_path / "run") as lock:
+        assert runlock.held_by_launcher(lock.environment(), tmp_path / "run")
+        # A stray or stale LORAKIT_RUN_LOCK does not let a process write a directory someone else holds.
+        with pytest.raises(RunLockedError, match=f"held by pid {os.getpid()}"):
+            runlock.held_by_launcher({runlock.ENV: "not-the-token"}, tmp_path / "run")
+    with pytest.raises(RunLockedError, match="there is no lock file"):
+        runlock.held_by_launcher(lock.environment(), tmp_path / "run")
+
+
+def test_a_lost_lock_is_seen_by_the_training_runs_watch(tmp_path):
+    with RunLock(tmp_path / "run") as lock:
+        watch = runlock.LockWatch(tmp_path / "run", every=0.0)
+        assert watch.token == lock.token and not watch.lost()
+        _lock_file(tmp_path / "run", host="elsewhere", token="usurper")
+        assert watch.lost() and "host elsewhere" in watch.lost_to
+    # A job run without a lock (no lock file) has nothing to watch.
+    assert not runlock.LockWatch(tmp_path / "other", every=0.0).lost()
 
 
 def test_a_takeover_that_read_a_stale_holder_late_never_lets_a_third_process_in(tmp_path, monkeypatch):
