@@ -58,7 +58,11 @@ def merge_after_training(recipe: Recipe, result: TrainResult) -> TrainResult:
 
     gc.collect()
     # The training job holds the run lock already.
-    merged = merge(result.run_dir, result.run_dir / rundir.MERGED, dtype=recipe.model.dtype, lock=False)
+    # Trust as the person's own recipe grants it (never the run directory's copy of it).
+    trust = {"trust_remote_code": recipe.model.trust_remote_code, "allow_pickle": recipe.model.allow_pickle}
+    merged = merge(
+        result.run_dir, result.run_dir / rundir.MERGED, dtype=recipe.model.dtype, lock=False, **trust
+    )
     summary = {**result.summary, "merged_dir": str(merged.output_dir)}
     rundir.write_json(result.run_dir / rundir.SUMMARY, summary)
     return TrainResult(result.run_dir, summary)
@@ -89,7 +93,7 @@ def train(recipe: Recipe) -> TrainResult:
     if launched_distributed():
         # Workers of `python -m lorakit.run` find their launcher's lock token in their environment; a job
         # that torchrun or the deepspeed launcher started directly takes the lock on rank 0.
-        return _train_in_group(recipe, lock_on_rank0=not runlock.held_by_launcher())
+        return _train_in_group(recipe, lock_on_rank0=not runlock.held_by_launcher(run_dir=recipe.output.dir))
     with _guard_run_dir(recipe) as lock:
         if recipe.preflight.doctor:
             from lorakit.doctor.preflight import run_preflight
@@ -113,7 +117,7 @@ def check_extension_locks() -> None:
 def _guard_run_dir(recipe: Recipe) -> runlock.RunLock:
     """Check output.dir and data.cache_dir, then take the run lock (a context manager that releases it)."""
     preflight.check_run_paths(recipe)
-    return runlock.RunLock(recipe.output.dir)
+    return runlock.RunLock(recipe.output.dir, claim=True)
 
 
 def _train_in_group(recipe: Recipe, *, lock_on_rank0: bool) -> TrainResult:

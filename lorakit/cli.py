@@ -110,6 +110,15 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def add_trust_options(p: argparse.ArgumentParser) -> None:
+    """--trust-remote-code and --allow-pickle: only the person running the command grants them (a run
+    directory's recipe.yaml or a downloaded snapshot never does; docs/faults.md#run-directory-durability-and-trust)."""
+    p.add_argument(
+        "--trust-remote-code", action="store_true", help="run the model repository's own Python code"
+    )
+    p.add_argument("--allow-pickle", action="store_true", help="load pickled weights (pytorch_model.bin)")
+
+
 def options(args, *names: str, **renamed: str) -> dict:
     """Keyword arguments from parsed command-line `args`: each of `names` as itself, and each keyword of
     `renamed` from the attribute it names (verify="verify_logits")."""

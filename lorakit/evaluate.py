@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from lorakit.callable_module import forward_calls
-from lorakit.cli import quiet_libraries, run_cli
+from lorakit.cli import add_trust_options, options, quiet_libraries, run_cli
 
 
 def parser() -> argparse.ArgumentParser:
@@ -19,6 +19,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default=None, help="split of the run's data source (default: its eval split)")
     p.add_argument("--output", default=None, help="report file (default: RUN/evaluate-SPLIT.json)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: the GPU if any, else cpu)")
+    add_trust_options(p)
     return p
 
 
@@ -32,7 +33,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     from lorakit.inference import evaluate
 
     quiet_libraries()
-    result = evaluate(args.source, args.split, args.overrides, output=args.output, device=args.device)
+    trust = options(args, "output", "device", "trust_remote_code", "allow_pickle")
+    result = evaluate(args.source, args.split, args.overrides, **trust)
     where = f"{result.split} (held out of training)" if result.held_out else result.split
     print(f"split:    {where}, {result.rows} rows")
     print("eval:     " + ", ".join(f"{k}={v:.4f}" for k, v in result.metrics.items()))

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from lorakit.callable_module import forward_calls
-from lorakit.cli import add_dtype_option, options, quiet_libraries, run_cli
+from lorakit.cli import add_dtype_option, add_trust_options, options, quiet_libraries, run_cli
 
 
 def parser() -> argparse.ArgumentParser:
@@ -35,6 +35,7 @@ def parser() -> argparse.ArgumentParser:
     add_dtype_option(
         p, "dtype to run in (default: the run's model.dtype; without a recipe, as the weights were saved)"
     )
+    add_trust_options(p)
     return p
 
 
@@ -49,7 +50,8 @@ def _generate(args: argparse.Namespace) -> int:
     from lorakit.inference.generation import to_jsonl
 
     quiet_libraries()
-    names = ("output", "max_new_tokens", "num_beams", "batch_size", "device", "dtype")
+    names = ("output", "max_new_tokens", "num_beams", "batch_size", "device", "dtype", "trust_remote_code")
+    names += ("allow_pickle",)
     result = generate(args.source, args.input, **options(args, *names))
     if args.output is None:
         sys.stdout.write(to_jsonl(result.records))

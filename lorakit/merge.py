@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from lorakit.callable_module import forward_calls
-from lorakit.cli import add_dtype_option, options, quiet_libraries, run_interruptible
+from lorakit.cli import add_dtype_option, add_trust_options, options, quiet_libraries, run_interruptible
 
 
 def parser() -> argparse.ArgumentParser:
@@ -47,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
         "when there is free memory for one copy of the model"
     )
     p.add_argument("--verify-logits", choices=("auto", "always", "never"), default="auto", help=verify)
+    add_trust_options(p)
     return p
 
 
@@ -62,6 +63,7 @@ def _merge(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     names = ("dtype", "max_shard_size", "base", "force", "tolerance", "compare_quantized", "strategy")
+    names += ("trust_remote_code", "allow_pickle")
     merge(args.source, args.output, **options(args, *names, verify="verify_logits"))
     return 0
 

@@ -23,7 +23,7 @@ from lorakit.data import PreparedData
 from lorakit.data.batching import Batching
 from lorakit.data.sampler import ResumableBatchSampler
 from lorakit.data.sequence_split import split_sequences
-from lorakit.engine import checkpoint, dist
+from lorakit.engine import branches, checkpoint, dist
 from lorakit.engine.checkpoint import Checkpoint
 from lorakit.engine.loop import StepPlan, plan_steps
 from lorakit.engine.mesh import ParallelDims
@@ -38,6 +38,7 @@ from lorakit.model.shared_prompt import sharing_problem
 from lorakit.objectives import make_batching, make_objective, prepare_data
 from lorakit.observe import MetricsLogger
 from lorakit.recipe import Recipe, dump_recipe
+from lorakit.runlock import LockWatch
 
 # What the job asks of the planner (lorakit.planner.run_plan.plan_of_run, handed in by lorakit.api, a floor
 # above): (recipe, model config, PreparedData, world size, device kind) -> the plan summary.json records.
@@ -109,11 +110,14 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
         objective,
     )
     job.resume(resume_from)
+    if dist.is_main():
+        job.lock = LockWatch(run_dir)
     trainer = job.trainer(loader)
     job.train(trainer)
     model_states = memory.model_states()
     with dist.phase("adapter save", job.state.step):
         saved = save_trained(engine, built, recipe, run_dir) if recipe.output.save_adapter else {}
+    dist.on_main("adapter save", retire_earlier_outputs, recipe, run_dir, job.state.best)
     planned = plan_of_run(recipe, config, job.data, dist.world_size(), memory.device_kind)
     summary = summarize(job, trainer, memory.peak(model_states), saved, planned).to_json()
     job.finish(summary)
@@ -151,19 +155,18 @@ def open_run_dir(
     resume_from: Checkpoint | None,
     config_file: str,
 ) -> MetricsLogger:
-    """Rank 0 clears what an earlier run left for this one to write, writes the resolved recipe and the
-    backend's config (as `config_file`), and opens the metrics and the trackers of output.report_to
-    (continuing them on resume); returns the MetricsLogger (one without sinks on the other ranks)."""
+    """Rank 0 writes the resolved recipe and the backend's config (as `config_file`), and opens the
+    metrics and the trackers of output.report_to (continuing them on resume); returns the MetricsLogger
+    (one without sinks on the other ranks). An earlier run's adapter/, model/, merged/ and best/ stay as
+    they are: each is replaced whole when its successor is complete (storage.replace_directory), and what
+    this run does not replace is retired once it has finished (retire_earlier_outputs)."""
     if not dist.is_main():
         return MetricsLogger()
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (rundir.ADAPTER, rundir.MODEL, rundir.MERGED):
-        shutil.rmtree(run_dir / stale, ignore_errors=True)
+    rundir.mark(run_dir)
+    # Reports of the last evaluation, redrawn by this run's; exit.json must not be read as this run's.
     for stale in (EXIT, rundir.CLASSIFICATION, rundir.CONFUSION_MATRIX, rundir.LOSS_PLOT):
         (run_dir / stale).unlink(missing_ok=True)
-    if resume_from is None:
-        # The best weights belong to the run that judged them; a resumed run keeps them with its state.
-        shutil.rmtree(run_dir / rundir.BEST, ignore_errors=True)
     resolved = dump_recipe(recipe)
     rundir.write_text(run_dir / rundir.RECIPE, resolved)
     rundir.write_json(run_dir / config_file, backend_config)
@@ -176,6 +179,28 @@ def open_run_dir(
         resumed_step=resume_from.step if resume_from else None,
         tracker_timeout=recipe.output.tracker_timeout_seconds,
     )
+
+
+def retire_earlier_outputs(recipe: Recipe, run_dir: Path, best: dict[str, Any] | None) -> list[str]:
+    """Rank 0, once this run's weights are saved: delete (and say so) what an earlier run in this
+    directory left that this run does not replace: the other kind of weights (adapter/ or model/),
+    merged/ unless output.merge replaces it next, and best/ unless it holds this run's best evaluation
+    (`best`, the loop's). Until now a failed run would have left them whole. Returns the names removed."""
+    keep = set()
+    if recipe.output.save_adapter:
+        keep.add(rundir.ADAPTER if recipe.method.adapter() else rundir.MODEL)
+    if recipe.output.merge:
+        keep.add(rundir.MERGED)
+    best_dir = run_dir / rundir.BEST
+    if best_dir.is_dir() and best is not None and branches.best_step(run_dir) == best.get("step"):
+        keep.add(rundir.BEST)
+    removed = []
+    for name in (rundir.ADAPTER, rundir.MODEL, rundir.MERGED, rundir.BEST):
+        if name not in keep and (run_dir / name).is_dir():
+            shutil.rmtree(run_dir / name)
+            removed.append(name)
+            say(f"removed {name}/ of an earlier run in {run_dir}: this run does not replace it")
+    return removed
 
 
 def make_loader(data: PreparedData, batching: Batching, seed: int) -> DataLoader:

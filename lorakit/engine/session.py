@@ -29,6 +29,7 @@ from lorakit.objectives import Objective
 from lorakit.observe import MetricsLogger
 from lorakit.observe.plot import plot_losses
 from lorakit.recipe import Recipe
+from lorakit.runlock import LockWatch
 
 
 def say(line: str) -> None:
@@ -62,6 +63,8 @@ class Job:
     state: LoopState = field(default_factory=LoopState)
     meter: TokenMeter = field(default_factory=TokenMeter)
     stops: StopRequests = field(default_factory=StopRequests)
+    # Rank 0's watch on the run lock (lorakit.runlock.LockWatch): a lost lock stops the run like a SIGTERM.
+    lock: LockWatch | None = None
 
     def resume(self, ckpt: Checkpoint | None) -> None:
         """Restore engine, RNG states, loop state and this rank's counts from `ckpt` (collective)."""
@@ -176,12 +179,15 @@ class Job:
             state=self.state,
             checkpointing=Checkpointing(self.save_checkpoint, ck.every, ck.at_epoch_end),
             nonfinite=NonFinitePolicy(t.on_nonfinite, t.max_skipped_steps),
-            stop_requested=self.stops.received_here,
+            stop_requested=self._stop_requested,
             meter=self.meter,
             eval_every=self.recipe.eval.every,
             best=self.best_policy() if evaluates else None,
             objective=self.objective,
         )
+
+    def _stop_requested(self) -> bool:
+        return self.stops.received_here() or (self.lock is not None and self.lock.lost())
 
     def train(self, trainer: Trainer) -> None:
         """Run the loop; a run stopped early (preempted, diverged) leaves exit.json, releases the engine and
@@ -189,14 +195,23 @@ class Job:
         try:
             with self.stops, dist.phase("training", lambda: self.state.step + 1):
                 trainer.run()
-        except (Preempted, TrainingDiverged) as e:
+        except (Preempted, TrainingDiverged) as stopped:
+            e = stopped
+            if isinstance(e, Preempted) and self.lock is not None and self.lock.lost_to is not None:
+                e = Preempted(
+                    f"stopped at step {self.state.step}: the run lock {self.lock.path} was taken over by "
+                    f"{self.lock.lost_to}, so another run may be writing {self.run_dir}; checkpoint saved to "
+                    f"{trainer.last_checkpoint}. Relaunch once the other run is done to resume."
+                )
             if dist.is_main():
                 # The launching process (lorakit.train over torchrun) reads this to exit with the same code.
                 info = {"code": e.exit_code, "error": type(e).__name__, "message": str(e)}
                 rundir.write_json(self.run_dir / EXIT, info)
             self.log.close()
             self.engine.close()
-            raise
+            if e is stopped:
+                raise
+            raise e from None
         finally:
             if trainer.progress is not None:
                 trainer.progress.close()

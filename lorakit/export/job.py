@@ -52,6 +52,8 @@ def merge(
     compare_quantized: bool = False,
     strategy: str = "auto",
     verify: str = "auto",
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
 ) -> MergeResult:
     """Merge the LoRA adapter of a run (or an adapter directory) into its base, or re-export a full
     fine-tuning run, as sharded safetensors with tokenizer, generation config and model card in `output`.
@@ -61,11 +63,11 @@ def merge(
     `output`. tolerance: relative logit tolerance (default RELATIVE_TOLERANCE[dtype]). compare_quantized
     (QLoRA): also report the merged model against the adapter on the 4-bit base it was trained with.
     strategy: auto (shard by shard where the merge is per tensor, else in memory, saying why) | stream |
-    memory. verify (streaming): the whole-model logits check auto (where there is memory for one model
+    memory. trust_remote_code, allow_pickle: the caller's, never the run directory's. verify (streaming): the whole-model logits check auto (where there is memory for one model
     copy) | always | never; the in-memory merge always runs it.
     Raises AdapterError / MergeError for bad input and VerificationError when a check fails; `output` is
     then left as it was."""
-    src = locate(source, base)
+    src = locate(source, base, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     dtype = dtype or src.default_dtype
     tol = _tolerance(dtype, tolerance)
     shard_bytes = parse_size(max_shard_size)

@@ -32,11 +32,15 @@ def auto_model_class(src: MergeSource):
 
 
 def load_pretrained(auto_cls, source: str, torch_dtype: torch.dtype | str, src: MergeSource | None, **kwargs):
-    """The model in `torch_dtype` (or "auto": as saved), eval mode; on CPU unless kwargs place it."""
+    """The model in `torch_dtype` (or "auto": as saved), eval mode; on CPU unless kwargs place it. Only
+    safetensors weights are read unless the caller allowed pickles (src.allow_pickle)."""
+    pickles = src is not None and src.allow_pickle
     model = auto_cls.from_pretrained(
         source,
         revision=src.revision if src is not None else None,
         trust_remote_code=src.trust_remote_code if src is not None else False,
+        # True: only safetensors; None: transformers' default, safetensors else pytorch_model.bin.
+        use_safetensors=None if pickles else True,
         dtype=torch_dtype,
         **kwargs,
     )

@@ -21,6 +21,7 @@ import yaml
 from lorakit import rundir
 from lorakit.errors import LorakitError, PublishError
 from lorakit.export.card import ADAPTER_SUBFOLDER, CARD, HubFacts, hub_card, is_hub_id, read_card
+from lorakit.runlock import holding_run_lock
 
 DOC = "docs/publish.md"
 # The run's plots the card shows (written by observe/plot.py and evaluation/classify.py).
@@ -147,6 +148,7 @@ def collect(source: str | Path, repo_id: str) -> Bundle:
     return Bundle(files=dict(sorted(files.items())), card=hub_card(facts), layout=layout)
 
 
+@holding_run_lock
 def push(
     source: str | Path,
     repo_id: str,
@@ -195,7 +197,8 @@ def push(
 def push_after_training(recipe: Any, result: Any) -> Any:
     """output.push_to_hub: push the finished run (rank 0, after the merge). Returns `result` unchanged."""
     o = recipe.output.push_to_hub
-    push(result.run_dir, o.repo_id, private=o.private, revision=o.revision, create_pr=o.create_pr)
+    # The training job holds the run lock already.
+    push(result.run_dir, o.repo_id, private=o.private, revision=o.revision, create_pr=o.create_pr, lock=False)
     return result
 
 

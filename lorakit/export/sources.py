@@ -33,12 +33,15 @@ class MergeSource:
     base_name: str
     base_source: str
     revision: str | None
+    # From the person running the command (their flag or their own recipe), never from the directory read.
     trust_remote_code: bool
     # --base was given: the model the adapter was trained on (its sources, to compare architectures).
     base_overridden: bool = False
     trained_on: tuple[str, ...] = ()
     # adapter_config.json's peft_type (LORA, IA3), for an adapter without its run directory.
     peft_type: str | None = None
+    # Load pickled weights (pytorch_model.bin) where there are no safetensors: the caller's choice too.
+    allow_pickle: bool = False
 
     @property
     def method(self) -> str:
@@ -60,12 +63,23 @@ class MergeSource:
         return str(self.path) if (self.path / TOKENIZER_FILE).is_file() else self.base_source
 
 
-def _read_recipe(run_dir: Path) -> tuple[Recipe, str]:
+def as_trusted(recipe: Recipe, trust_remote_code: bool, allow_pickle: bool) -> Recipe:
+    """`recipe` (read from a run directory, a model card or a download) with model.trust_remote_code and
+    model.allow_pickle set to what the person running the command chose: whoever wrote the directory
+    does not decide which code or pickles run here."""
+    model = recipe.model.model_copy(
+        update={"trust_remote_code": trust_remote_code, "allow_pickle": allow_pickle}
+    )
+    return recipe.model_copy(update={"model": model})
+
+
+def _read_recipe(run_dir: Path, trust_remote_code: bool, allow_pickle: bool) -> tuple[Recipe, str]:
     text = (run_dir / rundir.RECIPE).read_text()
     try:
-        return recipe_from_dict(yaml.safe_load(text)), text
+        recipe = recipe_from_dict(yaml.safe_load(text))
     except (LorakitError, yaml.YAMLError) as e:
         raise MergeError(f"{run_dir / rundir.RECIPE}: cannot read the run's recipe: {e}") from e
+    return as_trusted(recipe, trust_remote_code, allow_pickle), text
 
 
 def _resolve(name: str, cache_dir: str, what: str) -> str:
@@ -97,8 +111,13 @@ def _artefact(p: Path, run_dir: Path | None, recipe) -> tuple[bool, Path]:
     )
 
 
-def locate(path: str | Path, base: str | None = None) -> MergeSource:
+def locate(
+    path: str | Path, base: str | None = None, *, trust_remote_code: bool = False, allow_pickle: bool = False
+) -> MergeSource:
     """Find what `path` is (run dir, adapter dir, model dir) and which base model the merge uses.
+
+    trust_remote_code, allow_pickle: the caller's (its command line, or its own recipe for output.merge);
+    a run directory's recipe.yaml never grants them (a downloaded snapshot has one too).
 
     The base is `base` when given (tiny:* names resolve under the recipe's data.cache_dir), else the run's
     model.name_or_path, else the base_model_name_or_path peft recorded in adapter_config.json."""
@@ -111,7 +130,9 @@ def locate(path: str | Path, base: str | None = None) -> MergeSource:
     run_dir = p if (p / rundir.RECIPE).is_file() else None
     if run_dir is None and (p.parent / rundir.RECIPE).is_file():
         run_dir = p.parent  # RUN/adapter or RUN/model given directly
-    recipe, recipe_text = _read_recipe(run_dir) if run_dir is not None else (None, None)
+    recipe, recipe_text = (
+        _read_recipe(run_dir, trust_remote_code, allow_pickle) if run_dir is not None else (None, None)
+    )
     summary_file = run_dir / rundir.SUMMARY if run_dir is not None else None
     summary = json.loads(summary_file.read_text()) if summary_file and summary_file.is_file() else None
 
@@ -125,13 +146,13 @@ def locate(path: str | Path, base: str | None = None) -> MergeSource:
                 doc="docs/merge.md#full-fine-tuning-runs",
             )
         name = recipe.model.name_or_path if recipe is not None else str(artefact)
-        trust = recipe.model.trust_remote_code if recipe is not None else False
         return MergeSource(
             "full",
             base_name=name,
             base_source=str(artefact),
             revision=None,
-            trust_remote_code=trust,
+            trust_remote_code=trust_remote_code,
+            allow_pickle=allow_pickle,
             **common,
         )
 
@@ -141,7 +162,6 @@ def locate(path: str | Path, base: str | None = None) -> MergeSource:
     adapter_cfg = _adapter_config(artefact)
     if adapter_cfg.get("base_model_name_or_path"):
         trained_on.append((adapter_cfg["base_model_name_or_path"], adapter_cfg.get("revision")))
-    trust = recipe.model.trust_remote_code if recipe is not None else False
     if base is not None:
         name, revision = base, None
     elif trained_on:
@@ -156,7 +176,8 @@ def locate(path: str | Path, base: str | None = None) -> MergeSource:
         base_name=name,
         base_source=source,
         revision=revision,
-        trust_remote_code=trust,
+        trust_remote_code=trust_remote_code,
+        allow_pickle=allow_pickle,
         base_overridden=base is not None,
         trained_on=tuple(_resolve(n, cache_dir, "trained-on model") for n, _ in trained_on),
         peft_type=adapter_cfg.get("peft_type"),

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from lorakit.errors import InferenceError, LorakitError, MergeError
-from lorakit.export.sources import MergeSource, locate
+from lorakit.export.sources import MergeSource, as_trusted, locate
 from lorakit.recipe import Recipe, recipe_from_dict
 
 SOURCES_DOC = "docs/inference.md#sources"
@@ -45,11 +45,12 @@ class Trained:
         return line + f", trained with the recipe in {self.recipe_from}"
 
 
-def find_trained(path: str | Path) -> Trained:
+def find_trained(path: str | Path, *, trust_remote_code: bool = False, allow_pickle: bool = False) -> Trained:
     """Find what `path` is and what it was trained with, without loading any weights. InferenceError when it
-    is no run directory, adapter directory or model directory."""
+    is no run directory, adapter directory or model directory. trust_remote_code, allow_pickle: the caller's;
+    the recipe found there never grants them."""
     try:
-        src = locate(path)
+        src = locate(path, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     except MergeError as e:
         raise InferenceError(str(e), doc=SOURCES_DOC) from e
     labels = ((src.summary or {}).get("data") or {}).get("labels")
@@ -62,7 +63,9 @@ def find_trained(path: str | Path) -> Trained:
     if card.recipe_text is None:
         return Trained(src, None, None, card.labels, None)
     try:
-        recipe = recipe_from_dict(yaml.safe_load(card.recipe_text))
+        recipe = as_trusted(
+            recipe_from_dict(yaml.safe_load(card.recipe_text)), trust_remote_code, allow_pickle
+        )
     except (LorakitError, yaml.YAMLError) as e:
         raise InferenceError(
             f"{src.path / CARD}: the recipe in the model card cannot be read: {e}", doc=SOURCES_DOC

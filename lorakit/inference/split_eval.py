@@ -78,6 +78,8 @@ def evaluate(
     *,
     output: str | Path | None = None,
     device: str | None = None,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
 ) -> EvaluateResult:
     """Evaluate the trained model at `source` (a run directory, or a directory inside one: adapter/,
     model/, merged/) on `split` of its data (default: the run's own eval split) with the run's recipe and
@@ -91,7 +93,7 @@ def evaluate(
     from lorakit.model import load_config, load_tokenizer
     from lorakit.objectives import make_objective, objective_type
 
-    trained = find_trained(source)
+    trained = find_trained(source, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     if trained.run_dir is None:
         raise InferenceError(
             f"{source}: not a run directory or a directory inside one (no recipe.yaml here or in its parent); "

@@ -13,7 +13,7 @@ import torch
 from lorakit import rundir
 from lorakit.data.sampler import LengthGroupedBatchSampler, ResumableBatchSampler
 from lorakit.engine import checkpoint as ck
-from lorakit.engine import compatibility, rng
+from lorakit.engine import branches, compatibility, rng
 from lorakit.errors import RecipeError
 from lorakit.observe import JsonlSink
 from tests.conftest import tiny_recipe
@@ -77,11 +77,14 @@ def test_only_published_checkpoints_count_and_prune_keeps_the_newest(tmp_path):
     assert not (run / "checkpoints" / ".tmp-step-00000008").exists()
 
 
-def test_resume_never_deletes_old_checkpoints_and_a_bad_path_is_a_clear_error(tmp_path):
+def test_resume_never_sets_old_checkpoints_aside_and_a_bad_path_is_a_clear_error(tmp_path):
     recipe = _recipe(tmp_path, train={"resume": "never"})
     _fake_checkpoint(tmp_path / "run", 2, recipe)
     assert ck.find_resume(recipe, tmp_path / "run") is None
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    # Not deleted: moved aside (recorded), where neither auto nor pruning sees them.
+    assert ck.complete_checkpoints(tmp_path / "run") == []
+    [record] = branches.moved_aside(tmp_path / "run")
+    assert record["why"] == "train.resume: never" and record["moved"] == ["checkpoints/step-00000002"]
     missing = _recipe(tmp_path, train={"resume": str(tmp_path / "nope")})
     with pytest.raises(RecipeError, match="is not a complete lorakit checkpoint"):
         ck.find_resume(missing, tmp_path / "run")
