@@ -158,7 +158,7 @@ class LockWatch:
     token it held when the watch began (taken over, or removed), read at most every `every` seconds. The
     loop stops at the next step boundary with a checkpoint when it is (engine/session.py)."""
 
-    def __init__(self, run_dir: str | Path, every: float = 5.0):
+    def __init__(self, run_dir: str | Path, every: float = 1.0):
         self.path = Path(run_dir).expanduser().resolve() / LOCK
         holder = read_holder(self.path, wait=0.5)
         # No lock file: a job run without lorakit.train's lock (a test calling run_job): nothing to watch.

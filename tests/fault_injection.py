@@ -28,11 +28,19 @@ TARGETS = {
 }
 
 
-def inject(phase: str, nth: int = 1, how: str = "raise", stamp: str | None = None) -> Callable[[], None]:
+def inject(
+    phase: str,
+    nth: int = 1,
+    how: str = "raise",
+    stamp: str | None = None,
+    action: Callable[[], None] | None = None,
+) -> Callable[[], None]:
     """Make the `nth` call of `phase`'s work in this process fail (every call from the nth on for `tracker
     log`): `how` is `raise` (RuntimeError("injected in PHASE")), `SIGKILL` (the process kills itself) or
     `exit:N` (os._exit(N): the process ends without Python's error handling). With `stamp`, the time of
-    the failure is appended to that file first. Returns a function that undoes the injection."""
+    the failure is appended to that file first. With `action`, the nth call runs `action()` (an outside
+    event at that moment: another process taking the run lock) and then does its work instead of failing.
+    Returns a function that undoes the injection."""
     module, path = TARGETS[phase]
     owner = importlib.import_module(module)
     *parents, attr = path.split(".")
@@ -44,6 +52,9 @@ def inject(phase: str, nth: int = 1, how: str = "raise", stamp: str | None = Non
     def failing(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == nth or (phase == "tracker log" and calls["n"] > nth):
+            if action is not None:
+                action()
+                return original(*args, **kwargs)
             if stamp:
                 with open(stamp, "a") as f:
                     f.write(f"{time.time()}\n")

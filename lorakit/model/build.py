@@ -3,6 +3,7 @@ model/adapter.py), checkpointing."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,15 @@ class BuiltModel:
     # method.init pissa / olora: the adapter as initialised (whole, on CPU), which save.py subtracts to
     # save an adapter for the original base (the init rewrote the base weights in place).
     initial_adapter: dict[str, torch.Tensor] | None = None
+
+
+def no_safetensors_weights(error: OSError) -> bool:
+    """Whether from_pretrained(use_safetensors=True) failed for want of safetensors weights (then pickles
+    may be all there is), not because a file of a safetensors checkpoint is missing or unreadable (a lost
+    shard is that file's problem, never a reason to suggest model.allow_pickle)."""
+    text = str(error)
+    missing_file = "No such file or directory" in text or re.search(r"-\d{5}-of-\d{5}\.safetensors", text)
+    return "safetensors" in text and not missing_file
 
 
 def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = None) -> BuiltModel:
@@ -96,7 +106,7 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
             quantization_config=quantization,
         )
     except OSError as e:
-        if recipe.model.allow_pickle or "safetensors" not in str(e):
+        if recipe.model.allow_pickle or not no_safetensors_weights(e):
             raise
         raise _pickle_refused(recipe.model.name_or_path, f"no safetensors weights found ({e})") from e
     if quantization is not None:
