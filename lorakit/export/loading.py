@@ -34,16 +34,27 @@ def auto_model_class(src: MergeSource):
 def load_pretrained(auto_cls, source: str, torch_dtype: torch.dtype | str, src: MergeSource | None, **kwargs):
     """The model in `torch_dtype` (or "auto": as saved), eval mode; on CPU unless kwargs place it. Only
     safetensors weights are read unless the caller allowed pickles (src.allow_pickle)."""
+    from lorakit.model.build import no_safetensors_weights
+
     pickles = src is not None and src.allow_pickle
-    model = auto_cls.from_pretrained(
-        source,
-        revision=src.revision if src is not None else None,
-        trust_remote_code=src.trust_remote_code if src is not None else False,
-        # True: only safetensors; None: transformers' default, safetensors else pytorch_model.bin.
-        use_safetensors=None if pickles else True,
-        dtype=torch_dtype,
-        **kwargs,
-    )
+    try:
+        model = auto_cls.from_pretrained(
+            source,
+            revision=src.revision if src is not None else None,
+            trust_remote_code=src.trust_remote_code if src is not None else False,
+            # True: only safetensors; None: transformers' default, safetensors else pytorch_model.bin.
+            use_safetensors=None if pickles else True,
+            dtype=torch_dtype,
+            **kwargs,
+        )
+    except OSError as e:
+        if pickles or not no_safetensors_weights(e):
+            raise
+        raise MergeError(
+            f"{source}: no safetensors weights found ({e}); lorakit loads safetensors only, because pickle files "
+            "can run code when they are read. Pass --allow-pickle if you trust where these weights came from",
+            doc="docs/faults.md#run-directory-durability-and-trust",
+        ) from e
     return model.eval()
 
 

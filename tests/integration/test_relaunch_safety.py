@@ -43,8 +43,9 @@ def _recipe(cache_dir: Path, run: Path, eval_every: int = 2, **train):
     return recipe_from_dict(raw)
 
 
-@pytest.mark.slow
-def test_a_failed_relaunch_keeps_the_results_and_a_lost_lock_stops_the_run_with_a_checkpoint(cache_dir, tmp_path):
+def test_a_failed_relaunch_keeps_the_results_and_a_lost_lock_stops_the_run_with_a_checkpoint(
+    cache_dir, tmp_path
+):
     run = tmp_path / "run"
     lorakit.train(_recipe(cache_dir, run))
     results = {name: _tree(run / name) for name in (rundir.ADAPTER, rundir.MERGED, rundir.BEST)}

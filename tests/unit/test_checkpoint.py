@@ -12,8 +12,8 @@ import torch
 
 from lorakit import rundir
 from lorakit.data.sampler import LengthGroupedBatchSampler, ResumableBatchSampler
-from lorakit.engine import checkpoint as ck
 from lorakit.engine import branches, compatibility, rng
+from lorakit.engine import checkpoint as ck
 from lorakit.errors import RecipeError
 from lorakit.observe import JsonlSink
 from tests.conftest import tiny_recipe

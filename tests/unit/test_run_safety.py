@@ -17,10 +17,9 @@ import yaml
 
 from lorakit import rundir, storage
 from lorakit.data.cache import save_cached
-from lorakit.engine import branches, manifest
+from lorakit.engine import branches, compatibility, manifest
 from lorakit.engine import checkpoint as ck
-from lorakit.engine import compatibility
-from lorakit.errors import RecipeError, RunDirError
+from lorakit.errors import MergeError, RecipeError, RunDirError
 from lorakit.export.output import atomic_directory
 from lorakit.export.sources import locate
 from lorakit.observe.metrics import JsonlSink
@@ -81,7 +80,10 @@ def test_a_crash_between_the_two_renames_of_a_replacement_is_undone_by_the_next_
     with RunLock(run, claim=True, say=lines.append):
         pass
     assert (run / "adapter" / "adapter_model.safetensors").read_bytes() == b"old weights"
-    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".adapter") or p.name.startswith(".merged")) == []
+    assert (
+        sorted(p.name for p in run.iterdir() if p.name.startswith(".adapter") or p.name.startswith(".merged"))
+        == []
+    )
     assert any("restored adapter/" in line for line in lines)
 
 
@@ -283,7 +285,7 @@ def test_merge_and_inference_load_safetensors_only_unless_the_caller_allows_pick
     for f in (tmp_path / "m").iterdir():
         (run / rundir.MODEL / f.name).write_bytes(f.read_bytes())
     (run / rundir.RECIPE).write_text(yaml.safe_dump(raw))
-    with pytest.raises(OSError, match="safetensors"):
+    with pytest.raises(MergeError, match="no safetensors weights found .* Pass --allow-pickle"):
         load_pretrained(AutoModelForCausalLM, str(run / rundir.MODEL), torch.float32, locate(run))
     allowed = locate(run, allow_pickle=True)
     loaded = load_pretrained(AutoModelForCausalLM, str(run / rundir.MODEL), torch.float32, allowed)

@@ -100,15 +100,17 @@ if _spec and os.environ.get("RANK", "0") == "0":
         _objective.token_loss_sum = _nan_loss
     elif _action == "crash-save":
         import lorakit.engine.checkpoint as _ckpt
+        import lorakit.storage as _storage
 
-        _fsync_tree = _ckpt._fsync_tree
+        _fsync_tree = _storage.fsync_tree
 
         def _crash_before_publish(path):
-            if path.name == f"{_ckpt._TMP_PREFIX}step-{_step:08d}":
+            # The checkpoint's files are written (its manifest too) and are being flushed before the rename.
+            if os.path.basename(path) == f"{_ckpt._TMP_PREFIX}step-{_step:08d}":
                 os._exit(9)
             _fsync_tree(path)
 
-        _ckpt._fsync_tree = _crash_before_publish
+        _storage.fsync_tree = _crash_before_publish
     else:
         raise ValueError(f"LORAKIT_FAULT: unknown action {_action!r}")
 
