@@ -181,7 +181,8 @@ def publish_directory(tmp: Path, final: Path) -> None:
 
 
 def replace_directory(tmp: Path, final: Path) -> None:
-    """Put the complete directory `tmp` (a sibling of `final`) in place of `final`, durably, with no moment
+    """Put the complete directory `tmp` (a sibling of `final`) in place of `final` (a directory, or a
+    file), durably, with no moment
     where neither exists: its files are fsynced, then the two names are swapped in one renameat2 exchange
     and the old one (now under the temp name) is deleted. Where the filesystem cannot exchange, the old one
     is renamed aside (`.NAME.old-*`) first; a crash between the two renames is undone by
@@ -192,7 +193,7 @@ def replace_directory(tmp: Path, final: Path) -> None:
     fsync_tree(tmp)
     if _exchange(tmp, final):
         fsync_dir(final.parent)
-        shutil.rmtree(tmp, ignore_errors=True)  # the old directory, now under the temp name
+        _remove(tmp)  # the old one, now under the temp name
         return
     old = final.parent / f".{final.name}{OLD_MARK}{uuid.uuid4().hex[:8]}"
     os.rename(final, old)
@@ -202,7 +203,15 @@ def replace_directory(tmp: Path, final: Path) -> None:
         os.rename(old, final)
         raise
     fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    # What a replacement displaced: a directory, or a file where --force replaced one.
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:

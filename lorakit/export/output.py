@@ -102,23 +102,9 @@ def _publish(tmp: Path, output: Path, force: bool) -> None:
     if output.exists() and not (output.is_dir() and not any(output.iterdir())):
         if not force:
             raise MergeError(f"--output {output} appeared while merging; nothing was written over it")
-        if not output.is_dir():
-            _replace_file(tmp, output)
-            return
-        # The old export stays under the final name until the new one is complete and swapped in.
+        # The old export (or the file --force replaces) stays under the final name until the new one is
+        # complete and swapped in.
         storage.replace_directory(tmp, output)
         return
     # rename(2) replaces an empty directory atomically.
     storage.publish_directory(tmp, output)
-
-
-def _replace_file(tmp: Path, output: Path) -> None:
-    # --force over a file: the file is moved aside, the export renamed in, then the file deleted.
-    old = output.parent / f".{output.name}{storage.OLD_MARK}{uuid.uuid4().hex[:8]}"
-    os.rename(output, old)
-    try:
-        storage.publish_directory(tmp, output)
-    except BaseException:
-        os.rename(old, output)
-        raise
-    old.unlink()

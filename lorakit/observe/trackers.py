@@ -40,8 +40,14 @@ def require(report_to: list[str] | tuple[str, ...]) -> None:
 
 
 def clear(run_dir: Path) -> None:
-    """A fresh run (not a resume): remove what an earlier run in this directory left for the trackers."""
+    """A fresh run (not a resume): remove what an earlier run in this directory left for the trackers,
+    saying so (only in a run directory lorakit made: rundir.check_trusted)."""
     for stale in (rundir.TENSORBOARD, rundir.WANDB):
+        if (run_dir / stale).is_dir():
+            print(
+                f"removed {stale}/ of an earlier run in {run_dir}: a fresh run starts new tracker runs",
+                flush=True,
+            )
         shutil.rmtree(run_dir / stale, ignore_errors=True)
     (run_dir / rundir.TRACKERS).unlink(missing_ok=True)
 

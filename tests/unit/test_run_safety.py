@@ -100,6 +100,12 @@ def test_replacing_a_directory_swaps_whole_directories(tmp_path):
         (tmp / "c").write_text("3")
         raise RuntimeError("failed")
     assert [p.name for p in final.iterdir()] == ["b"] and [p.name for p in tmp_path.iterdir()] == ["adapter"]
+    # --force over a file: swapped too, the file gone afterwards.
+    (tmp_path / "export").write_text("a file")
+    with atomic_directory(tmp_path / "export", force=True) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert [p.name for p in (tmp_path / "export").iterdir()] == ["config.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "export"]
 
 
 # --- durability ----------------------------------------------------------------------------------------
