@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lorakit import storage
+from lorakit.lock_holder import LOCK
 
 RECIPE = "recipe.yaml"
 DS_CONFIG = "ds_config.json"
@@ -112,7 +113,8 @@ def check_trusted(run_dir: Path) -> str:
         return "new"  # preflight.check_directory names a file in the way
     if (run_dir / MARKER).is_file():
         return "marked"
-    names = sorted(p.name for p in run_dir.iterdir())
+    # The run lock (and its temporary files) is lorakit's too: a directory holding only a lock is empty.
+    names = sorted(p.name for p in run_dir.iterdir() if not p.name.lstrip(".").startswith(LOCK))
     if not names:
         return "empty"
     if (run_dir / RECIPE).is_file() and any((run_dir / n).exists() for n in _OLDER_RUN):

@@ -17,6 +17,7 @@ from lorakit import rundir
 from lorakit.engine import branches
 from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.engine.loop import Preempted
+from lorakit.errors import RunDirError
 from lorakit.recipe import recipe_from_dict
 from lorakit.runlock import LOCK
 from tests.conftest import tiny_recipe_dict
@@ -46,6 +47,13 @@ def _recipe(cache_dir: Path, run: Path, eval_every: int = 2, **train):
 def test_a_failed_relaunch_keeps_the_results_and_a_lost_lock_stops_the_run_with_a_checkpoint(
     cache_dir, tmp_path
 ):
+    # A folder lorakit did not make is refused before anything is written into it.
+    project = tmp_path / "project"
+    (project / "model").mkdir(parents=True)
+    with pytest.raises(RunDirError, match=f"output.dir {project} is not empty and is not a lorakit run"):
+        lorakit.train(_recipe(cache_dir, project))
+    assert [p.name for p in project.iterdir()] == ["model"]
+
     run = tmp_path / "run"
     lorakit.train(_recipe(cache_dir, run))
     results = {name: _tree(run / name) for name in (rundir.ADAPTER, rundir.MERGED, rundir.BEST)}

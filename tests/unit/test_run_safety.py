@@ -19,7 +19,7 @@ from lorakit import rundir, storage
 from lorakit.data.cache import save_cached
 from lorakit.engine import branches, compatibility, manifest
 from lorakit.engine import checkpoint as ck
-from lorakit.errors import MergeError, RecipeError, RunDirError
+from lorakit.errors import MergeError, RecipeError, RunDirError, RunLockedError
 from lorakit.export.output import atomic_directory
 from lorakit.export.sources import locate
 from lorakit.observe.metrics import JsonlSink
@@ -33,6 +33,8 @@ def test_a_run_writes_only_into_a_new_empty_or_lorakit_directory(tmp_path):
     assert rundir.check_trusted(tmp_path / "new") == "new"
     (tmp_path / "empty").mkdir()
     assert rundir.check_trusted(tmp_path / "empty") == "empty"
+    with RunLock(tmp_path / "locked"):  # held by another run: the lock refuses it, naming the holder
+        assert rundir.check_trusted(tmp_path / "locked") == "empty"
     # A project folder (a model/ package, W&B's ./wandb): refused, naming the directory, before the lock is
     # taken or anything is written.
     project = tmp_path / "project"
@@ -315,3 +317,17 @@ def test_a_missing_shard_is_not_taken_for_missing_safetensors(tmp_path):
     with pytest.raises(OSError) as none:
         AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), use_safetensors=True)
     assert no_safetensors_weights(none.value)
+
+
+def test_push_of_a_run_directory_takes_its_run_lock(tmp_path):
+    from lorakit.export.publish import push
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / rundir.RECIPE).write_text("model: {}\n")
+    with RunLock(run, command="python -m lorakit.run x.yaml"):
+        # Refused before anything is read or sent: a relaunch could be replacing adapter/ meanwhile.
+        with pytest.raises(
+            RunLockedError, match=r"in use by another run: .*\(python -m lorakit.run x.yaml\)"
+        ):
+            push(run, "me/model")
