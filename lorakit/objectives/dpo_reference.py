@@ -119,7 +119,9 @@ def save_tables(path: Path, tables: dict[str, torch.Tensor]) -> None:
         os.close(fd)
         try:
             save_file({k: v.float().contiguous() for k, v in tables.items()}, tmp)
+            storage.fsync_file(tmp)  # durable before it is renamed in, and the rename after it
             os.replace(tmp, path)
+            storage.fsync_dir(path.parent)
         finally:
             Path(tmp).unlink(missing_ok=True)
 
