@@ -116,6 +116,8 @@ def check_extension_locks() -> None:
 
 def _guard_run_dir(recipe: Recipe) -> runlock.RunLock:
     """Check output.dir and data.cache_dir, then take the run lock (a context manager that releases it)."""
+    # Before the writability probe: a directory lorakit did not make gets no file, not even for a moment.
+    rundir.check_trusted(Path(recipe.output.dir).expanduser().resolve())
     preflight.check_run_paths(recipe)
     return runlock.RunLock(recipe.output.dir, claim=True)
 
