@@ -80,8 +80,8 @@ class TrainSection(Section):
         "auto",
         description="auto: continue from the newest complete checkpoint in output.dir/checkpoints (see the "
         "checkpoint section) when there is one, so a relaunch of the same recipe picks up where it stopped; "
-        "never: start fresh (existing checkpoints are deleted); or the path of one checkpoint directory to "
-        "resume from.",
+        "never: start fresh (existing checkpoints are moved to checkpoints/abandoned/); or the path of one "
+        "checkpoint directory to resume from (an older step of this run's: newer ones are moved aside).",
     )
 
     @field_validator("objective")
