@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from lorakit import storage
+from lorakit import disclosure, storage
 
 RECIPE = "recipe.yaml"
 DS_CONFIG = "ds_config.json"
@@ -86,13 +86,14 @@ def read_json_if_exists(path: Path) -> Any:
 
 def write_text(path: Path, text: str) -> None:
     """Write text atomically; on a full disk, a DiskFullError naming the file and no temp file left."""
+    text = disclosure.redact(text)  # no credential lands in a run directory (lorakit/disclosure.py)
     with storage.writing(path.name, path):
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(text)
-            # mkstemp makes the file private (0600); a run directory is meant to be read by others too.
-            os.chmod(tmp, 0o644)
+            # mkstemp makes the file private (0600); give it the mode the user's umask gives any new file.
+            os.chmod(tmp, disclosure.file_mode())
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
