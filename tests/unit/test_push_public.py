@@ -84,3 +84,20 @@ def test_public_paths_and_credentials():
         assert public_path(kept) == kept
     text, fields = public_recipe("data:\n  source: https://u:pw@host/d.jsonl\n")
     assert fields == [] and text == "data:\n  source: https://u:***@host/d.jsonl\n"
+
+
+def test_an_export_card_holds_no_credential(tmp_path):
+    from lorakit.export.card import model_card
+    from lorakit.export.sources import MergeSource
+
+    recipe = recipe_from_dict(tiny_recipe_dict(Path("c"), Path("o")))
+    text = dump_recipe(recipe).replace("builtin:news_summaries", "https://me:pa55@host/news.jsonl?token=t0k")
+    src = MergeSource(
+        "adapter", tmp_path, None, recipe, text, None, base_name="tiny:t5", base_source="/m", revision=None,
+        trust_remote_code=False,
+    )  # fmt: skip
+    card = model_card(
+        src, dtype="float32", model_class="T5", is_encoder_decoder=True, shards=1, checks=[], notes=[]
+    )
+    assert "pa55" not in card and "t0k" not in card
+    assert "https://me:***@host/news.jsonl?token=***" in card
