@@ -94,6 +94,12 @@ def train(recipe: Recipe) -> TrainResult:
         # Workers of `python -m lorakit.run` find their launcher's lock token in their environment; a job
         # that torchrun or the deepspeed launcher started directly takes the lock on rank 0.
         return _train_in_group(recipe, lock_on_rank0=not runlock.held_by_launcher(run_dir=recipe.output.dir))
+    # Bad input (model directory, tokenizer, data files, columns, rows) is exit 2 here: before the lock
+    # makes output.dir and before any worker starts.
+    preflight.check_run_paths(recipe)
+    prepared = prepare(recipe)
+    if recipe.distributed.num_processes == 1 and not prepared.cache_hit:
+        print(prepared.describe(), flush=True)  # the job says it reused this cache
     with _guard_run_dir(recipe) as lock:
         if recipe.preflight.doctor:
             from lorakit.doctor.preflight import run_preflight
@@ -101,7 +107,7 @@ def train(recipe: Recipe) -> TrainResult:
             run_preflight(recipe)  # docs/doctor.md: a failed check stops here, before the model loads
         if recipe.distributed.num_processes == 1:
             return _train_in_group(recipe, lock_on_rank0=False)
-        return _launch_workers(recipe, lock)
+        return _launch_workers(recipe, lock, prepared)
 
 
 def check_extension_locks() -> None:
@@ -203,7 +209,7 @@ def record_failure(run_dir: Path, error: BaseException) -> None:
         rundir.write_json(run_dir / EXIT, info)
 
 
-def _launch_workers(recipe: Recipe, lock: runlock.RunLock) -> TrainResult:
+def _launch_workers(recipe: Recipe, lock: runlock.RunLock, prepared) -> TrainResult:
     # ZeRO++ settings the workers would refuse (qwZ / qgZ on CPU) are refused here, before data and torchrun.
     n = recipe.distributed.num_processes
     d = recipe.distributed
@@ -215,7 +221,7 @@ def _launch_workers(recipe: Recipe, lock: runlock.RunLock) -> TrainResult:
 
         accelerator = accelerator_name()
     check_zero_plus_plus(recipe, n, n, accelerator)
-    print(prepare(recipe).describe(), flush=True)
+    print(prepared.describe(), flush=True)
     run_dir = Path(recipe.output.dir).expanduser().resolve()
     from lorakit.engine.checkpoint import find_resume
 

@@ -126,7 +126,10 @@ def options(args, *names: str, **renamed: str) -> dict:
 
 
 def error_message(error: Exception) -> str:
-    """What the CLI prints for a lorakit error: `error: MESSAGE`, then `see DOC` when it has a doc link."""
-    text = f"error: {error}"
+    """What the CLI prints for a lorakit error: `error: MESSAGE`, then `see DOC` when it has a doc link. A
+    credential in the message (a URL's password, a token) is redacted."""
+    from lorakit.disclosure import redact
+
+    text = redact(f"error: {error}")
     link = error.doc_link() if hasattr(error, "doc_link") else None
     return f"{text}\nsee {link}" if link else text

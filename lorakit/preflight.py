@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorakit.errors import RunDirError
+from lorakit.errors import RecipeError, RunDirError
 from lorakit.storage import existing_ancestor, free_bytes
 
 # Tokenized datasets are smaller than their text, but their size is unknown before tokenizing: a floor.
@@ -81,8 +81,70 @@ def prepare(recipe):
     from lorakit.objectives import prepare_data  # the objective's rows (SFT examples, DPO pairs)
 
     check_cache_dir(recipe)
+    check_model_dir(recipe)
     source, config = load_config(recipe)
-    return prepare_data(recipe, load_tokenizer(recipe, source), config)
+    tokenizer = load_tokenizer(recipe, source)
+    check_tokenizer(recipe, tokenizer)
+    return prepare_data(recipe, tokenizer, config)
+
+
+# A tokenizer is one of these files (fast: tokenizer.json; slow: its vocabulary or sentencepiece model).
+_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt",
+)  # fmt: skip
+_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def check_model_dir(recipe) -> None:
+    """A local model.name_or_path is a complete model directory: config.json, every shard its index names,
+    weights, and a tokenizer. RecipeError (exit 2) naming the missing file otherwise; a hub id is left to
+    the download."""
+    name = recipe.model.name_or_path
+    path = Path(name).expanduser()
+    if not path.exists():
+        if name.startswith(("/", "./", "../", "~")):
+            raise RecipeError(f"model.name_or_path {name!r}: no such directory")
+        return  # a hub id (or tiny:KIND)
+    if not path.is_dir():
+        raise RecipeError(f"model.name_or_path {name!r} is a file; point it at a model directory")
+    missing = None if (path / "config.json").is_file() else "config.json"
+    for index in _INDEXES:
+        if missing is None and (path / index).is_file():
+            missing = _missing_shard(path / index, name)
+    if missing is not None:
+        raise RecipeError(
+            f"model.name_or_path {name!r}: {path / missing} is missing; the directory is incomplete "
+            "(copy or download the model again)"
+        )
+    if not any(f.suffix in (".safetensors", ".bin", ".pt", ".pth") for f in path.iterdir()):
+        raise RecipeError(f"model.name_or_path {name!r}: {path} holds no weight files (*.safetensors)")
+    if not recipe.model.trust_remote_code and not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise RecipeError(
+            f"model.name_or_path {name!r}: {path} holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+            "save the model's tokenizer into it (tokenizer.save_pretrained)"
+        )
+
+
+def _missing_shard(index: Path, name: str) -> str | None:
+    """The first shard file `index` names that is not beside it, or None."""
+    import json
+
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise RecipeError(f"model.name_or_path {name!r}: {index} is not a shard index ({e})") from e
+    return next((shard for shard in shards if not (index.parent / shard).is_file()), None)
+
+
+def check_tokenizer(recipe, tokenizer) -> None:
+    """Padding needs a pad token: lorakit uses the tokenizer's own, else its eos token (documented in
+    docs/faults.md); a tokenizer with neither is refused, naming the model."""
+    if tokenizer.pad_token_id is None:
+        raise RecipeError(
+            f"model.name_or_path {recipe.model.name_or_path!r}: its tokenizer has neither a pad token nor an "
+            "eos token, and lorakit pads with one of them; set pad_token (or eos_token) in its "
+            "tokenizer_config.json"
+        )
 
 
 def check_directory(path: Path, field: str) -> None:

@@ -27,26 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe = lorakit.load_recipe(args.recipe, args.overrides)
         result = lorakit.train(recipe)
         if not args.worker and os.environ.get("RANK", "0") == "0":
-            s = result.summary
-            print(f"\nrun dir:  {result.run_dir}")
-            print(f"loss:     {s['loss']['first']:.4f} -> {s['loss']['last']:.4f} over {s['steps']} steps")
-            if s.get("stop_reason") == "early_stopping":
-                print("stopped:  early (train.early_stopping_patience)")
-            if s.get("eval"):
-                print("eval:     " + ", ".join(f"{k}={v:.4f}" for k, v in s["eval"].items()))
-            saved = s.get("adapter_dir") or s.get("model_dir")
-            if saved:
-                print(f"saved:    {saved}")
-            if s.get("best"):
-                b = s["best"]
-                print(f"best:     {b['metric']}={b['value']:.4f} at step {b['step']} -> {b['dir']}")
-            if s.get("merged_dir"):
-                print(f"merged:   {s['merged_dir']}")
-            print(f"metrics:  {result.run_dir / 'metrics.jsonl'}")
-            for name, where in (s.get("trackers") or {}).items():
-                place = where.get("log_dir") or where.get("dir") or where.get("tracking_uri")
-                failed = f"failed ({where['failed']})" if where.get("failed") else ""
-                print(f"{name + ':':<10}{' '.join(str(x) for x in (place, failed) if x)}")
+            print("\n" + "\n".join(report_lines(result)))
         return 0
 
     def reporting() -> int:
@@ -79,6 +60,34 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def report_lines(result) -> list[str]:
+    """What the launching process prints at the end of a run (a TrainResult): where everything went, the
+    loss and evaluation; credentials (an MLFLOW_TRACKING_URI's user:password@) redacted."""
+    from lorakit.disclosure import redact
+
+    s = result.summary
+    lines = [f"run dir:  {result.run_dir}"]
+    lines.append(f"loss:     {s['loss']['first']:.4f} -> {s['loss']['last']:.4f} over {s['steps']} steps")
+    if s.get("stop_reason") == "early_stopping":
+        lines.append("stopped:  early (train.early_stopping_patience)")
+    if s.get("eval"):
+        lines.append("eval:     " + ", ".join(f"{k}={v:.4f}" for k, v in s["eval"].items()))
+    saved = s.get("adapter_dir") or s.get("model_dir")
+    if saved:
+        lines.append(f"saved:    {saved}")
+    if s.get("best"):
+        b = s["best"]
+        lines.append(f"best:     {b['metric']}={b['value']:.4f} at step {b['step']} -> {b['dir']}")
+    if s.get("merged_dir"):
+        lines.append(f"merged:   {s['merged_dir']}")
+    lines.append(f"metrics:  {result.run_dir / 'metrics.jsonl'}")
+    for name, where in (s.get("trackers") or {}).items():
+        place = where.get("log_dir") or where.get("dir") or where.get("tracking_uri")
+        failed = f"failed ({where['failed']})" if where.get("failed") else ""
+        lines.append(f"{name + ':':<10}{' '.join(str(x) for x in (place, failed) if x)}")
+    return [redact(line) for line in lines]
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from lorakit import storage
+from lorakit import disclosure, storage
 from lorakit.lock_holder import LOCK
 
 RECIPE = "recipe.yaml"
@@ -93,9 +93,9 @@ def read_json_if_exists(path: Path) -> Any:
 def write_text(path: Path, text: str) -> None:
     """Write text atomically and durably (storage.write_file); on a full disk, a DiskFullError naming the
     file and no temp file left."""
+    text = disclosure.redact(text)  # no credential lands in a run directory (lorakit/disclosure.py)
     with storage.writing(path.name, path):
-        # A run directory is meant to be read by others too.
-        storage.write_file(path, text, mode=0o644)
+        storage.write_file(path, text)
 
 
 def check_trusted(run_dir: Path) -> str:

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from lorakit import disclosure
 from lorakit.errors import DiskFullError
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
@@ -152,10 +153,11 @@ def fsync_tree(path: str | Path) -> None:
         fsync_dir(d)
 
 
-def write_file(path: str | Path, data: bytes | str, mode: int = 0o644) -> None:
+def write_file(path: str | Path, data: bytes | str, mode: int | None = None) -> None:
     """Write `data` to `path` durably and atomically: a temp file beside it, fsynced, renamed over `path`,
     then the directory fsynced. A reader (or a machine after a power loss) sees the old file or the new
-    one, never a short one. `mode`: the file's permissions (mkstemp makes it private)."""
+    one, never a short one. `mode`: the file's permissions (mkstemp makes it private; default: what the
+    user's umask gives a new file)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     try:
@@ -163,7 +165,7 @@ def write_file(path: str | Path, data: bytes | str, mode: int = 0o644) -> None:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, mode)
+        os.chmod(tmp, disclosure.file_mode() if mode is None else mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

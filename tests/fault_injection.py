@@ -25,6 +25,11 @@ TARGETS = {
     # Writing the adapter (or model) directory, rank 0's work after the weights were gathered.
     "adapter save": ("lorakit.storage", "new_directory"),
     "summary": ("lorakit.engine.job", "Job._write_summary"),
+    # Rank 0's work outside the agreements above (issue 44, review L4): choosing the checkpoint to resume
+    # from, writing a metric record to metrics.jsonl, scoring an evaluation's generations.
+    "resume": ("lorakit.engine.checkpoint", "_choose"),
+    "metrics write": ("lorakit.observe.metrics", "JsonlSink.write"),
+    "eval metrics": ("lorakit.evaluation.scoring", "compute_metrics"),
 }
 
 

@@ -7,7 +7,7 @@ import json
 import struct
 from pathlib import Path
 
-from lorakit.observe.mlflow_sink import file_store_allowed
+from lorakit.observe.mlflow_sink import allow_file_store
 
 # An offline run's .wandb file: a 7-byte header (":W&B", magic 0xBEE1, version), then W&B's LevelDB-log
 # framing: 32 KiB blocks of chunks, each with a 7-byte header (crc32, length, type: full, first, middle,
@@ -90,14 +90,14 @@ def mlflow_series(tracking_uri: str, run_id: str, tag: str) -> list[tuple[int, f
     from mlflow.tracking import MlflowClient
 
     # MLflow 3 opens a file store only when asked to, as lorakit's sink asks.
-    with file_store_allowed(tracking_uri):
-        client = MlflowClient(tracking_uri=tracking_uri)
-        return [(m.step, m.value) for m in client.get_metric_history(run_id, tag)]
+    allow_file_store(tracking_uri)
+    client = MlflowClient(tracking_uri=tracking_uri)
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, tag)]
 
 
 def mlflow_params(tracking_uri: str, run_id: str) -> dict[str, str]:
     """The MLflow run's parameters."""
     from mlflow.tracking import MlflowClient
 
-    with file_store_allowed(tracking_uri):
-        return MlflowClient(tracking_uri=tracking_uri).get_run(run_id).data.params
+    allow_file_store(tracking_uri)
+    return MlflowClient(tracking_uri=tracking_uri).get_run(run_id).data.params

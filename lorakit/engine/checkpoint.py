@@ -27,7 +27,7 @@ from lorakit.backends import Engine
 from lorakit.engine import branches, dist, manifest
 from lorakit.engine.compatibility import DOC, FORMAT_VERSION, check_compatible, recipe_fingerprint
 from lorakit.engine.rng import read_rank_rng, write_rank_rng
-from lorakit.errors import RecipeError
+from lorakit.errors import RankFailedError, RecipeError
 
 ENGINE = "engine"
 STATE = "state.json"
@@ -150,14 +150,21 @@ def find_resume(recipe, run_dir: Path, world: int | None = None) -> Checkpoint |
     manifest, the recipe and the world size (default: this process group's); None to start fresh. Rank 0
     decides (and moves abandoned or damaged checkpoints aside, engine/branches.py); every rank gets the
     same answer."""
-    choice = error = None
+    choice = error = failure = None
     if dist.is_main():
         try:
-            choice = _choose(recipe, run_dir, dist.world_size() if world is None else world)
+            with dist.phase("resume"):
+                choice = _choose(recipe, run_dir, dist.world_size() if world is None else world)
         except RecipeError as e:
             # Every rank must raise, or the others would wait for rank 0 forever.
             error = (str(e), e.doc)
+        except Exception as e:  # not bad input (an unreadable file): the others still stop with its cause
+            failure, error = e, (f"rank 0 failed during resume: {type(e).__name__}: {e}", None)
     path, error = dist.broadcast_object((str(choice.path) if choice else None, error))
+    if failure is not None:
+        raise failure
+    if error and error[0].startswith("rank 0 failed during resume: "):
+        raise RankFailedError(f"{error[0]}; rank {dist.rank()} stopped with it")
     if error:
         raise RecipeError(error[0], doc=error[1] or DOC)
     return _read(Path(path)) if path else None

@@ -60,6 +60,7 @@ def train_window(
     meter: TokenMeter,
     objective: Objective = SFT,
     stop_here: Callable[[], bool] | None = None,
+    failed_here: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Forward/backward every micro-batch of one window and take one optimizer step.
 
@@ -67,7 +68,8 @@ def train_window(
     every rank, divided by its units (SFT: target tokens) in the window on every rank: identical to one big
     batch holding them all. The objective's metric sums are divided alike. `stop_here()` (whether this rank
     was asked to stop, read as the window ends) rides on the window's closing all_reduce: the result's
-    `stop_requested` says whether any rank was, with no collective of its own per step.
+    `stop_requested` says whether any rank was, with no collective of its own per step; `failed_here()`
+    (rank 0's metrics write failed) rides along the same way, as `rank_failed`.
     """
     device = engine.device
     world = dist.world_size()
@@ -92,12 +94,13 @@ def train_window(
         slots += batch["num_token_slots"]
     step = engine.step()
     names = sorted(sums)
-    loss, real, slots, stops, *values = dist.all_reduce(
+    loss, real, slots, stops, fails, *values = dist.all_reduce(
         [
             float(local_loss),
             real,
             slots,
             float(bool(stop_here and stop_here())),
+            float(bool(failed_here and failed_here())),
             *(float(sums[k]) for k in names),
         ]
     )
@@ -112,6 +115,7 @@ def train_window(
         "token_slots": int(slots),
         "metrics": {k: v / max(window_units, 1.0) for k, v in zip(names, values, strict=True)},
         "stop_requested": stops > 0,
+        "rank_failed": fails > 0,
     }
 
 
@@ -194,10 +198,16 @@ class Trainer:
         self.last_checkpoint = None
         self.eval_every, self.best = eval_every, best
         self.objective = objective
+        # Rank 0's failed write of a metric record (a full disk), until every rank has learned of it.
+        self.failure: Exception | None = None
 
     def run(self) -> None:
         """Train for the planned steps (from where the state says), evaluating after each epoch and every
         `eval_every` steps, until the steps are done or early stopping ends it."""
+        self._run()
+        self._raise_failure()  # a failed write of the last records, before anything is saved as finished
+
+    def _run(self) -> None:
         self.engine.train()
         st = self.state
         if st.step >= self.plan.total_steps or st.stop_reason is not None:
@@ -213,8 +223,16 @@ class Trainer:
             start = time.perf_counter()
             for window in accumulation_windows(self.loader, self.accumulation):
                 stats = train_window(
-                    self.engine, self.inputs, window, self.meter, self.objective, self.stop_requested
+                    self.engine,
+                    self.inputs,
+                    window,
+                    self.meter,
+                    self.objective,
+                    self.stop_requested,
+                    lambda: self.failure is not None,
                 )
+                if stats["rank_failed"]:
+                    self._raise_failure()
                 seconds = time.perf_counter() - start
                 st.micro_batches_done += len(window)
                 self._account(epoch, stats, seconds)
@@ -255,7 +273,8 @@ class Trainer:
         st = self.state
         # Evaluation switches the model to eval mode and back; the engine's train/eval flag is restored here
         # too, so a custom `evaluate` cannot leave dropout off for the steps that follow.
-        st.eval = dict(self.evaluate(epoch, st.step, epoch_end=epoch_end) or {})
+        with dist.phase("evaluation", st.step):  # what an evaluation's failure names
+            st.eval = dict(self.evaluate(epoch, st.step, epoch_end=epoch_end) or {})
         self.engine.train()
         st.last_eval_step = st.step
         if self.best is None:
@@ -295,16 +314,34 @@ class Trainer:
         if not finite:
             record["skipped"] = self.nonfinite.action == "skip"
             # A non-finite step is always on record, whatever log_every says.
-            self.log(record)
+            self._log(record)
             self._nonfinite(stats)
             return
         st.losses.append(stats["loss"])
         # Every log_every-th step, and always the last, so the run's final loss is on record.
         if st.step % self.log_every == 0 or st.step >= self.plan.total_steps:
-            self.log(record)
+            self._log(record)
         if self.progress is not None:
             self.progress.update(1)
             self.progress.set_postfix(loss=f"{stats['loss']:.4f}")
+
+    def _log(self, record: dict[str, Any]) -> None:
+        # Only rank 0 writes records, so only it can fail here (a full disk under metrics.jsonl). Raised at
+        # once, the others would wait for it in the next collective until distributed.timeout_minutes; kept,
+        # every rank learns of it at the next window's closing all_reduce, or as the loop ends.
+        try:
+            self.log(record)
+        except Exception as e:
+            self.failure = self.failure or e
+
+    def _raise_failure(self) -> None:
+        """Every rank stops: rank 0 with its failed write, the others with RankFailedError naming it."""
+
+        def raise_it() -> None:
+            if self.failure is not None:
+                raise self.failure
+
+        dist.on_main("metrics write", raise_it, at=self.state.step)
 
     def _nonfinite(self, stats: dict[str, Any]) -> None:
         st = self.state

@@ -39,9 +39,6 @@ def run_eval(
     examples of `data.eval` (lorakit.data.PreparedData) with the recipe's eval settings: the token loss and,
     when generating, the recipe's metrics; every rank must call it.
     `generate`: whether to generate and score (default eval.generate; False takes the loss only)."""
-    from lorakit.evaluation.classify import classification_report
-    from lorakit.evaluation.scoring import compute_metrics
-
     ev = recipe.eval
     generate = ev.generate if generate is None else generate
     # A mixture's eval rows keep their source's name: metrics per source too ("news/loss", "chats/rouge1").
@@ -63,8 +60,19 @@ def run_eval(
     metrics = {"loss": out["loss"]}
     for name, (loss_sum, tokens) in out.get("group_loss", {}).items():
         metrics[f"{name}/loss"] = loss_sum / max(tokens, 1.0)
-    if not (generate and dist.is_main()):
+    if not generate:
         return EvalOutcome(metrics)
+    # Rank 0 scores alone; on_main's agreement tells every rank at once when that fails (a metric that
+    # raises), instead of leaving the others in the next collective until distributed.timeout_minutes.
+    scored = dist.on_main("eval metrics", _score, ev, out, data, sources, metrics)
+    return scored if scored is not None else EvalOutcome(metrics)
+
+
+def _score(ev, out, data, sources, metrics) -> EvalOutcome:
+    """Rank 0: the recipe's metrics of the generations, per source too, and the classification report."""
+    from lorakit.evaluation.classify import classification_report
+    from lorakit.evaluation.scoring import compute_metrics
+
     predictions, references = out["predictions"], list(data.eval["reference"])
     metrics.update(compute_metrics(list(ev.metrics), predictions, references))
     for name in sorted(set(sources or ())):

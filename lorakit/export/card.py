@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lorakit import rundir
+from lorakit.disclosure import redact
 from lorakit.export.sources import MergeSource
 from lorakit.export.verify import Check
 
@@ -111,7 +112,7 @@ def model_card(
         lines += ["", "## Recipe", "", "```yaml", src.recipe_text.rstrip(), "```"]
     lines += ["", "## Versions", ""]
     lines += [f"- {k}: {v}" for k, v in versions.items() if v is not None]
-    return "\n".join(lines) + "\n"
+    return redact("\n".join(lines) + "\n")  # no credential in a card (lorakit/disclosure.py)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from lorakit import storage
+from lorakit import disclosure, storage
 from lorakit.errors import DiskFullError, MergeError
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -75,8 +75,8 @@ def atomic_directory(output: Path, force: bool) -> Iterator[Path]:
     try:
         yield tmp
         for f in tmp.rglob("*"):
-            # Readable by others, like a run directory (safetensors files are written private, 0600).
-            os.chmod(f, 0o755 if f.is_dir() else 0o644)
+            # As readable as the user's umask makes any new file, no more (some writers make theirs 0600).
+            os.chmod(f, disclosure.file_mode(directory=f.is_dir()))
         _publish(tmp, output, force)
     except BaseException as e:
         # Judged before the partial export is deleted: that frees the space that ran out.

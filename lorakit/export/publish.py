@@ -13,14 +13,16 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
 
 from lorakit import rundir
+from lorakit.disclosure import redact
 from lorakit.errors import LorakitError, PublishError
 from lorakit.export.card import ADAPTER_SUBFOLDER, CARD, HubFacts, hub_card, is_hub_id, read_card
+from lorakit.export.public import is_local_path, public_path, public_recipe, upload_lines, written_by_lorakit
 from lorakit.runlock import holding_run_lock
 
 DOC = "docs/publish.md"
@@ -34,9 +36,11 @@ _LOGIN = "set HF_TOKEN to a token with write access (https://huggingface.co/sett
 class Bundle:
     """What one push commits: each file's path in the repository and on disk, and the model card."""
 
-    files: dict[str, Path | bytes]  # bytes: a recipe read from an export's card, uploaded from memory
+    files: dict[str, Path | bytes]  # bytes: made for the push (the public recipe), uploaded from memory
     card: str
     layout: str  # card.LAYOUTS: adapter, merged, or both (merged at the root, the adapter in adapter/)
+    left_out: tuple[str, ...] = ()  # files beside the model that lorakit did not write: not pushed
+    shortened: tuple[str, ...] = ()  # recipe fields whose absolute local paths became their last part
 
 
 @dataclass(frozen=True)
@@ -117,9 +121,10 @@ def collect(source: str | Path, repo_id: str) -> Bundle:
             "model (no config.json)",
             doc=f"{DOC}#what-is-pushed",
         )
-    files: dict[str, Path | bytes] = {
-        _join(prefix, f.name): f for prefix, d in parts.items() for f in _model_files(d)
-    }
+    every = {_join(prefix, f.name): f for prefix, d in parts.items() for f in _model_files(d)}
+    files: dict[str, Path | bytes] = {k: f for k, f in every.items() if written_by_lorakit(f.name)}
+    left_out = tuple(sorted(set(every) - set(files)))
+    files.update(_public_adapter_configs(files))
     export_card = (
         (parts[""] / CARD).read_text(encoding="utf-8", errors="replace") if layout != "adapter" else ""
     )
@@ -127,8 +132,11 @@ def collect(source: str | Path, repo_id: str) -> Bundle:
         # A merged export on its own: its card (card.model_card) holds the run's recipe.
         recipe_text = read_card(parts[""]).recipe_text
         recipe = _parse_recipe(recipe_text)
+    shortened: list[str] = []
     if recipe_text is not None:
-        files[rundir.RECIPE] = run_dir / rundir.RECIPE if run_dir is not None else recipe_text.encode()
+        recipe_text, shortened = public_recipe(recipe_text)
+        recipe = _parse_recipe(recipe_text) or recipe
+        files[rundir.RECIPE] = recipe_text.encode()
     images = tuple(name for name in IMAGES if run_dir is not None and (run_dir / name).is_file())
     files.update({name: run_dir / name for name in images})
     adapter_dir = parts.get(ADAPTER_SUBFOLDER, parts[""]) if layout != "merged" else None
@@ -136,8 +144,8 @@ def collect(source: str | Path, repo_id: str) -> Bundle:
         repo_id=repo_id,
         layout=layout,
         method=recipe.method.kind if recipe is not None else _method(adapter_dir),
-        base_name=_base_name(recipe, adapter_dir, parts[""]),
-        base_load=_base_load(recipe, adapter_dir),
+        base_name=public_path(_base_name(recipe, adapter_dir, parts[""])),
+        base_load=public_path(_base_load(recipe, adapter_dir)),
         is_encoder_decoder=_encoder_decoder(parts[""]),
         recipe=recipe,
         recipe_text=recipe_text,
@@ -145,7 +153,24 @@ def collect(source: str | Path, repo_id: str) -> Bundle:
         verification=_checks(export_card),
         images=images,
     )
-    return Bundle(files=dict(sorted(files.items())), card=hub_card(facts), layout=layout)
+    card = redact(hub_card(facts))
+    return Bundle(dict(sorted(files.items())), card, layout, left_out, tuple(shortened))
+
+
+def _public_adapter_configs(files: dict[str, Path | bytes]) -> dict[str, bytes]:
+    """adapter_config.json with peft's base_model_name_or_path, when an absolute local path, shortened to
+    its last part (it names a directory of this machine that nobody else has)."""
+    out = {}
+    for name, f in files.items():
+        if PurePosixPath(name).name != "adapter_config.json" or isinstance(f, bytes):
+            continue
+        config = json.loads(f.read_text())
+        base = config.get("base_model_name_or_path")
+        if isinstance(base, str) and is_local_path(base):
+            out[name] = (
+                json.dumps({**config, "base_model_name_or_path": public_path(base)}, indent=2) + "\n"
+            ).encode()
+    return out
 
 
 @holding_run_lock
@@ -164,6 +189,7 @@ def push(
     token = check_ready()
     _check_repo_id(repo_id)
     bundle = collect(source, repo_id)
+    _say_what_is_pushed(repo_id, bundle)
     from huggingface_hub import CommitOperationAdd, HfApi
 
     api = HfApi(token=token)
@@ -192,6 +218,18 @@ def push(
     result = PushResult(repo_id, revision or "main", str(info.commit_url), info.pr_url, (*bundle.files, CARD))
     print(f"pushed:   {result.pr_url or result.commit_url} ({len(result.files)} files)", flush=True)
     return result
+
+
+def _say_what_is_pushed(repo_id: str, bundle: Bundle) -> None:
+    """Print every file the push is about to upload (with its size), and what it leaves out or changed."""
+    lines = upload_lines(repo_id, bundle.files, bundle.card)
+    if bundle.shortened:
+        lines.append(
+            "  recipe.yaml: absolute local paths shortened to their last part: " + ", ".join(bundle.shortened)
+        )
+    if bundle.left_out:
+        lines.append("  not pushed (not written by lorakit): " + ", ".join(bundle.left_out))
+    print("\n".join(lines), flush=True)
 
 
 def push_after_training(recipe: Any, result: Any) -> Any:

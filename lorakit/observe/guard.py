@@ -19,6 +19,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from lorakit.disclosure import redact
+
 # Failed writes in a row after which a sink is disabled for the rest of the run.
 MAX_FAILURES = 5
 # Seconds before the first retry after a failed write; doubled after each further failure.
@@ -30,8 +32,9 @@ class TrackerWarning(UserWarning):
 
 
 def warn(message: str) -> None:
-    """One warning line on stderr, from any thread."""
-    warnings.warn(message, TrackerWarning, stacklevel=2)
+    """One warning line on stderr, from any thread; credentials in it (a tracking URI's password, a token
+    in a server's error) are redacted."""
+    warnings.warn(redact(message), TrackerWarning, stacklevel=2)
 
 
 def start_sinks(
@@ -89,7 +92,10 @@ class GuardedSink:
     """`sink` behind a guard: failures are warnings with back-off, then the sink disables itself.
 
     `background`: write from a thread of its own (remote sinks), so a slow or unreachable server never
-    holds up training; `close` waits at most `close_timeout` seconds for it to take the last records.
+    holds up training; that thread also closes the sink (wandb.finish, MLflow's set_terminated, which retry
+    for minutes against a server that is down), and `close` waits at most `close_timeout` seconds for it to
+    take the last records and close: a finished run never waits longer on a tracker, so the other ranks
+    waiting at the end-of-run collective do not time out and mark it failed.
     `on_failure(name, message)` is told of the first failure (to record it in trackers.json)."""
 
     def __init__(
@@ -108,6 +114,7 @@ class GuardedSink:
         self._retry_at = 0.0
         self._on_failure = on_failure
         self._close_timeout = close_timeout
+        self._close_by: float | None = None
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         if background:
@@ -127,6 +134,7 @@ class GuardedSink:
         while True:
             record = self._queue.get()
             if record is None:
+                self._close_sink()
                 return
             self._write(record)
 
@@ -163,14 +171,30 @@ class GuardedSink:
             f"for {backoff:g} s, then it tries again (they are all in metrics.jsonl)"
         )
 
-    def close(self) -> None:
-        """Let the writer take what is queued (within the time limit), then close the sink; failures warn."""
-        if self._thread is not None and self._queue is not None:
+    def start_close(self) -> None:
+        """Begin closing: a background sink takes its last records and closes in its own thread, within
+        `close_timeout` seconds from now (MetricsLogger starts every sink's close at once)."""
+        if self._thread is not None and self._queue is not None and self._close_by is None:
+            self._close_by = time.monotonic() + self._close_timeout
             self._queue.put(None)
-            self._thread.join(self._close_timeout)
-            if self._thread.is_alive():
-                self._failed(f"its last records were not taken within {self._close_timeout:g} s", None)
-                return
+
+    def close(self) -> None:
+        """Close the sink: a background one within the time limit (a late one is left to its daemon
+        thread and recorded as failed); failures warn."""
+        if self._thread is None:
+            self._close_sink()
+            return
+        self.start_close()
+        assert self._close_by is not None
+        self._thread.join(max(self._close_by - time.monotonic(), 0.0))
+        if self._thread.is_alive():
+            self._failed(
+                f"it did not take its last records and close within {self._close_timeout:g} s "
+                "(output.tracker_timeout_seconds)",
+                None,
+            )
+
+    def _close_sink(self) -> None:
         if self.disabled:
             return
         try:

@@ -112,7 +112,12 @@ class MetricsLogger:
             sink.write(record)
 
     def close(self) -> None:
-        """Close every sink (once)."""
+        """Close every sink (once). Background sinks start closing together, so the time limit of each
+        (output.tracker_timeout_seconds) is the limit of them all."""
         sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            start = getattr(sink, "start_close", None)
+            if start is not None:
+                start()
         for sink in sinks:
             sink.close()

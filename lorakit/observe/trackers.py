@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lorakit import rundir
+from lorakit.disclosure import redact, redact_data
 from lorakit.errors import MissingExtraError
 from lorakit.observe.guard import GuardedSink, start_sinks
 
@@ -66,6 +67,8 @@ def open_sinks(
     so that its failures never stop training. Records where each went, or why it failed, in
     run_dir/trackers.json."""
     known = rundir.read_json_if_exists(run_dir / rundir.TRACKERS) or {}
+    # The recipe goes to the trackers' servers as parameters: without credentials (a data.source URL's).
+    recipe, recipe_yaml = redact_data(recipe), redact(recipe_yaml)
     fresh = resumed_step is None
     name = run_dir.name
     sinks: list[Any] = []
@@ -119,6 +122,9 @@ def _maker(backend, run_dir, name, known, fresh, resumed_step, recipe, recipe_ya
             return WandbSink(run_dir, name, run_id=run_id, config=recipe, init_timeout=timeout)
 
     else:
+        from lorakit.observe.mlflow_sink import allow_file_store, tracking_uri
+
+        allow_file_store(tracking_uri(run_dir))  # here, on the main thread (observe/mlflow_sink.py)
 
         def make():
             from lorakit.observe.mlflow_sink import MlflowSink

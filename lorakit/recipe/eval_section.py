@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from lorakit.recipe.section import Section
 
@@ -60,3 +60,11 @@ class EvalSection(Section):
     )
     num_beams: int = Field(1, ge=1, description="Beam search width for generation.")
     micro_batch_size: int | None = Field(None, ge=1, description="Eval batch size; default train's.")
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _positive_length(cls, value: int | str) -> int | str:
+        # Generating zero new tokens scores every prediction as empty.
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return value

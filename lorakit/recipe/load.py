@@ -22,10 +22,15 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise RecipeError(f"override {item!r}: the key must be dotted names, e.g. train.lr")
+    path = key.split(".")
+    annotation = _field_annotation(path)
+    takes, text = _types_of(annotation), str in _types_of(annotation, literals=False)
     # YAML parsing gives overrides the same types a recipe file would: 2e-4 -> float, [q, v] -> list.
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = load_yaml(raw, "<override>") if raw.strip() else None
     except yaml.YAMLError as e:
+        if text:  # `data.prompt_template=Summary: {input}` is text, whatever YAML makes of it
+            return path, raw.strip()
         raise RecipeError(f"override {item!r}: value is not valid YAML: {e}") from None
     # PyYAML reads 2e-4 (no dot) as a string; users mean a number.
     if isinstance(value, str):
@@ -33,7 +38,41 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
             value = float(value) if any(c in value.lower() for c in "e.") else value
         except ValueError:
             pass
-    return key.split("."), value
+    # A text field keeps the text as typed: `model.revision=1e5`, `output.dir=2024`, `data.split=yes`
+    # would otherwise reach the schema as a number or a boolean and be refused.
+    if text and value is not None and not isinstance(value, tuple(takes)):
+        value = raw.strip()
+    return path, value
+
+
+def _field_annotation(path: list[str]) -> Any:
+    """The type annotation of the recipe field at `path`; None when `path` names no field."""
+    model: type[BaseModel] | None = Recipe
+    annotation: Any = None
+    for part in path:
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return None
+        annotation = field.annotation
+        model = _section_type(annotation)
+    return annotation
+
+
+def _types_of(annotation: Any, literals: bool = True) -> set[type]:
+    """The Python types a field of `annotation` accepts (str, int, list, dict, ...); `literals=False`
+    leaves out the types of Literal members (`Literal["auto"]` takes no free text)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _types_of(typing.get_args(annotation)[0], literals)
+    if origin in (Union, types.UnionType):
+        return set().union(*(_types_of(a, literals) for a in typing.get_args(annotation)))
+    if origin is typing.Literal:
+        return {type(v) for v in typing.get_args(annotation)} if literals else set()
+    if origin is not None:
+        return {origin}
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return {dict}
+    return {annotation} if isinstance(annotation, type) else set()
 
 
 def _apply(raw: dict[str, Any], overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
@@ -64,6 +103,64 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
     if problems:
         raise RecipeError(_report(problems))
     return out
+
+
+# Aliases may share one node many times over (`b: [*a, *a]`, `c: [*b, *b]`, ...); expanded, a recipe
+# larger than this many values is refused before anything copies or validates it.
+MAX_EXPANDED_NODES = 100_000
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """safe_load's loader (no tags that build objects) that refuses a mapping with a repeated key, naming
+    the key and its line: PyYAML would keep the last value silently."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise RecipeError(
+                    f"{_source(key_node)}line {line}: key {key!r} is repeated (first at line {seen[key]}); "
+                    "a mapping takes each key once"
+                )
+            if isinstance(key, typing.Hashable):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _source(node) -> str:
+    name = node.start_mark.name
+    return "" if name.startswith("<") else f"{name} "
+
+
+def load_yaml(text: str, name: str = "<recipe>") -> Any:
+    """Parse recipe YAML: safe tags only, no repeated keys, aliases expanded to at most MAX_EXPANDED_NODES
+    values (RecipeError otherwise)."""
+    loader = RecipeLoader(text)
+    loader.name = name
+    try:
+        data = loader.get_single_data()
+    finally:
+        loader.dispose()
+    _count_nodes(data, MAX_EXPANDED_NODES, name)
+    return data
+
+
+def _count_nodes(data: Any, budget: int, name: str) -> None:
+    stack, count = [data], 0
+    while stack:
+        item = stack.pop()
+        count += 1
+        if count > budget:
+            raise RecipeError(
+                f"{name}: more than {budget} values once its aliases (*name) are expanded; a recipe is "
+                "refused at that size (a YAML alias bomb looks like this)"
+            )
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _deep_copy(d: Any) -> Any:
@@ -157,8 +254,8 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}")
     try:
-        # safe_load: a recipe is data; tags such as !!python/object, which build objects, are refused.
-        raw = yaml.safe_load(path.read_text()) or {}
+        # A safe loader: a recipe is data; tags such as !!python/object, which build objects, are refused.
+        raw = load_yaml(path.read_text(), str(path)) or {}
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):

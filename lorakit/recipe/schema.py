@@ -84,6 +84,12 @@ class Recipe(Section):
                 "method.use_dora: DoRA on a 4-bit base (kind qlora) fails under ZeRO-3 (peft's DoRA layer reaches "
                 "a 4-bit weight DeepSpeed did not partition); use distributed.zero_stage 2, or kind lora"
             )
+        if self.output.tracker_timeout_seconds >= self.distributed.timeout_minutes * 60:
+            # The other ranks wait for rank 0's trackers to start and to close at a collective.
+            raise ValueError(
+                "output.tracker_timeout_seconds must be shorter than distributed.timeout_minutes: the other "
+                "processes wait for rank 0's trackers at a collective, which would time out first and fail the run"
+            )
         self._check_sequence_parallel()
         check_fsdp(self)
         check_objective(self)

@@ -32,8 +32,10 @@ def placeholders(template: str) -> list[str]:
 class Section(BaseModel):
     """A recipe section: unknown keys are errors, values frozen after validation."""
 
-    # extra="forbid": a misspelled key is an error naming it, never silently None.
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # extra="forbid": a misspelled key is an error naming it, never silently None. allow_inf_nan=False: no
+    # number of a recipe means anything as .inf or .nan (an infinite timeout overflows, an infinite lr
+    # diverges at the first step), so either is refused at load, naming the field.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 def check_templates(owner: str, prompt_template: str | None, target_template: str | None) -> None:

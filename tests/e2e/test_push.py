@@ -7,6 +7,7 @@ other tests push that run again with `python -m lorakit.push`, and make each fai
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import socket
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from lorakit import rundir
+from lorakit.export.public import public_recipe
 from tests.conftest import RECIPES
 from tests.e2e.test_quickstart import run_recipe
 from tests.fake_hub import TOKEN, USER, FakeHubServer, client_env
@@ -72,10 +74,23 @@ def test_a_run_pushes_its_merged_model_and_adapter_in_one_commit(hub, pushed):
     assert set(commit.lfs) == {"model.safetensors", "adapter/adapter_model.safetensors"}
     for name in MERGED:
         assert commit.files[name] == (run_dir / "merged" / name).read_bytes(), name
-    for name in ADAPTER:
+    for name in ADAPTER - {"adapter_config.json"}:
         assert commit.files[f"adapter/{name}"] == (run_dir / "adapter" / name).read_bytes(), name
-    for name in ("recipe.yaml", "loss.png", "confusion_matrix.png"):
+    for name in ("loss.png", "confusion_matrix.png"):
         assert commit.files[name] == (run_dir / name).read_bytes(), name
+    # No absolute path of this machine leaves it: the recipe's and peft's base path are shortened.
+    assert commit.files["recipe.yaml"] == public_recipe((run_dir / "recipe.yaml").read_text())[0].encode()
+    config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
+    pushed_config = json.loads(commit.files["adapter/adapter_config.json"])
+    assert pushed_config == {
+        **config,
+        "base_model_name_or_path": Path(config["base_model_name_or_path"]).name,
+    }
+    for name in ("recipe.yaml", "README.md", "adapter/adapter_config.json"):
+        assert str(run_dir.parent) not in commit.files[name].decode(), name
+    # Every file and its size was listed before the upload.
+    listing = proc.stdout[proc.stdout.index(f"uploading to {REPO}: {len(commit.files)} files, ") :]
+    assert listing.index("  adapter/adapter_model.safetensors  ") < listing.index("pushed:   ")
     # The repository was created private, after the token was checked; the commit came last.
     [create] = hub.hub.calls("POST", "/api/repos/create")
     assert create[3] == {"name": "mnli-tiny", "organization": USER, "visibility": "private"}
@@ -106,7 +121,7 @@ def test_the_card_tells_what_the_run_did(hub, pushed):
     ):
         assert f"| {label} | " + " | ".join(map(str, row)) + " |" in card
     assert "## Verification" in card and "merged vs the adapter model" in card and "max |logit diff|" in card
-    assert (run_dir / "recipe.yaml").read_text().rstrip() in card
+    assert public_recipe((run_dir / "recipe.yaml").read_text())[0].rstrip() in card
     assert f"- lorakit: {s['versions']['lorakit']}" in card
     if s["git_revision"]:
         assert f"- git revision of the training code: {s['git_revision']}" in card
@@ -124,9 +139,12 @@ def test_the_card_snippets_load_the_pushed_files(hub, pushed, tmp_path, capsys):
     blocks = re.findall(r"```python\n(.*?)```", usage, re.DOTALL)
     assert len(blocks) == 2  # the merged model (transformers), the adapter (PEFT)
     kinds = []
+    # The card names the local base by its last part ("load it from where it is on your machine").
+    base = json.loads((pushed[0] / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
     for block in blocks:
         scope: dict = {}
-        exec(compile(block.replace(f'"{REPO}"', repr(str(repo))), "card", "exec"), scope)
+        block = block.replace(f'"{REPO}"', repr(str(repo))).replace(f'"{Path(base).name}"', repr(base))
+        exec(compile(block, "card", "exec"), scope)
         kinds.append(type(scope["model"]).__name__)
     assert kinds == ["T5ForConditionalGeneration", "PeftModelForSeq2SeqLM"]
     assert len(capsys.readouterr().out.splitlines()) >= 2  # each printed its generation

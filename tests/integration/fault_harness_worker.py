@@ -33,7 +33,9 @@ from pathlib import Path
 # Rows by failing rank: (phase, which call of its work fails); the last row of each is "step". Rank 1 does
 # none of rank 0's own work: in the RANK0_WORK row all of it fails on rank 1, and the job completes.
 RANK0_WORK = "rank 0's work"
-RANK0_PHASES = ("tracker start", "eval write", "checkpoint publish", "adapter save", "summary")
+RANK0_PHASES = (
+    "tracker start", "eval write", "checkpoint publish", "adapter save", "summary", "resume", "metrics write",
+)  # fmt: skip
 ROWS = {
     0: [
         ("load", 1),
@@ -44,14 +46,18 @@ ROWS = {
         ("checkpoint publish", 2),
         ("adapter save", 1),
         ("summary", 1),
+        ("resume", 1),
+        ("metrics write", 1),
+        ("eval metrics", 1),
         ("step", 1),
     ],
     1: [("load", 1), ("prepare", 1), ("checkpoint save", 2), (RANK0_WORK, 1), ("step", 1)],
 }
 
 
-def recipe_for(cache: Path, run_dir: Path):
-    """2 steps, a checkpoint after each, an evaluation (loss only) after the last: every phase once."""
+def recipe_for(cache: Path, run_dir: Path, generate: bool = False):
+    """2 steps, a checkpoint after each, an evaluation (loss only, unless `generate`) after the last: every
+    phase once."""
     from lorakit.recipe import recipe_from_dict
     from tests.conftest import tiny_recipe_dict
 
@@ -60,7 +66,7 @@ def recipe_for(cache: Path, run_dir: Path):
         run_dir,
         train={"max_steps": 2, "micro_batch_size": 4},
         distributed={"num_processes": 2, "zero_stage": 0, "timeout_minutes": 10},
-        eval={"generate": False},
+        eval={"generate": generate, "max_new_tokens": 4},
         checkpoint={"every": 1, "keep": 3},
     )
     return recipe_from_dict(raw)
@@ -100,7 +106,8 @@ def main(failing: int, cache: Path, out: Path) -> None:
             phases = RANK0_PHASES if phase == RANK0_WORK else (phase,)
             undo = [inject(p, nth, stamp=str(stamp)) for p in phases] if me == failing else []
             try:
-                api._train_in_group(recipe_for(cache, run_dir), lock_on_rank0=False)
+                recipe = recipe_for(cache, run_dir, generate=phase == "eval metrics")
+                api._train_in_group(recipe, lock_on_rank0=False)
                 outcome = ["ok", ""]
             except Exception as e:
                 outcome = [type(e).__name__, str(e)]

@@ -93,10 +93,15 @@ WHERE = {
     "checkpoint publish": "checkpoint save at step 2",
     "adapter save": "adapter save at step 2",
     "summary": "summary",
+    "resume": "resume",
+    "metrics write": "metrics write at step 1",
+    "eval metrics": "eval metrics at step 2",
 }
 # The complete checkpoints the failure leaves (the newest is what a relaunch resumes from).
 COMPLETE = {"eval write": [1], "checkpoint save": [1], "checkpoint publish": [1], "adapter save": [1, 2]}
 COMPLETE["summary"] = [1, 2]
+# A failed write of step 1's record stops every rank at step 2's closing all_reduce, after checkpoint 1.
+COMPLETE |= {"metrics write": [1], "eval metrics": [1]}
 AGREED = [(f, i) for f, rows in ROWS.items() for i in range(len(rows) - 1) if rows[i][0] != RANK0_WORK]
 
 

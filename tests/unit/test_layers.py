@@ -24,7 +24,8 @@ FLOORS = {
     "lorakit.meter": 1,
     "lorakit.observe": 1,
     "lorakit.lazy": 1,  # packages whose names load on first use
-    "lorakit.units": 1,  # byte sizes: storage, the planner and the doctor speak them
+    "lorakit.units": 1,
+    "lorakit.disclosure": 1,  # redaction of secrets and the umask's file mode: every writer uses them  # byte sizes: storage, the planner and the doctor speak them
     # Makes a CLI module callable; imports nothing of lorakit, so the doctor's package may use it too.
     "lorakit.callable_module": 1,
     "lorakit.recipe": 2,
