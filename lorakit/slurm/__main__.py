@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lorakit.cli import run_cli
+from lorakit.cli import quiet_libraries, run_cli
 from lorakit.errors import LorakitError
 
 
@@ -45,10 +45,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(args: argparse.Namespace, raw: list[str]) -> int:
-    from lorakit import rundir
-    from lorakit.recipe import load_recipe
-    from lorakit.slurm.script import SCRIPT, JobSpec, render
-
     for flag, value, least in (("--nodes", args.nodes, 1), ("--gpus-per-node", args.gpus_per_node, 1),
                                ("--stop-before", args.stop_before, 60), ("--preflight-timeout", args.preflight_timeout, 1)):  # fmt: skip
         if value < least:
@@ -57,6 +53,11 @@ def _write(args: argparse.Namespace, raw: list[str]) -> int:
     if args.submit and sbatch is None:
         raise LorakitError("--submit: sbatch is not on PATH (run this on a Slurm login node, or drop --submit and "
                            "submit the script later with sbatch)")  # fmt: skip
+    quiet_libraries()
+    from lorakit import rundir
+    from lorakit.recipe import load_recipe
+    from lorakit.slurm.script import SCRIPT, JobSpec, render
+
     # The launcher decides how many processes there are; the recipe's count says the same, so the recipe's
     # checks (hpz_partition_size, sequence_parallel, FSDP shard groups) see the job's shape.
     procs = f"distributed.num_processes={args.gpus_per_node}"
