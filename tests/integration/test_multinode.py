@@ -25,7 +25,6 @@ from lorakit.data.samples import builtin_dataset_dir
 from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.engine.launch import free_port
 from lorakit.runlock import LOCK
-from lorakit.slurm.__main__ import main as write_slurm_job
 from tests.conftest import RECIPES, ROOT
 from tests.process_groups import finish_group, kill_group, start_group
 
@@ -243,10 +242,12 @@ def _slurm_env(bin_dir: Path, record: Path, port: int, **extra) -> dict[str, str
 
 
 def _write_job(recipe_args: list[str]) -> Path:
-    """python -m lorakit.slurm for 2 nodes x 1 GPU; the script's path."""
+    """python -m lorakit.slurm for 2 nodes x 1 GPU, as docs/multinode.md shows it; the script's path."""
     args = [str(RECIPES / "quickstart_causal.yaml"), *recipe_args, "--nodes", "2", "--gpus-per-node", "1"]
-    assert write_slurm_job([*args, "--time", "00:30:00"]) == 0
+    done = subprocess.run([sys.executable, "-m", "lorakit.slurm", *args, "--time", "00:30:00"], env=_env(),
+                          capture_output=True, text=True)  # fmt: skip
     out = Path([a for a in recipe_args if a.startswith("output.dir=")][-1].split("=", 1)[1])
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == str(out / "job.sbatch"), done.stderr
     return out / "job.sbatch"
 
 
