@@ -26,12 +26,11 @@ class JobSpec:
     run_dir: str  # absolute output.dir
     workdir: str  # where relative paths of the recipe were resolved from: the job runs there
     python: str  # the interpreter that runs lorakit on the nodes
+    name: str
     nodes: int
     gpus_per_node: int
-    name: str
-    partition: str | None = None
-    time: str | None = None
-    account: str | None = None
+    # The optional #SBATCH directives given, as (name, value): partition, time, account.
+    options: tuple[tuple[str, str], ...] = ()
     stop_before: int = 300  # seconds before the time limit at which Slurm asks the run to stop
     preflight_timeout: int = 30  # seconds each step of the preflight may take
     plan: list[str] = field(default_factory=list)  # the plan's lines, printed as comments
@@ -57,8 +56,7 @@ def sbatch_lines(job: JobSpec) -> list[str]:
         f"--signal=B:USR1@{job.stop_before}",
         "--requeue",
     ]
-    lines += [f"--{k}={v}" for k, v in (("partition", job.partition), ("time", job.time),
-                                        ("account", job.account)) if v]  # fmt: skip
+    lines += [f"--{k}={v}" for k, v in job.options]
     return ["#SBATCH " + line for line in lines]
 
 

@@ -25,6 +25,7 @@ from lorakit.data.samples import builtin_dataset_dir
 from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.engine.launch import free_port
 from lorakit.runlock import LOCK
+from lorakit.slurm.__main__ import main as write_slurm_job
 from tests.conftest import RECIPES, ROOT
 from tests.process_groups import finish_group, kill_group, start_group
 
@@ -241,12 +242,16 @@ def _slurm_env(bin_dir: Path, record: Path, port: int, **extra) -> dict[str, str
     )
 
 
-def _write_job(recipe_args: list[str]) -> Path:
-    """python -m lorakit.slurm for 2 nodes x 1 GPU, as docs/multinode.md shows it; the script's path."""
+def _write_job(recipe_args: list[str], *, in_process: bool = False) -> Path:
+    """python -m lorakit.slurm for 2 nodes x 1 GPU, as docs/multinode.md shows it (or its main() in this
+    process, which saves an interpreter's start); the script's path."""
     args = [str(RECIPES / "quickstart_causal.yaml"), *recipe_args, "--nodes", "2", "--gpus-per-node", "1"]
+    out = Path([a for a in recipe_args if a.startswith("output.dir=")][-1].split("=", 1)[1])
+    if in_process:
+        assert write_slurm_job([*args, "--time", "00:30:00"]) == 0
+        return out / "job.sbatch"
     done = subprocess.run([sys.executable, "-m", "lorakit.slurm", *args, "--time", "00:30:00"], env=_env(),
                           capture_output=True, text=True)  # fmt: skip
-    out = Path([a for a in recipe_args if a.startswith("output.dir=")][-1].split("=", 1)[1])
     assert done.returncode == 0 and done.stdout.splitlines()[-1] == str(out / "job.sbatch"), done.stderr
     return out / "job.sbatch"
 
@@ -327,7 +332,7 @@ def test_slurm_preflight_stops_the_job_in_seconds_naming_the_node_when_the_port_
     and connections to it are refused. The job stops at the preflight (exit code 3) within a minute, naming
     the node and the cause, before anything is trained."""
     out = tmp_path / "closed"
-    script = _write_job([f"data.cache_dir={cache_dir}", f"output.dir={out}"])
+    script = _write_job([f"data.cache_dir={cache_dir}", f"output.dir={out}"], in_process=True)
     with socket.socket() as blocker:
         blocker.bind(("0.0.0.0", 0))
         port = blocker.getsockname()[1]
