@@ -26,6 +26,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", help="#SBATCH --partition")
     p.add_argument("--time", help="#SBATCH --time, e.g. 12:00:00")
     p.add_argument("--account", help="#SBATCH --account")
+    p.add_argument("--cpus-per-task", type=int, help="#SBATCH --cpus-per-task: CPUs for a node's G processes")
     p.add_argument(
         "--gpu-memory", default=None, help="memory of one GPU for the plan at the script's top, e.g. 80GB"
     )
@@ -78,7 +79,11 @@ def _write(args: argparse.Namespace, raw: list[str]) -> int:
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
         name=f"lorakit-{run_dir.name}",
-        options=tuple((k, v) for k in ("partition", "time", "account") if (v := getattr(args, k))),
+        options=tuple(
+            (k, v)
+            for k in ("partition", "time", "account", "cpus-per-task")
+            if (v := getattr(args, k.replace("-", "_")))
+        ),
         stop_before=args.stop_before,
         preflight_timeout=args.preflight_timeout,
         plan=_plan_lines(recipe, args),

@@ -57,7 +57,12 @@ def sbatch_lines(job: JobSpec) -> list[str]:
         "--requeue",
     ]
     lines += [f"--{k}={v}" for k, v in job.options]
-    return ["#SBATCH " + line for line in lines]
+    out = ["#SBATCH " + line for line in lines]
+    if "cpus-per-task" not in dict(job.options):
+        # One task per node runs all G processes: without it, Slurm may give the task a single CPU.
+        out.append(f"# #SBATCH --cpus-per-task=...  (CPUs for the node's {job.gpus_per_node} processes: "
+                   "python -m lorakit.slurm ... --cpus-per-task N)")  # fmt: skip
+    return out
 
 
 def render(job: JobSpec) -> str:
@@ -123,7 +128,8 @@ stop() {{
   kill -USR1 "$TRAIN" 2>/dev/null
 }}
 trap stop USR1 TERM
-srun --ntasks-per-node=1 --output="$LOGS/node-%N.log" \\
+# srun does not pass the job's --cpus-per-task on to its step by itself (Slurm 22.05 and newer).
+srun --ntasks-per-node=1 ${{SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}} --output="$LOGS/node-%N.log" \\
   "$PYTHON" -m lorakit.slurm.node --nodes {n} --gpus-per-node {g} --rendezvous "$HEAD:$PORT" \\
   --logs "$LOGS" --stop-timeout {max(job.stop_before - 30, 30)} -- "$RECIPE" "${{OVERRIDES[@]}}" &
 TRAIN=$!

@@ -57,7 +57,19 @@ def test_submit_hands_the_script_to_sbatch(tmp_path, monkeypatch, capsys):
     sbatch.write_text(f'#!/bin/sh\necho "$@" > {record}\necho "Submitted batch job 77"\n')
     sbatch.chmod(0o755)
     monkeypatch.setenv("PATH", f"{sbatch.parent}:/usr/bin:/bin")
-    args = ["--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu", "--account", "proj", "--submit"]
+    args = [
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--partition",
+        "gpu",
+        "--account",
+        "proj",
+        "--cpus-per-task",
+        "64",
+    ]
+    args.append("--submit")
     assert main(_args(tmp_path, "train.lr=2e-4", *args, "--gpu-memory", "80GB")) == 0
     script = tmp_path / "run" / "job.sbatch"
     assert capsys.readouterr().out.splitlines() == [str(script), "Submitted batch job 77"]
@@ -65,7 +77,7 @@ def test_submit_hands_the_script_to_sbatch(tmp_path, monkeypatch, capsys):
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["job.sbatch"]
     text = script.read_text()
     for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
-                 "#SBATCH --account=proj", "  distributed.num_processes=8", "  train.lr=2e-4",
+                 "#SBATCH --account=proj", "#SBATCH --cpus-per-task=64", "  distributed.num_processes=8", "  train.lr=2e-4",
                  f"  output.dir={tmp_path / 'run'}", "--nodes 4 --gpus-per-node 8",
                  "# hardware: 4 node(s) x 8 GPU(s) of 80.0 GB"):  # fmt: skip
         assert line in text, line
@@ -79,6 +91,7 @@ def test_the_script_quotes_what_it_passes_and_is_valid_bash(tmp_path):
     text = render(job)
     assert "RECIPE='/r/my recipe.yaml'" in text and "cd '/w d'" in text
     assert "#SBATCH --signal=B:USR1@600" in text and "--stop-timeout 570" in text
+    assert "# #SBATCH --cpus-per-task=...  (CPUs for the node's 1 processes" in text
     path = tmp_path / "job.sbatch"
     path.write_text(text)
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
