@@ -91,7 +91,8 @@ def launch(cmd: list[str], env: Mapping[str, str]) -> int:
         proc.send_signal(signal.SIGTERM)
 
     # SIG_IGN survives exec: torchrun starts ignoring SIGUSR1 (lorakit's ranks install their own handler).
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP}
+    previous = {sig: signal.getsignal(sig) for sig in STOP}
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         proc = subprocess.Popen(cmd, env=dict(env))
     finally:

@@ -104,6 +104,9 @@ HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
 HEAD=$(echo "$HOSTS" | head -n 1)
 PORT=${{MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
 echo "lorakit: job $SLURM_JOB_ID attempt $attempt on {n} node(s), rendezvous $HEAD:$PORT, logs $LOGS"
+# A stop request before training starts (the notice came early): no training now, back to the queue.
+stopped=0
+trap 'stopped=1' USR1 TERM
 
 # 1. The preflight, one process per node: every node reaches $HEAD:$PORT, its network (NCCL_*, InfiniBand,
 # interface) is reported, an all_reduce across the nodes runs; each step is bounded, and a failure stops the
@@ -115,6 +118,11 @@ code=$?
 if [ $code -ne 0 ]; then
   echo "lorakit: the preflight failed (exit code $code; the lines above name the node and the cause): nothing was trained" >&2
   exit {PREFLIGHT_FAILED}
+fi
+if [ $stopped -eq 1 ]; then
+  echo "lorakit: stop requested before training started: requeueing job $SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit {PREEMPTED}
 fi
 
 # 2. Training: one launcher per node (lorakit.slurm.node: torchrun with this node's rank, rendezvous at
@@ -128,7 +136,7 @@ stop() {{
   kill -USR1 "$TRAIN" 2>/dev/null
 }}
 trap stop USR1 TERM
-# srun does not pass the job's --cpus-per-task on to its step by itself (Slurm 22.05 and newer).
+# Passed explicitly: srun of some Slurm versions (from 22.05) does not give its step the job's --cpus-per-task.
 srun --ntasks-per-node=1 ${{SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}} --output="$LOGS/node-%N.log" \\
   "$PYTHON" -m lorakit.slurm.node --nodes {n} --gpus-per-node {g} --rendezvous "$HEAD:$PORT" \\
   --logs "$LOGS" --stop-timeout {max(job.stop_before - 30, 30)} -- "$RECIPE" "${{OVERRIDES[@]}}" &
@@ -141,7 +149,8 @@ code=$?
 # The job ends with lorakit's exit code (docs/resume.md#exit-codes): what rank 0 recorded in exit.json
 # (75 preempted, 4 diverged, 74 disk full, 1 a rank failed), else srun's.
 if [ $code -ne 0 ] && [ -f "$RUN_DIR/exit.json" ]; then
-  code=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["code"])' "$RUN_DIR/exit.json")
+  recorded=$("$PYTHON" -c 'import json, sys; print(int(json.load(open(sys.argv[1]))["code"]))' "$RUN_DIR/exit.json") \\
+    && code=$recorded
 fi
 if [ "$code" -eq {PREEMPTED} ]; then
   # Preempted with a checkpoint: back to the queue; the requeued job resumes in $RUN_DIR.
