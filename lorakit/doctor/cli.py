@@ -23,6 +23,18 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--devices", type=int, default=None, help="processes for the multi-device checks (default: "
                    "the GPUs torch sees; on CPU one, so they are skipped)")  # fmt: skip
+    # The multi-node preflight (doctor/nodes.py), one process per node: what the Slurm job runs first.
+    p.add_argument("--nodes", type=int, default=None, help="run the multi-node preflight on this many nodes")
+    p.add_argument("--rendezvous", help="with --nodes: HOST:PORT that node 0 opens and every node reaches")
+    p.add_argument(
+        "--node-rank", type=int, default=None, help="with --nodes: this node (default: SLURM_NODEID)"
+    )
+    p.add_argument(
+        "--hosts", default=None, help="with --nodes: the nodes' names, comma-separated, for messages"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=None, help="with --nodes: seconds each step may take (30)"
+    )
     return p
 
 
@@ -41,6 +53,10 @@ def _doctor(args: argparse.Namespace) -> int:
     from lorakit.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides) if args.recipe else None
+    if args.nodes is not None:
+        from lorakit.doctor.nodes import run_from_cli
+
+        return run_from_cli(recipe, args, os.environ)
     report = run_doctor(recipe, quick=args.quick, output=args.output, devices=args.devices, label=args.recipe)
     if os.environ.get("RANK", "0") == "0":  # under a launcher, rank 0 speaks for the group
         print(report.table())

@@ -10,8 +10,11 @@ data.on_bad_rows skip, so it also shows skips reaching summary.json from a 2-pro
 
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,8 +22,10 @@ from safetensors.torch import load_file
 
 from lorakit import rundir
 from lorakit.data.samples import builtin_dataset_dir
+from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.engine.launch import free_port
 from lorakit.runlock import LOCK
+from lorakit.slurm.__main__ import main as write_slurm_job
 from tests.conftest import RECIPES, ROOT
 from tests.process_groups import finish_group, kill_group, start_group
 
@@ -202,3 +207,143 @@ def test_deepspeed_launcher_hostfile_nodes_match_one_node(job, cache_dir, tmp_pa
     assert "'--local_rank=0'" in procs[1].stdout  # the launcher's own log of the command it started
     _assert_same_run(out, job["reference"])
     assert not (out / LOCK).exists()
+
+
+# Slurm on one machine: stand-ins for srun and scontrol (tests/integration/slurm_standins), first on PATH,
+# and the variables sbatch gives a job. The two "nodes" are two names for this machine.
+STANDINS = Path(__file__).with_name("slurm_standins")
+FAULTS = Path(__file__).with_name("faults")
+NODES = "127.0.0.1,127.0.0.2"
+JOB_ID = "4242"
+
+
+@pytest.fixture
+def slurm_bin(tmp_path) -> Path:
+    """A folder with `srun` and `scontrol` running the stand-ins (python -I: nothing but the standard library)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("srun", "scontrol"):
+        shim = bin_dir / tool
+        shim.write_text(f'#!/bin/sh\nexec {sys.executable} -I {STANDINS / tool}.py "$@"\n')
+        shim.chmod(0o755)
+    return bin_dir
+
+
+def _slurm_env(bin_dir: Path, record: Path, port: int, **extra) -> dict[str, str]:
+    return _env(
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        SLURM_JOB_ID=JOB_ID,
+        SLURM_JOB_NODELIST=NODES,
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_NNODES="2",
+        SLURM_STANDIN_RECORD=str(record),
+        MASTER_PORT=str(port),
+        **extra,
+    )
+
+
+def _write_job(recipe_args: list[str], *, in_process: bool = False) -> Path:
+    """python -m lorakit.slurm for 2 nodes x 1 GPU, as docs/multinode.md shows it (or its main() in this
+    process, which saves an interpreter's start); the script's path."""
+    args = [str(RECIPES / "quickstart_causal.yaml"), *recipe_args, "--nodes", "2", "--gpus-per-node", "1"]
+    out = Path([a for a in recipe_args if a.startswith("output.dir=")][-1].split("=", 1)[1])
+    if in_process:
+        assert write_slurm_job([*args, "--time", "00:30:00"]) == 0
+        return out / "job.sbatch"
+    done = subprocess.run([sys.executable, "-m", "lorakit.slurm", *args, "--time", "00:30:00"], env=_env(),
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == str(out / "job.sbatch"), done.stderr
+    return out / "job.sbatch"
+
+
+def _wait_for(predicate, proc: subprocess.Popen, what: str, limit: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            out = finish_group(proc, 5).stdout
+            raise AssertionError(f"the job ended (or {limit} s passed) before {what}:\n{out[-6000:]}")
+        time.sleep(0.2)
+
+
+def test_slurm_job_preflights_is_requeued_on_sigterm_and_resumes_like_one_run(
+    job, cache_dir, tmp_path, slurm_bin
+):
+    """The generated job.sbatch run as Slurm would, on two "nodes" of one process: the preflight passes, a
+    SIGTERM to the job while it trains leads to a checkpoint, exit 75 and `scontrol requeue`; the requeued
+    job (same id, SLURM_RESTART_COUNT=1) resumes in the same run directory and ends as the one-node run of
+    the same recipe does (losses and adapter to 1e-6)."""
+    out = tmp_path / "slurm-run"
+    script = _write_job(_overrides(job["source"], cache_dir, out))
+    # The command writes the script and nothing else; the plan for 2 x 1 heads it.
+    assert [p.name for p in out.iterdir()] == ["job.sbatch"]
+    text = script.read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --signal=B:USR1@300",
+                 "#SBATCH --requeue", "#SBATCH --time=00:30:00", "# hardware: 2 node(s) x 1 GPU(s)"):  # fmt: skip
+        assert line in text, line
+    record, hold, port = tmp_path / "slurm-record", tmp_path / "go", free_port()
+    # Rank 0 waits before its first step until `go` exists (faults/sitecustomize.py): the SIGTERM is sent
+    # while the job is known to be training.
+    env = _slurm_env(
+        slurm_bin, record, port, PYTHONPATH=f"{FAULTS}{os.pathsep}{ROOT}", LORAKIT_HOLD_UNTIL=str(hold)
+    )
+    logs = out / "logs" / "attempt-0"
+    proc = start_group(["bash", str(script)], env, ROOT, merge_stderr=True)
+    try:
+        _wait_for(Path(f"{hold}.waiting").exists, proc, "rank 0 started training")
+        os.kill(proc.pid, signal.SIGTERM)  # Slurm's SIGTERM (preemption, scancel) to the batch script
+        asked = "asking the ranks to checkpoint and stop"
+        node_logs = [logs / f"node-{n}.log" for n in NODES.split(",")]
+        _wait_for(lambda: all(asked in p.read_text() for p in node_logs), proc, "both launchers passed it on")
+        hold.touch()
+        first = finish_group(proc, TIMEOUT)
+    finally:
+        kill_group(proc)
+    assert first.returncode == 75, first.stdout[-6000:]
+    assert record.read_text() == f"requeue {JOB_ID}\n"
+    ckpt = complete_checkpoints(out)[-1]
+    assert ckpt.state["reason"] == "preempted" and 1 <= ckpt.step < 3
+    # The preflight ran first, on both nodes, with the all_reduce across them.
+    assert "1: preflight: node 1 (127.0.0.2): every check passed" in first.stdout
+    report = rundir.read_json_if_exists(logs / "preflight" / "doctor.json")
+    assert report["ok"], report
+    (reduce,) = [c for c in report["checks"] if c["name"] == "all_reduce across nodes"]
+    assert reduce["status"] == "pass" and reduce["data"]["world"] == 2
+    # Logs per node (srun --output) and per rank (torchrun's tee); each node's launcher ran torchrun with
+    # its node rank and the job's rendezvous.
+    for n, log in enumerate(node_logs):
+        assert f"--node-rank={n} --master-addr=127.0.0.1 --master-port={port}" in log.read_text()
+    assert len(list(logs.glob("node-*/job-4242_*/attempt_0/0/stdout.log"))) == 2
+
+    # Slurm starts the requeued job: the same script, the same job id, SLURM_RESTART_COUNT=1.
+    env = _slurm_env(slurm_bin, record, free_port(), SLURM_RESTART_COUNT="1")
+    (second,) = _run_together([["bash", str(script)]], env)
+    assert second.returncode == 0, second.stdout[-6000:]
+    assert "lorakit: exit code 0" in second.stdout and record.read_text() == f"requeue {JOB_ID}\n"
+    assert rundir.read_summary(out)["resumed_from"]["step"] == ckpt.step
+    assert (out / "logs" / "attempt-1" / "preflight" / "doctor.json").is_file()
+    _assert_same_run(out, job["reference"])
+    assert not (out / LOCK).exists()
+
+
+def test_slurm_preflight_stops_the_job_in_seconds_naming_the_node_when_the_port_is_closed(
+    cache_dir, tmp_path, slurm_bin
+):
+    """The rendezvous port is closed: another socket holds it without listening, so node 0 cannot open it
+    and connections to it are refused. The job stops at the preflight (exit code 3) within a minute, naming
+    the node and the cause, before anything is trained."""
+    out = tmp_path / "closed"
+    script = _write_job([f"data.cache_dir={cache_dir}", f"output.dir={out}"], in_process=True)
+    with socket.socket() as blocker:
+        blocker.bind(("0.0.0.0", 0))
+        port = blocker.getsockname()[1]
+        start = time.monotonic()
+        (done,) = _run_together([["bash", str(script)]], _slurm_env(slurm_bin, tmp_path / "record", port))
+        took = time.monotonic() - start
+    assert done.returncode == 3, done.stdout[-6000:]
+    assert took < 60, took
+    assert f"node 0 (127.0.0.1) could not open the rendezvous port {port}" in done.stdout
+    assert "address already in use" in done.stdout and "set MASTER_PORT" in done.stdout
+    assert "the preflight failed" in done.stdout and "nothing was trained" in done.stdout
+    # Nothing of a run: no training step was started, no weights loaded.
+    assert sorted(p.name for p in out.iterdir()) == ["job.sbatch", "logs"]
+    assert not (tmp_path / "record").exists()

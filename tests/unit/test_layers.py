@@ -56,6 +56,8 @@ FLOORS = {
     # The doctor's own command line sits with the other CLIs.
     "lorakit.doctor.cli": 11,
     "lorakit.doctor.__main__": 11,
+    # The Slurm job writer and its per-node launcher (docs/multinode.md#slurm).
+    "lorakit.slurm": 11,
 }
 
 # Arrows up a floor and circles that other parts of issue 43 remove; each names the area whose change
