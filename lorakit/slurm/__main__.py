@@ -69,6 +69,9 @@ def _write(args: argparse.Namespace, raw: list[str]) -> int:
     run_dir = Path(recipe.output.dir).expanduser().resolve()
     if run_dir.exists() and not run_dir.is_dir():
         raise LorakitError(f"output.dir {run_dir} exists and is not a directory")
+    # The job's script, logs and Slurm's output live in the run directory: it must be one a run may write
+    # into (new, empty or lorakit's own), and it is marked as lorakit's before anything is written there.
+    rundir.check_trusted(run_dir)
     overrides = [o for o in args.overrides if not o.startswith(("distributed.num_processes=", "output.dir="))]
     job = JobSpec(
         recipe=str(Path(args.recipe).resolve()),
@@ -90,7 +93,8 @@ def _write(args: argparse.Namespace, raw: list[str]) -> int:
         command=shlex.join(["python", "-m", "lorakit.slurm", *raw]),
     )
     path = run_dir / SCRIPT
-    run_dir.mkdir(parents=True, exist_ok=True)  # the script only: the run writes the rest
+    run_dir.mkdir(parents=True, exist_ok=True)  # the marker and the script only: the run writes the rest
+    rundir.mark(run_dir)
     rundir.write_text(path, render(job))
     print(path)
     if sbatch is None:

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from lorakit import rundir
 from lorakit.doctor import network
 from lorakit.doctor.nodes import NodeFailure, reach
 from lorakit.slurm.__main__ import main
@@ -50,6 +51,19 @@ def test_bad_input_is_exit_2_naming_it_and_writes_nothing(tmp_path, capsys, extr
     assert not (tmp_path / "run").exists()
 
 
+def test_a_folder_that_is_not_a_run_directory_is_refused_and_a_new_one_is_marked(tmp_path, capsys):
+    project = tmp_path / "run"
+    (project / "model").mkdir(parents=True)  # a project's own package: the job's runs would write here
+    assert main(_args(tmp_path, "--nodes", "2", "--gpus-per-node", "8")) == 2
+    assert "is not a lorakit run directory" in capsys.readouterr().err
+    assert sorted(p.name for p in project.iterdir()) == ["model"]
+    (project / "model").rmdir()
+    assert main(_args(tmp_path, "--nodes", "2", "--gpus-per-node", "8")) == 0
+    # The script's folder is lorakit's: the job's run (and a second generation) may write there.
+    assert rundir.check_trusted(project) == "marked"
+    assert main(_args(tmp_path, "--nodes", "2", "--gpus-per-node", "8")) == 0
+
+
 def test_submit_hands_the_script_to_sbatch(tmp_path, monkeypatch, capsys):
     record = tmp_path / "sbatch-args"
     sbatch = tmp_path / "bin" / "sbatch"
@@ -74,7 +88,10 @@ def test_submit_hands_the_script_to_sbatch(tmp_path, monkeypatch, capsys):
     script = tmp_path / "run" / "job.sbatch"
     assert capsys.readouterr().out.splitlines() == [str(script), "Submitted batch job 77"]
     assert record.read_text().split() == [str(script)]
-    assert [p.name for p in (tmp_path / "run").iterdir()] == ["job.sbatch"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [
+        ".lorakit-run",
+        "job.sbatch",
+    ]  # marker, script
     text = script.read_text()
     for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
                  "#SBATCH --account=proj", "#SBATCH --cpus-per-task=64", "  distributed.num_processes=8", "  train.lr=2e-4",
