@@ -20,13 +20,19 @@ import datasets
 import numpy as np
 
 from lorakit.data.rows import COLUMNS_DOC, MESSAGES, SHAREGPT, RowCollector, RowLocator, SourceRows
+from lorakit.data.source_files import SUFFIXES as _SUFFIXES
+from lorakit.data.source_files import (
+    hub_revision,
+    resolve_local_source,
+    sharded,
+    split_data_files,
+    split_files,
+)
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
 
 # The column that names each example's source in a dataset mixture (lorakit.data.mixture); tokenizing keeps it.
 SOURCE = "source"
-# Suffixes a local source may have, in the order a directory is searched for {split}{suffix}.
-_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 # Where the documentation explains over-long examples (printed after the error by the CLIs).
 OVERLONG_DOC = "docs/data.md#over-long-examples-dataoverlong"
 
@@ -44,97 +50,6 @@ def table_label_names(data: DataSection, features: datasets.Features | None) -> 
             doc=COLUMNS_DOC,
         )
     return list(data.label_names)
-
-
-def resolve_local_source(source: str) -> Path | None:
-    """The local path behind `source` (a file, a directory or `builtin:NAME`), or None for a hub id."""
-    if source.startswith("builtin:"):
-        from lorakit.data.samples import builtin_dataset_dir
-
-        return builtin_dataset_dir(source.removeprefix("builtin:"))
-    path = Path(source).expanduser()
-    if path.exists():
-        return path.resolve()
-    if source.startswith((".", "/", "~")) or Path(source).suffix in _SUFFIXES:
-        raise DataError(f"data.source: no such file or directory: {source}")
-    return None
-
-
-def _globbed(base: Path, pattern: str) -> list[Path]:
-    path = Path(pattern).expanduser()
-    path = path if path.is_absolute() else base / path
-    if any(ch in pattern for ch in "*?["):
-        found = sorted(p for p in Path(path.anchor).glob(str(path.relative_to(path.anchor))) if p.is_file())
-    else:
-        found = [path] if path.is_file() else []
-    if not found:
-        raise DataError(f"data.data_files: {pattern!r} matches no file (relative to {base})")
-    return found
-
-
-def _split_data_files(data: DataSection, split: str) -> list[str] | None:
-    """data.data_files' patterns for `split` (None: the split is not there)."""
-    given = data.data_files
-    if isinstance(given, dict):
-        value = given.get(split)
-        return None if value is None else [value] if isinstance(value, str) else list(value)
-    if split != "train":
-        return None
-    return [given] if isinstance(given, str) else list(given)
-
-
-def _sharded(path: Path, split: str) -> list[Path]:
-    """A directory's shards of one split: {split}/*.ext, or {split}-*.ext at any depth (the hub's layout,
-    data/train-00000-of-00004.parquet)."""
-    for pattern in (f"{split}/*", f"**/{split}-*", f"**/{split}.*"):
-        found = sorted(p for p in path.glob(pattern) if p.is_file() and p.suffix in _SUFFIXES)
-        if found:
-            return found
-    return []
-
-
-def split_files(data: DataSection, split: str) -> list[Path] | None:
-    """The local files holding one split (data.data_files, the file itself, a directory's {split}.ext or
-    its shards); None for a hub dataset."""
-    local = resolve_local_source(data.source)
-    if data.data_files is not None and (local is not None and local.is_dir()):
-        patterns = _split_data_files(data, split)
-        if patterns is None:
-            raise DataError(f"data.data_files names no file for split {split!r}")
-        files = [f for p in patterns for f in _globbed(local, p)]
-    elif local is None:
-        return None
-    elif local.is_file():
-        if split != "train":
-            raise DataError(
-                f"data.source is a single file, which holds only the 'train' split; split {split!r} needs "
-                "a directory with one {split}.jsonl (or .json/.csv/.parquet) file per split"
-            )
-        files = [local]
-    else:
-        files = [local / f"{split}{s}" for s in _SUFFIXES if (local / f"{split}{s}").is_file()][:1]
-        files = files or _sharded(local, split)
-        if not files:
-            raise DataError(
-                f"data.source: directory {local} has no {split}.jsonl/.json/.csv/.parquet (nor shards "
-                f"{split}/*.parquet or {split}-*.parquet) for split {split!r}"
-            )
-    for f in files:
-        if f.suffix not in _SUFFIXES:
-            raise DataError(f"data.source: unsupported file type {f.suffix!r} ({f}); use {sorted(_SUFFIXES)}")
-    return files
-
-
-def hub_revision(data: DataSection) -> str:
-    """The commit data.revision (default: the main branch) of a hub dataset resolves to, or the revision as
-    given when the hub cannot be asked (offline): part of the token cache key."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-
-    try:
-        return HfApi().dataset_info(data.source, revision=data.revision, timeout=10).sha or str(data.revision)
-    except (OSError, ValueError, HfHubHTTPError, OfflineModeIsEnabled):
-        return f"unresolved:{data.revision}"
 
 
 def source_fingerprint(data: DataSection, split: str) -> str:
@@ -202,7 +117,7 @@ def _read_csv(path: Path, rows: RowCollector) -> None:
     # ever raised, never lowered, so other users of the module keep at least the limit they had.
     csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))
     with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.DictReader(f)
+        reader = csv.DictReader(f, strict=True)
         try:
             rows.check_columns(reader.fieldnames or [])
             rows.seen.update(reader.fieldnames or [])
@@ -212,7 +127,8 @@ def _read_csv(path: Path, rows: RowCollector) -> None:
                 except StopIteration:
                     return
                 except csv.Error as e:
-                    rows.add(reader.line_num, None, f"not valid CSV: {e}")
+                    # DictReader's own line_num is updated only after a good row: ask its reader.
+                    rows.add(reader.reader.line_num, None, f"not valid CSV: {e}")
                     continue
                 if None in row:
                     n = len(reader.fieldnames or [])
@@ -346,11 +262,11 @@ def has_split(data: DataSection, split: str) -> bool:
     local = resolve_local_source(data.source)
     if local is not None:
         if data.data_files is not None and local.is_dir():
-            return _split_data_files(data, split) is not None
+            return split_data_files(data, split) is not None
         if not local.is_dir():
             return False
         return any((local / f"{split}{suffix}").is_file() for suffix in _SUFFIXES) or bool(
-            _sharded(local, split)
+            sharded(local, split)
         )
     try:
         return split in datasets.get_dataset_split_names(data.source, data.config, revision=data.revision)
