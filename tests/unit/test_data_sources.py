@@ -206,3 +206,25 @@ def test_conversational_pairs_render_through_the_template(cache_dir, tmp_path):
     assert tok.decode(data.train[0]["prompt_ids"]) == tok.apply_chat_template(
         [{"role": "user", "content": "Where did the storm hit?"}], tokenize=False, add_generation_prompt=True
     )
+
+
+def test_prepare_show_prints_rows_with_the_loss_tokens_marked(cache_dir, tmp_path, capsys):
+    import yaml
+
+    from lorakit.prepare import main
+    from tests.conftest import tiny_recipe_dict
+
+    conv = [{"from": "human", "value": "Where did the storm hit?"}, {"from": "gpt", "value": "Around Cairo."}]
+    data = {"source": _jsonl(tmp_path / "sg.jsonl", [{"conversations": conv}] * 2), "format": "chat"}
+    raw = tiny_recipe_dict(
+        cache_dir,
+        tmp_path / "run",
+        model={"name_or_path": "tiny:llama"},
+        data={**data, "eval_split": None, "max_samples": None},
+        eval={"generate": False},
+    )
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    assert main([str(tmp_path / "r.yaml"), "--show", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "--- row 0 of 2:" in out and "--- row 1" not in out
+    assert "<|user|>\nWhere did the storm hit?</s>\n<|assistant|>\n⟦Around Cairo.</s>\n⟧" in out
