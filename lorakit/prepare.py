@@ -21,8 +21,8 @@ def main(argv: list[str] | None = None) -> int:
 def _prepare(args: argparse.Namespace) -> int:
     """Tokenize and cache the recipe's data; print what was prepared (and rows, with --show)."""
     # Not lorakit.prepare: importing this module makes that name the module, not the function.
-    from lorakit.recipe import load_recipe
     from lorakit.preflight import prepare
+    from lorakit.recipe import load_recipe
 
     quiet_libraries()
     recipe = load_recipe(args.recipe, args.overrides)
