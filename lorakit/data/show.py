@@ -36,11 +36,8 @@ def show_rows(train, tokenizer, n: int, encoder_decoder: bool) -> str:
                     ids = list(prompt) + list(response)
                     text = marked(tokenizer, ids, [False] * len(prompt) + [True] * len(response))
                 parts.append(f"{key.removesuffix('_ids')}:\n{text}")
-            body, tokens, loss = (
-                "\n".join(parts),
-                len(prompt),
-                len(row["chosen_ids"]) + len(row["rejected_ids"]),
-            )
+            body, loss = "\n".join(parts), len(row["chosen_ids"]) + len(row["rejected_ids"])
+            tokens = row.get("length") or len(prompt) + loss  # the pair's two sequences
         elif encoder_decoder:
             labels = row["labels"]
             body = f"source: {tokenizer.decode(row['input_ids'])}\ntarget: {marked(tokenizer, labels, [True] * len(labels))}"
