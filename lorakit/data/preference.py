@@ -241,6 +241,11 @@ def prepare_preference(recipe: Recipe, tokenizer, model_config) -> PreparedData:
     """Load, tokenize, cap and cache the recipe's preference pairs (train and eval), or reuse the cache."""
     data = recipe.data
     enc_dec = bool(getattr(model_config, "is_encoder_decoder", False))
+    if data.format == "alpaca":
+        raise DataError(
+            "data.format alpaca: preference pairs are (prompt, chosen, rejected); use data.format instruction "
+            "(a text prompt through data.prompt_template) or chat (the prompt as text or messages)"
+        )
     if enc_dec and data.format != "instruction":
         raise DataError(
             f"data.format {data.format}: encoder-decoder models (T5 family) take a text prompt; set "
