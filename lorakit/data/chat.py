@@ -183,31 +183,31 @@ class ChatTurns:
         and after one, both mid-conversation and last; "" where a probe cannot tell."""
         if self._shape is None:
             self._shape = ("", "")
-            u1, a1, u2 = "lkprobeuserone", "lkprobeanswer", "lkprobeusertwo"
-            try:
-                asked = self.render([{"role": "user", "content": u1}], False)
-                header = self.render([{"role": "user", "content": u1}], True)
-                last = self.render(
-                    [{"role": "user", "content": u1}, {"role": "assistant", "content": a1}], False
-                )
-                mid = self.render(
-                    [
-                        {"role": "user", "content": u1},
-                        {"role": "assistant", "content": a1},
-                        {"role": "user", "content": u2},
-                    ],
-                    False,
-                )
-            except TemplateFailed:
-                return self._shape
-            head = header[len(asked) :] if header.startswith(asked) else ""
-            tail_last = last[last.find(a1) + len(a1) :] if a1 in last else ""
-            tail_mid = mid[mid.find(a1) + len(a1) : mid.find(u2)] if a1 in mid and u2 in mid else ""
-            n = 0
-            while n < min(len(tail_last), len(tail_mid)) and tail_last[n] == tail_mid[n]:
-                n += 1
-            self._shape = (head, tail_last[:n])
+            # Some templates refuse a conversation without a system message: probe with one then.
+            for lead in ([], [{"role": "system", "content": "lkprobesystem"}]):
+                found = self._probe(lead)
+                if found is not None:
+                    self._shape = found
+                    break
         return self._shape
+
+    def _probe(self, lead: list[dict]) -> tuple[str, str] | None:
+        u1, a1, u2 = "lkprobeuserone", "lkprobeanswer", "lkprobeusertwo"
+        user, answer = {"role": "user", "content": u1}, {"role": "assistant", "content": a1}
+        try:
+            asked = self.render([*lead, user], False)
+            header = self.render([*lead, user], True)
+            last = self.render([*lead, user, answer], False)
+            mid = self.render([*lead, user, answer, {"role": "user", "content": u2}], False)
+        except TemplateFailed:
+            return None
+        head = header[len(asked) :] if header.startswith(asked) else ""
+        tail_last = last[last.find(a1) + len(a1) :] if a1 in last else ""
+        tail_mid = mid[mid.find(a1) + len(a1) : mid.find(u2)] if a1 in mid and u2 in mid else ""
+        n = 0
+        while n < min(len(tail_last), len(tail_mid)) and tail_last[n] == tail_mid[n]:
+            n += 1
+        return head, tail_last[:n]
 
     def spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int, int | None]]]:
         """(the whole rendering, [(start char, end char, message index or None)]) of the assistant turns."""

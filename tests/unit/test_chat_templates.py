@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from lorakit.data import prepare_data
-from lorakit.data.chat import IGNORE_INDEX, ChatTurns, normalize_messages
+from lorakit.data.chat import IGNORE_INDEX, ChatTurns, normalize_messages, use_template
 from lorakit.errors import DataError
 from tests.unit.test_causal_data import CONVERSATION, _jsonl, _labelled_spans, _load
 
@@ -222,3 +222,16 @@ def _with_template(tiny, template):
     recipe, tok, config = tiny
     data = recipe.data.model_copy(update={"chat_template": template})
     return recipe.model_copy(update={"data": data}), tok, config
+
+
+def test_a_template_that_needs_a_system_message_still_learns_its_turn_end(tiny):
+    _, tok, _ = tiny
+    template = (
+        "{% if messages[0].role != 'system' %}{{ raise_exception('a system message comes first') }}{% endif %}"
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
+    ids, labels = ChatTurns(use_template(tok, template)).labels(CONVERSATION, train_on_inputs=False)
+    spans = _labelled_spans(tok, {"input_ids": ids, "labels": labels})
+    # (the space after "[assistant]" is inside the first answer token, which belongs to the turn)
+    assert spans == [" Around Cairo, 45 villages.<|end|>\n", " 136 kilometres per hour.<|end|>\n"]
