@@ -68,8 +68,9 @@ def merge_after_training(recipe: Recipe, result: TrainResult) -> TrainResult:
     return TrainResult(result.run_dir, summary)
 
 
-def train(recipe: Recipe) -> TrainResult:
-    """Train `recipe` and return its run directory and summary.
+def train(recipe: Recipe, train_dataset=None, eval_dataset=None) -> TrainResult:
+    """Train `recipe` and return its run directory and summary. `train_dataset` / `eval_dataset`
+    (datasets.Dataset) replace data.source's rows (lorakit.data.source_files.with_datasets).
 
     Inside a launched group (torchrun, deepspeed) or for a 1-process recipe this trains in-process.
     A recipe asking for more processes than this one is validated here (its data included, so bad input
@@ -80,6 +81,10 @@ def train(recipe: Recipe) -> TrainResult:
     under a launcher that is not lorakit's; it is held until the job, merge included, is over. See
     docs/resume.md#one-run-directory-one-writer.
     """
+    if train_dataset is not None:
+        from lorakit.data.source_files import with_datasets
+
+        recipe = with_datasets(recipe, train_dataset, eval_dataset)
     if recipe.method.quantization():
         from lorakit.model.quantize import require_bitsandbytes
 

@@ -1,4 +1,5 @@
-"""python -m lorakit.prepare RECIPE [KEY=VALUE ...]: tokenize and cache a recipe's data, no GPU needed."""
+"""python -m lorakit.prepare RECIPE [KEY=VALUE ...] [--show N]: tokenize and cache a recipe's data, no GPU
+needed; --show N prints the first N training rows as the model sees them, the tokens in the loss marked."""
 
 from __future__ import annotations
 
@@ -10,16 +11,30 @@ from lorakit.cli import quiet_libraries, recipe_parser, run_cli
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m lorakit.prepare`."""
-    return run_cli(_prepare, recipe_parser("python -m lorakit.prepare", __doc__).parse_args(argv))
+    parser = recipe_parser("python -m lorakit.prepare", __doc__)
+    parser.add_argument(
+        "--show", type=int, default=0, metavar="N", help="print N training rows with the loss tokens marked"
+    )
+    return run_cli(_prepare, parser.parse_args(argv))
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    """Tokenize and cache the recipe's data; print what was prepared."""
-    import lorakit
+    """Tokenize and cache the recipe's data; print what was prepared (and rows, with --show)."""
+    # Not lorakit.prepare: importing this module makes that name the module, not the function.
+    from lorakit.preflight import prepare
+    from lorakit.recipe import load_recipe
 
     quiet_libraries()
-    data = lorakit.prepare(lorakit.load_recipe(args.recipe, args.overrides))
+    recipe = load_recipe(args.recipe, args.overrides)
+    data = prepare(recipe)
     print(data.describe())
+    if args.show > 0:
+        from lorakit.data.show import show_rows
+        from lorakit.model.source import load_config, load_tokenizer
+
+        source, config = load_config(recipe)
+        encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+        print(show_rows(data.train, load_tokenizer(recipe, source), args.show, encoder_decoder))
     return 0
 
 

@@ -48,6 +48,8 @@ class FakeHub:
     commits: list[Commit] = field(default_factory=list)
     requests: list[tuple[str, str, dict, object]] = field(default_factory=list)
     lfs_uploads: list[str] = field(default_factory=list)  # oids PUT, in order
+    # Dataset repositories: {repo id: {revision: commit sha}} (GET /api/datasets/{repo}/revision/{rev}).
+    datasets: dict[str, dict[str, str]] = field(default_factory=dict)
     drop_next_commit: bool = False  # close the connection of the next commit request without answering
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -120,6 +122,13 @@ class _Handler(BaseHTTPRequestHandler):
                     200, {"id": repo_id, "sha": "0" * 40, "private": self.hub.repos[repo_id].private}
                 )
             return self._error(404, "Repository not found")
+        if path.startswith("/api/datasets/"):
+            parts = path.split("/")
+            repo_id, revision = "/".join(parts[3:5]), "/".join(parts[6:]) or "main"
+            sha = self.hub.datasets.get(repo_id, {}).get(revision)
+            if sha is None:
+                return self._error(404, "Repository or revision not found")
+            return self._send(200, {"id": repo_id, "sha": sha, "private": False, "siblings": []})
         self._error(404, f"no fake for GET {path}")
 
     def do_PUT(self):

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 import datasets
-import jinja2
 import numpy as np
 
-from lorakit.data.rows import BAD_ROWS_DOC, MAX_QUOTED, RowLocator, SourceRows
+from lorakit.data.chat import IGNORE_INDEX, ChatTurns, TemplateFailed, normalize_messages, read_messages
+from lorakit.data.rows import BAD_ROWS_DOC, MAX_QUOTED, SourceRows
 from lorakit.data.sources import OVERLONG_DOC, SOURCE
 from lorakit.data.templates import render_prompt, render_target, rows_of
 from lorakit.data.tokenize import Lengths, longest, map_processes
@@ -25,8 +25,7 @@ from lorakit.recipe.schema import DataSection, Recipe
 # data.overlong policy (counted, reported); transformers' "Token indices sequence length is longer than the
 # specified maximum" line would only alarm the user about what lorakit handles (see data/tokenize.py).
 
-# Same value as lorakit.data.collate.IGNORE_INDEX (not imported: that module pulls in torch).
-IGNORE_INDEX = -100
+__all__ = ["IGNORE_INDEX", "ChatTurns", "TemplateFailed", "chat_prompt", "prepare_causal", "tokenize_causal"]
 
 _IDS = datasets.List(datasets.Value("int32"))
 FEATURES = datasets.Features(
@@ -48,8 +47,8 @@ def check_tokenizer(data: DataSection, tokenizer) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise DataError(
                 "data.format chat: the model's tokenizer has no chat template (tokenizer.chat_template is "
-                "unset), so messages cannot be rendered; use a tokenizer that ships one (an instruct/chat "
-                "checkpoint), or put the text in a column and use data.format instruction or completion"
+                "unset), so messages cannot be rendered; give one in data.chat_template (the Jinja text or a "
+                "file), use a tokenizer that ships one, or use data.format instruction or completion"
             )
     elif tokenizer.eos_token_id is None:
         raise DataError(
@@ -73,84 +72,14 @@ def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
     return prompts
 
 
-class TemplateFailed(DataError):
-    """The chat template refused one conversation (e.g. roles that do not alternate): a bad row."""
-
-
-class ChatTurns:
-    """Renders one conversation and finds the token span of each assistant turn."""
-
-    def __init__(self, tokenizer, where: str):
-        self.tok, self.where = tokenizer, where
-
-    def render(self, messages: list[dict], generation_prompt: bool) -> str:
-        try:
-            return self.tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation_prompt
-            )
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
-            raise TemplateFailed(f"{self.where}: the chat template failed: {e}") from e
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False, verbose=False)["input_ids"]
-
-    def not_prefix_stable(self, turn: int) -> DataError:
-        return DataError(
-            f"data.messages_column: {self.where}: the tokenizer's chat template is not prefix-stable: "
-            f"rendering the conversation up to message {turn} does not give a prefix of the whole "
-            "conversation's rendering (the template rewrites earlier turns, e.g. strips reasoning from "
-            "past assistant messages), so the assistant tokens cannot be located; use a prefix-stable "
-            "template, or data.format instruction with the prompt and response in two columns"
-        )
-
-    def labels(self, messages: list[dict], train_on_inputs: bool) -> tuple[list[int], list[int]]:
-        """(input_ids, labels) of the conversation, labels set on assistant turns only (or everywhere)."""
-        full = self.render(messages, generation_prompt=False)
-        if getattr(self.tok, "is_fast", False):
-            enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-        else:  # a Python (slow) tokenizer has no character offsets: compare token prefixes instead
-            enc = self.tok(full, add_special_tokens=False, verbose=False)
-        offsets = enc.get("offset_mapping")
-        ids = list(enc["input_ids"])
-        if train_on_inputs:
-            return ids, list(ids)
-        labels = [IGNORE_INDEX] * len(ids)
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before = self.render(messages[:i], generation_prompt=True)
-            through = self.render(messages[: i + 1], generation_prompt=False)
-            if not (full.startswith(before) and full.startswith(through) and len(through) >= len(before)):
-                raise self.not_prefix_stable(i)
-            if offsets is not None:
-                # A token straddling a boundary belongs to the assistant turn (trained), at either end.
-                start = sum(1 for _, end in offsets if end <= len(before))
-                stop = sum(1 for begin, _ in offsets if begin < len(through))
-            else:
-                start, stop = len(self.encode(before)), len(self.encode(through))
-                if ids[:start] != self.encode(before) or ids[:stop] != self.encode(through):
-                    raise self.not_prefix_stable(i)
-            labels[start:stop] = ids[start:stop]
-        return ids, labels
-
-    def prompt(self, messages: list[dict]) -> tuple[list[int], str]:
-        """(prompt_ids, reference): the conversation before its last assistant turn, and that turn."""
-        reference = messages[-1]["content"] if messages[-1]["role"] == "assistant" else ""
-        return self.encode(self.prompt_text(messages)), reference
-
-    def prompt_text(self, messages: list[dict]) -> str:
-        """What generation continues: the conversation before its last assistant turn, rendered with the
-        template's generation prompt."""
-        if messages[-1]["role"] == "assistant":
-            messages = messages[:-1]
-        return self.render(messages, generation_prompt=True)
-
-
 def chat_prompt(tokenizer, messages: list[dict], where: str) -> tuple[str, list[int]]:
     """(text, token ids) that generation continues for a conversation, as training's eval prompts are made
     (lorakit.data.causal); TemplateFailed (a DataError naming `where`) when the template refuses it."""
+    normal, problem = normalize_messages(messages, None, {})
+    if problem:
+        raise TemplateFailed(f"{where}: {problem}")
     chat = ChatTurns(tokenizer, where)
-    text = chat.prompt_text(messages)
+    text = chat.prompt_text(normal)
     return text, chat.encode(text)
 
 
@@ -193,8 +122,9 @@ def tokenize_causal(
 
     def chat(batch, first: int) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "labels": [], "prompt_ids": [], "reference": [], "_bad": []}
-        for k, messages in enumerate(batch[data.messages_column]):
-            conv = ChatTurns(tokenizer, where(first + k))
+        conv = ChatTurns(tokenizer)
+        for k, stored in enumerate(batch[data.messages_column]):
+            conv.where, messages = where(first + k), read_messages(stored)
             try:
                 ids, labels = conv.labels(messages, data.train_on_inputs)
                 prompt, reference = conv.prompt(messages)
@@ -250,10 +180,8 @@ def drop_refused(ds: datasets.Dataset, source: SourceRows) -> tuple[datasets.Dat
             f"e.g. {reasons[refused[0]]}",
             doc=BAD_ROWS_DOC,
         )
-    where = source.where
-    positions = where.positions[keep] if where.positions is not None else keep
     quoted = source.quoted + [reasons[i] for i in refused][: max(MAX_QUOTED - len(source.quoted), 0)]
-    located = RowLocator(where.origin, where.unit, positions)
+    located = source.where.take(keep)
     return ds.select(keep), SourceRows(source.rows, located, source.skipped + len(refused), quoted)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import datasets
 import numpy as np
 
-from lorakit.data.rows import SourceRows
+from lorakit.data.rows import ALPACA_PROMPT, ALPACA_TARGET, SourceRows
 from lorakit.data.sources import SOURCE, eval_source, load_split, split_holdout, subset
 from lorakit.data.templates import render_prompt, render_target
 from lorakit.errors import DataError
@@ -39,6 +39,7 @@ def mixed_view(data: DataSection) -> DataSection:
     return data.model_copy(
         update={
             "source": "(mixture)",
+            "format": "instruction" if data.format == "alpaca" else data.format,
             "input_column": PROMPT,
             "prompt_template": "{input}",
             "target_column": TARGET,
@@ -91,6 +92,8 @@ def _canonical(data: DataSection, rows: datasets.Dataset, name: str) -> datasets
             items = [{c: batch[c][i] for c in cols} for i in range(n)]
             out[PROMPT] = [render_prompt(data, r) for r in items]
             out[TARGET] = [render_target(data, r) for r in items]
+        elif data.format == "alpaca":
+            out[PROMPT], out[TARGET] = batch[ALPACA_PROMPT], batch[ALPACA_TARGET]
         elif data.format == "completion":
             out[TEXT] = batch[data.text_column]
         else:

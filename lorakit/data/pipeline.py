@@ -11,12 +11,22 @@ from pathlib import Path
 
 from lorakit.data import cache
 from lorakit.data.causal import prepare_causal
+from lorakit.data.chat import use_template
 from lorakit.data.prepared import PreparedData, bad_rows_stats
-from lorakit.data.rows import SourceRows
+from lorakit.data.rows import ALPACA_PROMPT, ALPACA_TARGET, SourceRows
 from lorakit.data.sources import eval_source, load_split, source_fingerprint, split_holdout
 from lorakit.data.tokenize import Lengths, model_max_length, prepare_seq2seq
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection, Recipe, data_parts
+
+
+def as_instruction(data: DataSection) -> DataSection:
+    """The data section tokenizers read for data.format alpaca: instruction rows of one rendered prompt
+    column and one target column (lorakit.data.rows turns every Alpaca row into them)."""
+    if data.format != "alpaca":
+        return data
+    update = {"format": "instruction", "input_column": ALPACA_PROMPT, "prompt_template": "{input}"}
+    return data.model_copy(update={**update, "target_column": ALPACA_TARGET, "target_template": None})
 
 
 def load_rows(data: DataSection, split_names: dict[str, str], held_out: bool) -> dict[str, SourceRows]:
@@ -32,7 +42,7 @@ def check_supported(recipe: Recipe, is_encoder_decoder: bool) -> None:
     """Reject data settings this model family cannot use (yet), naming the field."""
     if not is_encoder_decoder:
         return
-    if recipe.data.format != "instruction":
+    if recipe.data.format not in ("instruction", "alpaca"):
         raise DataError(
             f"data.format {recipe.data.format}: encoder-decoder models (T5 family) take (input, target) "
             "pairs; set data.format: instruction with data.input_column and data.target_column"
@@ -73,6 +83,7 @@ def prepare_data(recipe: Recipe, tokenizer, model_config) -> PreparedData:
     data = recipe.data
     enc_dec = bool(getattr(model_config, "is_encoder_decoder", False))
     check_supported(recipe, enc_dec)
+    tokenizer = use_template(tokenizer, data.chat_template)
     if isinstance(data.source, list):
         return _prepare_mixture(recipe, tokenizer, model_config)
     eval_split, held_out = eval_source(data) if recipe.eval_active() else (None, False)
@@ -84,10 +95,14 @@ def prepare_data(recipe: Recipe, tokenizer, model_config) -> PreparedData:
     model_max = model_max_length(tokenizer, model_config)
 
     raw = load_rows(data, split_names, held_out)
+    view = as_instruction(data)
     if enc_dec:
-        splits, lengths, stats = prepare_seq2seq(raw, data, tokenizer, model_max)
+        splits, lengths, stats = prepare_seq2seq(raw, view, tokenizer, model_max)
     else:
-        splits, lengths, stats = prepare_causal(raw, recipe, tokenizer, model_max)
+        splits, lengths, stats = prepare_causal(
+            raw, recipe.model_copy(update={"data": view}), tokenizer, model_max
+        )
+    stats["format"] = data.format
     stats["bad_rows"] = bad_rows_stats(data.on_bad_rows, raw)
     if eval_split:
         stats["eval_source"] = {"split": eval_split, "held_out": held_out, "rows": len(raw["eval"].rows)}

@@ -20,7 +20,8 @@ from typing import Any
 import datasets
 
 from lorakit.data import cache
-from lorakit.data.causal import ChatTurns, TemplateFailed, check_tokenizer, encode_prompts
+from lorakit.data.causal import check_tokenizer, encode_prompts
+from lorakit.data.chat import IGNORE_INDEX, ChatTurns, TemplateFailed, read_messages, use_template
 from lorakit.data.prepared import PreparedData, bad_rows_stats
 from lorakit.data.rows import MAX_QUOTED, SourceRows, required_columns
 from lorakit.data.sources import OVERLONG_DOC, eval_source, load_split, source_fingerprint, split_holdout
@@ -70,6 +71,7 @@ def _causal_pairs(src: SourceRows, recipe: Recipe, tokenizer) -> tuple[dict[str,
     rows = rows_of(src.rows.to_dict())
     out: dict[str, list] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "reference": []}
     refused: list[str] = []
+    columns = (dpo.chosen_column, dpo.rejected_column)
     if data.format != "chat":
         prompts = encode_prompts(tokenizer, [render_prompt(data, r) for r in rows])
         for column, key in ((dpo.chosen_column, "chosen_ids"), (dpo.rejected_column, "rejected_ids")):
@@ -78,27 +80,63 @@ def _causal_pairs(src: SourceRows, recipe: Recipe, tokenizer) -> tuple[dict[str,
             out[key] = [_with_eos(x, eos) for x in ids]
         out["prompt_ids"], out["reference"] = prompts, [r[dpo.chosen_column] for r in rows]
         return out, refused
+    chat = ChatTurns(tokenizer)
     for i, r in enumerate(rows):
-        chat = ChatTurns(tokenizer, src.where(i))
+        chat.where = src.where(i)
         try:
-            messages = r[data.messages_column]
-            prompt_text = chat.render(messages, generation_prompt=True)
-            responses = []
-            for column in (dpo.chosen_column, dpo.rejected_column):
-                full = chat.render([*messages, {"role": "assistant", "content": r[column]}], False)
-                if not full.startswith(prompt_text):
-                    raise chat.not_prefix_stable(len(messages))
-                responses.append(chat.encode(full[len(prompt_text) :]))
+            prompt, responses = chat_pair(
+                chat, read_messages(r[data.messages_column]), [read_messages(r[c]) for c in columns]
+            )
         except TemplateFailed as e:
             if data.on_bad_rows == "error":
                 raise
             refused.append(str(e))
             continue
-        out["prompt_ids"].append(chat.encode(prompt_text))
+        out["prompt_ids"].append(prompt)
         out["chosen_ids"].append(responses[0])
         out["rejected_ids"].append(responses[1])
-        out["reference"].append(r[dpo.chosen_column])
+        out["reference"].append(_last_text(read_messages(r[dpo.chosen_column])))
     return out, refused
+
+
+def _as_messages(value: str | list[dict], role: str) -> list[dict]:
+    return [{"role": role, "content": value}] if isinstance(value, str) else value
+
+
+def _last_text(value: str | list[dict]) -> str:
+    return value if isinstance(value, str) else (value[-1].get("content") or "")
+
+
+def chat_pair(
+    chat: ChatTurns, prompt: str | list[dict], responses: list[str | list[dict]]
+) -> tuple[list[int], list[list[int]]]:
+    """(prompt ids, [ids of each response]) of one preference row in chat form, the row builder every
+    preference objective shares (DPO's two responses, one for an unpaired objective).
+
+    `prompt` is text (one user turn) or messages; each response is text (one assistant turn) or messages.
+    Each response is rendered after the prompt as one conversation, and its assistant turns are located in
+    that rendering (lorakit.data.chat), so templates that rewrite earlier turns work too: the prompt's
+    tokens are those before the response's first turn, the response's those through its last turn. A
+    prompt that renders differently before the responses (or a turn not found) raises TemplateFailed."""
+    # The prompt's own assistant turns (a multi-turn prompt) are context, not response.
+    before = [{**m, "weight": 0} for m in _as_messages(prompt, "user")]
+    prompt_ids: list[int] | None = None
+    out = []
+    for response in responses:
+        messages = [*before, *_as_messages(response, "assistant")]
+        ids, labels = chat.labels(messages, train_on_inputs=False)
+        trained = [k for k, label in enumerate(labels) if label != IGNORE_INDEX]
+        if not trained:
+            raise TemplateFailed(f"{chat.where}: a response has no assistant turn to train on")
+        head, body = ids[: trained[0]], ids[trained[0] : trained[-1] + 1]
+        if prompt_ids is not None and head != prompt_ids:
+            raise TemplateFailed(
+                f"{chat.where}: the chat template renders the prompt differently before the chosen and the "
+                "rejected response, so they cannot share one prompt"
+            )
+        prompt_ids = head
+        out.append(body)
+    return prompt_ids or [], out
 
 
 def _seq2seq_pairs(src: SourceRows, recipe: Recipe, tokenizer) -> tuple[dict[str, list], list[str]]:
@@ -203,12 +241,18 @@ def prepare_preference(recipe: Recipe, tokenizer, model_config) -> PreparedData:
     """Load, tokenize, cap and cache the recipe's preference pairs (train and eval), or reuse the cache."""
     data = recipe.data
     enc_dec = bool(getattr(model_config, "is_encoder_decoder", False))
+    if data.format == "alpaca":
+        raise DataError(
+            "data.format alpaca: preference pairs are (prompt, chosen, rejected); use data.format instruction "
+            "(a text prompt through data.prompt_template) or chat (the prompt as text or messages)"
+        )
     if enc_dec and data.format != "instruction":
         raise DataError(
             f"data.format {data.format}: encoder-decoder models (T5 family) take a text prompt; set "
             "data.format: instruction with data.input_column (through data.prompt_template)"
         )
     if not enc_dec:
+        tokenizer = use_template(tokenizer, data.chat_template)
         check_tokenizer(data, tokenizer)
     eval_split, held_out = eval_source(data) if recipe.eval_active() else (None, False)
     split_names = {"train": data.split} | ({"eval": eval_split} if eval_split else {})

@@ -5,13 +5,17 @@ split with where each came from (SourceRows, RowLocator). lorakit.data.sources r
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import importlib
+import inspect
+import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
 import numpy as np
 
+from lorakit.data.chat import normalize_messages
 from lorakit.data.templates import prompt_columns, target_columns
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
@@ -30,12 +34,33 @@ def required_columns(data: DataSection) -> dict[str, str]:
         return {"data.text_column": data.text_column}
     if data.format == "chat":
         return {"data.messages_column": data.messages_column}
+    if data.format == "alpaca":
+        return {"data.format alpaca": "instruction", "data.format alpaca ": "output"}
     fields: dict[str, str] = {}  # column -> the field that names it first
     for p, column in prompt_columns(data).items():
         fields.setdefault(column, "data.input_column" if p == "input" else f"data.prompt_template {{{p}}}")
     for p, column in target_columns(data).items():
         fields.setdefault(column, "data.target_column" if p == "target" else f"data.target_template {{{p}}}")
     return {field: column for column, field in fields.items()}
+
+
+# Alpaca rows become one prompt and one target column (lorakit.data.mixture uses the same names).
+ALPACA_PROMPT, ALPACA_TARGET = "__prompt", "__target"
+# data.messages_column's default, and the column read instead when a source has none (ShareGPT's).
+MESSAGES, SHAREGPT = "messages", "conversations"
+_ALPACA = (
+    "Below is an instruction that describes a task{}. Write a response that appropriately completes the "
+    "request.\n\n### Instruction:\n{}\n\n{}### Response:\n"
+)
+
+
+def alpaca_prompt(row: dict) -> str:
+    """The standard Alpaca prompt of a row: with its `input` when it has a non-empty one, else without."""
+    given = row.get("input")
+    if isinstance(given, str) and given.strip():
+        context = ", paired with an input that provides further context"
+        return _ALPACA.format(context, row["instruction"], f"### Input:\n{given}\n\n")
+    return _ALPACA.format("", row["instruction"], "")
 
 
 def label_columns(data: DataSection) -> set[str]:
@@ -54,10 +79,21 @@ class RowLocator:
     unit: str
     # positions[i] is where row i is, in units; None when row i is simply at i.
     positions: np.ndarray | None = None
+    # A split read from several files: "FILE UNIT" of each, and the file of every row.
+    files: tuple[str, ...] | None = None
+    file_of: np.ndarray | None = None
 
     def __call__(self, i: int) -> str:
         position = int(self.positions[i]) if self.positions is not None else i
+        if self.files is not None and self.file_of is not None:
+            return f"{self.files[int(self.file_of[i])]} {position}"
         return f"{self.origin} {self.unit} {position}"
+
+    def take(self, indices: np.ndarray) -> RowLocator:
+        """The locator of the rows at `indices` (in that order)."""
+        positions = self.positions[indices] if self.positions is not None else np.asarray(indices)
+        file_of = self.file_of[indices] if self.file_of is not None else None
+        return RowLocator(self.origin, self.unit, positions, self.files, file_of)
 
 
 @dataclass
@@ -93,19 +129,34 @@ def text_problem(value: Any) -> str | None:
 
 
 def messages_problem(messages: Any) -> str | None:
-    """Why `messages` is not a non-empty list of {role, content} texts, or None when it is."""
-    if not isinstance(messages, list) or not messages:
-        return f"must be a non-empty list of {{role, content}} messages, got {type(messages).__name__}: {messages!r:.60}"
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict):
-            return f"message {j} is {type(m).__name__}, not a {{role, content}} mapping"
-        if not isinstance(m.get("role"), str) or not m["role"]:
-            return (
-                f"message {j} needs a text 'role', got {type(m.get('role')).__name__}: {m.get('role')!r:.60}"
-            )
-        if not isinstance(m.get("content"), str):
-            return f"message {j} needs a text 'content', got {type(m.get('content')).__name__}: {m.get('content')!r:.60}"
-    return None
+    """Why `messages` is not a conversation lorakit reads (normalize_messages, default layouts), or None."""
+    return normalize_messages(messages, None, {})[1]
+
+
+def load_transform(spec: str | None) -> Callable[[dict], dict | None] | None:
+    """The function data.transform names (`package.module:function`), imported; DataError when it is not."""
+    if spec is None:
+        return None
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise DataError(f"data.transform: cannot import {spec!r}: {e}") from e
+    if not callable(fn):
+        raise DataError(f"data.transform: {spec!r} is not a function")
+    return fn
+
+
+def transform_source(spec: str | None) -> str | None:
+    """The source text of data.transform's function (its module's, when that cannot be read): part of the
+    token cache key, so editing the function prepares the data again."""
+    fn = load_transform(spec)
+    if fn is None:
+        return None
+    try:
+        return inspect.getsource(inspect.getmodule(fn) or fn)
+    except (OSError, TypeError):
+        return spec
 
 
 class _BadLabel(str):
@@ -126,13 +177,22 @@ class RowCollector:
     ):
         # {field: column}; `columns` replaces what data.format reads (preference pairs: data/preference.py).
         self.columns = columns if columns is not None else required_columns(data)
-        self.chat = data.messages_column if data.format == "chat" else None
+        self.chat = data.messages_column if data.format == "chat" and columns is None else None
+        # Preference pairs in chat form: the prompt and each response are text or a list of messages.
+        self.loose = set(self.columns.values()) if data.format == "chat" and columns is not None else set()
+        self.alpaca = data.format == "alpaca" and columns is None
+        self.message_keys, self.roles = data.message_keys, data.roles or {}
+        self.transform = load_transform(data.transform)
         # Class ids in these columns become labels[id]; with labels known, a text target must be one of them.
         self.label_columns, self.labels = (label_columns(data) if columns is None else set()), labels
         self.direct_label = data.target_template is None
         self.policy, self.origin, self.unit, self.limit = data.on_bad_rows, origin, unit, limit
-        self.values: dict[str, list] = {c: [] for c in self.columns.values()}
+        stored = (ALPACA_PROMPT, ALPACA_TARGET) if self.alpaca else self.columns.values()
+        self.values: dict[str, list] = {c: [] for c in stored}
         self.positions: list[int] = []
+        # Several files of one split (data.data_files, sharded parquet): "FILE UNIT" of each, file of each row.
+        self.files: list[str] = []
+        self.file_of: list[int] = []
         self.skipped = 0
         self.quoted: list[str] = []
         # Keys seen in any row: a column no row has is a wrong column name (a recipe mistake), not bad rows.
@@ -141,13 +201,26 @@ class RowCollector:
         # column (the row is bad), or reported as a wrong column name if none has.
         self.pending: tuple[str, str] | None = None
 
+    def next_file(self, origin: str, unit: str) -> None:
+        """Rows from here on come from another file of the same split."""
+        self.origin, self.unit = origin, unit
+        self.files.append(f"{origin} {unit}")
+
+    def set_unit(self, unit: str) -> None:
+        """The current file's rows are named in `unit` after all (a .json file of JSON lines)."""
+        self.unit = unit
+        if self.files:
+            self.files[-1] = f"{self.origin} {unit}"
+
     def full(self) -> bool:
         return self.limit is not None and len(self.positions) >= self.limit
 
     def problem(self, row: dict) -> tuple[str, str | None] | None:
         """(reason, the missing column or None) of a bad row; None for a good one. Class ids in the target
-        are replaced by their label words in `row`."""
-        for column in self.values:
+        are replaced by their label words in `row`; messages are stored normalized, as JSON text."""
+        if self.chat == MESSAGES and MESSAGES not in row and SHAREGPT in row:
+            row[MESSAGES] = row.pop(SHAREGPT)
+        for column in self.columns.values():
             if column not in row:
                 return f"column {column!r} is missing", column
             value = row[column]
@@ -155,9 +228,21 @@ class RowCollector:
                 value = row[column] = self._label(value)
                 if isinstance(value, _BadLabel):
                     return f"column {column!r} {value}", None
-            issue = messages_problem(value) if column == self.chat else text_problem(value)
+            if column == self.chat or (column in self.loose and not isinstance(value, str)):
+                messages, issue = normalize_messages(value, self.message_keys, self.roles)
+                row[column] = json.dumps(messages, ensure_ascii=False) if issue is None else None
+            elif column in self.loose:
+                issue = text_problem(value)
+                row[column] = json.dumps(value, ensure_ascii=False)
+            else:
+                issue = text_problem(value)
             if issue:
                 return f"column {column!r} {issue}", None
+        if self.alpaca:
+            given = row.get("input")
+            if given is not None and not isinstance(given, str):
+                return f"column 'input' {text_problem(given)}", None
+            row[ALPACA_PROMPT], row[ALPACA_TARGET] = alpaca_prompt(row), row["output"]
         return None
 
     def _label(self, value: Any) -> Any:
@@ -181,6 +266,10 @@ class RowCollector:
         missing = None
         if reason is None and not isinstance(row, dict):
             reason = f"a JSON {_json_type(row)}, not an object of columns"
+        if reason is None and self.transform is not None:
+            row, reason = self._transformed(row)
+            if row is None and reason is None:
+                return
         if reason is None:
             self.seen.update(row)
             if self.pending is not None and self.pending[1] in self.seen:
@@ -190,6 +279,8 @@ class RowCollector:
                 for column, values in self.values.items():
                     values.append(row[column])
                 self.positions.append(position)
+                if self.files:
+                    self.file_of.append(len(self.files) - 1)
                 return
             reason, missing = bad
         where = f"{self.origin} {self.unit} {position}: {reason}"
@@ -203,6 +294,17 @@ class RowCollector:
         if len(self.quoted) < MAX_QUOTED:
             self.quoted.append(where)
 
+    def _transformed(self, row: dict) -> tuple[dict | None, str | None]:
+        """(row, None) after data.transform, (None, None) when it leaves the row out, (None, why) when it
+        fails on the row (a bad row)."""
+        try:
+            out = self.transform(dict(row))
+        except Exception as e:  # the user's code: any failure on one row is that row's problem
+            return None, f"data.transform failed: {type(e).__name__}: {e}"
+        if out is not None and not isinstance(out, dict):
+            return None, f"data.transform returned {type(out).__name__}, not a row (a dict) or None"
+        return out, None
+
     def _stop(self, where: str) -> None:
         raise DataError(
             f"data.on_bad_rows is error: {where}. Fix or remove that row, or set data.on_bad_rows: skip to "
@@ -213,6 +315,8 @@ class RowCollector:
     def check_columns(self, available: Iterable[str]) -> None:
         """DataError naming the recipe field of the first required column not in `available`."""
         available = list(available)
+        if self.chat == MESSAGES and SHAREGPT in available:
+            available.append(MESSAGES)
         for name, column in self.columns.items():
             if column not in available:
                 raise DataError(
@@ -238,13 +342,16 @@ class RowCollector:
     def dataset(self) -> SourceRows:
         """The kept rows as an in-memory Dataset, with their lines (or indices) and the skip count."""
         self.finish()
-        features = {c: datasets.Value("string") for c in self.values if c != self.chat}
+        features = {c: datasets.Value("string") for c in self.values}
         try:
-            if self.chat is None:
-                ds = datasets.Dataset.from_dict(self.values, features=datasets.Features(features))
-            else:
-                ds = datasets.Dataset.from_dict(self.values)
+            ds = datasets.Dataset.from_dict(self.values, features=datasets.Features(features))
         except (TypeError, ValueError) as e:  # pyarrow's ArrowInvalid / ArrowTypeError derive from these
             raise DataError(f"{self.origin}: the rows cannot be stored as one table: {e}") from e
-        where = RowLocator(self.origin, self.unit, np.asarray(self.positions, dtype=np.int64))
+        positions = np.asarray(self.positions, dtype=np.int64)
+        if len(self.files) > 1:
+            origin = f"{self.files[0].rsplit(' ', 1)[0]} and {len(self.files) - 1} more file(s)"
+            file_of = np.asarray(self.file_of, dtype=np.int64)
+            where = RowLocator(origin, self.unit, positions, tuple(self.files), file_of)
+        else:
+            where = RowLocator(self.origin, self.unit, positions)
         return SourceRows(ds, where, self.skipped, self.quoted, self.labels)

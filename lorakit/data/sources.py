@@ -19,14 +19,20 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from lorakit.data.rows import COLUMNS_DOC, RowCollector, RowLocator, SourceRows
+from lorakit.data.rows import COLUMNS_DOC, MESSAGES, SHAREGPT, RowCollector, RowLocator, SourceRows
+from lorakit.data.source_files import SUFFIXES as _SUFFIXES
+from lorakit.data.source_files import (
+    hub_revision,
+    resolve_local_source,
+    sharded,
+    split_data_files,
+    split_files,
+)
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
 
 # The column that names each example's source in a dataset mixture (lorakit.data.mixture); tokenizing keeps it.
 SOURCE = "source"
-# Suffixes a local source may have, in the order a directory is searched for {split}{suffix}.
-_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 # Where the documentation explains over-long examples (printed after the error by the CLIs).
 OVERLONG_DOC = "docs/data.md#over-long-examples-dataoverlong"
 
@@ -46,48 +52,19 @@ def table_label_names(data: DataSection, features: datasets.Features | None) -> 
     return list(data.label_names)
 
 
-def resolve_local_source(source: str) -> Path | None:
-    """The local path behind `source` (a file, a directory or `builtin:NAME`), or None for a hub id."""
-    if source.startswith("builtin:"):
-        from lorakit.data.samples import builtin_dataset_dir
-
-        return builtin_dataset_dir(source.removeprefix("builtin:"))
-    path = Path(source).expanduser()
-    if path.exists():
-        return path.resolve()
-    if source.startswith((".", "/", "~")) or Path(source).suffix in _SUFFIXES:
-        raise DataError(f"data.source: no such file or directory: {source}")
-    return None
-
-
-def _local_split_file(path: Path, split: str) -> Path:
-    """The file holding one split of a local file or directory source."""
-    if path.is_file():
-        if path.suffix not in _SUFFIXES:
-            raise DataError(f"data.source: unsupported file type {path.suffix!r}; use {sorted(_SUFFIXES)}")
-        if split != "train":
-            raise DataError(
-                f"data.source is a single file, which holds only the 'train' split; split {split!r} needs "
-                "a directory with one {split}.jsonl (or .json/.csv/.parquet) file per split"
-            )
-        return path
-    for suffix in _SUFFIXES:
-        candidate = path / f"{split}{suffix}"
-        if candidate.is_file():
-            return candidate
-    raise DataError(
-        f"data.source: directory {path} has no {split}.jsonl/.json/.csv/.parquet for split {split!r}"
-    )
-
-
 def source_fingerprint(data: DataSection, split: str) -> str:
-    """A string that changes when the rows of this split can change (file contents or hub revision)."""
-    local = resolve_local_source(data.source)
-    if local is None:
-        return f"hub:{data.source}:{data.config}:{split}"
-    file = _local_split_file(local, split)
-    stat = file.stat()
-    return f"file:{file}:{stat.st_size}:{stat.st_mtime_ns}"
+    """A string that changes when the rows of this split can change: the files' sizes and times, or the
+    commit a hub dataset's revision resolves to (and data.transform's source)."""
+    files = split_files(data, split)
+    if files is None:
+        rows = f"hub:{data.source}:{data.config}:{split}:{data.data_files}:{hub_revision(data)}"
+    else:
+        rows = ";".join(f"file:{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    if data.transform is None:
+        return rows
+    from lorakit.data.rows import transform_source
+
+    return f"{rows};transform:{data.transform}:{transform_source(data.transform)}"
 
 
 def _read_json_lines(path: Path, rows: RowCollector) -> None:
@@ -120,11 +97,11 @@ def _read_json(path: Path, rows: RowCollector) -> None:
             raise DataError(f"data.source: {rows.origin} is not valid JSON ({detail})") from None
         doc = None
     if isinstance(doc, dict):  # one object: a file of one row, however it is laid out
-        rows.unit = "line"
+        rows.set_unit("line")
         rows.add(1, doc)
         return
     if not isinstance(doc, list):
-        rows.unit = "line"
+        rows.set_unit("line")
         _read_json_lines(path, rows)
         return
     for i, row in enumerate(doc):
@@ -134,27 +111,34 @@ def _read_json(path: Path, rows: RowCollector) -> None:
 
 
 def _read_csv(path: Path, rows: RowCollector) -> None:
-    """A .csv file with a header line; every value is text (no type guessing: `007` stays `007`)."""
+    """A .csv file with a header line; every value is text (no type guessing: `007` stays `007`). A line the
+    csv module rejects, or with more fields than the header, is a bad row."""
     # The csv module refuses fields over 128 KiB by default; a long document is a legitimate field. Only
     # ever raised, never lowered, so other users of the module keep at least the limit they had.
     csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))
     with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.DictReader(f)
+        reader = csv.DictReader(f, strict=True)
         try:
             rows.check_columns(reader.fieldnames or [])
             rows.seen.update(reader.fieldnames or [])
-            for row in reader:
+            while not rows.full():
+                try:
+                    row = next(reader)
+                except StopIteration:
+                    return
+                except csv.Error as e:
+                    # DictReader's own line_num is updated only after a good row: ask its reader.
+                    rows.add(reader.reader.line_num, None, f"not valid CSV: {e}")
+                    continue
+                if None in row:
+                    n = len(reader.fieldnames or [])
+                    rows.add(reader.line_num, None, f"{n + len(row[None])} fields, the header has {n}")
+                    continue
                 # A short row fills its missing fields with None: those columns are missing from it.
                 rows.add(reader.line_num, {k: v for k, v in row.items() if v is not None})
-                if rows.full():
-                    return
         except UnicodeDecodeError:
             raise DataError(
                 f"data.source: {rows.origin} is not UTF-8 text after line {reader.line_num}"
-            ) from None
-        except csv.Error as e:
-            raise DataError(
-                f"data.source: {rows.origin} line {reader.line_num}: not valid CSV: {e}"
             ) from None
 
 
@@ -167,18 +151,27 @@ def _iter_table(ds: datasets.Dataset, columns: list[str]) -> Iterator[tuple[int,
             yield start + k, {c: batch[c][k] for c in columns}
 
 
-def _check_table(ds: datasets.Dataset, rows: RowCollector) -> SourceRows:
-    """Apply the row checks to a split already in Arrow form (parquet, hub); rows are named by index."""
-    rows.check_columns(ds.column_names)
-    columns = list(rows.values)
+def _check_table(ds: datasets.Dataset, rows: RowCollector, whole: bool = True) -> SourceRows | None:
+    """Apply the row checks to a split already in Arrow form (parquet, hub); rows are named by index.
+    `whole`: the table is the whole split (else one shard of several: the caller finishes the rows)."""
+    if rows.chat == MESSAGES and MESSAGES not in ds.column_names and SHAREGPT in ds.column_names:
+        ds = ds.rename_column(SHAREGPT, MESSAGES)
+    if rows.transform is None:
+        rows.check_columns(ds.column_names)
+        wanted = set(rows.columns.values()) | ({"input"} if rows.alpaca else set())
+        columns = [c for c in ds.column_names if c in wanted]
+    else:
+        columns = ds.column_names
     rows.seen.update(ds.column_names)
     for i, row in _iter_table(ds, columns):
         rows.add(i, row)
         if rows.full():
             break
+    if not whole:
+        return None
     rows.finish()
-    if rows.labels is not None:
-        # Class ids were turned into words as the rows were checked: keep the checked values.
+    if rows.labels is not None or rows.chat or rows.loose or rows.alpaca or rows.transform is not None:
+        # Values were converted as the rows were checked (label words, messages, prompts): keep those.
         return rows.dataset()
     kept = ds.select_columns(columns)
     positions = None  # every row kept, in order: row i is at index i
@@ -189,11 +182,26 @@ def _check_table(ds: datasets.Dataset, rows: RowCollector) -> SourceRows:
     return SourceRows(kept, where, rows.skipped, rows.quoted)
 
 
-def _display(source: str, local: Path, file: Path) -> str:
+def _display(source: str, local: Path | None, file: Path) -> str:
     """The file as the user would name it: the recipe's path, joined with the split file for a directory."""
-    if source.startswith("builtin:"):
+    if source.startswith("builtin:") or local is None:
         return str(file)
-    return source if local.is_file() else str(Path(source) / file.name)
+    if local.is_file():
+        return source
+    try:
+        return str(Path(source) / file.relative_to(local))
+    except ValueError:
+        return str(file)
+
+
+def _hub_split(data: DataSection, split: str) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset(
+            data.source, data.config, split=split, revision=data.revision, data_files=data.data_files
+        )
+    except (OSError, ValueError) as e:
+        # OSError covers an unreachable or unknown hub dataset (ConnectionError) and a missing split file.
+        raise DataError(f"data.source {data.source!r} (config {data.config!r}, split {split!r}): {e}") from e
 
 
 def load_split(
@@ -201,42 +209,46 @@ def load_split(
 ) -> SourceRows:
     """The usable rows of one split of the recipe's source (at most `limit`), checked under
     data.on_bad_rows; only the columns data.format reads (or `columns`, {field: column}) are kept."""
-    local = resolve_local_source(data.source)
-    if local is None:
+    files = split_files(data, split)
+    instruction = data.format == "instruction"
+    if files is None:
         origin = f"hub dataset {data.source!r}" + (f" (config {data.config!r})" if data.config else "")
-        try:
-            ds = datasets.load_dataset(data.source, data.config, split=split)
-        except (OSError, ValueError) as e:
-            # OSError covers an unreachable or unknown hub dataset (ConnectionError) and a missing split file.
-            raise DataError(
-                f"data.source {data.source!r} (config {data.config!r}, split {split!r}): {e}"
-            ) from e
-        labels = table_label_names(data, ds.features)
-        where = f"{origin} split {split!r}"
-        return _check_table(ds, RowCollector(data, where, "row", limit, labels, columns))
-    file = _local_split_file(local, split)
-    labels = data.label_names if data.format == "instruction" else None
-    rows = RowCollector(data, _display(data.source, local, file), "line", limit, labels, columns)
-    if file.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        rows.unit = "row"
-        try:
-            table = pq.read_table(file)
-        except (OSError, ValueError) as e:
-            raise DataError(f"data.source: {rows.origin} is not a readable parquet file: {e}") from e
-        # Dataset(table) reads the features `datasets` stored in the file's metadata (ClassLabel names).
-        ds = datasets.Dataset(table)
-        rows.labels = table_label_names(data, ds.features) if data.format == "instruction" else None
+        rows = RowCollector(data, f"{origin} split {split!r}", "row", limit, None, columns)
+        ds = _hub_split(data, split)
+        rows.labels = table_label_names(data, ds.features)
         return _check_table(ds, rows)
-    if file.suffix == ".csv":
-        _read_csv(file, rows)
-    elif file.suffix == ".json":
-        rows.unit = "row"
-        _read_json(file, rows)
-    else:
-        _read_json_lines(file, rows)
+    local = resolve_local_source(data.source)
+    rows = RowCollector(data, "", "line", limit, data.label_names if instruction else None, columns)
+    for file in files:
+        rows.next_file(
+            _display(data.source, local, file), "row" if file.suffix in (".parquet", ".json") else "line"
+        )
+        if file.suffix == ".parquet":
+            ds = _read_parquet(file, rows)
+            if len(files) == 1:
+                rows.labels = table_label_names(data, ds.features) if instruction else None
+                return _check_table(ds, rows)
+            _check_table(ds, rows, whole=False)
+        elif file.suffix == ".csv":
+            _read_csv(file, rows)
+        elif file.suffix == ".json":
+            _read_json(file, rows)
+        else:
+            _read_json_lines(file, rows)
+        if rows.full():
+            break
     return rows.dataset()
+
+
+def _read_parquet(file: Path, rows: RowCollector) -> datasets.Dataset:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(file)
+    except (OSError, ValueError) as e:
+        raise DataError(f"data.source: {rows.origin} is not a readable parquet file: {e}") from e
+    # Dataset(table) reads the features `datasets` stored in the file's metadata (ClassLabel names).
+    return datasets.Dataset(table)
 
 
 # data.eval_split auto without data.val_size and without a `validation` split: this share of the training
@@ -246,12 +258,18 @@ HOLDOUT_MAX = 1000
 
 
 def has_split(data: DataSection, split: str) -> bool:
-    """Whether the recipe's source has `split` (a {split}.ext file, or a hub split of that name)."""
+    """Whether the recipe's source has `split` (its files, or a hub split of that name)."""
     local = resolve_local_source(data.source)
     if local is not None:
-        return local.is_dir() and any((local / f"{split}{suffix}").is_file() for suffix in _SUFFIXES)
+        if data.data_files is not None and local.is_dir():
+            return split_data_files(data, split) is not None
+        if not local.is_dir():
+            return False
+        return any((local / f"{split}{suffix}").is_file() for suffix in _SUFFIXES) or bool(
+            sharded(local, split)
+        )
     try:
-        return split in datasets.get_dataset_split_names(data.source, data.config)
+        return split in datasets.get_dataset_split_names(data.source, data.config, revision=data.revision)
     except (OSError, ValueError):
         # An unreachable or unknown hub dataset: say so when its rows are loaded, naming data.source.
         return True
@@ -286,11 +304,7 @@ def holdout_size(data: DataSection, rows: int) -> int:
 
 def subset(src: SourceRows, indices: np.ndarray) -> SourceRows:
     """The rows of `src` at `indices` (in that order), still named by their original line or index."""
-    positions = src.where.positions
-    where = RowLocator(
-        src.where.origin, src.where.unit, positions[indices] if positions is not None else indices
-    )
-    return SourceRows(src.rows.select(indices), where, src.skipped, src.quoted, src.labels)
+    return SourceRows(src.rows.select(indices), src.where.take(indices), src.skipped, src.quoted, src.labels)
 
 
 def split_holdout(data: DataSection, rows: SourceRows) -> tuple[SourceRows, SourceRows]:

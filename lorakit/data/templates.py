@@ -54,17 +54,75 @@ def rows_of(batch: Mapping[str, list]) -> list[dict[str, Any]]:
 
 
 def fit_prompt(data: DataSection, row: Mapping[str, Any], tokenizer, budget: int) -> str:
-    """The prompt of `row` with its fields cut to `budget` tokens in all, so the template's own text (an
+    """The prompt of `row` with its fields cut to `budget` tokens in all (fit_prompts for one row)."""
+    return fit_prompts(data, [row], tokenizer, budget)[0]
+
+
+# Characters of a field tokenized per token of the budget at first (doubled until enough), unless the caller
+# knows the text's own ratio: a field is cut to at most `budget` tokens, so its whole text (maybe thousands
+# of tokens) is never tokenized again.
+_CHARS_PER_TOKEN = 8
+# Tokens past the budget a character prefix must yield: the last tokens of a prefix may differ from the
+# whole text's (a word cut in two), the ones well before it do not.
+_MARGIN = 8
+
+
+def _field_heads(
+    tokenizer, texts: list[str], budget: int, ratios: list[float] | None
+) -> list[tuple[list[int], bool]]:
+    """(the first tokens of each text, at least budget + _MARGIN of them when it has that many; whether
+    that is the whole text's tokens), tokenizing character prefixes in batches: of budget x the text's
+    characters per token (`ratios`, a quarter more) or x _CHARS_PER_TOKEN, doubled until enough."""
+    out: list[tuple[list[int], bool] | None] = [None] * len(texts)
+    want = budget + _MARGIN
+    chars = [int(want * 1.25 * r) + 16 if ratios else want * _CHARS_PER_TOKEN for r in ratios or texts]
+    todo = list(range(len(texts)))
+    while todo:
+        heads = tokenizer([texts[i][: chars[i]] for i in todo], add_special_tokens=False, verbose=False)
+        again = []
+        for i, ids in zip(todo, heads["input_ids"], strict=True):
+            whole = len(texts[i]) <= chars[i]
+            if whole or len(ids) > want:
+                out[i] = (ids if whole else ids[: budget + 1], whole)
+            else:
+                again.append(i)
+                chars[i] *= 2
+        todo = again
+    return out  # type: ignore[return-value]
+
+
+def decode_many(tokenizer, ids: list[list[int]]) -> list[str]:
+    """batch_decode without special tokens; a fast tokenizer's backend directly where transformers would
+    add nothing (its per-token Python checks cost more than the decoding)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return backend.decode_batch(ids, skip_special_tokens=True)
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def fit_prompts(
+    data: DataSection,
+    rows: list[Mapping[str, Any]],
+    tokenizer,
+    budget: int,
+    ratios: list[float] | None = None,
+) -> list[str]:
+    """The prompt of each row with its fields cut to `budget` tokens in all, so the template's own text (an
     instruction, "Summary:") survives truncation. Short fields stay whole; the budget left is shared equally
-    among the longer ones, so the longest field is cut the most (one field: its first `budget` tokens)."""
+    among the longer ones, so the longest field is cut the most (one field: its first `budget` tokens).
+    `ratios`: each row's characters per token, when known (one per row; a speed hint only)."""
     columns = prompt_columns(data)
-    ids = {
-        p: tokenizer(str(row[c]), add_special_tokens=False, verbose=False)["input_ids"]
-        for p, c in columns.items()
-    }
-    share, left = dict.fromkeys(ids, 0), budget
-    for k, p in enumerate(sorted(ids, key=lambda p: len(ids[p]))):
-        share[p] = min(len(ids[p]), left // (len(ids) - k))
-        left -= share[p]
-    values = {p: tokenizer.decode(ids[p][: share[p]], skip_special_tokens=True) for p in ids}
-    return data.prompt_template.format(**values)
+    names = list(columns)
+    texts = [str(row[columns[p]]) for row in rows for p in names]
+    per_field = [r for r in ratios for _ in names] if ratios else None
+    heads = iter(_field_heads(tokenizer, texts, budget, per_field))
+    cut: list[list[int]] = []
+    for _ in rows:
+        ids = {p: next(heads)[0] for p in names}  # a cut head is longer than the budget: "long" as the whole
+        share, left = dict.fromkeys(ids, 0), budget
+        for k, p in enumerate(sorted(ids, key=lambda p: len(ids[p]))):
+            share[p] = min(len(ids[p]), left // (len(ids) - k))
+            left -= share[p]
+        cut += [ids[p][: share[p]] for p in names]
+    values = iter(decode_many(tokenizer, cut))
+    return [data.prompt_template.format(**{p: next(values) for p in names}) for _ in rows]

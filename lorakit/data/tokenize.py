@@ -12,7 +12,7 @@ import numpy as np
 
 from lorakit.data.rows import SourceRows
 from lorakit.data.sources import OVERLONG_DOC, SOURCE
-from lorakit.data.templates import fit_prompt, prompt_columns, render_prompt, render_target, rows_of
+from lorakit.data.templates import fit_prompts, prompt_columns, render_prompt, render_target, rows_of
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
 
@@ -21,8 +21,6 @@ from lorakit.recipe.schema import DataSection
 # sequence length is longer than the specified maximum sequence length" for the first long row, which is
 # lorakit's business, not a problem the user has to act on.
 
-# Prefix of the columns that carry a prompt's fields from tokenizing to truncation.
-_FIELD = "_in:"
 # Tokenizers report "no limit" as a huge sentinel (int(1e30)); anything above this is not a real cap.
 _NO_LIMIT = 1_000_000
 
@@ -90,8 +88,6 @@ def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: 
 
     The rows were checked when loaded (lorakit.data.sources): every input and target is non-empty text."""
 
-    fields = sorted(set(prompt_columns(data).values()))
-
     def fn(batch):
         rows = rows_of(batch)
         texts = [render_prompt(data, r) for r in rows]
@@ -100,9 +96,6 @@ def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: 
             "input_ids": tokenizer(texts, verbose=False)["input_ids"],
             "labels": tokenizer(targets, verbose=False)["input_ids"],
             "reference": targets,
-            # The prompt's columns, kept until truncation, which re-renders the rare over-long inputs from
-            # their text (prefixed: a dataset column may be called `labels`).
-            **{_FIELD + c: batch[c] for c in fields},
         }
 
     return ds.map(
@@ -116,13 +109,87 @@ def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: 
     )
 
 
-def truncate_rows(ds: datasets.Dataset, data: DataSection, tokenizer, lengths: Lengths) -> datasets.Dataset:
-    """Cut sources and targets to the resolved caps, keeping the template and the final EOS intact."""
+def _template_ends(data: DataSection, tokenizer) -> tuple[list[int], list[int]] | None:
+    """(tokens before, tokens after) the field of a one-field prompt template, as tokenized alone (the
+    tokenizer's BOS kept before, its EOS after); None for templates of several fields."""
+    columns = prompt_columns(data)
+    if len(columns) != 1:
+        return None
+    before, after = data.prompt_template.split("{" + next(iter(columns)) + "}", 1)
+    before, after = before.replace("{{", "{").replace("}}", "}"), after.replace("{{", "{").replace("}}", "}")
+    pre, suf = (tokenizer(t, verbose=False)["input_ids"] for t in (before, after))
+    eos, bos = tokenizer.eos_token_id, tokenizer.bos_token_id
+    pre = pre[:-1] if eos is not None and pre[-1:] == [eos] else pre
+    suf = suf[1:] if bos is not None and suf[:1] == [bos] else suf
+    return pre, suf
+
+
+def _splice(column, over: np.ndarray, ends, cap: int):
+    """((rows, their cut token lists as Arrow), rows left): over-long rows of a one-field template that
+    start and end with the template's own tokens are cut to `cap` in the field's tokens, in Arrow and
+    numpy (the template's text and the EOS kept, the field's first tokens as the whole text had them); the
+    rest go the slow way (fit_prompts)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    empty = (np.zeros(0, dtype=np.int64), pa.array([], type=column.type))
+    if ends is None or over.size == 0 or len(ends[0]) + len(ends[1]) >= cap:
+        return empty, over
+    pre, suf = (np.asarray(x, dtype=np.int64) for x in ends)
+    done, parts = [], []
+    for start in range(0, over.size, 8192):
+        rows = over[start : start + 8192]
+        sub = column.take(pa.array(rows))
+        values = pc.list_flatten(sub).to_numpy(zero_copy_only=False)
+        lens = pc.list_value_length(sub).to_numpy(zero_copy_only=False).astype(np.int64)
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        tails = starts + lens - len(suf)
+        ok = np.ones(len(rows), dtype=bool)
+        if len(pre):
+            ok &= (values[starts[:, None] + np.arange(len(pre))] == pre).all(1)
+        if len(suf):
+            ok &= (values[tails[:, None] + np.arange(len(suf))] == suf).all(1)
+        head = cap - len(suf)
+        index = np.concatenate([starts[ok, None] + np.arange(head), tails[ok, None] + np.arange(len(suf))], 1)
+        flat = pa.array(values[index].reshape(-1), type=column.type.value_type)
+        parts.append(
+            pa.ListArray.from_arrays(pa.array(np.arange(0, flat.__len__() + 1, cap, dtype=np.int32)), flat)
+        )
+        done.append(rows[ok])
+    cut = np.concatenate(done)
+    left = np.setdiff1d(over, cut, assume_unique=True)
+    return (cut, pa.concat_arrays(parts).cast(column.type)), left
+
+
+def _replaced(column, at: np.ndarray, values):
+    """An Arrow list column with the rows at `at` replaced by `values` (a list of lists or an Arrow array;
+    the other rows never leave Arrow)."""
+    import pyarrow as pa
+
+    n = len(column)
+    keep = np.setdiff1d(np.arange(n), at, assume_unique=True)
+    values = values if isinstance(values, pa.Array) else pa.array(values, type=column.type)
+    joined = pa.concat_arrays([column.take(keep), values])
+    order = np.empty(n, dtype=np.int64)
+    order[keep], order[at] = np.arange(len(keep)), len(keep) + np.arange(len(at))
+    return joined.take(order)
+
+
+def truncate_rows(
+    ds: datasets.Dataset, data: DataSection, tokenizer, lengths: Lengths, raw: datasets.Dataset
+) -> datasets.Dataset:
+    """Cut sources and targets to the resolved caps, keeping the template and the final EOS intact.
+
+    Only the rows over a cap are touched, column-wise in Arrow; an over-long source is rendered again from
+    its columns in `raw` (the loaded rows, row for row with `ds`: over-long rows are only kept, not dropped,
+    under data.overlong truncate)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     eos = tokenizer.eos_token_id
     empty = {c: "" for c in prompt_columns(data).values()}
     overhead = len(tokenizer(render_prompt(data, empty))["input_ids"])
     budget = lengths.max_source_length - overhead
-    kept_fields = [c for c in ds.column_names if c.startswith(_FIELD)]
     if budget < 1:
         raise DataError(
             f"data.max_source_length={lengths.max_source_length} leaves no room for the input: the prompt "
@@ -134,20 +201,39 @@ def truncate_rows(ds: datasets.Dataset, data: DataSection, tokenizer, lengths: L
             return ids
         return ids[: cap - 1] + [eos] if eos is not None and ids[-1] == eos else ids[:cap]
 
-    def fn(batch):
-        sources = []
-        for i, ids in enumerate(batch["input_ids"]):
-            if len(ids) > lengths.max_source_length:
-                # Cut the columns' text, not the templated sequence, so a suffix like "Summary:" survives.
-                row = {c.removeprefix(_FIELD): batch[c][i] for c in kept_fields}
-                text = fit_prompt(data, row, tokenizer, budget)
-                ids = cut(tokenizer(text, verbose=False)["input_ids"], lengths.max_source_length)
-            sources.append(ids)
-        labels = [cut(t, lengths.max_target_length) for t in batch["labels"]]
-        length = [len(s) + len(t) for s, t in zip(sources, labels, strict=True)]
-        return {"input_ids": sources, "labels": labels, "length": length}
-
-    return ds.map(fn, batched=True, remove_columns=kept_fields, desc="truncating", load_from_cache_file=False)
+    table = ds.with_format("arrow")[:]
+    columns = {name: table[name].combine_chunks() for name in table.column_names}
+    counts = token_counts(ds, "input_ids")
+    over = np.flatnonzero(counts > lengths.max_source_length)
+    ends = _template_ends(data, tokenizer)
+    spliced, over = _splice(columns["input_ids"], over, ends, lengths.max_source_length)
+    new: list[list[int]] = []
+    if over.size:
+        assert len(raw) == len(ds), "over-long sources are truncated only when no row was dropped"
+        fields = sorted(set(prompt_columns(data).values()))
+        for start in range(0, over.size, 1000):
+            # Cut the columns' text, not the templated sequence, so a suffix like "Summary:" survives.
+            part = over[start : start + 1000]
+            rows = rows_of(raw.select(part).select_columns(fields).to_dict())
+            # Characters per token of each row, so its fields' heads are tokenized in one pass.
+            ratios = [
+                sum(len(str(r[c])) for c in fields) / int(n) for r, n in zip(rows, counts[part], strict=True)
+            ]
+            texts = fit_prompts(data, rows, tokenizer, budget, ratios)
+            new += [cut(x, lengths.max_source_length) for x in tokenizer(texts, verbose=False)["input_ids"]]
+    if spliced[0].size or over.size:
+        at = np.concatenate([spliced[0], over])
+        values = pa.concat_arrays([spliced[1], pa.array(new, type=columns["input_ids"].type)])
+        columns["input_ids"] = _replaced(columns["input_ids"], at, values)
+    over = np.flatnonzero(token_counts(ds, "labels") > lengths.max_target_length)
+    if over.size:
+        targets = columns["labels"].take(over).to_pylist()
+        columns["labels"] = _replaced(
+            columns["labels"], over, [cut(t, lengths.max_target_length) for t in targets]
+        )
+    length = pc.add(pc.list_value_length(columns["input_ids"]), pc.list_value_length(columns["labels"]))
+    columns["length"] = length.cast(pa.int64())
+    return datasets.Dataset(pa.table(columns))
 
 
 def apply_overlong(
@@ -195,7 +281,7 @@ def prepare_seq2seq(
                 "none is left; raise them or set data.overlong: truncate",
                 doc=OVERLONG_DOC,
             )
-        splits[k] = truncate_rows(kept, data, tokenizer, lengths)
+        splits[k] = truncate_rows(kept, data, tokenizer, lengths, raw[k].rows)
     cut = data.overlong == "truncate"
     stats = {
         "format": data.format,

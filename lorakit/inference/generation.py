@@ -116,9 +116,11 @@ def to_jsonl(records: list[dict[str, Any]]) -> str:
 def _encode(rows: list[InputRow], model, data) -> tuple[list[str], list[list[int]]]:
     """(prompt texts, token ids) as training tokenized its prompts."""
     from lorakit.data.causal import chat_prompt, encode_prompts
+    from lorakit.data.chat import use_template
 
     tok = model.tokenizer
     if data is not None and data.format == "chat":
+        tok = use_template(tok, data.chat_template)  # the run's data.chat_template, as training rendered
         rendered = [chat_prompt(tok, r.columns[data.messages_column], r.where) for r in rows]
         return [text for text, _ in rendered], [ids for _, ids in rendered]
     texts = [r.prompt for r in rows]

@@ -74,4 +74,6 @@ def load_tokenizer(recipe: Recipe, source: str):
     if tok.pad_token_id is None:
         # Causal tokenizers often ship without one; padding is masked, so EOS is a safe stand-in.
         tok.pad_token = tok.eos_token
-    return tok
+    from lorakit.data.chat import use_template
+
+    return use_template(tok, recipe.data.chat_template)  # saved with the adapter and merged model

@@ -195,7 +195,7 @@ def resolve_config(recipe, config=None):
         known = ", ".join(sorted(KNOWN_CONFIGS))
         raise PlanError(
             f"model.name_or_path {name!r}: the planner reads configs offline and does not know this model; "
-            f"point model.name_or_path at a local directory holding its config.json (huggingface-cli "
+            f"point model.name_or_path at a local directory holding its config.json (hf "
             f"download {name} config.json --local-dir DIR), or use a known one: {known}"
         )
     return cfg

@@ -34,6 +34,10 @@ class SourceSpec(Section):
     target_column: str | None = None
     text_column: str | None = None
     messages_column: str | None = None
+    message_keys: dict[str, str] | None = None
+    roles: dict[str, str] | None = None
+    data_files: str | list[str] | None = None
+    revision: str | None = None
     prompt_template: str | None = None
     target_template: str | None = None
     label_names: list[str] | None = None
@@ -62,6 +66,10 @@ _PER_SOURCE = (
     "target_column",
     "text_column",
     "messages_column",
+    "message_keys",
+    "roles",
+    "data_files",
+    "revision",
     "prompt_template",
     "target_template",
     "label_names",
@@ -79,6 +87,23 @@ class DataSection(Section):
         "(with data.split_seed); every example keeps its source's name (docs/data.md#dataset-mixtures)."
     )
     config: str | None = Field(None, description="Hub dataset configuration name, e.g. `3.0.0`.")
+    revision: str | None = Field(
+        None,
+        description="Hub datasets: the branch, tag or commit to read (default: the main branch). The commit "
+        "it resolves to is part of the token cache key, so an updated dataset is prepared again.",
+    )
+    data_files: str | list[str] | dict[str, str | list[str]] | None = Field(
+        None,
+        description="Files to read instead of data.source's own layout: a path or glob, a list of them (the "
+        "`train` split), or {split: path, glob or list}; .jsonl/.json/.csv/.parquet. data.source is then "
+        "only the name, or the directory the paths are relative to.",
+    )
+    transform: str | None = Field(
+        None,
+        description="`package.module:function`, called on every row (a dict of columns) before it is checked "
+        "and tokenized; it returns the row to use, or None to leave the row out. Runs in prepare; its "
+        "source text is part of the token cache key.",
+    )
     split: str = Field("train", description="Split to train on.")
     eval_split: str | None = Field(
         "auto",
@@ -93,12 +118,13 @@ class DataSection(Section):
         "5% of the rows, at least 1 and at most 1000. Needs eval_split auto.",
     )
     split_seed: int = Field(0, description="Seed of the held-out rows that data.val_size picks.")
-    format: Literal["instruction", "completion", "chat"] = Field(
+    format: Literal["instruction", "completion", "chat", "alpaca"] = Field(
         "instruction",
         description="instruction: (input, target) text pairs, the input put through prompt_template (the "
         "only format for encoder-decoder models); completion: one text column, every token trained "
         "(causal LMs); chat: a column of messages [{role, content}, ...] rendered with the tokenizer's chat "
-        "template, loss on the assistant turns (causal LMs).",
+        "template, loss on the assistant turns (causal LMs); alpaca: columns instruction, input (optional) and "
+        "output, put through the two standard Alpaca prompts (with and without input).",
     )
     input_column: str = Field(
         "input", description="instruction: the column `{input}` reads in data.prompt_template."
@@ -120,7 +146,26 @@ class DataSection(Section):
         "known, evaluation reports per-class counts and a confusion matrix.",
     )
     text_column: str = Field("text", description="completion: column with the text to train on.")
-    messages_column: str = Field("messages", description="chat: column with the list of messages.")
+    messages_column: str = Field(
+        "messages",
+        description="chat: column with the list of messages; with the default, a source without a "
+        "`messages` column is read from ShareGPT's `conversations`.",
+    )
+    message_keys: dict[str, str] | None = Field(
+        None,
+        description="chat: the keys of a message, {role: KEY, content: KEY}; default: role/content, or "
+        "ShareGPT's from/value, per message.",
+    )
+    roles: dict[str, str] = Field(
+        {},
+        description="chat: source role -> chat role, over the defaults (human/user -> user, gpt/assistant/"
+        "bot/model -> assistant, system, tool/observation -> tool).",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="chat: a Jinja chat template (the text, or a path to a file holding it) that supplies "
+        "or replaces the tokenizer's.",
+    )
     train_on_inputs: bool = Field(
         False,
         description="Causal LMs: also take the loss on prompt tokens (instruction) or on system and user "
@@ -195,6 +240,12 @@ class DataSection(Section):
             names = [spec.display_name() for spec in self.source]
             if len(set(names)) != len(names):
                 raise ValueError(f"data.source: two sources share a name ({names}); give each a `name`")
+        if self.transform is not None and not _is_import_path(self.transform):
+            raise ValueError(f"data.transform: {self.transform!r} is not `package.module:function`")
+        if self.message_keys is not None and set(self.message_keys) != {"role", "content"}:
+            raise ValueError(
+                "data.message_keys: give exactly the keys role and content, e.g. {role: from, content: value}"
+            )
         if self.label_names is not None and (
             len(self.label_names) < 2 or len(set(self.label_names)) != len(self.label_names)
         ):
@@ -214,6 +265,11 @@ class DataSection(Section):
             if isinstance(value, int) and value < 1:
                 raise ValueError(f"data.{name} must be >= 1 or 'auto'")
         return self
+
+
+def _is_import_path(value: str) -> bool:
+    module, _, name = value.partition(":")
+    return bool(name) and name.isidentifier() and all(p.isidentifier() for p in module.split("."))
 
 
 def _part(data: DataSection, spec: SourceSpec) -> DataSection:

@@ -177,13 +177,21 @@ def section_models() -> list[tuple[str, type[BaseModel]]]:
     return [(name, field.annotation) for name, field in Recipe.model_fields.items()]
 
 
+def _model_in(annotation: Any) -> tuple[type[BaseModel], str] | None:
+    """The section model a field holds (X, X | null, list[X]) and what its keys' names add: "[]" for a list."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, ""
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found[0], "[]" if typing.get_origin(annotation) is list else found[1]
+    return None
+
+
 def _nested(model: type[BaseModel]) -> list[tuple[str, type[BaseModel]]]:
-    """The fields of `model` that are sections themselves (distributed.fsdp), with their models."""
-    return [
-        (key, f.annotation)
-        for key, f in model.model_fields.items()
-        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
-    ]
+    """The fields of `model` that hold sections (distributed.fsdp, output.push_to_hub, the entries of a
+    data.source list), with their models."""
+    return [(key, found[0]) for key, f in model.model_fields.items() if (found := _model_in(f.annotation))]
 
 
 def _table_rows(prefix: str, model: type[BaseModel]) -> list[str]:
@@ -191,7 +199,8 @@ def _table_rows(prefix: str, model: type[BaseModel]) -> list[str]:
     lines = []
     nested = dict(_nested(model))
     for key, field in model.model_fields.items():
-        type_text = "section" if key in nested else render_type(field.annotation)
+        plain = isinstance(field.annotation, type) and key in nested
+        type_text = "section" if plain else render_type(field.annotation)
         constraints = render_constraints(field)
         type_cell = f"`{_cell(type_text)}`" + (f" ({_cell(constraints)})" if constraints else "")
         default = render_default(field)
@@ -200,7 +209,7 @@ def _table_rows(prefix: str, model: type[BaseModel]) -> list[str]:
             f"| `{prefix}.{key}` | {type_cell} | {default_cell} | {_cell(field.description or '')} |"
         )
         if key in nested:
-            lines += _table_rows(f"{prefix}.{key}", nested[key])
+            lines += _table_rows(f"{prefix}.{key}{_model_in(field.annotation)[1]}", nested[key])
     return lines
 
 

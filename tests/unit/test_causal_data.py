@@ -223,15 +223,22 @@ def test_chat_template_problems(cache_dir, tmp_path):
     tok.chat_template = None
     with pytest.raises(DataError, match="no chat template"):
         prepare_data(recipe, tok, config)
-    # Renders the last message differently from earlier ones: prefixes are not prefixes of the whole.
+    # Renders the last message differently from earlier ones: not prefix-stable, yet every turn is found.
     tok.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if loop.last %} (last){% endif %}\n"
         "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
     )
-    with pytest.raises(
-        DataError, match="train.jsonl line 1: the tokenizer's chat template is not prefix-stable.*instruction"
-    ):
+    data = prepare_data(recipe, tok, config)
+    assert _labelled_spans(tok, data.train[0]) == [" Around Cairo, 45 villages.", " 136 kilometres per hour."]
+    # Leaves the assistant's words out: nothing to train on is found, a bad row (not a stopped run under skip).
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    )
+    with pytest.raises(DataError, match="train.jsonl line 1: assistant message 2 was not found"):
         prepare_data(recipe, tok, config)
+    skip = recipe.model_copy(update={"data": recipe.data.model_copy(update={"on_bad_rows": "skip"})})
+    with pytest.raises(DataError, match="refused every row"):
+        prepare_data(skip, tok, config)
     tok.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(DataError, match="train.jsonl line 1: the chat template failed: roles must alternate"):
         prepare_data(recipe, tok, config)
