@@ -92,6 +92,13 @@ def text_problem(value: Any) -> str | None:
     return None
 
 
+def flag_problem(value: Any) -> str | None:
+    """Why `value` cannot be a yes/no label (true/false, or 1/0), or None when it can."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return None
+    return f"is {_json_type(value)} {value!r:.60}, not a label (true/false or 1/0)"
+
+
 def messages_problem(messages: Any) -> str | None:
     """Why `messages` is not a non-empty list of {role, content} texts, or None when it is."""
     if not isinstance(messages, list) or not messages:
@@ -123,9 +130,12 @@ class RowCollector:
         limit: int | None,
         labels: list[str] | None = None,
         columns: dict[str, str] | None = None,
+        flags: frozenset[str] = frozenset(),
     ):
         # {field: column}; `columns` replaces what data.format reads (preference pairs: data/preference.py).
         self.columns = columns if columns is not None else required_columns(data)
+        # Columns of those holding a yes/no label (true/false or 1/0: KTO's, data/unpaired.py), not text.
+        self.flags = flags
         self.chat = data.messages_column if data.format == "chat" else None
         # Class ids in these columns become labels[id]; with labels known, a text target must be one of them.
         self.label_columns, self.labels = (label_columns(data) if columns is None else set()), labels
@@ -156,6 +166,9 @@ class RowCollector:
                 if isinstance(value, _BadLabel):
                     return f"column {column!r} {value}", None
             issue = messages_problem(value) if column == self.chat else text_problem(value)
+            if column in self.flags:
+                issue = flag_problem(value)
+                row[column] = bool(value)  # 1/0 and true/false alike (one Arrow type)
             if issue:
                 return f"column {column!r} {issue}", None
         return None

@@ -197,10 +197,15 @@ def _display(source: str, local: Path, file: Path) -> str:
 
 
 def load_split(
-    data: DataSection, split: str, limit: int | None = None, columns: dict[str, str] | None = None
+    data: DataSection,
+    split: str,
+    limit: int | None = None,
+    columns: dict[str, str] | None = None,
+    flags: frozenset[str] = frozenset(),
 ) -> SourceRows:
     """The usable rows of one split of the recipe's source (at most `limit`), checked under
-    data.on_bad_rows; only the columns data.format reads (or `columns`, {field: column}) are kept."""
+    data.on_bad_rows; only the columns data.format reads (or `columns`, {field: column}) are kept; those in
+    `flags` hold yes/no labels (true/false or 1/0, read as bool), not text."""
     local = resolve_local_source(data.source)
     if local is None:
         origin = f"hub dataset {data.source!r}" + (f" (config {data.config!r})" if data.config else "")
@@ -213,10 +218,10 @@ def load_split(
             ) from e
         labels = table_label_names(data, ds.features)
         where = f"{origin} split {split!r}"
-        return _check_table(ds, RowCollector(data, where, "row", limit, labels, columns))
+        return _check_table(ds, RowCollector(data, where, "row", limit, labels, columns, flags))
     file = _local_split_file(local, split)
     labels = data.label_names if data.format == "instruction" else None
-    rows = RowCollector(data, _display(data.source, local, file), "line", limit, labels, columns)
+    rows = RowCollector(data, _display(data.source, local, file), "line", limit, labels, columns, flags)
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq
 

@@ -29,7 +29,7 @@ from lorakit.data.preference_shared import PAIR_SPANS
 from lorakit.engine import dist
 from lorakit.engine.loss import sequence_log_probs
 from lorakit.errors import InferenceError
-from lorakit.objectives.base import Objective
+from lorakit.objectives.base import Objective, Passes
 from lorakit.recipe.dpo_section import DPO, DPO_METRICS
 
 
@@ -60,7 +60,7 @@ def metric_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch
     return dict(zip(DPO_METRICS, values, strict=True))
 
 
-def _sides(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sides(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) of values laid out chosen and rejected of each pair in turn."""
     return values[0::2], values[1::2]
 
@@ -225,6 +225,16 @@ class DpoObjective(Objective):
         return [f"train.objective dpo: two sequences per pair in every micro-batch; {reference}"]
 
     @classmethod
+    def passes(cls, recipe) -> Passes:
+        """Chosen and rejected; the reference with the adapter off before each forward, or (full fine-tuning)
+        once before training; SimPO has none."""
+        if recipe.dpo.loss == "simpo":
+            reference = None
+        else:
+            reference = "live" if recipe.method.adapter() else "before training"
+        return Passes(2, reference, ("chosen", "rejected"))
+
+    @classmethod
     def describe_plan(cls, no_grad_forward: str) -> str | None:
         return f"DPO: two sequences per pair; the no-grad reference forward {no_grad_forward}"
 
@@ -273,8 +283,8 @@ class DpoObjective(Objective):
                 ref = self.log_probs(engine, inputs, batch, device)
         policy = self.log_probs(engine, inputs, batch, device)
         return preference_loss(
-            *_sides(policy),
-            *_sides(ref),
+            *sides(policy),
+            *sides(ref),
             beta=self.beta,
             loss=self.kind,
             label_smoothing=self.label_smoothing,
@@ -287,8 +297,8 @@ class DpoObjective(Objective):
         policy = self.log_probs(engine, inputs, batch, device)
         tokens = response_tokens(batch, self.encoder_decoder).to(policy.device)
         return simpo_loss(
-            *_sides(policy),
-            *_sides(tokens),
+            *sides(policy),
+            *sides(tokens),
             beta=self.beta,
             gamma=self.simpo_gamma,
             label_smoothing=self.label_smoothing,

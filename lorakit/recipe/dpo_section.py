@@ -57,6 +57,10 @@ class DpoSection(Section):
     chosen_column: str = Field("chosen", description="Column with the preferred response (text).")
     rejected_column: str = Field("rejected", description="Column with the dispreferred response (text).")
 
+    def pair_columns(self) -> dict[str, str]:
+        """{recipe field: column} of the two responses a pair row must have."""
+        return {"dpo.chosen_column": self.chosen_column, "dpo.rejected_column": self.rejected_column}
+
     def label(self) -> str:
         """How summary.json's method_options (and so lorakit.compare) name the objective: `dpo beta=0.1`,
         `dpo ipo beta=0.1`, `dpo simpo beta=2 gamma=0.5`."""
@@ -80,27 +84,34 @@ class DpoSection(Section):
 
 def check_dpo(recipe) -> None:
     """ValueError for what train.objective dpo cannot be combined with (`recipe`: the validated Recipe)."""
+    check_preference_rows(recipe, "dpo", "responses", reference=True)
+
+
+def check_preference_rows(recipe, name: str, scored: str, *, reference: bool) -> None:
+    """ValueError for what an objective scoring `scored` after a prompt cannot be combined with (dpo, orpo,
+    kto); `reference`: whether it compares against the base with the adapter off."""
     method, data = recipe.method, recipe.data
-    if method.lora() and method.init in ("pissa", "olora"):
+    if reference and method.lora() and method.init in ("pissa", "olora"):
         raise ValueError(
             f"method.init {method.init} rewrites the base weights, so the base with the adapter turned off is "
-            "no longer the reference model train.objective dpo compares against; use init default or gaussian"
+            f"no longer the reference model train.objective {name} compares against; use init default or "
+            "gaussian"
         )
     if isinstance(data.source, list):
-        raise ValueError("train.objective dpo reads one data.source of preference pairs, not a mixture")
+        raise ValueError(f"train.objective {name} reads one data.source of its rows, not a mixture")
     if data.format == "completion":
         raise ValueError(
-            "train.objective dpo: data.format completion has no prompt; use instruction (data.input_column "
+            f"train.objective {name}: data.format completion has no prompt; use instruction (data.input_column "
             "through data.prompt_template) or chat (data.messages_column holds the prompt's messages)"
         )
     if data.train_on_inputs:
         raise ValueError(
-            "data.train_on_inputs: DPO compares responses only; remove it with train.objective dpo"
+            f"data.train_on_inputs: {name} scores {scored} only; remove it with train.objective {name}"
         )
     if recipe.eval_active() and recipe.eval.generate:
         raise ValueError(
-            "eval.generate: a DPO evaluation reports the preference loss, rewards, margin and accuracy of the "
-            "eval pairs, not generations; set eval.generate: false"
+            f"eval.generate: a {name} evaluation reports its loss, rewards and margins on the eval rows, not "
+            "generations; set eval.generate: false"
         )
 
 
