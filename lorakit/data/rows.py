@@ -251,7 +251,9 @@ class RowCollector:
     def dataset(self) -> SourceRows:
         """The kept rows as an in-memory Dataset, with their lines (or indices) and the skip count."""
         self.finish()
-        features = {c: datasets.Value("string") for c in self.values if c != self.chat}
+        features = {
+            c: datasets.Value("bool" if c in self.flags else "string") for c in self.values if c != self.chat
+        }
         try:
             if self.chat is None:
                 ds = datasets.Dataset.from_dict(self.values, features=datasets.Features(features))

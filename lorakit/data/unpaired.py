@@ -29,6 +29,8 @@ from lorakit.data.templates import prompt_columns, render_prompt, rows_of
 from lorakit.data.tokenize import Lengths, model_max_length
 from lorakit.errors import DataError
 
+# Bump when the prepared rows change for the same inputs, so stale caches are not reused.
+FORMAT_VERSION = 1
 # The completion's and the mismatched completion's columns in the pair layout (lorakit.data.preference).
 OWN, MISMATCHED = "chosen_ids", "rejected_ids"
 
@@ -174,6 +176,7 @@ def prepare_unpaired(recipe, tokenizer, model_config) -> PreparedData:
     model_max = model_max_length(tokenizer, model_config)
     key = cache.fingerprint(
         {
+            "unpaired": FORMAT_VERSION,
             "objective": recipe.train.objective,
             "sources": {k: source_fingerprint(data, s) for k, s in split_names.items()},
             "data": data.model_dump(exclude={"cache_dir", "num_proc", "packing", "group_by_length"}),
