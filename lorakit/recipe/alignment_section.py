@@ -59,7 +59,7 @@ class OrpoSection(Section):
 
 class KtoSection(Section):
     """Kahneman-Tversky optimization (train.objective: kto; Ethayarajh et al. 2024) on unpaired rows: a
-    prompt (data.input_column through data.prompt_template, or data.messages_column), one completion and a
+    prompt (data.input_column through data.prompt_template; data.format instruction), one completion and a
     label, true (or 1) for a desirable completion, false (0) for an undesirable one. The reference is the
     base with the adapter off (method.kind full: the initial model, scored once and cached as for DPO);
     the reference point z0 is the policy's KL from it, estimated on mismatched prompt/completion pairs

@@ -50,14 +50,15 @@ def test_zero3_two_processes_learn_and_resume_identically(cache_dir, tmp_path, o
         },
         train={"objective": objective, "max_steps": steps, "lr": 5e-3, "micro_batch_size": 8},
         eval={"generate": False, "every": steps // 2},
-        checkpoint={"every": steps // 2, "keep": 2},
+        checkpoint={"every": steps // 2, "keep": 3},
         distributed={"num_processes": 2, "zero_stage": 3},
     )
     whole = lorakit.train(recipe)
     records = rundir.read_metrics(whole.run_dir)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
-    assert [e["step"] for e in evals] == [steps // 2, steps]
+    # Halfway, the end, and (KTO's 160 rows) an epoch's end between.
+    assert evals[0]["step"] == steps // 2 and evals[-1]["step"] == steps
     assert all(set(STEP_KEYS[objective]) <= set(r) for r in train), train[0]
     if objective == "orpo":
         assert evals[-1]["accuracy"] > 80, evals
@@ -65,15 +66,16 @@ def test_zero3_two_processes_learn_and_resume_identically(cache_dir, tmp_path, o
     else:
         # No dropout: before the first update the policy is its reference (rewards 0, loss 1/2 a row).
         assert train[0]["loss"] == pytest.approx(0.5, abs=1e-5) and train[0]["kl"] == 0.0
-        assert 0 < evals[0]["margin"] < evals[1]["margin"], evals
+        assert 0 < evals[0]["margin"] < evals[-1]["margin"], evals
         assert 0.2 < evals[-1]["desirable_share"] < 0.8 and evals[-1]["rewards/undesirable"] < 0
     assert f"{objective} " in " ".join(whole.summary["method_options"])  # `orpo lambda=0.1`, `kto beta=0.1`
     adapter = _adapter(whole.run_dir)
 
     # As if the run had stopped after its middle checkpoint.
     found = complete_checkpoints(whole.run_dir)
-    assert [c.step for c in found] == [steps // 2, steps]
-    shutil.rmtree(found[-1].path)
+    assert found[0].step == steps // 2 and found[-1].step == steps  # (KTO: and its epoch's end, step 6)
+    for later in found[1:]:
+        shutil.rmtree(later.path)
     resumed = lorakit.train(recipe)
     assert resumed.summary["resumed_from"]["step"] == steps // 2
     again = [r for r in rundir.read_metrics(resumed.run_dir) if r["kind"] == "train"]

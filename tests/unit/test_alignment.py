@@ -192,3 +192,12 @@ def test_kto_formula_on_small_tensors_and_its_reference_point():
     # A policy closer to the reference on the mismatched pairs than zero: z0 is clamped at 0.
     _, _, z0 = kto_loss(policy, ref_kl, ref, policy_kl, good, beta=0.5)
     assert z0.item() == 0.0
+
+
+def test_response_tokens_of_packed_t5_pairs_are_counted_per_pair():
+    from lorakit.objectives.simpo import response_tokens
+
+    rows = _pairs(100, seed=7, encoder_decoder=True)
+    padded = response_tokens(Seq2SeqPairCollator(0, 0)(rows), encoder_decoder=True)
+    packed = response_tokens(PackedSeq2SeqPairCollator(None, None, 0)(rows), encoder_decoder=True)
+    assert packed.tolist() == padded.tolist() == [len(r[f"{s}_ids"]) for r in rows for s in SIDES]
