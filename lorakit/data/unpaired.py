@@ -164,6 +164,16 @@ def _capped(recipe, src, encoded: dict, enc_dec: bool, lengths: Lengths, counts:
     return out
 
 
+def _cached(path) -> PreparedData | None:
+    """The prepared rows cached at `path`, or None."""
+    hit = cache.load_cached(path)
+    if hit is None:
+        return None
+    splits, meta = hit
+    lengths = Lengths(**meta["lengths"])
+    return PreparedData(splits["train"], splits.get("eval"), lengths, path, True, meta["stats"])
+
+
 def prepare_unpaired(recipe, tokenizer, model_config) -> PreparedData:
     """Load, tokenize, cap and cache the recipe's KTO rows (train and eval), or reuse the cache."""
     data = recipe.data
@@ -174,25 +184,17 @@ def prepare_unpaired(recipe, tokenizer, model_config) -> PreparedData:
     eval_split, held_out = eval_source(data) if recipe.eval_active() else (None, False)
     split_names = {"train": data.split} | ({"eval": eval_split} if eval_split else {})
     model_max = model_max_length(tokenizer, model_config)
-    key = cache.fingerprint(
-        {
-            "unpaired": FORMAT_VERSION,
-            "objective": recipe.train.objective,
-            "sources": {k: source_fingerprint(data, s) for k, s in split_names.items()},
-            "data": data.model_dump(exclude={"cache_dir", "num_proc", "packing", "group_by_length"}),
-            "columns": list(columns.values()),
-            "tokenizer": cache.tokenizer_fingerprint(tokenizer),
-            "model_max": model_max,
-            "causal": not enc_dec,
-        }
-    )
+    # What the prepared rows depend on: a change to any of them prepares them again.
+    depends = {"unpaired": FORMAT_VERSION, "objective": recipe.train.objective, "causal": not enc_dec}
+    depends["sources"] = {k: source_fingerprint(data, s) for k, s in split_names.items()}
+    depends["data"] = data.model_dump(exclude={"cache_dir", "num_proc", "packing", "group_by_length"})
+    depends.update(columns=list(columns.values()), tokenizer=cache.tokenizer_fingerprint(tokenizer))
+    depends["model_max"] = model_max
+    key = cache.fingerprint(depends)
     path = cache.cache_path(data.cache_dir, key)
-    hit = cache.load_cached(path)
-    if hit is not None:
-        splits, meta = hit
-        return PreparedData(
-            splits["train"], splits.get("eval"), Lengths(**meta["lengths"]), path, True, meta["stats"]
-        )
+    found = _cached(path)
+    if found is not None:
+        return found
     flags = frozenset({recipe.kto.label_column})
     if held_out:
         train, held = split_holdout(data, load_split(data, data.split, None, columns, flags))
@@ -211,16 +213,10 @@ def prepare_unpaired(recipe, tokenizer, model_config) -> PreparedData:
         splits[k] = datasets.Dataset.from_dict(rows)
         prefix = "" if k == "train" else f"{k}_"
         overlong.update({f"{prefix}{name}": n for name, n in counts.items()})
-    stats: dict[str, Any] = {
-        "format": data.format,
-        "objective": recipe.train.objective,
-        "train_rows": len(splits["train"]),
-        "eval_rows": len(splits["eval"]) if "eval" in splits else 0,
-        "desirable_rows": sum(splits["train"]["label"]),
-        "overlong": overlong,
-        "model_max_length": model_max,
-        "bad_rows": bad_rows_stats(data.on_bad_rows, raw),
-    }
+    stats: dict[str, Any] = {"format": data.format, "objective": recipe.train.objective, "eval_rows": 0}
+    stats.update({f"{k}_rows": len(ds) for k, ds in splits.items()})
+    stats.update(desirable_rows=sum(splits["train"]["label"]), overlong=overlong, model_max_length=model_max)
+    stats["bad_rows"] = bad_rows_stats(data.on_bad_rows, raw)
     if eval_split:
         stats["eval_source"] = {"split": eval_split, "held_out": held_out, "rows": len(raw["eval"].rows)}
     cache.save_cached(path, splits, {"lengths": vars(lengths), "stats": stats, "key": key})

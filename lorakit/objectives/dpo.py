@@ -65,6 +65,15 @@ def sides(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values[0::2], values[1::2]
 
 
+def model_kind(recipe, config) -> dict[str, bool]:
+    """A pair objective's `encoder_decoder` (the model's) and `cached_reference` (full fine-tuning: the
+    reference log-probabilities ride in the batch) for `recipe` on a model of `config`."""
+    return {
+        "encoder_decoder": bool(getattr(config, "is_encoder_decoder", False)),
+        "cached_reference": not recipe.method.adapter(),
+    }
+
+
 def _module(engine):
     return getattr(engine, "module", engine)  # a DeepSpeed engine wraps the (peft) model
 
@@ -141,14 +150,7 @@ class DpoObjective(Objective):
     @classmethod
     def from_recipe(cls, recipe, config) -> DpoObjective:
         d = recipe.dpo
-        return cls(
-            d.beta,
-            d.loss,
-            d.label_smoothing,
-            encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
-            simpo_gamma=d.simpo_gamma,
-            cached_reference=not recipe.method.adapter(),
-        )
+        return cls(d.beta, d.loss, d.label_smoothing, simpo_gamma=d.simpo_gamma, **model_kind(recipe, config))
 
     @classmethod
     def prepare_data(cls, recipe, tokenizer, config):

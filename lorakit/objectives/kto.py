@@ -28,7 +28,7 @@ import torch
 
 from lorakit.engine import dist
 from lorakit.objectives.base import Passes
-from lorakit.objectives.dpo import DpoObjective, cached_reference, reference_model, sides
+from lorakit.objectives.dpo import DpoObjective, cached_reference, model_kind, reference_model, sides
 from lorakit.recipe.alignment_section import KTO, KTO_STEP_METRICS
 
 # Batch key of the rows' labels (True: desirable), in the order of the pairs.
@@ -96,13 +96,7 @@ class KtoObjective(DpoObjective):
     @classmethod
     def from_recipe(cls, recipe, config) -> KtoObjective:
         k = recipe.kto
-        return cls(
-            k.beta,
-            k.desirable_weight,
-            k.undesirable_weight,
-            encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
-            cached_reference=not recipe.method.adapter(),
-        )
+        return cls(k.beta, k.desirable_weight, k.undesirable_weight, **model_kind(recipe, config))
 
     @classmethod
     def prepare_data(cls, recipe, tokenizer, config):

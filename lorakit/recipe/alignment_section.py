@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from lorakit.recipe.dpo_section import DPO_METRICS, check_preference_rows
-from lorakit.recipe.objective_spec import ObjectiveSpec
+from lorakit.recipe.dpo_section import DPO_METRICS, PairColumns, check_preference_rows, pair_spec
 from lorakit.recipe.section import Section
 
 # ORPO's step and evaluation numbers besides the loss: DPO's (rewards are lambda x mean token log-probability).
@@ -23,11 +22,13 @@ KTO_STEP_METRICS = ("rewards/desirable", "rewards/undesirable", "desirable_share
 KTO_METRICS = (*KTO_STEP_METRICS, "margin")
 
 
-class OrpoSection(Section):
+class OrpoSection(PairColumns):
     """Odds-ratio preference optimization (train.objective: orpo; Hong, Lee & Thorne 2024): the SFT loss on
     the chosen response plus lambda x -log sigmoid(log odds(chosen) - log odds(rejected)), where odds(y) =
     P(y|x) / (1 - P(y|x)) over the mean token probability. No reference model, no reference pass: one stage
     instead of SFT then DPO. See docs/alignment.md."""
+
+    key = "orpo"
 
     odds_ratio_weight: float = Field(
         0.1,
@@ -39,22 +40,10 @@ class OrpoSection(Section):
         True,
         description="As dpo.share_prompt: causal LMs that pack hold each pair's prompt once in its row.",
     )
-    chosen_column: str = Field("chosen", description="Column with the preferred response (text).")
-    rejected_column: str = Field("rejected", description="Column with the dispreferred response (text).")
-
-    def pair_columns(self) -> dict[str, str]:
-        """{recipe field: column} of the two responses a pair row must have."""
-        return {"orpo.chosen_column": self.chosen_column, "orpo.rejected_column": self.rejected_column}
 
     def label(self) -> str:
         """summary.json's method_options entry (lorakit.compare): `orpo lambda=0.1`."""
         return f"orpo lambda={self.odds_ratio_weight:g}"
-
-    @model_validator(mode="after")
-    def _check(self) -> OrpoSection:
-        if self.chosen_column == self.rejected_column:
-            raise ValueError("orpo.chosen_column and orpo.rejected_column name the same column")
-        return self
 
 
 class KtoSection(Section):
@@ -122,22 +111,5 @@ def check_kto(recipe) -> None:
     check_preference_rows(recipe, "kto", "completions", reference=True)
 
 
-ORPO = ObjectiveSpec(
-    name="orpo",
-    section="orpo",
-    check=check_orpo,
-    eval_metrics=ORPO_METRICS,
-    no_tiled_loss="needs each sequence's log-probabilities from the logits",
-    no_sequence_parallel="keeps each preference pair's sequences whole on one rank",
-    loss_label="orpo",
-)
-
-KTO = ObjectiveSpec(
-    name="kto",
-    section="kto",
-    check=check_kto,
-    eval_metrics=KTO_METRICS,
-    no_tiled_loss="needs each sequence's log-probabilities from the logits",
-    no_sequence_parallel="keeps each row's completion and its mismatched completion whole on one rank",
-    loss_label="kto",
-)
+ORPO = pair_spec("orpo", check_orpo, ORPO_METRICS, "each preference pair's sequences")
+KTO = pair_spec("kto", check_kto, KTO_METRICS, "each row's completion and its mismatched completion")

@@ -79,39 +79,32 @@ def _labelled(rows):
     return [dict(r, label=good) for r, good in zip(rows, LABEL, strict=True)]
 
 
-def _refuse_reference(monkeypatch, model):
+def _orpo(built, enc_dec: bool, collators, monkeypatch) -> None:
+    model = built.model
+    rows = _pairs(model.config.vocab_size, seed=4 + enc_dec, encoder_decoder=enc_dec)
+    by_hand = _loss_and_grads(model, lambda: _orpo_by_hand(model, rows, enc_dec))
+    assert by_hand[0] > 0
+
     def refuse():
         raise AssertionError("ORPO turned the adapter off: it has no reference model")
 
     monkeypatch.setattr(model, "disable_adapter", refuse)
+    objective = OrpoObjective(WEIGHT, encoder_decoder=enc_dec)
+    for collator in collators:
+        batch = collator(rows)
+        ours = _loss_and_grads(model, lambda b=batch: objective.loss(model, built.inputs, b, "cpu")[0])
+        _assert_same(ours, by_hand)
 
 
 def test_orpo_loss_and_grads_equal_the_formula_llama(llama, monkeypatch):
-    model = llama.model
-    rows = _pairs(model.config.vocab_size, seed=4, encoder_decoder=False)
-    by_hand = _loss_and_grads(model, lambda: _orpo_by_hand(model, rows, False))
-    _refuse_reference(monkeypatch, model)
-    objective = OrpoObjective(WEIGHT, encoder_decoder=False)
-    for collator in (CausalPairCollator(0), SharedPromptCollator(max_tokens=200)):
-        batch = collator(rows)
-        _assert_same(
-            _loss_and_grads(model, lambda b=batch: objective.loss(model, llama.inputs, b, "cpu")[0]), by_hand
-        )
-    assert by_hand[0] > 0
+    _orpo(llama, False, (CausalPairCollator(0), SharedPromptCollator(max_tokens=200)), monkeypatch)
 
 
 def test_orpo_loss_and_grads_equal_the_formula_t5(t5, monkeypatch):
-    model = t5.model
-    rows = _pairs(model.config.vocab_size, seed=5, encoder_decoder=True)
-    by_hand = _loss_and_grads(model, lambda: _orpo_by_hand(model, rows, True))
-    _refuse_reference(monkeypatch, model)
-    objective = OrpoObjective(WEIGHT, encoder_decoder=True)
-    start = model.config.decoder_start_token_id
-    for collator in (Seq2SeqPairCollator(0, start), PackedSeq2SeqPairCollator(None, None, start)):
-        batch = collator(rows)
-        _assert_same(
-            _loss_and_grads(model, lambda b=batch: objective.loss(model, t5.inputs, b, "cpu")[0]), by_hand
-        )
+    start = t5.model.config.decoder_start_token_id
+    _orpo(
+        t5, True, (Seq2SeqPairCollator(0, start), PackedSeq2SeqPairCollator(None, None, start)), monkeypatch
+    )
 
 
 def _kto(built, enc_dec: bool, collators, cached: bool = False):
