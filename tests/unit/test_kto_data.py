@@ -98,3 +98,14 @@ def test_the_planner_counts_each_objectives_passes():
     # The same shapes: KTO's per-GPU bytes are DPO's (a live reference), ORPO's no more (no reference pass).
     assert plans["kto"].per_gpu_bytes == plans["dpo"].per_gpu_bytes >= plans["orpo"].per_gpu_bytes
     assert "no reference forward" in plans["orpo"].describe() and "KTO:" in plans["kto"].describe()
+
+
+def test_kto_refuses_chat_prompts_until_the_chat_row_builder(cache_dir, tmp_path):
+    with pytest.raises(RecipeError, match="kto reads its prompt as text for now"):
+        tiny_recipe(
+            cache_dir,
+            tmp_path / "r",
+            train={"objective": "kto"},
+            data={"format": "chat"},
+            eval={"enabled": False},
+        )
