@@ -46,8 +46,6 @@ class Passes:
     # adapter off); "before training", one no-grad pass over the data before the first step whose results
     # are cached (full fine-tuning); None: no reference model.
     reference: Literal["live", "before training"] | None = None
-    # What the sequences are, for the plan's notes: ("chosen", "rejected").
-    names: tuple[str, ...] = ()
 
     @property
     def no_grad_forward(self) -> bool:

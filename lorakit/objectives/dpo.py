@@ -234,7 +234,7 @@ class DpoObjective(Objective):
             reference = None
         else:
             reference = "live" if recipe.method.adapter() else "before training"
-        return Passes(2, reference, ("chosen", "rejected"))
+        return Passes(2, reference)
 
     @classmethod
     def describe_plan(cls, no_grad_forward: str) -> str | None:

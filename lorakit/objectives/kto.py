@@ -122,7 +122,7 @@ class KtoObjective(DpoObjective):
     def passes(cls, recipe) -> Passes:
         """Each row's completion and its mismatched completion; DPO's reference pass over both."""
         reference = "live" if recipe.method.adapter() else "before training"
-        return Passes(2, reference, ("completion", "mismatched completion (KL estimate)"))
+        return Passes(2, reference)
 
     @classmethod
     def plan_notes(cls, recipe) -> list[str]:

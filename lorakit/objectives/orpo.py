@@ -77,7 +77,7 @@ class OrpoObjective(DpoObjective):
 
     @classmethod
     def passes(cls, recipe) -> Passes:
-        return Passes(2, None, ("chosen", "rejected"))
+        return Passes(2, None)
 
     @classmethod
     def plan_notes(cls, recipe) -> list[str]:
