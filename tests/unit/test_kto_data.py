@@ -109,3 +109,18 @@ def test_kto_refuses_chat_prompts_until_the_chat_row_builder(cache_dir, tmp_path
             data={"format": "chat"},
             eval={"enabled": False},
         )
+
+
+def test_each_objective_is_made_from_its_section():
+    from lorakit.objectives import make_objective
+    from lorakit.objectives.kto import KtoObjective
+    from lorakit.objectives.orpo import OrpoObjective
+
+    orpo = _with(load_recipe(RECIPES / "quickstart_orpo.yaml"), "orpo", odds_ratio_weight=0.25)
+    kto = _with(load_recipe(RECIPES / "quickstart_kto.yaml"), "kto", beta=0.3, undesirable_weight=1.5)
+    made = make_objective(orpo, tiny_config("t5"))
+    assert isinstance(made, OrpoObjective) and made.weight == 0.25 and made.encoder_decoder
+    full = make_objective(_with(kto, "method", kind="full"), tiny_config("llama"))
+    assert isinstance(full, KtoObjective) and (full.beta, full.undesirable_weight) == (0.3, 1.5)
+    assert full.cached_reference and not full.encoder_decoder
+    assert not make_objective(_with(orpo, "method", kind="full"), tiny_config("llama")).cached_reference
