@@ -28,6 +28,7 @@ from lorakit.data.sources import OVERLONG_DOC, eval_source, load_split, source_f
 from lorakit.data.templates import prompt_columns, render_prompt, rows_of
 from lorakit.data.tokenize import Lengths, model_max_length
 from lorakit.errors import DataError
+from lorakit.recipe.known_objectives import section_of
 from lorakit.recipe.schema import Recipe
 
 PAIR_COLUMNS = ("chosen_ids", "rejected_ids")
@@ -44,10 +45,7 @@ def preference_columns(recipe: Recipe) -> dict[str, str]:
             columns.setdefault(
                 "data.input_column" if p == "input" else f"data.prompt_template {{{p}}}", column
             )
-    return columns | {
-        "dpo.chosen_column": recipe.dpo.chosen_column,
-        "dpo.rejected_column": recipe.dpo.rejected_column,
-    }
+    return columns | section_of(recipe).pair_columns()  # dpo.chosen_column, ... (orpo., kto.)
 
 
 def _load(recipe: Recipe, split_names: dict[str, str], held_out: bool) -> dict[str, SourceRows]:
@@ -66,7 +64,7 @@ def _with_eos(ids: list[int], eos: int) -> list[int]:
 def _causal_pairs(src: SourceRows, recipe: Recipe, tokenizer) -> tuple[dict[str, list], list[str]]:
     """Token ids of every pair of `src`; with data.on_bad_rows skip, pairs the chat template refuses are
     left out and their reasons returned."""
-    data, dpo = recipe.data, recipe.dpo
+    data, dpo = recipe.data, section_of(recipe)  # the dpo section, or orpo's (the same columns)
     eos = tokenizer.eos_token_id
     rows = rows_of(src.rows.to_dict())
     out: dict[str, list] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "reference": []}
@@ -141,7 +139,7 @@ def chat_pair(
 
 def _seq2seq_pairs(src: SourceRows, recipe: Recipe, tokenizer) -> tuple[dict[str, list], list[str]]:
     """Source and target ids of every pair of `src` (the tokenizer appends EOS, as T5's does)."""
-    data, dpo = recipe.data, recipe.dpo
+    data, dpo = recipe.data, section_of(recipe)  # the dpo section, or orpo's (the same columns)
     rows = rows_of(src.rows.to_dict())
     eos = tokenizer.eos_token_id
     out: dict[str, list] = {
@@ -262,7 +260,7 @@ def prepare_preference(recipe: Recipe, tokenizer, model_config) -> PreparedData:
             "objective": recipe.train.objective,
             "sources": {k: source_fingerprint(data, s) for k, s in split_names.items()},
             "data": data.model_dump(exclude={"cache_dir", "num_proc", "packing", "group_by_length"}),
-            "columns": [recipe.dpo.chosen_column, recipe.dpo.rejected_column],
+            "columns": list(section_of(recipe).pair_columns().values()),
             "tokenizer": cache.tokenizer_fingerprint(tokenizer),
             "model_max": model_max,
             "causal": not enc_dec,

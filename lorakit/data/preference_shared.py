@@ -23,6 +23,7 @@ import torch
 from lorakit.data.micro_batches import Batching
 from lorakit.data.multipack import MultipackBatchSampler
 from lorakit.errors import DataError
+from lorakit.recipe.known_objectives import section_of
 
 _IDS = ("prompt_ids", "chosen_ids", "rejected_ids")
 # Batch key of the pairs' (prompt, chosen, rejected) lengths, in row order.
@@ -99,7 +100,7 @@ def shared_prompt_batching(
     """Multipack rows of shared-prompt pairs, or None where the prompt is not shared (dpo.share_prompt
     false, or `problem`: why the model's attention cannot run the tree, said on the console; the model
     layer knows, lorakit.model.shared_prompt.sharing_problem)."""
-    if not recipe.dpo.share_prompt:
+    if not section_of(recipe).share_prompt:  # dpo.share_prompt (orpo., kto.)
         return None
     if problem is not None:
         _say(f"dpo.share_prompt: each pair's prompt is packed twice here: {problem}")

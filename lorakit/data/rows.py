@@ -128,6 +128,13 @@ def text_problem(value: Any) -> str | None:
     return None
 
 
+def flag_problem(value: Any) -> str | None:
+    """Why `value` cannot be a yes/no label (true/false, or 1/0), or None when it can."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return None
+    return f"is {_json_type(value)} {value!r:.60}, not a label (true/false or 1/0)"
+
+
 def messages_problem(messages: Any) -> str | None:
     """Why `messages` is not a conversation lorakit reads (normalize_messages, default layouts), or None."""
     return normalize_messages(messages, None, {})[1]
@@ -174,6 +181,7 @@ class RowCollector:
         limit: int | None,
         labels: list[str] | None = None,
         columns: dict[str, str] | None = None,
+        flags: frozenset[str] = frozenset(),
     ):
         # {field: column}; `columns` replaces what data.format reads (preference pairs: data/preference.py).
         self.columns = columns if columns is not None else required_columns(data)
@@ -183,6 +191,8 @@ class RowCollector:
         self.alpaca = data.format == "alpaca" and columns is None
         self.message_keys, self.roles = data.message_keys, data.roles or {}
         self.transform = load_transform(data.transform)
+        # Columns of those holding a yes/no label (true/false or 1/0: KTO's, data/unpaired.py), not text.
+        self.flags = flags
         # Class ids in these columns become labels[id]; with labels known, a text target must be one of them.
         self.label_columns, self.labels = (label_columns(data) if columns is None else set()), labels
         self.direct_label = data.target_template is None
@@ -236,6 +246,9 @@ class RowCollector:
                 row[column] = json.dumps(value, ensure_ascii=False)
             else:
                 issue = text_problem(value)
+            if column in self.flags:
+                issue = flag_problem(value)
+                row[column] = bool(value)  # 1/0 and true/false alike (one Arrow type)
             if issue:
                 return f"column {column!r} {issue}", None
         if self.alpaca:
@@ -342,7 +355,7 @@ class RowCollector:
     def dataset(self) -> SourceRows:
         """The kept rows as an in-memory Dataset, with their lines (or indices) and the skip count."""
         self.finish()
-        features = {c: datasets.Value("string") for c in self.values}
+        features = {c: datasets.Value("bool" if c in self.flags else "string") for c in self.values}
         try:
             ds = datasets.Dataset.from_dict(self.values, features=datasets.Features(features))
         except (TypeError, ValueError) as e:  # pyarrow's ArrowInvalid / ArrowTypeError derive from these

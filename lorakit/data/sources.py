@@ -205,20 +205,25 @@ def _hub_split(data: DataSection, split: str) -> datasets.Dataset:
 
 
 def load_split(
-    data: DataSection, split: str, limit: int | None = None, columns: dict[str, str] | None = None
+    data: DataSection,
+    split: str,
+    limit: int | None = None,
+    columns: dict[str, str] | None = None,
+    flags: frozenset[str] = frozenset(),
 ) -> SourceRows:
     """The usable rows of one split of the recipe's source (at most `limit`), checked under
-    data.on_bad_rows; only the columns data.format reads (or `columns`, {field: column}) are kept."""
+    data.on_bad_rows; only the columns data.format reads (or `columns`, {field: column}) are kept; those in
+    `flags` hold yes/no labels (true/false or 1/0, read as bool), not text."""
     files = split_files(data, split)
     instruction = data.format == "instruction"
     if files is None:
         origin = f"hub dataset {data.source!r}" + (f" (config {data.config!r})" if data.config else "")
-        rows = RowCollector(data, f"{origin} split {split!r}", "row", limit, None, columns)
+        rows = RowCollector(data, f"{origin} split {split!r}", "row", limit, None, columns, flags)
         ds = _hub_split(data, split)
         rows.labels = table_label_names(data, ds.features)
         return _check_table(ds, rows)
     local = resolve_local_source(data.source)
-    rows = RowCollector(data, "", "line", limit, data.label_names if instruction else None, columns)
+    rows = RowCollector(data, "", "line", limit, data.label_names if instruction else None, columns, flags)
     for file in files:
         rows.next_file(
             _display(data.source, local, file), "row" if file.suffix in (".parquet", ".json") else "line"

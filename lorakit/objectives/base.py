@@ -10,7 +10,7 @@ Around the loop, the objective says how its rows are prepared and batched (prepa
 what training needs before the first step (prepare_training: full fine-tuning DPO's reference
 log-probabilities), how a run is evaluated (evaluation_data, evaluate), how summary.json names it
 (method_options) and what the memory planner adds (sequences, no_grad_forward, plan_notes,
-describe_plan). Its `spec` (lorakit.recipe.objective_spec) is what the recipe knows: its name, section,
+describe_plan, and `passes`: the sequences and reference pass it runs). Its `spec` (lorakit.recipe.objective_spec) is what the recipe knows: its name, section,
 refusals and metrics.
 
 The defaults are SFT's rows, batching and evaluation: an objective computing another loss over the same
@@ -21,7 +21,8 @@ rows overrides `units` and `loss` only. Adding one is a module with its subclass
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from lorakit.recipe.objective_spec import ObjectiveSpec
 
@@ -31,6 +32,25 @@ if TYPE_CHECKING:
     from lorakit.data.batching import Batching
     from lorakit.data.pipeline import PreparedData
     from lorakit.evaluation.runner import EvalOutcome
+
+
+@dataclass(frozen=True)
+class Passes:
+    """What one micro-batch of an objective runs, as the memory planner counts it (Objective.passes)."""
+
+    # Sequences each example puts in the forward with grad: SFT 1; a preference pair 2 (chosen,
+    # rejected); a KTO row 2 (its completion, a mismatched one for the KL estimate). Encoder-decoders run
+    # the prompt once and the decoder this many times.
+    sequences: int = 1
+    # The reference pass: "live", a no-grad forward of the same rows before each policy forward (the
+    # adapter off); "before training", one no-grad pass over the data before the first step whose results
+    # are cached (full fine-tuning); None: no reference model.
+    reference: Literal["live", "before training"] | None = None
+
+    @property
+    def no_grad_forward(self) -> bool:
+        """Whether a no-grad forward of a micro-batch's size runs (live, or the pass before training)."""
+        return self.reference is not None
 
 
 class Objective(ABC):
@@ -115,6 +135,12 @@ class Objective(ABC):
     def plan_notes(cls, recipe) -> list[str]:
         """The planner's notes on what this objective adds to a micro-batch."""
         return []
+
+    @classmethod
+    def passes(cls, recipe) -> Passes:
+        """The planner hook: the sequences and reference pass one micro-batch of `recipe` runs (default:
+        the `sequences` and `no_grad_forward` class attributes)."""
+        return Passes(cls.sequences, "live" if cls.no_grad_forward else None)
 
     @classmethod
     def describe_plan(cls, no_grad_forward: str) -> str | None:

@@ -29,7 +29,7 @@ from lorakit.data.preference_shared import PAIR_SPANS
 from lorakit.engine import dist
 from lorakit.engine.loss import sequence_log_probs
 from lorakit.errors import InferenceError
-from lorakit.objectives.base import Objective
+from lorakit.objectives.base import Objective, Passes
 from lorakit.recipe.dpo_section import DPO, DPO_METRICS
 
 
@@ -60,9 +60,18 @@ def metric_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch
     return dict(zip(DPO_METRICS, values, strict=True))
 
 
-def _sides(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sides(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) of values laid out chosen and rejected of each pair in turn."""
     return values[0::2], values[1::2]
+
+
+def model_kind(recipe, config) -> dict[str, bool]:
+    """A pair objective's `encoder_decoder` (the model's) and `cached_reference` (full fine-tuning: the
+    reference log-probabilities ride in the batch) for `recipe` on a model of `config`."""
+    return {
+        "encoder_decoder": bool(getattr(config, "is_encoder_decoder", False)),
+        "cached_reference": not recipe.method.adapter(),
+    }
 
 
 def _module(engine):
@@ -141,14 +150,7 @@ class DpoObjective(Objective):
     @classmethod
     def from_recipe(cls, recipe, config) -> DpoObjective:
         d = recipe.dpo
-        return cls(
-            d.beta,
-            d.loss,
-            d.label_smoothing,
-            encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
-            simpo_gamma=d.simpo_gamma,
-            cached_reference=not recipe.method.adapter(),
-        )
+        return cls(d.beta, d.loss, d.label_smoothing, simpo_gamma=d.simpo_gamma, **model_kind(recipe, config))
 
     @classmethod
     def prepare_data(cls, recipe, tokenizer, config):
@@ -225,6 +227,16 @@ class DpoObjective(Objective):
         return [f"train.objective dpo: two sequences per pair in every micro-batch; {reference}"]
 
     @classmethod
+    def passes(cls, recipe) -> Passes:
+        """Chosen and rejected; the reference with the adapter off before each forward, or (full fine-tuning)
+        once before training; SimPO has none."""
+        if recipe.dpo.loss == "simpo":
+            reference = None
+        else:
+            reference = "live" if recipe.method.adapter() else "before training"
+        return Passes(2, reference)
+
+    @classmethod
     def describe_plan(cls, no_grad_forward: str) -> str | None:
         return f"DPO: two sequences per pair; the no-grad reference forward {no_grad_forward}"
 
@@ -273,8 +285,8 @@ class DpoObjective(Objective):
                 ref = self.log_probs(engine, inputs, batch, device)
         policy = self.log_probs(engine, inputs, batch, device)
         return preference_loss(
-            *_sides(policy),
-            *_sides(ref),
+            *sides(policy),
+            *sides(ref),
             beta=self.beta,
             loss=self.kind,
             label_smoothing=self.label_smoothing,
@@ -287,8 +299,8 @@ class DpoObjective(Objective):
         policy = self.log_probs(engine, inputs, batch, device)
         tokens = response_tokens(batch, self.encoder_decoder).to(policy.device)
         return simpo_loss(
-            *_sides(policy),
-            *_sides(tokens),
+            *sides(policy),
+            *sides(tokens),
             beta=self.beta,
             gamma=self.simpo_gamma,
             label_smoothing=self.label_smoothing,

@@ -10,10 +10,14 @@ from __future__ import annotations
 from lorakit.errors import RecipeError
 from lorakit.objectives.base import Objective
 from lorakit.objectives.dpo import DpoObjective
+from lorakit.objectives.kto import KtoObjective
+from lorakit.objectives.orpo import OrpoObjective
 from lorakit.objectives.sft import SftObjective
 from lorakit.recipe.known_objectives import register_spec, unregister_spec
 
-_BUILT_IN: dict[str, type[Objective]] = {cls.spec.name: cls for cls in (SftObjective, DpoObjective)}
+_BUILT_IN: dict[str, type[Objective]] = {
+    cls.spec.name: cls for cls in (SftObjective, DpoObjective, OrpoObjective, KtoObjective)
+}
 # The process's objectives: the built-ins, and any registered since (a registry: mutable by design).
 _OBJECTIVES: dict[str, type[Objective]] = dict(_BUILT_IN)
 

@@ -43,6 +43,14 @@ def simpo_loss(
 def response_tokens(batch: dict[str, Any], encoder_decoder: bool) -> torch.Tensor:
     """(2 x pairs,) scored tokens of each response, chosen and rejected of each pair in turn (fp32)."""
     n = 2 * batch["num_pairs"]
+    if encoder_decoder and "source_segments" in batch:
+        # Packed pairs (lorakit.data.preference_seq2seq): one decoder row a side, pair k in segment k + 1.
+        sides = []
+        for s in ("chosen", "rejected"):
+            scored = batch[f"{s}_labels"] != IGNORE_INDEX
+            segments = batch[f"{s}_target_segments"][scored] - 1
+            sides.append(torch.bincount(segments, minlength=batch["num_pairs"]))
+        return torch.stack(sides, dim=1).reshape(-1).float()
     if encoder_decoder:
         sides = [(batch[f"{s}_labels"] != IGNORE_INDEX).sum(1) for s in ("chosen", "rejected")]
         return torch.stack(sides, dim=1).reshape(-1).float()

@@ -348,7 +348,7 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
         this = replace(shape, rows=1, seq_len=setup.max_tokens, target_len=target)
     else:
         # The objective's sequences per example (DPO: 2) as rows; encoder-decoders: decoder_passes instead.
-        sequences = 1 if arch.is_encoder_decoder else objective_type(recipe).sequences
+        sequences = 1 if arch.is_encoder_decoder else objective_type(recipe).passes(recipe).sequences
         this = replace(shape, rows=sequences * setup.micro_batch_size)
     if not arch.is_encoder_decoder:
         this = replace(
@@ -366,7 +366,7 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     gpu = {when: total("gpu", when) for when in ("resident", "forward", "backward", "gradients", "step")}
     # An objective's no-grad forward (DPO's reference pass, or full fine-tuning's pass before training),
     # before anything of the micro-batch is kept: never above the training moments, but counted.
-    no_grad = act.no_grad_forward if objective_type(recipe).no_grad_forward else 0
+    no_grad = act.no_grad_forward if objective_type(recipe).passes(recipe).no_grad_forward else 0
     train = gpu["resident"] + max(
         gpu["forward"] + act.at_loss,
         gpu["forward"] + gpu["backward"] + gpu["gradients"] + act.in_layers,

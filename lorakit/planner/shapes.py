@@ -46,9 +46,10 @@ def micro_batch_shape(
         raise PlanError("model.attention flash_attention_2 runs on GPUs only; plan with device='cuda'")
     kernels = Kernels(attention=attention, device=device, packed=packed)
     objective = objective_type(recipe)
-    if objective.sequences > 1:
+    sequences = objective.passes(recipe).sequences
+    if sequences > 1:
         notes += objective.plan_notes(recipe)
-        return _sequences_shape(recipe, arch, seq_len, target_len, kernels, notes, objective.sequences)
+        return _sequences_shape(recipe, arch, seq_len, target_len, kernels, notes, sequences)
     if arch.is_encoder_decoder:
         src = _length(
             d.max_source_length, seq_len, arch.max_length, "data.max_source_length", "--seq-len", notes

@@ -3,7 +3,7 @@ objective's spec (lorakit.recipe.objective_spec; the objective itself is lorakit
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -14,11 +14,36 @@ from lorakit.recipe.section import Section
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "margin", "accuracy")
 
 
-class DpoSection(Section):
+class PairColumns(Section):
+    """The columns of a preference pair's two responses (the dpo and orpo sections)."""
+
+    # The section's name in the recipe, for the fields' names in messages.
+    key: ClassVar[str]
+
+    chosen_column: str = Field("chosen", description="Column with the preferred response (text).")
+    rejected_column: str = Field("rejected", description="Column with the dispreferred response (text).")
+
+    def pair_columns(self) -> dict[str, str]:
+        """{recipe field: column} of the two responses a pair row must have."""
+        return {
+            f"{self.key}.chosen_column": self.chosen_column,
+            f"{self.key}.rejected_column": self.rejected_column,
+        }
+
+    @model_validator(mode="after")
+    def _distinct_columns(self) -> PairColumns:
+        if self.chosen_column == self.rejected_column:
+            raise ValueError(f"{self.key}.chosen_column and {self.key}.rejected_column name the same column")
+        return self
+
+
+class DpoSection(PairColumns):
     """Direct preference optimization (train.objective: dpo): the policy learns to prefer the chosen
     response over the rejected one relative to a reference model: the base with the adapter turned off,
     or with method.kind full the initial model, its log-probabilities computed once before training and
     cached with the dataset. See docs/dpo.md."""
+
+    key = "dpo"
 
     beta: float = Field(
         0.1,
@@ -54,8 +79,6 @@ class DpoSection(Section):
         "prompt is computed and counted once. false: prompt + chosen and prompt + rejected as two sequences. "
         "The flash_attention_2 backend cannot share it and packs the two (said at start).",
     )
-    chosen_column: str = Field("chosen", description="Column with the preferred response (text).")
-    rejected_column: str = Field("rejected", description="Column with the dispreferred response (text).")
 
     def label(self) -> str:
         """How summary.json's method_options (and so lorakit.compare) name the objective: `dpo beta=0.1`,
@@ -73,43 +96,54 @@ class DpoSection(Section):
         # By value, not by whether it was given: a resolved recipe.yaml spells every default out.
         if self.loss != "simpo" and self.simpo_gamma != type(self).model_fields["simpo_gamma"].default:
             raise ValueError("dpo.simpo_gamma applies to loss simpo only; remove it or set dpo.loss: simpo")
-        if self.chosen_column == self.rejected_column:
-            raise ValueError("dpo.chosen_column and dpo.rejected_column name the same column")
         return self
 
 
 def check_dpo(recipe) -> None:
     """ValueError for what train.objective dpo cannot be combined with (`recipe`: the validated Recipe)."""
+    check_preference_rows(recipe, "dpo", "responses", reference=True)
+
+
+def check_preference_rows(recipe, name: str, scored: str, *, reference: bool) -> None:
+    """ValueError for what an objective scoring `scored` after a prompt cannot be combined with (dpo, orpo,
+    kto); `reference`: whether it compares against the base with the adapter off."""
     method, data = recipe.method, recipe.data
-    if method.lora() and method.init in ("pissa", "olora"):
+    if reference and method.lora() and method.init in ("pissa", "olora"):
         raise ValueError(
             f"method.init {method.init} rewrites the base weights, so the base with the adapter turned off is "
-            "no longer the reference model train.objective dpo compares against; use init default or gaussian"
+            f"no longer the reference model train.objective {name} compares against; use init default or "
+            "gaussian"
         )
     if isinstance(data.source, list):
-        raise ValueError("train.objective dpo reads one data.source of preference pairs, not a mixture")
+        raise ValueError(f"train.objective {name} reads one data.source of its rows, not a mixture")
     if data.format == "completion":
         raise ValueError(
-            "train.objective dpo: data.format completion has no prompt; use instruction (data.input_column "
+            f"train.objective {name}: data.format completion has no prompt; use instruction (data.input_column "
             "through data.prompt_template) or chat (data.messages_column holds the prompt's messages)"
         )
     if data.train_on_inputs:
         raise ValueError(
-            "data.train_on_inputs: DPO compares responses only; remove it with train.objective dpo"
+            f"data.train_on_inputs: {name} scores {scored} only; remove it with train.objective {name}"
         )
     if recipe.eval_active() and recipe.eval.generate:
         raise ValueError(
-            "eval.generate: a DPO evaluation reports the preference loss, rewards, margin and accuracy of the "
-            "eval pairs, not generations; set eval.generate: false"
+            f"eval.generate: a {name} evaluation reports its loss, rewards and margins on the eval rows, not "
+            "generations; set eval.generate: false"
         )
 
 
-DPO = ObjectiveSpec(
-    name="dpo",
-    section="dpo",
-    check=check_dpo,
-    eval_metrics=DPO_METRICS,
-    no_tiled_loss="needs each sequence's log-probabilities from the logits",
-    no_sequence_parallel="keeps each preference pair's sequences whole on one rank",
-    loss_label="dpo",
-)
+def pair_spec(name: str, check, eval_metrics: tuple[str, ...], kept: str) -> ObjectiveSpec:
+    """The spec of an objective scoring preference-pair-shaped rows (dpo, orpo, kto): its section is named
+    as it is, its loss needs each sequence's log-probabilities, and `kept` stays whole on one rank."""
+    return ObjectiveSpec(
+        name=name,
+        section=name,
+        check=check,
+        eval_metrics=eval_metrics,
+        no_tiled_loss="needs each sequence's log-probabilities from the logits",
+        no_sequence_parallel=f"keeps {kept} whole on one rank",
+        loss_label=name,
+    )
+
+
+DPO = pair_spec("dpo", check_dpo, DPO_METRICS, "each preference pair's sequences")

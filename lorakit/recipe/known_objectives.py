@@ -7,11 +7,15 @@ objective's name: it asks the spec (this module) or the objective (lorakit.objec
 
 from __future__ import annotations
 
+import importlib
+
+from lorakit.recipe.alignment_section import KTO, ORPO
 from lorakit.recipe.dpo_section import DPO
 from lorakit.recipe.objective_spec import SFT, ObjectiveSpec
 
+_BUILT_IN = tuple(spec.name for spec in (SFT, DPO, ORPO, KTO))
 # The process's objectives: the built-ins, and any registered since (a registry: mutable by design).
-_SPECS: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (SFT, DPO)}
+_SPECS: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (SFT, DPO, ORPO, KTO)}
 
 
 def register_spec(spec: ObjectiveSpec) -> None:
@@ -24,7 +28,7 @@ def register_spec(spec: ObjectiveSpec) -> None:
 
 def unregister_spec(name: str) -> None:
     """Forget the spec of a registered objective (a built-in stays)."""
-    if name not in (SFT.name, DPO.name):
+    if name not in _BUILT_IN:
         _SPECS.pop(name, None)
 
 
@@ -42,6 +46,24 @@ def spec_named(name: str) -> ObjectiveSpec:
             "(lorakit.objectives.register adds one)"
         )
     return spec
+
+
+def import_objective_module(module: str | None) -> None:
+    """Import `module` (train.objective_module), which registers a plugin objective with
+    lorakit.objectives.register; every process that validates the recipe does, so the launcher's workers
+    know the objective too. ValueError naming the field when it cannot be imported."""
+    if module is None:
+        return
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"train.objective_module {module!r} cannot be imported: {e}") from None
+
+
+def section_of(recipe):
+    """The recipe's section of its objective's own settings (recipe.dpo for dpo), or None."""
+    section = spec_of(recipe).section
+    return None if section is None else getattr(recipe, section)
 
 
 def spec_of(recipe) -> ObjectiveSpec:

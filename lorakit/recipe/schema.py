@@ -1,7 +1,7 @@
 """THE recipe schema: the Recipe and its cross-section checks. Every key, type, default and check lives in
 this package, one module per section (model_section.py, method.py, data_section.py, train_section.py with
-checkpoint, distributed_section.py with fsdp_section.py, eval_section.py, dpo_section.py, output_section.py
-with preflight), the objectives `train.objective` names in known_objectives.py; docs/recipes.md is
+checkpoint, distributed_section.py with fsdp_section.py, eval_section.py, dpo_section.py, alignment_section.py
+(orpo, kto), output_section.py with preflight), the objectives `train.objective` names in known_objectives.py; docs/recipes.md is
 generated from them (reference.py). Every section and name stays importable from here.
 
 A recipe is frozen after validation; values derived from it are functions, not stored fields.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pydantic import model_validator
 
+from lorakit.recipe.alignment_section import KtoSection, OrpoSection
 from lorakit.recipe.data_section import DataSection, SourceSpec, data_parts
 from lorakit.recipe.distributed_section import ZERO_PLUS_PLUS, DistributedSection
 from lorakit.recipe.dpo_section import DpoSection
@@ -30,6 +31,8 @@ __all__ = [
     "DpoSection",
     "EvalSection",
     "FsdpSection",
+    "KtoSection",
+    "OrpoSection",
     "MethodSection",
     "ModelSection",
     "OutputSection",
@@ -56,6 +59,8 @@ class Recipe(Section):
     eval: EvalSection = EvalSection()
     checkpoint: CheckpointSection = CheckpointSection()
     dpo: DpoSection = DpoSection()
+    orpo: OrpoSection = OrpoSection()
+    kto: KtoSection = KtoSection()
     output: OutputSection
     preflight: PreflightSection = PreflightSection()
 

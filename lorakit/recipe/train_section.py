@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
-from lorakit.recipe.known_objectives import spec_named
+from lorakit.recipe.known_objectives import import_objective_module, spec_named
 from lorakit.recipe.section import Section
 
 
@@ -70,11 +70,21 @@ class TrainSection(Section):
         "checkpoint.best_metric (evaluations without that metric do not count); summary.json records "
         "stop_reason early_stopping. Needs checkpoint.best_metric. null: train for every planned step.",
     )
+    # Before `objective`: its validator imports this module first (pydantic validates in field order).
+    objective_module: str | None = Field(
+        None,
+        description="A Python module to import before train.objective is read, in this process and every "
+        "worker the launcher starts: the one that registers a plugin objective (lorakit.objectives."
+        "register), e.g. `mypkg.objectives`. null: only the built-in objectives.",
+    )
     objective: str = Field(
         "sft",
-        description="The training objective: sft (token-weighted cross-entropy on the targets) or dpo "
+        description="The training objective: sft (token-weighted cross-entropy on the targets), dpo "
         "(preference tuning on (prompt, chosen, rejected) pairs, configured in the dpo section, "
-        "docs/dpo.md); or the name of an objective registered with lorakit.objectives.register.",
+        "docs/dpo.md), orpo (SFT plus an odds-ratio preference term, no reference model) or kto (unpaired "
+        "desirable/undesirable completions), configured in the orpo and kto sections (docs/alignment.md); "
+        "or the name of an objective registered with lorakit.objectives.register (see "
+        "train.objective_module).",
     )
     resume: str = Field(
         "auto",
@@ -86,7 +96,8 @@ class TrainSection(Section):
 
     @field_validator("objective")
     @classmethod
-    def _known_objective(cls, name: str) -> str:
+    def _known_objective(cls, name: str, info: ValidationInfo) -> str:
+        import_objective_module(info.data.get("objective_module"))
         spec_named(name)  # ValueError listing the known objectives
         return name
 

@@ -95,8 +95,8 @@ def test_an_unknown_objective_names_the_field_and_the_known_ones(cache_dir, tmp_
     raw = tiny_recipe_dict(cache_dir, tmp_path / "run", train={"objective": DOUBLED})
     with pytest.raises(RecipeError) as e:
         recipe_from_dict(raw)
-    assert f"train.objective: unknown objective '{DOUBLED}'; known: dpo, sft" in str(e.value)
-    with pytest.raises(RecipeError, match=r"train.objective 'nope': no such objective; known: dpo, sft"):
+    assert f"train.objective: unknown objective '{DOUBLED}'; known: dpo, kto, orpo, sft" in str(e.value)
+    with pytest.raises(RecipeError, match=r"'nope': no such objective; known: dpo, kto, orpo, sft"):
         objective_named("nope")
 
 
@@ -132,3 +132,40 @@ def test_what_a_new_objective_refuses_by_default(doubled, cache_dir, tmp_path):
 def test_another_objectives_section_is_refused(doubled, cache_dir, tmp_path):
     with pytest.raises(RecipeError, match="the dpo section is read only with train.objective: dpo"):
         tiny_recipe(cache_dir, tmp_path / "run", train={"objective": DOUBLED}, dpo={"beta": 0.5})
+
+
+def test_a_plugin_module_registers_its_objective_in_every_process_that_reads_the_recipe(cache_dir, tmp_path):
+    """train.objective_module is imported before train.objective is read: a fresh process (as each worker
+    the launcher starts is) that loads the recipe file knows the plugin's objective."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from lorakit.recipe import load_recipe
+
+    raw = tiny_recipe_dict(
+        cache_dir,
+        tmp_path / "run",
+        train={"objective": DOUBLED, "objective_module": "tests.unit.objective_plugin"},
+    )
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    code = (
+        "import sys; from lorakit.recipe import load_recipe; from lorakit.objectives import objective_type; "
+        "print(objective_type(load_recipe(sys.argv[1])).__qualname__)"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True
+    )
+    assert found.stdout.strip() == "DoubledTokens"
+    try:
+        assert load_recipe(path).train.objective_module == "tests.unit.objective_plugin"
+    finally:
+        unregister(DOUBLED)
+    raw["train"]["objective_module"] = "tests.unit.no_such_plugin"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(
+        RecipeError, match="train.objective_module 'tests.unit.no_such_plugin' cannot be imported"
+    ):
+        load_recipe(path)

@@ -18,6 +18,8 @@ BUILTIN_DATASETS: dict[str, str] = {
     "mnli_sample": "mnli_sample",
     # (prompt, chosen, rejected) pairs for DPO (make_preference_pairs.py).
     "preference_pairs": "preference_pairs",
+    # unpaired (prompt, completion, label) rows for KTO (make_kto_rows.py).
+    "kto_rows": "kto_rows",
 }
 
 

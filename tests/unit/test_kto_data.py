@@ -1,0 +1,126 @@
+"""KTO's rows (lorakit.data.unpaired): (prompt, completion, label) read from a file, labels as true/false or
+1/0, each row laid out as a preference pair with a mismatched completion (another row's, another prompt);
+bad labels are named by row; the planner counts KTO's and ORPO's passes through Objective.passes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lorakit.data.unpaired import mismatched, prepare_unpaired
+from lorakit.errors import DataError, RecipeError
+from lorakit.objectives import objective_type
+from lorakit.planner import plan
+from lorakit.recipe import load_recipe
+from lorakit.testing import build_tiny_tokenizer, tiny_config
+from tests.conftest import RECIPES, tiny_recipe
+
+ROWS = [
+    {"prompt": "Describe a cat.", "completion": "A cat sits.", "label": True},
+    {"prompt": "Describe a cat.", "completion": "No.", "label": 0},
+    {"prompt": "Describe a dog.", "completion": "A dog runs.", "label": 1},
+    {"prompt": "Describe a bird.", "completion": "Why?", "label": False},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok"), kind="llama")
+
+
+def _recipe(cache_dir, tmp_path, rows, **kto):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tiny_recipe(
+        cache_dir,
+        tmp_path / "run",
+        model={"name_or_path": "tiny:llama"},
+        data={"source": str(path), "input_column": "prompt", "prompt_template": "{input}\n"},
+        train={"objective": "kto"},
+        eval={"enabled": False},
+        kto=kto,
+    )
+
+
+def test_rows_carry_their_label_and_a_mismatched_completion(cache_dir, tmp_path, tokenizer):
+    recipe = _recipe(cache_dir, tmp_path, ROWS)
+    data = prepare_unpaired(recipe, tokenizer, tiny_config("llama"))
+    train = data.train
+    assert train["label"] == [True, False, True, False]
+    own = [tokenizer(r["completion"], add_special_tokens=False)["input_ids"] for r in ROWS]
+    eos = tokenizer.eos_token_id
+    assert [ids[:-1] for ids in train["chosen_ids"]] == own and all(
+        ids[-1] == eos for ids in train["chosen_ids"]
+    )
+    # Row 0's next row has the same prompt: its mismatched completion is row 2's; the last wraps to row 0.
+    assert [ids[:-1] for ids in train["rejected_ids"]] == [own[2], own[2], own[3], own[0]]
+    assert data.stats["desirable_rows"] == 2
+    assert mismatched(["a", "a", "a"]) == [0, 1, 2] and mismatched(["a", "b", "a"]) == [1, 2, 1]
+
+
+def test_a_bad_label_is_named_with_its_row(cache_dir, tmp_path, tokenizer):
+    rows = [*ROWS[:2], {"prompt": "Describe a fox.", "completion": "A fox.", "label": "yes"}]
+    with pytest.raises(DataError, match=r"line 3: column 'label' is string 'yes', not a label"):
+        prepare_unpaired(_recipe(cache_dir, tmp_path, rows), tokenizer, tiny_config("llama"))
+    with pytest.raises(DataError, match="kto.completion_column: column 'answer' not found"):
+        recipe = _recipe(cache_dir, tmp_path, ROWS, completion_column="answer")
+        prepare_unpaired(recipe, tokenizer, tiny_config("llama"))
+
+
+def test_recipe_checks_name_the_objective(cache_dir, tmp_path):
+    with pytest.raises(RecipeError, match="data.train_on_inputs: kto scores completions only"):
+        tiny_recipe(cache_dir, tmp_path / "r", train={"objective": "kto"}, data={"train_on_inputs": True})
+    with pytest.raises(RecipeError, match="the kto section is read only with train.objective: kto"):
+        tiny_recipe(cache_dir, tmp_path / "r", train={"objective": "orpo"}, kto={"beta": 0.2})
+    with pytest.raises(RecipeError, match="orpo.chosen_column and orpo.rejected_column name the same"):
+        tiny_recipe(cache_dir, tmp_path / "r", orpo={"chosen_column": "a", "rejected_column": "a"})
+
+
+def _with(recipe, section: str, **values):
+    return recipe.model_copy(update={section: getattr(recipe, section).model_copy(update=values)})
+
+
+def test_the_planner_counts_each_objectives_passes():
+    dpo = _with(load_recipe(RECIPES / "quickstart_dpo.yaml"), "data", packing=False, max_length=256)
+    orpo = _with(load_recipe(RECIPES / "quickstart_orpo.yaml"), "data", packing=False, max_length=256)
+    kto = _with(load_recipe(RECIPES / "quickstart_kto.yaml"), "data", packing=False, max_length=256)
+    passes = {r.train.objective: objective_type(r).passes(r) for r in (dpo, orpo, kto)}
+    assert passes["orpo"].sequences == passes["kto"].sequences == passes["dpo"].sequences == 2
+    assert passes["orpo"].reference is None and passes["kto"].reference == passes["dpo"].reference == "live"
+    full = _with(kto, "method", kind="full")
+    assert objective_type(full).passes(full).reference == "before training"
+    simpo = _with(dpo, "dpo", loss="simpo", beta=2.0)
+    assert objective_type(simpo).passes(simpo).reference is None
+    plans = {name: plan(r, gpu_memory="80GB") for name, r in (("dpo", dpo), ("orpo", orpo), ("kto", kto))}
+    rows = {name: p.estimate.shape.rows for name, p in plans.items()}
+    assert rows["orpo"] == rows["kto"] == rows["dpo"] == 2 * dpo.train.micro_batch_size
+    # The same shapes: KTO's per-GPU bytes are DPO's (a live reference), ORPO's no more (no reference pass).
+    assert plans["kto"].per_gpu_bytes == plans["dpo"].per_gpu_bytes >= plans["orpo"].per_gpu_bytes
+    assert "no reference forward" in plans["orpo"].describe() and "KTO:" in plans["kto"].describe()
+
+
+def test_kto_refuses_chat_prompts_until_the_chat_row_builder(cache_dir, tmp_path):
+    with pytest.raises(RecipeError, match="kto reads its prompt as text for now"):
+        tiny_recipe(
+            cache_dir,
+            tmp_path / "r",
+            train={"objective": "kto"},
+            data={"format": "chat"},
+            eval={"enabled": False},
+        )
+
+
+def test_each_objective_is_made_from_its_section():
+    from lorakit.objectives import make_objective
+    from lorakit.objectives.kto import KtoObjective
+    from lorakit.objectives.orpo import OrpoObjective
+
+    orpo = _with(load_recipe(RECIPES / "quickstart_orpo.yaml"), "orpo", odds_ratio_weight=0.25)
+    kto = _with(load_recipe(RECIPES / "quickstart_kto.yaml"), "kto", beta=0.3, undesirable_weight=1.5)
+    made = make_objective(orpo, tiny_config("t5"))
+    assert isinstance(made, OrpoObjective) and made.weight == 0.25 and made.encoder_decoder
+    full = make_objective(_with(kto, "method", kind="full"), tiny_config("llama"))
+    assert isinstance(full, KtoObjective) and (full.beta, full.undesirable_weight) == (0.3, 1.5)
+    assert full.cached_reference and not full.encoder_decoder
+    assert not make_objective(_with(orpo, "method", kind="full"), tiny_config("llama")).cached_reference
