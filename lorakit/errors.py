@@ -48,7 +48,7 @@ RECIPE_REFERENCE = "docs/recipes.md"
 # The recipe's top-level sections, in schema order: this module sits below lorakit.recipe, which imports it,
 # so it names them here; tests/docs/test_error_docs.py checks they are the schema's.
 RECIPE_SECTIONS = (
-    "model", "method", "data", "train", "distributed", "eval", "checkpoint", "dpo", "output", "preflight",
+    "model", "method", "data", "train", "distributed", "eval", "checkpoint", "dpo", "orpo", "kto", "output", "preflight",
 )  # fmt: skip
 
 
