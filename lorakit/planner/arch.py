@@ -59,6 +59,25 @@ for _name in ("Llama-3.1-8B", "Llama-3.1-8B-Instruct", "Meta-Llama-3.1-8B", "Met
     KNOWN_CONFIGS[f"meta-llama/{_name}"] = {**_LLAMA3_8B, "max_position_embeddings": 131072}
 for _name in ("Llama-3.1-70B", "Llama-3.1-70B-Instruct", "Meta-Llama-3.1-70B", "Meta-Llama-3.1-70B-Instruct"):
     KNOWN_CONFIGS[f"meta-llama/{_name}"] = {**_LLAMA3_70B, "max_position_embeddings": 131072}
+# Qwen3-8B (base and instruct share one config.json).
+_QWEN3_8B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+             "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+             "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
+             "bos_token_id": 151643, "eos_token_id": 151645}  # fmt: skip
+for _name in ("Qwen3-8B", "Qwen3-8B-Base"):
+    KNOWN_CONFIGS[f"Qwen/{_name}"] = _QWEN3_8B
+# Gemma 3 12B: multimodal (Gemma3ForConditionalGeneration); the language model's sizes are in text_config,
+# the rest at Gemma3TextConfig's defaults (vocabulary 262208, 128k positions, query_pre_attn_scalar 256).
+_GEMMA3_12B = {"model_type": "gemma3", "mm_tokens_per_image": 256, "image_token_index": 262144,
+               "text_config": {"model_type": "gemma3_text", "hidden_size": 3840, "intermediate_size": 15360,
+                               "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8,
+                               "head_dim": 256, "sliding_window": 1024},
+               "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "image_size": 896,
+                                 "intermediate_size": 4304, "num_attention_heads": 16, "num_hidden_layers": 27,
+                                 "patch_size": 14, "vision_use_head": False}}  # fmt: skip
+for _name in ("gemma-3-12b-it", "gemma-3-12b-pt"):
+    KNOWN_CONFIGS[f"google/{_name}"] = _GEMMA3_12B
 
 
 @dataclass(frozen=True)
@@ -195,7 +214,7 @@ def resolve_config(recipe, config=None):
         known = ", ".join(sorted(KNOWN_CONFIGS))
         raise PlanError(
             f"model.name_or_path {name!r}: the planner reads configs offline and does not know this model; "
-            f"point model.name_or_path at a local directory holding its config.json (huggingface-cli "
+            f"point model.name_or_path at a local directory holding its config.json (hf "
             f"download {name} config.json --local-dir DIR), or use a known one: {known}"
         )
     return cfg

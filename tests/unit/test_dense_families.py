@@ -1,0 +1,158 @@
+"""The dense causal families of issue 45 (Qwen3, Gemma 2, Gemma 3, Phi-3/4, OLMo 2), each on a tiny model
+built here: packed rows equal each example alone on every packing backend the family runs on CPU (logits
+and loss, through the doctor's contract), the family's kernel table decides the kernel, Gemma 2's capped
+scores stay capped on lorakit's per-example loop, the planner reads multimodal Gemma 3 configs, and a merge of
+each verifies (fused qkv_proj / gate_up_proj included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lorakit.doctor import contracts
+from lorakit.model import fused_attention as fa
+from lorakit.model.families import FAMILIES, family_named
+from lorakit.model.families.base import LOOP, VARLEN
+from tests.conftest import training_config_model
+
+DENSE = ("qwen3", "gemma2", "gemma3", "phi3", "olmo2")
+# The CPU packing backends of each (tests/conftest.py PACKING_BACKENDS): transformers runs Gemma 2 on eager
+# (or flash) only, SDPA cannot cap its scores.
+BACKENDS = {kind: ("varlen_sdpa", "sdpa_mask", "eager") for kind in DENSE} | {"gemma2": ("eager",)}
+CASES = [(kind, backend) for kind in DENSE for backend in BACKENDS[kind]]
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize(("kind", "backend"), CASES, ids=[f"{k}-{b}" for k, b in CASES])
+def test_packed_examples_equal_examples_alone(cache_dir, tmp_path, kind, backend):
+    """The doctor's packing contract in float32, in the training configuration (gradient checkpointing,
+    LoRA with a non-zero update, train mode); the examples are longer than the tiny sliding window (64)."""
+    built = training_config_model(cache_dir, tmp_path / "run", backend, name_or_path=f"tiny:{kind}")
+    result = contracts.packing(built, packed=True, tolerance=1e-4)
+    assert result.passed, result.detail
+    assert result.data["examples"] == len(contracts.CAUSAL_LENGTHS)
+    if kind in ("gemma2", "gemma3"):
+        assert "alternating a 64-token sliding window and full attention" in result.data["kinds"]
+    if backend == "varlen_sdpa":
+        # Every layer's packed call ran lorakit's per-example loop (CPU), counted in the model's log.
+        assert set(built.inputs.kernels.counts()) == {"causal"}
+
+
+def test_a_family_without_fused_kernels_never_gets_one():
+    """choose_kernel takes only what the family's table allows, on a CUDA bf16 call that would otherwise
+    take varlen (T5: flex); Gemma 2 (soft-capping) and BART list none, so every kind takes the loop."""
+    for family in FAMILIES:
+        for kind in fa.KINDS:
+            allowed = family.packed.kernels_for(kind)
+            bias = kind in ("encoder", "decoder")
+            got = fa.choose_kernel(kind, CUDA, torch.bfloat16, 0.0, bias=bias, allowed=allowed)
+            assert got in allowed, (family.name, kind, got)
+    gemma2 = family_named("gemma2").packed
+    assert gemma2.kernels_for("causal") == (LOOP,)
+    assert fa.choose_kernel("causal", CUDA, torch.bfloat16, 0.0, bias=False, allowed=(LOOP,)) == LOOP
+    why = fa._decide("causal", CUDA, torch.bfloat16, 0.0, False, None, (LOOP,))[1]
+    assert "family allows loop" in why and "not varlen" in why
+    for name in ("qwen3", "gemma3", "phi3", "olmo2"):
+        allowed = family_named(name).packed.kernels_for("causal")
+        assert fa.choose_kernel("causal", CUDA, torch.bfloat16, 0.0, bias=False, allowed=allowed) == VARLEN
+    # A capped call takes the loop whatever the table says.
+    assert fa.choose_kernel("causal", CUDA, torch.bfloat16, 0.0, bias=False, softcap=50.0) == LOOP
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "llama"])
+def test_packed_segments_carry_the_familys_kernel_table(kind):
+    from lorakit.data.collate import PackedCausalCollator
+    from lorakit.model.inputs import ModelInputs
+    from lorakit.model.varlen import VARLEN_SDPA, allowed_kernels
+    from lorakit.testing import tiny_config
+
+    rows = [{"input_ids": [5] * n, "labels": [5] * n} for n in (3, 4)]
+    kwargs = ModelInputs(tiny_config(kind), VARLEN_SDPA, torch.bfloat16)(
+        PackedCausalCollator(16)(rows), "cpu"
+    )
+    assert allowed_kernels(kwargs["lorakit_segments"], "causal") == family_named(kind).packed.kernels_for(
+        "causal"
+    )
+
+
+def test_the_loop_caps_scores_as_gemma2s_eager_attention(cache_dir):
+    """lorakit's per-example loop with soft-capping == transformers' eager Gemma 2 attention on each example
+    alone (a cap small enough to matter), and != the uncapped loop."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from lorakit.model.varlen import Segments, varlen_sdpa_attention
+    from lorakit.testing import tiny_config
+
+    config = tiny_config("gemma2")
+    module = family_named("gemma2").tiny.model(config).model.layers[0].self_attn.eval()
+    gen = torch.Generator().manual_seed(0)
+    lengths = (30, 90, 7)
+    q = torch.randn(1, 4, sum(lengths), 16, generator=gen) * 3
+    k, v = (torch.randn(1, 2, sum(lengths), 16, generator=gen) * 3 for _ in range(2))
+    bounds = (0, 30, 120, 127)
+    kw = {"scaling": 0.25, "sliding_window": 64}
+    capped, _ = varlen_sdpa_attention(
+        module, q, k, v, None, lorakit_segments=Segments(bounds), softcap=2.0, **kw
+    )
+    plain, _ = varlen_sdpa_attention(module, q, k, v, None, lorakit_segments=Segments(bounds), **kw)
+    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+        n = e - s
+        idx = torch.arange(n)
+        allowed = (idx[None, :] <= idx[:, None]) & (idx[None, :] > idx[:, None] - 64)
+        mask = torch.zeros(n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+        ref, _ = eager_attention_forward(
+            module, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], mask, scaling=0.25, softcap=2.0
+        )
+        torch.testing.assert_close(capped[:, s:e], ref, rtol=1e-5, atol=1e-5)
+    assert (capped - plain).abs().max() > 0.1
+
+
+def test_the_planner_reads_multimodal_gemma3_from_its_text_config():
+    """`'Gemma3Config' object has no attribute 'vocab_size'` was the crash; its language model's sizes."""
+    from lorakit.planner.arch import arch_from_config, known_config
+
+    arch = arch_from_config(known_config("google/gemma-3-12b-it"))
+    assert arch.family == "gemma3" and arch.model_type == "gemma3"
+    assert (arch.vocab, arch.hidden, arch.ffn, arch.layers, arch.heads, arch.kv_heads, arch.head_dim) == (
+        262208, 3840, 15360, 48, 16, 8, 256
+    )  # fmt: skip
+    assert arch.tied_head and arch.max_length == 131072
+    # The whole checkpoint: 12.2B with the vision tower (Gemma 3 12B's published size).
+    assert 12.1e9 < arch.total_params < 12.3e9
+    qwen3 = arch_from_config(known_config("Qwen/Qwen3-8B"))
+    assert (qwen3.family, qwen3.layers, qwen3.head_dim, qwen3.kv_heads, qwen3.tied_head) == (
+        "qwen3",
+        36,
+        128,
+        8,
+        False,
+    )
+    assert 8.1e9 < qwen3.total_params < 8.3e9  # Qwen3-8B: 8.2B
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_the_tiled_loss_is_refused_where_logits_are_capped(kind):
+    from lorakit.testing import tiny_config
+
+    config = tiny_config(kind)
+    assert family_named(kind).tiles_loss(config) is (kind == "gemma3")
+
+
+@pytest.mark.parametrize("kind", DENSE)
+def test_a_streamed_merge_of_each_family_verifies(cache_dir, tmp_path, kind):
+    """all-linear LoRA on the tiny model (Phi-3's fused qkv_proj and gate_up_proj get one adapter each),
+    merged shard by shard, each tensor checked and the whole model's logits compared."""
+    import lorakit
+    from tests.unit.test_merge_checks import make_adapter
+
+    adapter = make_adapter(cache_dir, tmp_path / "adapter", kind=kind)
+    if kind == "phi3":
+        import json
+
+        targets = json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
+        assert {"qkv_proj", "gate_up_proj"} <= {t.rsplit(".", 1)[-1] for t in targets}
+    result = lorakit.merge(adapter, tmp_path / "merged", strategy="stream", verify="always", dtype="float32")
+    assert result.strategy == "stream" and result.tensors.merged > 0 and result.tensors.worst <= 1
+    merged = [c for c in result.checks if c.adapter_effect is not None]
+    # The adapter moves the logits far more than the merge is off by (a merge that dropped it would fail).
+    assert merged and all(c.passed and c.adapter_effect > 100 * c.max_logit_diff for c in merged)
