@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from lorakit.errors import RecipeError
-from lorakit.model.families import family_of, model_class
+from lorakit.model.families import family_of
 from lorakit.model.families.base import Shape
+from lorakit.model.families.unknown import loadable_class
 from lorakit.planner.units import PlanError
 
 # Configs of the hub models lorakit's recipes name, as published in their config.json files (only the keys
@@ -208,7 +209,12 @@ def resolve_config(recipe, config=None):
         try:
             return _build_config(json.loads(path.read_text()))
         except (ValueError, KeyError) as e:
-            raise PlanError(f"model.name_or_path {name!r}: cannot read {path}: {e}") from e
+            from lorakit.model.families.unknown import unknown_config_type
+
+            unknown = unknown_config_type(e)
+            raise PlanError(
+                str(unknown) if unknown else f"model.name_or_path {name!r}: cannot read {path}: {e}"
+            ) from e
     cfg = known_config(name)
     if cfg is None:
         known = ", ".join(sorted(KNOWN_CONFIGS))
@@ -231,7 +237,10 @@ def _arch(config_json: str, config_cls, trust_remote_code: bool) -> Arch:
 
     config = config_cls.from_dict(json.loads(config_json))
     is_enc_dec = bool(getattr(config, "is_encoder_decoder", False))
-    auto_cls, model_cls = model_class(config)
+    try:
+        auto_cls, model_cls = loadable_class(config, trust_remote_code)
+    except RecipeError as e:
+        raise PlanError(str(e)) from e
     try:
         with torch.device("meta"):
             # The class itself, not from_config: inside a ZeRO-3 run (the training job plans at its end)

@@ -6,6 +6,8 @@ each verifies (fused qkv_proj / gate_up_proj included)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -130,12 +132,24 @@ def test_the_planner_reads_multimodal_gemma3_from_its_text_config():
     assert 8.1e9 < qwen3.total_params < 8.3e9  # Qwen3-8B: 8.2B
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
-def test_the_tiled_loss_is_refused_where_logits_are_capped(kind):
+def test_the_tiled_loss_is_refused_where_logits_are_capped(tmp_path):
+    """Gemma 2 caps its logits after the head (final_logit_softcapping): tiles of head + loss would cap the
+    losses. Gemma 3 caps nothing and tiles; a Gemma 3 config that caps is refused as Gemma 2 is."""
+    from lorakit.errors import RecipeError
+    from lorakit.model.tiled_loss import loss_tile_tokens
     from lorakit.testing import tiny_config
+    from tests.unit.test_tiled_mlp import tiny_llama_recipe
 
-    config = tiny_config(kind)
-    assert family_named(kind).tiles_loss(config) is (kind == "gemma3")
+    recipe = tiny_llama_recipe(tmp_path, tiled_loss=True)
+    assert loss_tile_tokens(recipe, tiny_config("gemma3")) is not None
+    capped = tiny_config("gemma3")
+    capped.final_logit_softcapping = 30.0
+    for config in (tiny_config("gemma2"), capped):
+        with pytest.raises(RecipeError, match="model.tiled_loss: true"):
+            loss_tile_tokens(recipe, config)
+    auto = tiny_llama_recipe(tmp_path, sp=2, tiled_loss="auto")  # auto tiles with sequence parallelism
+    assert loss_tile_tokens(auto, tiny_config("gemma3")) is not None
+    assert loss_tile_tokens(auto, capped) is None
 
 
 @pytest.mark.parametrize("kind", DENSE)
@@ -156,3 +170,88 @@ def test_a_streamed_merge_of_each_family_verifies(cache_dir, tmp_path, kind):
     merged = [c for c in result.checks if c.adapter_effect is not None]
     # The adapter moves the logits far more than the merge is off by (a merge that dropped it would fail).
     assert merged and all(c.passed and c.adapter_effect > 100 * c.max_logit_diff for c in merged)
+
+
+# --- unknown architectures -------------------------------------------------------------------------------
+
+
+def _unknown_dirs(tmp_path):
+    """A ViT (a config class transformers knows, with no causal LM class) and a model type it does not know,
+    each saved with the tiny tokenizer."""
+    import json
+
+    from transformers import ViTConfig
+
+    from lorakit.testing import build_tiny_tokenizer
+
+    vit, foo = tmp_path / "vit", tmp_path / "foo"
+    ViTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    ).save_pretrained(vit)
+    foo.mkdir()
+    (foo / "config.json").write_text(json.dumps({"model_type": "foo_lm", "hidden_size": 32}))
+    for path in (vit, foo):
+        build_tiny_tokenizer(path, "llama")
+    return vit, foo
+
+
+def test_an_unknown_architecture_is_a_recipe_error_naming_the_config_class_and_the_way_forward(tmp_path):
+    from lorakit.errors import RecipeError
+    from lorakit.model import build_model
+    from lorakit.model.families.unknown import loadable_class
+    from lorakit.planner import plan
+    from lorakit.planner.units import PlanError
+    from tests.conftest import tiny_recipe
+
+    vit, foo = _unknown_dirs(tmp_path)
+    recipe = tiny_recipe(
+        tmp_path, tmp_path / "run", model={"name_or_path": str(vit)}, data={"format": "instruction"}
+    )
+    for call, error in (
+        (lambda: build_model(recipe), RecipeError),
+        (lambda: plan(recipe, gpu_memory="80GB"), PlanError),
+    ):
+        with pytest.raises(error) as caught:
+            call()
+        text = str(caught.value)
+        assert "ViTConfig (model type 'vit')" in text and "AutoModelForCausalLM" in text
+        assert "model.trust_remote_code: true" in text and "generic path" in text
+        assert caught.value.exit_code == 2
+    foo_recipe = recipe.model_copy(
+        update={"model": recipe.model.model_copy(update={"name_or_path": str(foo)})}
+    )
+    for call, error in (
+        (lambda: build_model(foo_recipe), RecipeError),
+        (lambda: plan(foo_recipe, gpu_memory="80GB"), PlanError),
+    ):
+        with pytest.raises(error, match=r"model type 'foo_lm'\) is an architecture no lorakit model family"):
+            call()
+    # A checkpoint that names its own code: the message says it does, and trust_remote_code lets it load.
+    from transformers import ViTConfig
+
+    config = ViTConfig(auto_map={"AutoModelForCausalLM": "modeling_vit_lm.ViTForCausalLM"})
+    with pytest.raises(RecipeError, match="its checkpoint ships its own modeling code"):
+        loadable_class(config)
+    assert loadable_class(config, trust_remote_code=True)[1] is None
+
+
+def test_the_plan_cli_exits_2_on_an_unknown_architecture_without_a_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    vit, _ = _unknown_dirs(tmp_path)
+    cmd = [
+        sys.executable,
+        "-m",
+        "lorakit.plan",
+        "recipes/quickstart_causal.yaml",
+        f"model.name_or_path={vit}",
+        "--gpu-memory",
+        "80GB",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=root)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "ViTConfig (model type 'vit')" in proc.stderr + proc.stdout
