@@ -255,3 +255,35 @@ def test_the_plan_cli_exits_2_on_an_unknown_architecture_without_a_traceback(tmp
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=root)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "ViTConfig (model type 'vit')" in proc.stderr + proc.stdout
+
+
+# --- the recipes' plans in docs/models.md ---------------------------------------------------------------
+
+# What docs/models.md's covered-by block runs: "lorakit.plan" on each recipe with --gpu-memory.
+PLANNED = {
+    "qwen3_8b_lora.yaml": "80GB",
+    "qwen3_8b_lora_1gpu.yaml": "80GB",
+    "gemma3_12b_lora.yaml": "80GB",
+    "llama3_8b_qlora_24gb.yaml": "24GB",
+}
+
+
+def test_the_recipe_plans_are_the_ones_documented():
+    """Each recipe of docs/models.md fits its hardware, and the table's trainable count, per-GPU memory and
+    longest row are what the planner gives now (offline, from the built-in configs)."""
+    import re
+
+    import lorakit
+
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs" / "models.md").read_text(encoding="utf-8")
+    for name, gpu_memory in PLANNED.items():
+        assert f"python -m lorakit.plan recipes/{name} --gpu-memory {gpu_memory}" in doc
+        p = lorakit.plan(root / "recipes" / name, gpu_memory=gpu_memory)
+        assert p.fits, name
+        row = re.search(rf"^\| `{re.escape(name)}` \|.*$", doc, re.MULTILINE)
+        assert row, f"docs/models.md has no row for {name}"
+        cells = [c.strip() for c in row[0].strip("|").split("|")]
+        assert cells[3] == f"{p.trainable_params:,}", name
+        assert cells[4] == f"{p.per_gpu_bytes / 2**30:.2f} GiB", name
+        assert cells[5] == f"{p.longest_row:,}", name
