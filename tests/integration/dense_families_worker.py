@@ -49,18 +49,17 @@ def _step(cache: str, out: str, kind: str, mode: str) -> None:
     _same_start(built.model)
     engine = _engine(recipe, built, ds_config)
     rows = [data.train[i] for i in range(6)]
-    if mode == "single":
-        window = [padded_collator(tok, config)(rows)]
-    else:
-        start, end = SPLIT[dist.rank()]
-        window = [padded_collator(tok, config)(rows[start:end])]
-    stats = train_window(engine, built.inputs, window, TokenMeter())
-    weights = gather_adapter_state(engine)
-    if dist.is_main():
-        name = f"{kind}-{mode}"
-        torch.save(weights, Path(out) / f"{name}.pt")
-        (Path(out) / f"{name}.json").write_text(json.dumps(stats))
+    start, end = (0, 6) if mode == "single" else SPLIT[dist.rank()]
+    stats = train_window(engine, built.inputs, [padded_collator(tok, config)(rows[start:end])], TokenMeter())
+    _save(Path(out) / f"{kind}-{mode}", stats, gather_adapter_state(engine), dist.is_main())
     engine.close()
+
+
+def _save(stem: Path, stats: dict, weights: dict, main_rank: bool) -> None:
+    """The step's stats (JSON) and gathered LoRA weights, as test_token_weighting._check_same_step reads."""
+    if main_rank:
+        torch.save(weights, stem.with_suffix(".pt"))
+        stem.with_suffix(".json").write_text(json.dumps(stats))
 
 
 def main(cache: str, out: str, mode: str) -> None:
