@@ -287,3 +287,14 @@ def test_the_recipe_plans_are_the_ones_documented():
         assert cells[3] == f"{p.trainable_params:,}", name
         assert cells[4] == f"{p.per_gpu_bytes / 2**30:.2f} GiB", name
         assert cells[5] == f"{p.longest_row:,}", name
+
+
+def test_the_doctors_block_of_a_multimodal_gemma3_is_one_language_model_block():
+    """The doctor times one block of the recipe's model: of Gemma-3-12B's language model, not the whole
+    48-layer checkpoint its top-level config would have built."""
+    from lorakit.doctor.models import block_config
+    from lorakit.planner.arch import known_config
+
+    raw, scale = block_config(known_config("google/gemma-3-12b-it"), max_width=256)
+    assert raw["model_type"] == "gemma3_text" and raw["num_hidden_layers"] == 1 and scale < 1
+    assert raw["layer_types"] == ["sliding_attention"]
