@@ -298,3 +298,38 @@ def test_the_doctors_block_of_a_multimodal_gemma3_is_one_language_model_block():
     raw, scale = block_config(known_config("google/gemma-3-12b-it"), max_width=256)
     assert raw["model_type"] == "gemma3_text" and raw["num_hidden_layers"] == 1 and scale < 1
     assert raw["layer_types"] == ["sliding_attention"]
+
+
+def test_a_multimodal_gemma3_adapter_merges_in_memory_and_verifies(tmp_path):
+    """Gemma3ForConditionalGeneration (the 4B-27B checkpoints) at tiny size: its config has no vocab_size
+    (the merge's probe read it there and raised an AttributeError); transformers saves its weights under
+    other names than the model's, so `auto` takes the in-memory merge, which verifies."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
+
+    import lorakit
+    from lorakit.model.families.gemma import _TINY
+    from lorakit.testing import TINY_VOCAB_SIZE, build_tiny_tokenizer
+
+    text = {k: v for k, v in _TINY.items() if k != "tie_word_embeddings"}
+    text |= dict(model_type="gemma3_text", vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, bos_token_id=3,
+                 eos_token_id=1, pad_token_id=0)  # fmt: skip
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=1999, boi_token_index=1998, eoi_token_index=1997)  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path / "base")
+        build_tiny_tokenizer(tmp_path / "base", "llama")
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+        peft_model = get_peft_model(model, lora)
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    result = lorakit.merge(tmp_path / "adapter", tmp_path / "merged", dtype="float32")
+    assert result.strategy == "memory" and result.checks and all(c.passed for c in result.checks)
