@@ -63,11 +63,18 @@ def prepare_for_contract(built, seed: int = 0):
     return built
 
 
+def vocab_size(config) -> int:
+    """The vocabulary of a model config, a multimodal checkpoint's language model's (Gemma 3)."""
+    from lorakit.model.families.base import text_config
+
+    return text_config(config).vocab_size
+
+
 def contract_rows(built, seed: int = 0) -> list[dict[str, list[int]]]:
     """Fixed random examples for `built`'s family: prompt/response rows (loss on the second half) for causal
     LMs, (source, target) pairs for encoder-decoders."""
     gen = torch.Generator().manual_seed(seed)
-    vocab = built.model.config.vocab_size
+    vocab = vocab_size(built.model.config)
     if built.is_encoder_decoder:
         return [
             {
@@ -101,8 +108,17 @@ def attention_kinds(built) -> str:
     """The attention kinds a packing contract on `built` covers, in words."""
     if built.is_encoder_decoder:
         return "encoder self, decoder self and cross attention"
-    window = getattr(built.model.config, "sliding_window", None)
-    return "causal self-attention" + (f" with a {window}-token sliding window" if window else "")
+    from lorakit.model.families.base import text_config
+
+    config = text_config(built.model.config)
+    window = getattr(config, "sliding_window", None)
+    layers = set(getattr(config, "layer_types", None) or ())
+    if window and "full_attention" in layers:
+        what = f" in layers alternating a {window}-token sliding window and full attention"
+    else:
+        what = f" with a {window}-token sliding window" if window and layers != {"full_attention"} else ""
+    cap = getattr(config, "attn_logit_softcapping", None)
+    return "causal self-attention" + what + (f", scores soft-capped at {cap:g}" if cap else "")
 
 
 def _target_spans(rows, is_encoder_decoder: bool) -> list[tuple[int, int]]:

@@ -93,7 +93,7 @@ def contract_checks(recipe, device: str, *, processes: int, quick: bool) -> list
     built = contract_model(recipe, device)
     out = _guard(contracts.SECTION, "packed == alone", lambda: contracts.packing(built, device=device))
     dtype = built.inputs.dtype
-    out += _guard(contracts.SECTION, "chunked CE == full CE", lambda: contracts.chunked_ce(config.vocab_size, dtype,
+    out += _guard(contracts.SECTION, "chunked CE == full CE", lambda: contracts.chunked_ce(contracts.vocab_size(config), dtype,
                                                                              device=device))  # fmt: skip
     if recipe.method.kind not in ("lora", "qlora"):
         out.append(skipped(contracts.SECTION, "LoRA merged == adapter", f"method.kind {recipe.method.kind}"))

@@ -83,7 +83,11 @@ _HEAD_KEYS = ("num_attention_heads", "num_key_value_heads", "num_heads")
 def block_config(config, max_width: int | None = None, depth: int = 1) -> tuple[dict[str, Any], float]:
     """`config` as a dict with `depth` blocks per stack and a small vocabulary (the head is not the block's
     work); with `max_width`, widths scaled down so the hidden size is at most that. Returns the dict and the
-    scale applied to the widths (1.0 when none)."""
+    scale applied to the widths (1.0 when none). A multimodal config's blocks are its language model's
+    (Gemma 3's text_config): the vision tower is not what a training step spends its time in."""
+    from lorakit.model.families.base import text_config
+
+    config = text_config(config)
     raw = config.to_dict()
     raw = {k: v for k, v in raw.items() if not k.startswith("_")}
     for key in _DEPTH_KEYS:

@@ -91,7 +91,7 @@ def merge(
         if streamed is not None:
             options = MergeOptions(force, dtype, tol, shard_bytes, verify, compare_quantized)
             return merge_streamed(streamed, src, adapter, out, auto_cls, config, options)
-    batch = probe_batch(config, config.vocab_size)
+    batch = probe_batch(config, config.get_text_config().vocab_size)  # Gemma 3: its text_config holds it
     if adapter is None:
         done = _full_model(src, auto_cls, dtype, batch)
     else:

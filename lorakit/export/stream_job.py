@@ -206,7 +206,7 @@ def _save_config(plan: StreamPlan, src: MergeSource, config, torch_dtype: torch.
 def _logits_check(src, adapter, auto_cls, config, dtype, tol, directory, compare_quantized):
     """The export reloaded with from_pretrained against the adapter model (base + PeftModel, unmerged) or,
     for a full run, the run's model, on the probe batch."""
-    batch = probe_batch(config, config.vocab_size)
+    batch = probe_batch(config, config.get_text_config().vocab_size)  # Gemma 3: its text_config holds it
     torch_dtype = getattr(torch, dtype)
     quantized_ref = adapter_on_4bit(src, auto_cls, batch) if compare_quantized else None
     model = load_pretrained(auto_cls, src.base_source, torch_dtype, src)

@@ -125,7 +125,7 @@ def load_model(
 
     from lorakit.export.loading import auto_model_class, load_pretrained
     from lorakit.model.attention import choose_attention
-    from lorakit.model.families import model_class
+    from lorakit.model.families.unknown import loadable_class
 
     src = trained.source
     recipe = recipe or trained.recipe
@@ -136,7 +136,7 @@ def load_model(
     where = pick_device(device)
     auto_cls, config = auto_model_class(src)
     requested = recipe.model.attention if recipe is not None else "auto"
-    model_cls = model_class(config)[1]
+    model_cls = loadable_class(config, src.trust_remote_code)[1]
     # A model class transformers does not map (remote code): its own default.
     attention = choose_attention(requested, model_cls) if model_cls is not None else None
     kwargs: dict[str, Any] = {"attn_implementation": attention} if attention else {}

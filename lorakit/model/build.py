@@ -13,7 +13,8 @@ import torch
 from lorakit.errors import RecipeError
 from lorakit.model.adapter import peft_config
 from lorakit.model.attention import choose_attention, packing_enabled, set_attention_dropout
-from lorakit.model.families import Family, family_of, model_class
+from lorakit.model.families import Family, family_of
+from lorakit.model.families.unknown import loadable_class
 from lorakit.model.inputs import ModelInputs
 from lorakit.model.quantize import bnb_config, check_keep_in_fp32, keep_standard_4bit_layout, logical_numel
 from lorakit.model.sequence_parallel import register_sequence_parallel
@@ -62,10 +63,10 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
     """
     source, config = load_config(recipe)
     is_enc_dec = bool(getattr(config, "is_encoder_decoder", False))
+    auto_cls, model_cls = loadable_class(config, recipe.model.trust_remote_code)
     family = family_of(config)
     if family.caveat():
         warnings.warn(family.caveat(), UnprovenFamilyWarning, stacklevel=2)
-    auto_cls, model_cls = model_class(config)
     attention = choose_attention(recipe.model.attention, model_cls)
     packing = packing_enabled(recipe.data.packing, attention, is_enc_dec, config.model_type)
     if attention == "sdpa" and packing:

@@ -67,15 +67,27 @@ class KernelLog:
     flex_broken: str | None = None
     compiled: set = field(default_factory=set)
 
-    def used(self, kind: str, kernel: str, device: torch.device, dtype: torch.dtype, dropout: float) -> None:
-        """Count one packed attention call of `kind` on `kernel`; the first of each pair is said."""
+    def used(
+        self,
+        kind: str,
+        kernel: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        dropout: float,
+        *,
+        allowed: Sequence[str] | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        """Count one packed attention call of `kind` on `kernel`; the first of each pair is said (with
+        choose_kernel's `allowed` and `softcap`, so the loop's reason is the one that decided)."""
         self.calls[kind, kernel] += 1
         if (kind, kernel) in self.said:
             return
         self.said.add((kind, kernel))
         line = f"packed attention: {KINDS.get(kind, kind)} -> {KERNEL_NAMES[kernel]}"
         if kernel == LOOP:
-            why = _decide(kind, device, dtype, dropout, kind in ("encoder", "decoder"), self.flex_broken)[1]
+            bias = kind in ("encoder", "decoder")
+            why = _decide(kind, device, dtype, dropout, bias, self.flex_broken, allowed, softcap)[1]
             line += f" ({why})" if why else ""
         _say(line)
 
@@ -118,16 +130,23 @@ def choose_kernel(
     *,
     bias: bool,
     log: KernelLog | None = None,
+    allowed: Sequence[str] | None = None,
+    softcap: float | None = None,
 ) -> str:
     """The kernel for one packed attention call: VARLEN, FLEX or LOOP (module docstring).
 
     `kind` is causal (a causal LM's row), encoder, decoder (T5 self-attention) or cross (T5); `bias` says
     whether the call carries a position bias (T5 self-attention does); `log`, the model's KernelLog, whether
-    compiling FlexAttention has failed for this model."""
-    return _decide(kind, device, dtype, dropout, bias, log.flex_broken if log is not None else None)[0]
+    compiling FlexAttention has failed for this model. `allowed`: the kernels the model's family allows for
+    this kind (lorakit.model.families.PackedAttention.kernels_for; None: any), the loop otherwise; `softcap`:
+    the call caps its attention scores (Gemma 2), which no fused kernel here does, so it takes the loop."""
+    flex_broken = log.flex_broken if log is not None else None
+    return _decide(kind, device, dtype, dropout, bias, flex_broken, allowed, softcap)[0]
 
 
-def _decide(kind, device, dtype, dropout, bias, flex_broken: str | None = None) -> tuple[str, str]:
+def _decide(
+    kind, device, dtype, dropout, bias, flex_broken: str | None = None, allowed=None, softcap=None
+) -> tuple[str, str]:
     """(kernel, why the loop) for choose_kernel."""
     if device.type != "cuda":
         return LOOP, f"{device.type}: the fused kernels are CUDA-only"
@@ -136,6 +155,19 @@ def _decide(kind, device, dtype, dropout, bias, flex_broken: str | None = None) 
             f"attention dropout {dropout:g} in training, which the fused kernels cannot apply; "
             "model.attention_dropout: 0 reaches them"
         )
+    if softcap:
+        return LOOP, f"attention soft-capping ({softcap:g}), which the fused kernels do not apply"
+    kernel, why = _fastest(kind, device, dtype, bias, flex_broken)
+    if kernel != LOOP and allowed is not None and kernel not in allowed:
+        return (
+            LOOP,
+            f"the model's family allows {', '.join(allowed)} for {KINDS.get(kind, kind)}, not {kernel}",
+        )
+    return kernel, why
+
+
+def _fastest(kind, device, dtype, bias, flex_broken) -> tuple[str, str]:
+    """The fused kernel a CUDA call of `kind` can take without dropout, else (LOOP, why)."""
     if kind in ("causal", "cross") and not bias:
         if dtype not in (torch.bfloat16, torch.float16):
             return LOOP, f"{dtype}: varlen_attn takes bf16 or fp16"

@@ -15,7 +15,9 @@ attention is kept inside each example depends on the backend:
   holds whatever the cache setting (tests/integration/test_packed_attention.py checks both).
 
 Sliding-window models (Mistral) get the window inside each example; models whose layers mix full and
-sliding attention (`config.layer_types`) get one mask per layer type, the form their forward accepts.
+sliding attention (`config.layer_types`: Gemma 2 and 3) get one mask per layer type, the form their forward
+accepts, read from the language model's config (a multimodal checkpoint's text_config). Per-example kernels
+take only what the model's family allows (`Family.packed`, carried by the segments).
 
 Encoder-decoder rows (T5) carry `source_segments` / `target_segments` instead. With lorakit_varlen_sdpa
 they become segment boundaries (`lorakit_seq2seq_segments`) and `logits` makes sure the model's T5
@@ -36,6 +38,8 @@ from typing import Any
 import torch
 
 from lorakit.data.sequence_split import SEGMENTS
+from lorakit.model.families import family_of
+from lorakit.model.families.base import text_config
 from lorakit.model.fused_attention import KernelLog
 from lorakit.model.sequence_parallel import SEQUENCE_PARALLEL, SequenceShard
 from lorakit.model.varlen import VARLEN_SDPA, Segments, Seq2SeqSegments, attach_t5_position_bias
@@ -116,8 +120,12 @@ class ModelInputs:
         self.loss_head = loss_head
         # Sequence parallelism: split rows (lorakit.data.sequence_split) attend over this group.
         self.sp_group, self.sp_world = sp_group, sp_world
-        self.layer_types = sorted(set(getattr(config, "layer_types", None) or [])) or None
-        self.config = config
+        # Layer types and windows are the language model's (Gemma 3's multimodal config keeps them in
+        # text_config).
+        self.config = text_config(config)
+        self.layer_types = sorted(set(getattr(self.config, "layer_types", None) or [])) or None
+        # The fused kernels each packed attention call kind of this family may take.
+        self.packed = family_of(config).packed
         # Which kernel each packed attention call of this model took (summary.json's attention_kernels).
         self.kernels = KernelLog()
 
@@ -144,12 +152,15 @@ class ModelInputs:
             # A shard of a row split over the sequence-parallel group: attention sees the whole row's
             # example boundaries after its all-to-all; no mask is built for the shard.
             out[SEQUENCE_PARALLEL] = SequenceShard(
-                Segments(batch[SEGMENTS], self.kernels), self.sp_group, self.sp_world
+                Segments(batch[SEGMENTS], self.kernels, self.packed), self.sp_group, self.sp_world
             )
             out["attention_mask"] = torch.ones_like(out["input_ids"])
         elif "source_segments" in batch and self.attention == VARLEN_SDPA:
             out["lorakit_seq2seq_segments"] = Seq2SeqSegments(
-                _bounds(batch["source_segments"][0]), _bounds(batch["target_segments"][0]), self.kernels
+                _bounds(batch["source_segments"][0]),
+                _bounds(batch["target_segments"][0]),
+                self.kernels,
+                self.packed,
             )
         elif "source_segments" in batch:
             encoder, decoder, cross = seq2seq_packed_masks(
@@ -160,7 +171,8 @@ class ModelInputs:
             )
             out.update({"attention_mask": encoder, "decoder_attention_mask": decoder, CROSS_MASK: cross})
         elif "position_ids" in out and "attention_mask" not in out and self.attention in PER_EXAMPLE:
-            out["lorakit_segments"] = Segments(_bounds(example_ids(batch["position_ids"])[0]), self.kernels)
+            bounds = _bounds(example_ids(batch["position_ids"])[0])
+            out["lorakit_segments"] = Segments(bounds, self.kernels, self.packed)
             out["attention_mask"] = torch.ones_like(out["input_ids"])
         elif "position_ids" in out and "attention_mask" not in out:
             mask = self.packed_mask(out["position_ids"])

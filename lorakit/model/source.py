@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from lorakit.errors import RecipeError
 from lorakit.model.families.tiny import resolve_model_source
+from lorakit.model.families.unknown import unknown_config_type
 from lorakit.model.sequence_parallel import check_sequence_parallel
 from lorakit.recipe.schema import Recipe
 
@@ -57,7 +58,7 @@ def load_config(recipe: Recipe):
         )
     except (OSError, ValueError) as e:
         # A misspelled hub id, a path without config.json, no route to the hub, or refused remote code.
-        raise RecipeError(
+        raise unknown_config_type(e) or RecipeError(
             f"model.name_or_path {recipe.model.name_or_path!r}: cannot load its config: {e}"
             + _remote_code_hint(recipe, e)
         ) from e

@@ -170,13 +170,13 @@ def planned_loss_tile(recipe, row_tokens: int | None, vocab: int, model_type: st
 def loss_tile_tokens(recipe, config) -> int | None:
     """The loss tile size (tokens) the recipe asks for on a model of `config`; None: the untiled loss.
     RecipeError for model.tiled_loss: true on a model it cannot tile."""
-    if recipe.model.tiled_loss is True and not family_of(config).tiled_loss:
+    if recipe.model.tiled_loss is True and not family_of(config).tiles_loss(config):
         raise RecipeError(
             f"model.tiled_loss: true computes the head and loss in tiles for causal LMs whose logits are "
             f"the head's output ({', '.join(tiled_loss_types())}); {config.model_type!r} is not one. Set "
             "model.tiled_loss: auto or false"
         )
-    if getattr(config, "is_encoder_decoder", False):
+    if getattr(config, "is_encoder_decoder", False) or not family_of(config).tiles_loss(config):
         return None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return planned_loss_tile(recipe, None, getattr(text, "vocab_size", 0) or 0, config.model_type)

@@ -44,6 +44,7 @@ from lorakit.model.fused_attention import (
     varlen_cross,
     varlen_layout,
 )
+from lorakit.model.varlen_causal import causal_loop
 
 VARLEN_SDPA = "lorakit_varlen_sdpa"
 # Forward keyword of a packed row that attends its own way (shared_prompt's DPO pairs): an object whose
@@ -58,19 +59,6 @@ T5_BIAS_HOOK, T5_BIAS_MODULES = "lorakit_position_bias_hook", "lorakit_position_
 
 def _lengths(bounds) -> list[int]:  # example lengths from boundaries (0, end 1, ..., T)
     return [e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
-
-
-def _segment_attention(q, k, v, scaling, dropout, window):
-    n = q.shape[2]
-    if window is None or n <= window:
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout, scale=scaling, is_causal=True
-        )
-    idx = torch.arange(n, device=q.device)
-    allowed = (idx[None, :] <= idx[:, None]) & (idx[None, :] > idx[:, None] - window)
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling
-    )
 
 
 def _buckets(q_lengths: list[int], k_lengths: list[int], waste: float) -> list[list[int]]:
@@ -102,29 +90,38 @@ class Seq2SeqSegments(tuple):
     batch's forward arguments (gradient checkpointing's recompute included); `kernels` counts which kernel
     each call took (lorakit.model.fused_attention.KernelLog)."""
 
-    def __new__(cls, source, target, kernels: KernelLog | None = None):
+    def __new__(cls, source, target, kernels: KernelLog | None = None, packed=None):
         self = super().__new__(cls, (tuple(source), tuple(target)))
         self.cache = {}
         # The model's KernelLog (lorakit.model.inputs.ModelInputs), or one of this batch's own.
         self.kernels = kernels if kernels is not None else KernelLog()
+        # The model family's PackedAttention: the fused kernels each call kind may take (None: any).
+        self.packed = packed
         return self
 
 
 class Segments(tuple):
     """Example boundaries (0, end 1, ..., T) of one packed causal row, as `lorakit_segments`, with a `cache`
     of what is derived from them once per batch (varlen's cu_seqlens on the device) and the model's
-    KernelLog, as Seq2SeqSegments."""
+    KernelLog and its family's kernel table, as Seq2SeqSegments."""
 
-    def __new__(cls, bounds, kernels: KernelLog | None = None):
+    def __new__(cls, bounds, kernels: KernelLog | None = None, packed=None):
         self = super().__new__(cls, tuple(bounds))
         self.cache = {}
         self.kernels = kernels if kernels is not None else KernelLog()
+        self.packed = packed
         return self
 
 
 def kernel_log(segments) -> KernelLog:
     """The KernelLog that `segments` carry (a fresh one for plain boundary tuples)."""
     return getattr(segments, "kernels", None) or KernelLog()
+
+
+def allowed_kernels(segments, kind: str) -> tuple[str, ...] | None:
+    """The kernels the family whose row `segments` describe allows for `kind` (None: not said, any)."""
+    packed = getattr(segments, "packed", None)
+    return None if packed is None else tuple(packed.kernels_for(kind))
 
 
 def _cached(segments, key, build):
@@ -152,10 +149,11 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
     else:
         # T5's cross-attention bias is zero (no relative positions between decoder and encoder tokens).
         q_bounds, k_bounds, kind, position_bias = target, source, "cross", None
-    device, log = query.device, kernel_log(segments)
-    kernel = choose_kernel(kind, device, query.dtype, dropout, bias=position_bias is not None, log=log)
+    device, log, allowed = query.device, kernel_log(segments), allowed_kernels(segments, kind)
+    bias = position_bias is not None
+    kernel = choose_kernel(kind, device, query.dtype, dropout, bias=bias, log=log, allowed=allowed)
     if kernel == VARLEN:
-        log.used(kind, VARLEN, device, query.dtype, dropout)
+        log.used(kind, VARLEN, device, query.dtype, dropout, allowed=allowed)
         q_layout = _cached(segments, ("varlen", "target"), lambda: varlen_layout(target, device))
         k_layout = _cached(segments, ("varlen", "source"), lambda: varlen_layout(source, device))
         return varlen_cross(query, key, value, q_layout, k_layout, scaling), None
@@ -173,9 +171,9 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
                 query, key, value, layout, position_bias, max_distance=distance, scaling=scaling, log=log
             )
         if out is not None:
-            log.used(kind, FLEX, device, query.dtype, dropout)
+            log.used(kind, FLEX, device, query.dtype, dropout, allowed=allowed)
             return out, None
-    log.used(kind, LOOP, device, query.dtype, dropout)
+    log.used(kind, LOOP, device, query.dtype, dropout, allowed=allowed)
     cache = getattr(segments, "cache", None)
     cache = {} if cache is None else cache
     if kind not in cache:
@@ -315,34 +313,16 @@ def varlen_sdpa_attention(
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one row per micro-batch, got {query.shape[0]}")
-    window = kwargs.get("sliding_window")
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     dropout = dropout if module.training else 0.0
     device, log = query.device, kernel_log(segments)
-    if choose_kernel("causal", device, query.dtype, dropout, bias=False, log=log) == VARLEN:
-        log.used("causal", VARLEN, device, query.dtype, dropout)
+    choice = {"allowed": allowed_kernels(segments, "causal"), "softcap": softcap}
+    if choose_kernel("causal", device, query.dtype, dropout, bias=False, log=log, **choice) == VARLEN:
+        log.used("causal", VARLEN, device, query.dtype, dropout, **choice)
         layout = _cached(segments, "varlen", lambda: varlen_layout(segments, device))
         return varlen_causal(query, key, value, layout, scaling, window), None
-    log.used("causal", LOOP, device, query.dtype, dropout)
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    # split, not slicing: the backward of a slice writes its gradient into a zero tensor of the whole row,
-    # once per example (quadratic in examples per row); split's backward is one concatenation.
-    lengths = _lengths(segments)
-    out = torch.cat(
-        [
-            _segment_attention(q, k, v, scaling, dropout, window)
-            for q, k, v in zip(
-                query.split(lengths, dim=2),
-                key.split(lengths, dim=2),
-                value.split(lengths, dim=2),
-                strict=True,
-            )
-        ],
-        dim=2,
-    )
-    return out.transpose(1, 2).contiguous(), None
+    log.used("causal", LOOP, device, query.dtype, dropout, **choice)
+    return causal_loop(module, query, key, value, _lengths(segments), scaling, dropout, window, softcap), None
 
 
 def register_varlen_sdpa() -> str:

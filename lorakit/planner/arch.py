@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from lorakit.errors import RecipeError
-from lorakit.model.families import family_of, model_class
+from lorakit.model.families import family_of
 from lorakit.model.families.base import Shape
+from lorakit.model.families.unknown import loadable_class
 from lorakit.planner.units import PlanError
 
 # Configs of the hub models lorakit's recipes name, as published in their config.json files (only the keys
@@ -59,6 +60,25 @@ for _name in ("Llama-3.1-8B", "Llama-3.1-8B-Instruct", "Meta-Llama-3.1-8B", "Met
     KNOWN_CONFIGS[f"meta-llama/{_name}"] = {**_LLAMA3_8B, "max_position_embeddings": 131072}
 for _name in ("Llama-3.1-70B", "Llama-3.1-70B-Instruct", "Meta-Llama-3.1-70B", "Meta-Llama-3.1-70B-Instruct"):
     KNOWN_CONFIGS[f"meta-llama/{_name}"] = {**_LLAMA3_70B, "max_position_embeddings": 131072}
+# Qwen3-8B (base and instruct share one config.json).
+_QWEN3_8B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+             "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+             "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
+             "bos_token_id": 151643, "eos_token_id": 151645}  # fmt: skip
+for _name in ("Qwen3-8B", "Qwen3-8B-Base"):
+    KNOWN_CONFIGS[f"Qwen/{_name}"] = _QWEN3_8B
+# Gemma 3 12B: multimodal (Gemma3ForConditionalGeneration); the language model's sizes are in text_config,
+# the rest at Gemma3TextConfig's defaults (vocabulary 262208, 128k positions, query_pre_attn_scalar 256).
+_GEMMA3_12B = {"model_type": "gemma3", "mm_tokens_per_image": 256, "image_token_index": 262144,
+               "text_config": {"model_type": "gemma3_text", "hidden_size": 3840, "intermediate_size": 15360,
+                               "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8,
+                               "head_dim": 256, "sliding_window": 1024},
+               "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "image_size": 896,
+                                 "intermediate_size": 4304, "num_attention_heads": 16, "num_hidden_layers": 27,
+                                 "patch_size": 14, "vision_use_head": False}}  # fmt: skip
+for _name in ("gemma-3-12b-it", "gemma-3-12b-pt"):
+    KNOWN_CONFIGS[f"google/{_name}"] = _GEMMA3_12B
 
 
 @dataclass(frozen=True)
@@ -189,7 +209,12 @@ def resolve_config(recipe, config=None):
         try:
             return _build_config(json.loads(path.read_text()))
         except (ValueError, KeyError) as e:
-            raise PlanError(f"model.name_or_path {name!r}: cannot read {path}: {e}") from e
+            from lorakit.model.families.unknown import unknown_config_type
+
+            unknown = unknown_config_type(e)
+            raise PlanError(
+                str(unknown) if unknown else f"model.name_or_path {name!r}: cannot read {path}: {e}"
+            ) from e
     cfg = known_config(name)
     if cfg is None:
         known = ", ".join(sorted(KNOWN_CONFIGS))
@@ -212,7 +237,10 @@ def _arch(config_json: str, config_cls, trust_remote_code: bool) -> Arch:
 
     config = config_cls.from_dict(json.loads(config_json))
     is_enc_dec = bool(getattr(config, "is_encoder_decoder", False))
-    auto_cls, model_cls = model_class(config)
+    try:
+        auto_cls, model_cls = loadable_class(config, trust_remote_code)
+    except RecipeError as e:
+        raise PlanError(str(e)) from e
     try:
         with torch.device("meta"):
             # The class itself, not from_config: inside a ZeRO-3 run (the training job plans at its end)

@@ -92,13 +92,14 @@ def test_preflight_doctor_stops_the_run_before_training(cache_dir, tmp_path, mon
 
 
 def test_contracts_of_an_architecture_without_a_tiny_kind(cache_dir, tmp_path):
-    """A Gemma-2 config (full and sliding-window layers) in a local directory: the contracts run on its own
-    architecture at small width, the sliding window shortened so the examples cross it."""
-    from transformers import Gemma2Config
+    """A Cohere2 config (full and sliding-window layers; no lorakit family, so no tiny kind: Gemma 2 has one
+    now) in a local directory: the contracts run on its own architecture at small width, the sliding window
+    shortened so the examples cross it."""
+    from transformers import Cohere2Config
 
-    Gemma2Config(hidden_size=1024, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=16,
-                 num_key_value_heads=4, head_dim=64, vocab_size=32000).save_pretrained(tmp_path / "gemma2")  # fmt: skip
-    recipe = _recipe("quickstart_causal.yaml", cache_dir, tmp_path, f"model.name_or_path={tmp_path / 'gemma2'}",
+    Cohere2Config(hidden_size=1024, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=4, head_dim=64, vocab_size=32000).save_pretrained(tmp_path / "cohere2")  # fmt: skip
+    recipe = _recipe("quickstart_causal.yaml", cache_dir, tmp_path, f"model.name_or_path={tmp_path / 'cohere2'}",
                      "model.dtype=float32")  # fmt: skip
     report = run_doctor(recipe, quick=True, sections=("contracts",))
     assert report.ok, report.table()

@@ -130,10 +130,10 @@ def forced(monkeypatch):
     def force(kernels: dict[str, str]):
         real = fa.choose_kernel
 
-        def choose(kind, device, dtype, dropout, *, bias, log=None):
-            return (
-                kernels[kind] if kind in kernels else real(kind, device, dtype, dropout, bias=bias, log=log)
-            )
+        def choose(kind, device, dtype, dropout, *, bias, log=None, **family):
+            if kind in kernels:
+                return kernels[kind]
+            return real(kind, device, dtype, dropout, bias=bias, log=log, **family)
 
         monkeypatch.setattr(varlen, "choose_kernel", choose)
 

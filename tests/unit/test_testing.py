@@ -18,7 +18,7 @@ from transformers import (
 
 from lorakit import testing
 from lorakit.errors import RecipeError
-from lorakit.model.families import tiny
+from lorakit.model.families import family_named, tiny
 from lorakit.testing import (
     CAUSAL_KINDS,
     SEQ2SEQ_KINDS,
@@ -190,16 +190,15 @@ def test_t5_lm_head_stays_untied_after_loading(tiny_dirs):
 @pytest.mark.parametrize("kind", CAUSAL_KINDS)
 def test_causal_config(tiny_dirs, kind):
     cfg = AutoConfig.from_pretrained(tiny_dirs[kind])
-    assert cfg.model_type == kind
+    assert cfg.model_type in family_named(kind).model_types
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (64, 128, 2)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.max_position_embeddings) == (4, 2, 1024)
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (3, 1, 0)
     assert cfg.vocab_size == testing.TINY_VOCAB_SIZE
-    # Small Qwen2 checkpoints tie the output head to the embedding; Llama and Mistral do not.
-    assert cfg.tie_word_embeddings is (kind == "qwen2")
-    assert getattr(cfg, "sliding_window", None) == (
-        testing.TINY_SLIDING_WINDOW if kind == "mistral" else None
-    )
+    # Small Qwen2 / Qwen3 checkpoints and every Gemma tie the output head to the embedding; the others not.
+    assert cfg.tie_word_embeddings is (kind in ("qwen2", "qwen3", "gemma2", "gemma3"))
+    windowed = ("mistral", "phi3", "gemma2", "gemma3")
+    assert getattr(cfg, "sliding_window", None) == (testing.TINY_SLIDING_WINDOW if kind in windowed else None)
     gen = GenerationConfig.from_pretrained(tiny_dirs[kind])
     assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (3, 1, 0)
 

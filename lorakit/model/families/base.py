@@ -127,6 +127,11 @@ class Family:
         """Whether packed rows of this family are exact on the `attention` backend."""
         return attention in self.packed.backends
 
+    def tiles_loss(self, config) -> bool:
+        """Whether the tiled loss is exact for a model of `config`: the family's logits are the head's
+        output, and the config caps no logits after the head (Gemma 2's final_logit_softcapping)."""
+        return self.tiled_loss and not getattr(text_config(config), "final_logit_softcapping", None)
+
     def caveat(self) -> str | None:
         """What nothing has proven for this family, in a sentence (None: everything is proven)."""
         if not self.unproven:
@@ -145,6 +150,13 @@ def dense_decoder_mlp(mlp) -> bool:
 
 
 _REQUIRED = object()
+
+
+def text_config(config):
+    """The config of the language model inside `config`: a multimodal checkpoint's text_config (Gemma 3's
+    Gemma3Config holds its sizes there), else `config` itself (transformers' get_text_config)."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
 
 
 def read(config, *names: str, default: Any = _REQUIRED) -> Any:

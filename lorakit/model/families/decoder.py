@@ -10,22 +10,30 @@ from lorakit.model.families.base import (
     ALL_BACKENDS,
     VARLEN,
     Family,
+    PackedAttention,
     Shape,
     Tiny,
     dense_decoder_mlp,
     max_length,
     packed,
     read,
+    text_config,
 )
 
 # Causal rows pack exactly on every backend: flash_attention_2 through restarting position_ids, sdpa through
 # lorakit's per-example kernel (torch's varlen flash on CUDA), eager through block-diagonal masks.
 CAUSAL_PACKING = packed(ALL_BACKENDS, causal=(VARLEN,))
+# The tiny sliding-window models' attention window (tiny:mistral, the sliding layers of tiny:gemma2 and
+# tiny:gemma3): deliberately small, so sequences longer than it exercise sliding-window attention (the real
+# models use 4096 or 1024).
+TINY_SLIDING_WINDOW = 64
 
 
 def decoder_shape(config, linear_names: Sequence[str]) -> Shape:
     """The Shape of a decoder-only config in transformers' common names (hidden_size, num_hidden_layers,
-    num_attention_heads, ...; GPT-style configs map theirs onto these)."""
+    num_attention_heads, ...; GPT-style configs map theirs onto these), read from the language model's
+    config (a multimodal checkpoint's text_config)."""
+    config = text_config(config)
     hidden = read(config, "hidden_size", "d_model", "n_embd")
     heads = read(config, "num_attention_heads", "num_heads", "n_head")
     return Shape(
@@ -85,8 +93,18 @@ def causal_tiny(config_cls: str, model_cls: str, **fixed: Any) -> Tiny:
     return Tiny(tokenizer="causal", config=config, model=model, reshapable=True)
 
 
-def causal_family(name: str, tiny: Tiny, model_types: tuple[str, ...] | None = None) -> Family:
-    """A dense Llama-style decoder-only family: decoder_shape, packing on every backend, the tiled loss
-    (its logits are lm_head's output, nothing more) and the tiled MLP on its dense MLPs, no ZeRO-3 leaves."""
-    dense = {"shape": decoder_shape, "packed": CAUSAL_PACKING, "tiled_mlp": dense_decoder_mlp}
-    return Family(name, model_types or (name,), encoder_decoder=False, tiled_loss=True, tiny=tiny, **dense)
+def causal_family(
+    name: str,
+    tiny: Tiny,
+    model_types: tuple[str, ...] | None = None,
+    *,
+    attention: PackedAttention = CAUSAL_PACKING,
+    tiled_loss: bool = True,
+) -> Family:
+    """A dense Llama-style decoder-only family: decoder_shape, packing on every backend with the kernels of
+    `attention` (by default varlen and the loop), the tiled loss (where its logits are lm_head's output,
+    nothing more) and the tiled MLP on its dense MLPs, no ZeRO-3 leaves."""
+    dense = {"shape": decoder_shape, "packed": attention, "tiled_mlp": dense_decoder_mlp}
+    return Family(
+        name, model_types or (name,), encoder_decoder=False, tiled_loss=tiled_loss, tiny=tiny, **dense
+    )

@@ -1,11 +1,9 @@
 """Mistral: Llama's block with sliding-window attention (the window reaches the packed kernels through the
 attention call's `sliding_window`)."""
 
-from lorakit.model.families.decoder import causal_family, causal_tiny
+from lorakit.model.families.decoder import TINY_SLIDING_WINDOW, causal_family, causal_tiny
 
-# tiny:mistral's attention window: deliberately small, so sequences longer than it exercise sliding-window
-# attention (real Mistral uses 4096).
-TINY_SLIDING_WINDOW = 64
+__all__ = ["FAMILY", "TINY_SLIDING_WINDOW"]
 
 FAMILY = causal_family(
     "mistral",

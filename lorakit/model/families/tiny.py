@@ -3,8 +3,9 @@ doctor, the quickstart and users' smoke tests (lorakit.testing is their public f
 
 Nothing here touches the network: the tokenizer is trained on the builtin news_summaries dataset and the
 weights are random but a pure function of the seed. `model.name_or_path: tiny:t5` (or `tiny:llama`,
-`tiny:mistral`, `tiny:qwen2`, `tiny:bart`) in a recipe resolves, through `resolve_model_source`, to a
-directory built once under the cache directory. Each family's `Tiny` says its config, its model and its
+`tiny:mistral`, `tiny:qwen2`, `tiny:bart`, `tiny:qwen3`, `tiny:gemma2`, `tiny:gemma3`, `tiny:phi3`,
+`tiny:olmo2`) in a recipe resolves, through `resolve_model_source`, to a directory built once under the
+cache directory. Each family's `Tiny` says its config, its model and its
 tokenizer's layout; this module trains the tokenizer, seeds, saves and caches.
 """
 
