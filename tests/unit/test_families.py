@@ -50,8 +50,8 @@ def test_every_model_type_is_claimed_by_one_family():
     names = [f.name for f in FAMILIES]
     types = [t for f in FAMILIES for t in f.model_types]
     assert len(set(names)) == len(names) and len(set(types)) == len(types)
-    assert set(names) == {"t5", "bart", "llama", "mistral", "qwen2"}
-    assert tiny_kinds() == ("t5", "llama", "mistral", "qwen2", "bart")
+    assert set(names) == {"t5", "bart", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe", "olmoe"}
+    assert tiny_kinds() == ("t5", "llama", "mistral", "qwen2", "bart", "mixtral", "qwen3_moe", "olmoe")
     assert all(not f.unproven and f.caveat() is None for f in FAMILIES)
     assert all(family_for_type(t) is f for f in FAMILIES for t in f.model_types)
 
@@ -124,7 +124,7 @@ def test_the_planner_reads_shapes_from_the_family(kind):
     for field in dataclasses.fields(shape):
         if field.name != "tied_head":
             assert getattr(arch, field.name) == getattr(shape, field.name), field.name
-    assert shape.tied_head in (None, arch.tied_head) and shape.experts is None
+    assert shape.tied_head in (None, arch.tied_head) and (shape.experts is None) == (family.moe is None)
 
 
 def test_planner_shapes_of_known_models_and_bart():

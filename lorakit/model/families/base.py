@@ -44,6 +44,18 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class MoeLayout:
+    """Where a mixture-of-experts family keeps its experts and router (lorakit.model.families.moe):
+    `experts`, the fused expert parameters (peft's target_parameters suffixes); `router`, the router's
+    weight (a target_parameters suffix, adapted only with method.train_router); `router_classes`, the
+    router modules' class names, whose first output is the router logits (the load-balancing loss)."""
+
+    experts: tuple[str, ...]
+    router: str
+    router_classes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Shape:
     """What the planner reads from a model's config (lorakit.planner.arch.Arch takes these fields).
 
@@ -121,6 +133,8 @@ class Family:
     tiled_mlp: Callable[[Any], bool] | None
     zero3_leaf_modules: tuple[str, ...] = ()
     tiny: Tiny | None = None
+    # Mixture-of-experts families: their experts and router (None: a dense MLP).
+    moe: MoeLayout | None = None
     unproven: tuple[str, ...] = ()
 
     def packs(self, attention: str) -> bool:
