@@ -210,3 +210,18 @@ def test_packed_rows_equal_each_example_alone(kind):
         got = inputs.logits(model, packed, "cpu")
         alone = [model(input_ids=x).logits for x in (a, b)]
     torch.testing.assert_close(got, torch.cat(alone, 1), rtol=1e-4, atol=1e-5)
+
+
+def test_a_row_of_one_repeated_token_is_routed_to_two_experts_only():
+    """The skewed row of the 2-process ZeRO-3 test (tests/integration/moe_worker.py): every position of it
+    reaches the same two experts in every layer, so the other experts see none of that rank's tokens."""
+    from lorakit.model.router import capture_router_logits
+    from tests.integration.moe_worker import SKEWED
+
+    config, model = _tiny("mixtral")
+    with torch.no_grad(), capture_router_logits(model, ("MixtralTopKRouter",)) as logits:
+        model(input_ids=torch.tensor(SKEWED))
+    assert len(logits) == config.num_hidden_layers
+    for z in logits:
+        chosen = {tuple(sorted(t)) for t in torch.topk(z, 2, -1).indices.tolist()}
+        assert len(chosen) == 1
