@@ -50,8 +50,28 @@ def test_every_model_type_is_claimed_by_one_family():
     names = [f.name for f in FAMILIES]
     types = [t for f in FAMILIES for t in f.model_types]
     assert len(set(names)) == len(names) and len(set(types)) == len(types)
-    assert set(names) == {"t5", "bart", "llama", "mistral", "qwen2", "mixtral", "qwen3_moe", "olmoe"}
-    assert tiny_kinds() == ("t5", "llama", "mistral", "qwen2", "bart", "mixtral", "qwen3_moe", "olmoe")
+    assert set(names) == {
+        "t5",
+        "bart",
+        "llama",
+        "mistral",
+        "qwen2",
+        "mixtral",
+        "qwen3_moe",
+        "olmoe",
+        "t5gemma",
+    }
+    assert tiny_kinds() == (
+        "t5",
+        "llama",
+        "mistral",
+        "qwen2",
+        "bart",
+        "mixtral",
+        "qwen3_moe",
+        "olmoe",
+        "t5gemma",
+    )
     assert all(not f.unproven and f.caveat() is None for f in FAMILIES)
     assert all(family_for_type(t) is f for f in FAMILIES for t in f.model_types)
 
