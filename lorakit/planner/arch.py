@@ -67,7 +67,12 @@ KNOWN_CONFIGS["Qwen/Qwen3-30B-A3B"] = KNOWN_CONFIGS["Qwen/Qwen3-30B-A3B-Base"] =
 _GEMMA2_2B = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
               "max_position_embeddings": 8192, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}  # fmt: skip
-for _name in ("t5gemma-2b-2b-ul2", "t5gemma-2b-2b-prefixlm", "t5gemma-2b-2b-ul2-it", "t5gemma-2b-2b-prefixlm-it"):
+for _name in (
+    "t5gemma-2b-2b-ul2",
+    "t5gemma-2b-2b-prefixlm",
+    "t5gemma-2b-2b-ul2-it",
+    "t5gemma-2b-2b-prefixlm-it",
+):
     KNOWN_CONFIGS[f"google/{_name}"] = {"model_type": "t5gemma", "encoder": _GEMMA2_2B, "decoder": _GEMMA2_2B,
                                         "vocab_size": 256000, "decoder_start_token_id": 2}  # fmt: skip
 for _name in ("Meta-Llama-3-8B", "Meta-Llama-3-8B-Instruct"):
