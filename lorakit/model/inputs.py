@@ -155,8 +155,8 @@ class ModelInputs:
         elif "source_segments" in batch and has_stacked_configs(self.config):
             # T5Gemma: per layer type, positions restarting per example (lorakit.model.stacked_masks).
             kw = stacked_packed_kwargs(self.config, batch["source_segments"].to(device),
-                                       batch["target_segments"].to(device), attention=self.attention,
-                                       dtype=self.dtype)  # fmt: skip
+                                       batch["target_segments"].to(device),
+                                       lambda m: _as_mask(m, self.attention, self.dtype))  # fmt: skip
             out.update(kw, **{CROSS_MASK: kw.pop("cross")})
         elif "source_segments" in batch:
             encoder, decoder, cross = seq2seq_packed_masks(

@@ -28,15 +28,6 @@ def segment_positions(segments: torch.Tensor) -> torch.Tensor:
     return idx - torch.where(start, idx, torch.zeros_like(idx)).cummax(-1).values
 
 
-def _additive(allowed: torch.Tensor, attention: str, dtype: torch.dtype) -> torch.Tensor:
-    allowed = allowed[:, None]
-    if attention == "sdpa":
-        return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-        ~allowed, torch.finfo(dtype).min
-    )
-
-
 def _window(stack, layer_type: str) -> int | None:
     return getattr(stack, "sliding_window", None) if layer_type == "sliding_attention" else None
 
@@ -45,11 +36,10 @@ def stacked_packed_kwargs(
     config,
     source_segments: torch.Tensor,
     target_segments: torch.Tensor,
-    *,
-    attention: str,
-    dtype: torch.dtype,
+    as_mask,
 ) -> dict:
-    """The forward keywords of a packed row (module docstring); the cross mask under `cross`."""
+    """The forward keywords of a packed row (module docstring); the cross mask under `cross`. `as_mask`
+    turns a (B, T, S) boolean (True: attend) into the backend's mask (lorakit.model.inputs._as_mask)."""
     s_idx = torch.arange(source_segments.shape[-1], device=source_segments.device)
     t_idx = torch.arange(target_segments.shape[-1], device=target_segments.device)
     same_src = source_segments[:, :, None] == source_segments[:, None, :]
@@ -60,16 +50,16 @@ def stacked_packed_kwargs(
     for layer_type in set(config.encoder.layer_types):
         w = _window(config.encoder, layer_type)
         near = (s_idx[None, :] - s_idx[:, None]).abs() <= w if w is not None else True
-        encoder[layer_type] = _additive(same_src & near, attention, dtype)
+        encoder[layer_type] = as_mask(same_src & near)
     for layer_type in set(config.decoder.layer_types):
         w = _window(config.decoder, layer_type)
         near = t_idx[None, :] > t_idx[:, None] - w if w is not None else True
-        decoder[layer_type] = _additive(same_tgt & near, attention, dtype)
+        decoder[layer_type] = as_mask(same_tgt & near)
     cross = target_segments[:, :, None] == source_segments[:, None, :]
     return {
         "attention_mask": encoder,
         "position_ids": segment_positions(source_segments),
         "decoder_attention_mask": decoder,
         "decoder_position_ids": segment_positions(target_segments),
-        "cross": {"full_attention": _additive(cross, attention, dtype)},
+        "cross": {"full_attention": as_mask(cross)},
     }

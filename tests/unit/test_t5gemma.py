@@ -8,7 +8,7 @@ import torch
 
 from lorakit.data.collate import PackedSeq2SeqCollator
 from lorakit.model.families import family_named, family_of
-from lorakit.model.inputs import ModelInputs
+from lorakit.model.inputs import ModelInputs, _as_mask
 from lorakit.model.stacked_masks import segment_positions, stacked_packed_kwargs
 from lorakit.testing import SPECIAL_TOKENS, TINY_VOCAB_SIZE, tiny_config
 from tests.conftest import tiny_recipe
@@ -52,11 +52,12 @@ def test_packed_equals_alone_in_encoder_decoder_and_cross_attention():
     # Each of the three attentions is checked: letting any one of them see across examples changes the
     # logits. (Positions restart per example, though rotary attention depends on distances only: they stay
     # within the example's own range.)
-    base = stacked_packed_kwargs(model.config, batch["source_segments"], batch["target_segments"],
-                                 attention="eager", dtype=torch.float32)  # fmt: skip
+    def eager(m):
+        return _as_mask(m, "eager", torch.float32)
+
+    base = stacked_packed_kwargs(model.config, batch["source_segments"], batch["target_segments"], eager)
     one = torch.ones_like(batch["source_segments"])
-    leaky = stacked_packed_kwargs(model.config, one, torch.ones_like(batch["target_segments"]),
-                                  attention="eager", dtype=torch.float32)  # fmt: skip
+    leaky = stacked_packed_kwargs(model.config, one, torch.ones_like(batch["target_segments"]), eager)
     for kind in ("attention_mask", "decoder_attention_mask", "cross"):
         kw = {**base, kind: leaky[kind]}
         with torch.no_grad():

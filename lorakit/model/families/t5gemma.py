@@ -61,12 +61,13 @@ def _tiny_model(config):
     return T5GemmaForConditionalGeneration(config)
 
 
+# Packed on eager only (module docstring); the tiled loss and MLP are for causal LMs' long rows.
 FAMILY = Family(
-    name="t5gemma",
-    model_types=("t5gemma",),
-    encoder_decoder=True,
-    shape=t5gemma_shape,
-    packed=packed({"eager"}),
+    "t5gemma",
+    ("t5gemma",),
+    True,
+    t5gemma_shape,
+    packed({"eager"}),
     tiled_loss=False,
     tiled_mlp=None,
     tiny=Tiny(tokenizer="t5", config=_tiny_config, model=_tiny_model),
