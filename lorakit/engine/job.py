@@ -33,6 +33,8 @@ from lorakit.engine.schedule import lambda_lr_factory
 from lorakit.engine.session import Job, say
 from lorakit.engine.summary import MemoryProbe, summarize
 from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
+from lorakit.model.families import family_of
+from lorakit.model.families.moe import describe as describe_moe
 from lorakit.model.quantize import describe_quantization, quantization_summary
 from lorakit.model.shared_prompt import sharing_problem
 from lorakit.objectives import make_batching, make_objective, prepare_data
@@ -85,6 +87,8 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
     t = recipe.train
     plan = plan_steps(len(loader.batch_sampler), t.gradient_accumulation_steps, t.epochs, t.max_steps)
     say(batching.describe(plan, dist.world_size()))
+    if moe_line := describe_moe(family_of(config), recipe.method, config):
+        say(moe_line)
     engine, quantization = start_engine(recipe, backend, built, backend_config, plan)
     # What the objective needs before any step or checkpoint load (full fine-tuning DPO: the initial
     # model's log-probabilities of every pair, as columns of the data).

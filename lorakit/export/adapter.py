@@ -235,7 +235,10 @@ def _module_shape(module: torch.nn.Module) -> tuple[str, int, int] | None:
 
 def check_fits(adapter: Adapter, model: torch.nn.Module, base: str) -> None:
     """Refuse an adapter whose modules are missing from `model` or whose matrices do not fit them."""
+    # peft nests a ParamWrapper per targeted parameter of one module (an MoE's fused experts): the second
+    # one's tensors are saved under MODULE.base_layer.
     modules = dict(model.named_modules())
+    modules.update({f"{n}.base_layer": m for n, m in list(modules.items()) if n})
     missing = [m for m in adapter.modules if m not in modules]
     if missing:
         raise AdapterError(

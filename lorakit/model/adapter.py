@@ -21,8 +21,13 @@ def _task_type(is_encoder_decoder: bool):
     return TaskType.SEQ_2_SEQ_LM if is_encoder_decoder else TaskType.CAUSAL_LM
 
 
-def peft_config(method: MethodSection, is_encoder_decoder: bool):
-    """The peft config for the recipe's method section: LoraConfig (lora, qlora) or IA3Config (ia3)."""
+def peft_config(method: MethodSection, is_encoder_decoder: bool, family=None, model=None):
+    """The peft config for the recipe's method section: LoraConfig (lora, qlora) or IA3Config (ia3).
+
+    For a mixture-of-experts `family` (lorakit.model.families.moe) the fused experts (and, with
+    method.train_router, the router) are peft `target_parameters`, and all-linear becomes the names of
+    `model`'s linear layers: given as "all-linear", peft 0.21 would rewrite it for transformers 5's fused MoE
+    layout itself, adapting the router and doubling the experts' rank (peft.utils.transformers_weight_conversion)."""
     if method.kind == "ia3":
         from peft import IA3Config
 
@@ -36,17 +41,41 @@ def peft_config(method: MethodSection, is_encoder_decoder: bool):
         )
     from peft import LoraConfig
 
+    target_modules, target_parameters = _moe_targets(method, family, model)
     return LoraConfig(
         r=method.r,
         lora_alpha=method.alpha,
         lora_dropout=method.dropout,
-        target_modules=method.target_modules,
+        target_modules=target_modules,
+        target_parameters=target_parameters,
         use_dora=method.use_dora,
         use_rslora=method.use_rslora,
         init_lora_weights=_INIT[method.init],
         modules_to_save=method.modules_to_save,
         task_type=_task_type(is_encoder_decoder),
     )
+
+
+def _moe_targets(method: MethodSection, family, model) -> tuple[Any, list[str] | None]:
+    """(target_modules, target_parameters) for peft: the recipe's own for dense families; for MoE ones,
+    the linear layers by name (module docstring) and the fused parameters the method adapts."""
+    moe = getattr(family, "moe", None)
+    if moe is None:
+        return method.target_modules, None
+    import torch
+
+    from lorakit.model.families.moe import EXPERTS, parameter_targets
+
+    fused = {t.rsplit(".", 1)[-1] for t in moe.experts}
+    if method.target_modules == "all-linear":
+        head = model.get_output_embeddings()
+        modules = sorted({
+            n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and m is not head
+        })  # fmt: skip
+    else:
+        modules = [t for t in method.target_modules if t != EXPERTS and t not in fused]
+    return modules, list(parameter_targets(moe, method)) or None
 
 
 def optimizer_groups(model, method: MethodSection, lr: float, weight_decay: float) -> list[Any]:

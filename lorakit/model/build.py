@@ -14,6 +14,7 @@ from lorakit.errors import RecipeError
 from lorakit.model.adapter import peft_config
 from lorakit.model.attention import choose_attention, packing_enabled, set_attention_dropout
 from lorakit.model.families import Family, family_of
+from lorakit.model.families.moe import check_method
 from lorakit.model.families.unknown import loadable_class
 from lorakit.model.inputs import ModelInputs
 from lorakit.model.quantize import bnb_config, check_keep_in_fp32, keep_standard_4bit_layout, logical_numel
@@ -65,6 +66,7 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
     is_enc_dec = bool(getattr(config, "is_encoder_decoder", False))
     auto_cls, model_cls = loadable_class(config, recipe.model.trust_remote_code)
     family = family_of(config)
+    check_method(family, recipe.method)
     if family.caveat():
         warnings.warn(family.caveat(), UnprovenFamilyWarning, stacklevel=2)
     attention = choose_attention(recipe.model.attention, model_cls)
@@ -131,7 +133,7 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
             # peft 0.21 (peft_model.py, PeftModel.__init__) reads transformers' deprecated
             # `is_gradient_checkpointing`, which warns on every rank.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            model = get_peft_model(model, peft_config(recipe.method, is_enc_dec))
+            model = get_peft_model(model, peft_config(recipe.method, is_enc_dec, family, model))
         # peft may create LoRA weights in fp32; one dtype across the module is what DeepSpeed expects.
         for p in model.parameters():
             if p.requires_grad and p.dtype != dtype:

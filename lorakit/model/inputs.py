@@ -42,6 +42,7 @@ from lorakit.model.families import family_of
 from lorakit.model.families.base import text_config
 from lorakit.model.fused_attention import KernelLog
 from lorakit.model.sequence_parallel import SEQUENCE_PARALLEL, SequenceShard
+from lorakit.model.stacked_masks import has_stacked_configs, stacked_packed_kwargs
 from lorakit.model.varlen import VARLEN_SDPA, Segments, Seq2SeqSegments, attach_t5_position_bias
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "decoder_input_ids", "decoder_attention_mask")
@@ -162,6 +163,12 @@ class ModelInputs:
                 self.kernels,
                 self.packed,
             )
+        elif "source_segments" in batch and has_stacked_configs(self.config):
+            # T5Gemma: per layer type, positions restarting per example (lorakit.model.stacked_masks).
+            kw = stacked_packed_kwargs(self.config, batch["source_segments"].to(device),
+                                       batch["target_segments"].to(device),
+                                       lambda m: _as_mask(m, self.attention, self.dtype))  # fmt: skip
+            out.update(kw, **{CROSS_MASK: kw.pop("cross")})
         elif "source_segments" in batch:
             encoder, decoder, cross = seq2seq_packed_masks(
                 batch["source_segments"].to(device),
@@ -191,8 +198,9 @@ class ModelInputs:
         cross = kwargs.pop(CROSS_MASK, None)
         if cross is not None:
             module = getattr(model, "module", model)  # a DeepSpeed engine wraps the (peft) model
+            positions = {"position_ids": kwargs.pop("position_ids")} if "position_ids" in kwargs else {}
             encoder_outputs = module.get_encoder()(
-                input_ids=kwargs.pop("input_ids"), attention_mask=kwargs.pop("attention_mask")
+                input_ids=kwargs.pop("input_ids"), attention_mask=kwargs.pop("attention_mask"), **positions
             )
             kwargs.update(encoder_outputs=encoder_outputs, attention_mask=cross)
         return model(**kwargs, use_cache=False).logits

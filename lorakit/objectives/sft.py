@@ -11,20 +11,37 @@ from typing import Any
 import torch
 
 from lorakit.engine.loss import token_loss_sum
+from lorakit.model.router import RouterLoss, capture_router_logits, router_loss_of
 from lorakit.objectives.base import Objective
 from lorakit.recipe.objective_spec import SFT as SFT_SPEC
 
 
 class SftObjective(Objective):
-    """Token-weighted cross-entropy on the target tokens (labels != -100)."""
+    """Token-weighted cross-entropy on the target tokens (labels != -100); on a mixture-of-experts model,
+    plus the router's load-balancing loss (lorakit.model.router) weighted by the same tokens."""
 
     spec = SFT_SPEC
+
+    def __init__(self, router: RouterLoss | None = None):
+        self.router = router
+
+    @classmethod
+    def from_recipe(cls, recipe, config) -> SftObjective:
+        return cls(router_loss_of(config))
 
     def units(self, batch: dict[str, Any]) -> int:
         return batch["num_target_tokens"]
 
     def loss(self, engine, inputs, batch: dict[str, Any], device) -> tuple[torch.Tensor, dict[str, Any]]:
-        return causal_loss_sum(engine, inputs, batch, device), {}
+        if self.router is None:
+            return causal_loss_sum(engine, inputs, batch, device), {}
+        module = getattr(engine, "module", engine)
+        with capture_router_logits(module, self.router.router_classes) as logits:
+            loss_sum = causal_loss_sum(engine, inputs, batch, device)
+        # The micro-batch's aux loss times its target tokens: the loop's division by the window's tokens
+        # on every rank makes it the token-weighted mean over micro-batches and ranks.
+        aux = self.router(logits, batch) * self.units(batch)
+        return loss_sum + self.router.coef * aux, {"aux_loss": aux.detach()}
 
 
 def causal_loss_sum(engine, inputs, batch: dict[str, Any], device) -> torch.Tensor:

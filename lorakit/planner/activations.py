@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 
 from lorakit.engine.loss import CHUNK_ELEMENTS
 from lorakit.planner.arch import Arch
+from lorakit.planner.moe import expert_weights, moe_mlp
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,9 @@ _MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2")
 
 
 def causal_mlp(arch: Arch, method, a: int) -> int:
-    """Bytes per token a causal LM's MLP keeps (its LoRA terms included)."""
+    """Bytes per token a causal LM's MLP keeps (its LoRA terms included; MoE: lorakit.planner.moe)."""
+    if arch.experts is not None:
+        return moe_mlp(arch, a) + _lora(arch, method, a, _MLP_NAMES)
     return (4 if arch.gated_mlp else 2) * a * arch.ffn + _lora(arch, method, a, _MLP_NAMES)
 
 
@@ -263,6 +266,7 @@ def _causal(arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing:
     tile = min(shape.mlp_tile, tokens) if shape.mlp_tile else None
     mlp_tile = tile * causal_mlp(arch, method, a) if tile else 0
     layer = tokens * causal_layer(arch, method, a, k, tiled=tile is not None) + quadratic + mlp_tile
+    layer += expert_weights(arch, method, a)
     # Final norm (its output too when the head trains), rotary cos/sin shared by the layers.
     full = method.kind == "full"
     outside = tokens * (_norm(arch, a, full, output=full) + 2 * a * arch.head_dim) + shared_mask

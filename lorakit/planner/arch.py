@@ -52,6 +52,30 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
         "num_decoder_layers": 24,
     },  # fmt: skip
 }
+# Mixture-of-experts models (lorakit.model.families.moe).
+KNOWN_CONFIGS["mistralai/Mixtral-8x7B-v0.1"] = KNOWN_CONFIGS["mistralai/Mixtral-8x7B-Instruct-v0.1"] = {
+    "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rope_theta": 1e6, "router_aux_loss_coef": 0.02,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+KNOWN_CONFIGS["Qwen/Qwen3-30B-A3B"] = KNOWN_CONFIGS["Qwen/Qwen3-30B-A3B-Base"] = {
+    "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "max_position_embeddings": 40960, "rope_theta": 1e6, "router_aux_loss_coef": 0.001,
+    "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645}  # fmt: skip
+# T5Gemma 2B-2B: two Gemma-2-2B stacks (lorakit.model.families.t5gemma).
+_GEMMA2_2B = {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
+              "max_position_embeddings": 8192, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}  # fmt: skip
+for _name in (
+    "t5gemma-2b-2b-ul2",
+    "t5gemma-2b-2b-prefixlm",
+    "t5gemma-2b-2b-ul2-it",
+    "t5gemma-2b-2b-prefixlm-it",
+):
+    KNOWN_CONFIGS[f"google/{_name}"] = {"model_type": "t5gemma", "encoder": _GEMMA2_2B, "decoder": _GEMMA2_2B,
+                                        "vocab_size": 256000, "decoder_start_token_id": 2}  # fmt: skip
 for _name in ("Meta-Llama-3-8B", "Meta-Llama-3-8B-Instruct"):
     KNOWN_CONFIGS[f"meta-llama/{_name}"] = {**_LLAMA3_8B, "max_position_embeddings": 8192}
 for _name in ("Meta-Llama-3-70B", "Meta-Llama-3-70B-Instruct"):
@@ -115,6 +139,9 @@ class Arch(Shape):
     param_numels: tuple[int, ...]
     # (name, parameters held directly) of every module that holds some: what method.modules_to_save copies.
     param_modules: tuple[tuple[str, int], ...] = ()
+    # (name, shape) of an MoE family's fused expert and router parameters (LoRA through peft's parameter
+    # targeting, lorakit.planner.moe).
+    fused_params: tuple[tuple[str, tuple[int, ...]], ...] = ()
     # The model family whose reading of the config this is, and what nothing has proven for it (the
     # generic family's contracts, lorakit.model.families.Family.unproven; empty for registered families).
     family: str = ""
@@ -290,4 +317,13 @@ def _arch(config_json: str, config_cls, trust_remote_code: bool) -> Arch:
             for name, m in model.named_modules()
             if (n := sum(p.numel() for p in m.parameters(recurse=False)))
         ),
+        fused_params=_fused_params(family, model),
     )
+
+
+def _fused_params(family, model) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of the parameters an MoE family's adapter can target by name (none for dense ones)."""
+    if family.moe is None:
+        return ()
+    names = (*family.moe.experts, family.moe.router)
+    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters() if n.endswith(names))

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lorakit.planner.arch import Arch
+from lorakit.planner.moe import parameter_lora
 
 # bitsandbytes 4-bit, blocksize 64 with double quantization: 0.5 byte per weight, one uint8 absmax per
 # block of 64, one fp32 scale per 256 blocks, and a 256-entry fp32 code table per weight matrix.
@@ -106,7 +107,7 @@ def adapter_params(arch: Arch, method) -> list[int]:
         out = [lin.in_features if ff else lin.out_features for lin, ff in arch.ia3_targets(
             method.target_modules, method.feedforward_modules)]  # fmt: skip
     else:
-        out = lora_matrices(arch, method.r, method.target_modules)
+        out = lora_matrices(arch, method.r, method.target_modules) + parameter_lora(arch, method)
         if method.use_dora:
             out += [lin.out_features for lin in arch.lora_targets(method.target_modules)]
     return out + arch.module_copy_params(method.modules_to_save or ())

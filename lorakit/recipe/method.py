@@ -64,6 +64,12 @@ class MethodSection(Section):
         description="Adapters: modules trained in full next to the adapter and saved with it (peft "
         "modules_to_save), e.g. [embed_tokens, lm_head] for an extended vocabulary.",
     )
+    train_router: bool = Field(
+        False,
+        description="LoRA, qlora on a mixture-of-experts model (Mixtral, Qwen3-MoE, OLMoE): also adapt the "
+        "router's weight (peft's LoRA on it). false keeps the router frozen, as routing was pretrained; "
+        "its load-balancing loss still trains what feeds it (docs/moe.md).",
+    )
     feedforward_modules: list[str] | None = Field(
         None,
         description="kind ia3: the target modules whose input (not output) is scaled, a subset of "

@@ -55,6 +55,9 @@ def test_every_model_type_is_claimed_by_one_family():
     )
     assert tiny_kinds()[:5] == ("t5", "llama", "mistral", "qwen2", "bart")
     assert {"qwen3", "gemma2", "gemma3", "phi3", "olmo2"} <= set(tiny_kinds())
+    assert {"mixtral", "qwen3_moe", "olmoe", "t5gemma"} <= set(names) and {"mixtral", "t5gemma"} <= set(
+        tiny_kinds()
+    )
     assert all(not f.unproven and f.caveat() is None for f in FAMILIES)
     assert all(family_for_type(t) is f for f in FAMILIES for t in f.model_types)
 
@@ -127,7 +130,7 @@ def test_the_planner_reads_shapes_from_the_family(kind):
     for field in dataclasses.fields(shape):
         if field.name != "tied_head":
             assert getattr(arch, field.name) == getattr(shape, field.name), field.name
-    assert shape.tied_head in (None, arch.tied_head) and shape.experts is None
+    assert shape.tied_head in (None, arch.tied_head) and (shape.experts is None) == (family.moe is None)
 
 
 def test_planner_shapes_of_known_models_and_bart():

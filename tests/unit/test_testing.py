@@ -71,7 +71,7 @@ def test_t5_tokenizer_appends_eos_like_t5(tiny_dirs):
 
 
 def test_causal_kinds_are_the_non_seq2seq_kinds():
-    assert SEQ2SEQ_KINDS == ("t5", "bart")
+    assert SEQ2SEQ_KINDS == ("t5", "bart", "t5gemma")
     assert set(CAUSAL_KINDS) == set(TINY_KINDS) - set(SEQ2SEQ_KINDS)
 
 

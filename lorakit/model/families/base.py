@@ -44,6 +44,18 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class MoeLayout:
+    """Where a mixture-of-experts family keeps its experts and router (lorakit.model.families.moe):
+    `experts`, the fused expert parameters (peft's target_parameters suffixes); `router`, the router's
+    weight (a target_parameters suffix, adapted only with method.train_router); `router_classes`, the
+    router modules' class names, whose first output is the router logits (the load-balancing loss)."""
+
+    experts: tuple[str, ...]
+    router: str
+    router_classes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Shape:
     """What the planner reads from a model's config (lorakit.planner.arch.Arch takes these fields).
 
@@ -121,6 +133,8 @@ class Family:
     tiled_mlp: Callable[[Any], bool] | None
     zero3_leaf_modules: tuple[str, ...] = ()
     tiny: Tiny | None = None
+    # Mixture-of-experts families: their experts and router (None: a dense MLP).
+    moe: MoeLayout | None = None
     unproven: tuple[str, ...] = ()
 
     def packs(self, attention: str) -> bool:
@@ -154,9 +168,13 @@ _REQUIRED = object()
 
 def text_config(config):
     """The config of the language model inside `config`: a multimodal checkpoint's text_config (Gemma 3's
-    Gemma3Config holds its sizes there), else `config` itself (transformers' get_text_config)."""
+    Gemma3Config holds its sizes there), else `config` itself (transformers' get_text_config). An
+    encoder-decoder is its own text config: transformers would hand back only T5Gemma's decoder stack, whose
+    masks and windows are not the encoder's."""
     get = getattr(config, "get_text_config", None)
-    return get(decoder=True) if callable(get) else config
+    if getattr(config, "is_encoder_decoder", False) or not callable(get):
+        return config
+    return get(decoder=True)
 
 
 def read(config, *names: str, default: Any = _REQUIRED) -> Any:

@@ -7,13 +7,28 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from lorakit.errors import RecipeError
-from lorakit.model.families import bart, gemma, llama, mistral, olmo2, phi3, qwen2, qwen3, t5
+from lorakit.model.families import (
+    bart,
+    gemma,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    olmoe,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+    t5,
+    t5gemma,
+)
 from lorakit.model.families.base import Family
 from lorakit.model.families.generic import HEAD_ONLY_LOGITS, generic_family
 
 # In this order: the tiny kinds are listed in it (tiny:t5 first, as the quickstart uses).
 FAMILIES: tuple[Family, ...] = (t5.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, bart.FAMILY)
 FAMILIES += (qwen3.FAMILY, gemma.GEMMA2, gemma.GEMMA3, phi3.FAMILY, olmo2.FAMILY)
+FAMILIES += (mixtral.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, t5gemma.FAMILY)
 
 _BY_NAME = MappingProxyType({f.name: f for f in FAMILIES})
 _BY_TYPE = MappingProxyType({t: f for f in FAMILIES for t in f.model_types})

@@ -1,0 +1,47 @@
+"""The planner's mixture-of-experts terms: LoRA on fused expert parameters (peft's ParamWrapper, counted
+exactly from the census's parameter shapes), the activations of the top-k experts a token is routed to, and
+the expert weights peft's parameter LoRA materialises per forward (W + scale * B A of a layer's stack)."""
+
+from __future__ import annotations
+
+from lorakit.model.families import family_for_type
+from lorakit.model.families.moe import parameter_targets
+
+
+def _targeted(arch, method) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the fused parameters the method adapts (lorakit.model.adapter's targets)."""
+    targets = parameter_targets(family_for_type(arch.model_type).moe, method)
+    return [(n, s) for n, s in arch.fused_params if any(n.endswith(t) for t in targets)]
+
+
+def parameter_lora(arch, method) -> list[int]:
+    """Element counts of the LoRA matrices peft's ParamWrapper adds per fused parameter: a 3-D stack
+    (experts, out, in) gets A: r*experts x in and B: out x r*experts; a 2-D weight (out, in) A: r x in and
+    B: out x r."""
+    out = []
+    for _, shape in _targeted(arch, method):
+        experts, rows, cols = shape if len(shape) == 3 else (1, *shape)
+        out += [method.r * experts * cols, rows * method.r * experts]
+    return out
+
+
+def moe_mlp(arch, a: int) -> int:
+    """Bytes per token an MoE block keeps: the router's logits and fp32 probabilities over every expert, and
+    for each of the top-k experts it is routed to, the gathered input, the gated MLP's tensors (as a dense
+    gated MLP's at the expert's width) and the weighted output."""
+    e = arch.experts
+    return e.count * (a + 8) + e.active * (4 * a * e.ffn + 2 * a * arch.hidden)
+
+
+def expert_weights(arch, method, a: int) -> int:
+    """Bytes one layer keeps of its expert weights with LoRA folded in: peft's parameter LoRA replaces each
+    adapted stack by W + scale * B A for the forward, and the expert matmuls keep it for the backward."""
+    if method.kind == "full" or arch.experts is None or arch.layers == 0:
+        return 0
+    numel = 0
+    for _, shape in _targeted(arch, method):
+        n = 1
+        for d in shape:
+            n *= d
+        numel += n
+    return a * numel // arch.layers
