@@ -1,4 +1,5 @@
-"""`lorakit.merge`, `lorakit.plan` and `lorakit.compare` are functions and CLI modules of the same name.
+"""`lorakit.merge`, `lorakit.plan`, `lorakit.prepare` (and the other CLIs named in tests/unit/test_callable_modules.py) are
+functions and CLI modules of the same name.
 
 `import lorakit.merge` (which `python -m lorakit.merge` and some tools do) rebinds the package attribute
 `lorakit.merge` from the function to the module; `forward_calls` makes such a module callable, forwarding

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lorakit.callable_module import forward_calls
 from lorakit.cli import quiet_libraries, recipe_parser, run_cli
 
 
@@ -20,7 +21,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     """Tokenize and cache the recipe's data; print what was prepared (and rows, with --show)."""
-    # Not lorakit.prepare: importing this module makes that name the module, not the function.
     from lorakit.preflight import prepare
     from lorakit.recipe import load_recipe
 
@@ -37,6 +37,9 @@ def _prepare(args: argparse.Namespace) -> int:
         print(show_rows(data.train, load_tokenizer(recipe, source), args.show, encoder_decoder))
     return 0
 
+
+# `import lorakit.prepare` makes the package attribute this module: calls still reach the function.
+forward_calls(__name__, "lorakit.preflight:prepare")
 
 if __name__ == "__main__":
     sys.exit(main())
