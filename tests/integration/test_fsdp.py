@@ -35,7 +35,7 @@ def _qlora(cache_dir: Path, out: Path, strategy: str, **train) -> dict:
     raw["method"]["dropout"] = 0.0
     raw["train"].update({"max_steps": STEPS, "epochs": 1, **train})
     raw["distributed"]["strategy"] = strategy
-    raw["eval"].update({"every": 2, "generate": True})
+    raw["eval"].update({"every": 2, "generate": False})
     raw["output"]["merge"] = strategy == "fsdp" and "resume" not in train
     return raw
 
@@ -99,7 +99,7 @@ def test_qlora_on_fsdp_keeps_4bit_shards_matches_zero3_merges_and_resumes(runs):
     b_weights = [t for k, t in adapter.items() if "lora_B" in k]
     assert b_weights and all(t.shape[1] == 8 and t.abs().sum() > 0 for t in b_weights)
     assert fsdp["merged_dir"] and (Path(fsdp["merged_dir"]) / "config.json").is_file()
-    assert "loss" in fsdp["eval"] and "rouge1" in fsdp["eval"]
+    assert "loss" in fsdp["eval"]
 
     resumed = runs["resumed"]
     assert rundir.read_summary(resumed)["resumed_from"]["step"] == 2
