@@ -85,7 +85,8 @@ def main(recipe_path: str, out: str) -> None:
             (built, engine), added = _measured(load)
             ids = torch.arange(5, 69).reshape(2, 32)
             with torch.no_grad():
-                loss = token_loss_sum(engine(input_ids=ids).logits, ids) / ids.numel()
+                extra = {"decoder_input_ids": ids} if config.is_encoder_decoder else {}
+                loss = token_loss_sum(engine(input_ids=ids, **extra).logits, ids) / ids.numel()
             state = engine.full_model_state()
             frozen = {k: v for k, v in (state or {}).items() if "lora_" not in k}
             results[how] = {
