@@ -6,7 +6,7 @@ answering lorakit's Engine verbs (lorakit.backends.base): forward, backward, the
 boundary with gradient clipping and the LR schedule, resumable checkpoints through
 torch.distributed.checkpoint, the whole model's state for saving.
 
-Gradients: FSDP2 reduce-scatters after every backward and divides by the data-parallel world size, as
+Gradients: FSDP2 reduce-scatters once per accumulation window (at the boundary's backward) and divides by the data-parallel world size, as
 DeepSpeed averages over ranks, so lorakit's token-weighted micro-batch loss (loss.micro_batch_loss: loss sum
 x world / window tokens) gives the same applied gradient on either backend.
 """
@@ -40,8 +40,12 @@ class FsdpEngine(Forwarding):
         self.max_grad_norm = max_grad_norm
 
     def backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
-        """Backpropagate `loss` as given (the loop already weighted it); FSDP2 reduce-scatters the
-        gradients into this rank's shards, where they add up over the window whatever `boundary` says."""
+        """Backpropagate `loss` as given (the loop already weighted it). Before the boundary the gradients
+        add up unsharded on each rank (in float32, FSDP2's reduce dtype); the boundary's backward
+        reduce-scatters the window's sum into the shards: one reduction per step, not one per micro-batch."""
+        sync = getattr(self.module, "set_requires_gradient_sync", None)  # an FSDPModule's
+        if sync is not None:
+            sync(boundary)
         loss.backward()
 
     def step(self) -> StepResult:
@@ -148,8 +152,14 @@ class FsdpBackend:
             "reduce_dtype": "float32",
         }
 
-    def load_config(self, config: dict[str, Any]) -> None:
-        """FSDP2 shards the model after it is loaded whole: no loading config."""
+    def load_config(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        """Several processes, LoRA or full fine-tuning from safetensors: build_model loads on the meta device
+        and each rank reads its own shards once sharded (lorakit.backends.fsdp_load); otherwise None: the
+        model loads whole in each process and is sharded after."""
+        from lorakit.backends.fsdp_load import EMPTY_WEIGHTS, eligible
+
+        if dist.world_size() > 1 and eligible(self.recipe):
+            return {EMPTY_WEIGHTS: True}
         return None
 
     def wrap(self, built, config: dict[str, Any], schedule: Callable[[Any], Any]) -> FsdpEngine:
@@ -167,7 +177,9 @@ class FsdpBackend:
         # Without a GPU the shards live in CPU memory already (and torch's CPUOffloadPolicy needs an
         # accelerator).
         offload = d.fsdp.cpu_offload and self.device_type == "cuda"
-        model = shard_model(built.model, mesh, dtype=self.recipe.model.dtype, cpu_offload=offload)
+        model = shard_model(
+            built.model, mesh, dtype=self.recipe.model.dtype, cpu_offload=offload, fill=self._reader(built)
+        )
         # After fully_shard: the optimizer must hold the sharded (DTensor) parameters.
         groups = optimizer_groups(model, self.recipe.method, t.lr, t.weight_decay)
         optimizer = torch.optim.AdamW(
@@ -175,3 +187,21 @@ class FsdpBackend:
         )
         dtype = DTYPES[self.recipe.model.dtype]
         return FsdpEngine(model, optimizer, schedule(optimizer), device, t.max_grad_norm, dtype)
+
+    def _reader(self, built) -> Callable | None:
+        """For a model built on the meta device: its adapter made real now, and the filler shard_model calls
+        once the model is sharded (each rank reads its own rows of the checkpoint); None for a real model."""
+        from lorakit.backends import fsdp_load
+
+        if not fsdp_load.has_meta(built.model):
+            return None
+        fsdp_load.materialize_adapter(built.model)
+        device = "cpu" if self.device_type == "cpu" else torch.device("cuda", torch.cuda.current_device())
+        buffers = fsdp_load.keep_buffers(built.model, built.model.config)
+        m = self.recipe.model
+        dtype = DTYPES[m.dtype]
+
+        def fill(model, real):
+            fsdp_load.read_shards(model, built.source, m.revision, dtype, real, buffers, device)
+
+        return fill

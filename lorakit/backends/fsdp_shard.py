@@ -5,6 +5,7 @@ lorakit.backends.fsdp.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,13 +63,17 @@ def _block_classes(model: torch.nn.Module) -> set[str]:
     return set()
 
 
-def shard_model(model: torch.nn.Module, mesh, *, dtype: str, cpu_offload: bool) -> torch.nn.Module:
+def shard_model(
+    model: torch.nn.Module, mesh, *, dtype: str, cpu_offload: bool, fill: Callable | None = None
+) -> torch.nn.Module:
     """fully_shard every block, then the root (in place; returned). The root's group holds the rest
     (embeddings, final norms, the head, tied or not): it gathers them for the whole forward.
 
     Compute in model.dtype (param_dtype bf16 for a bf16 model; LoRA weights peft keeps in fp32 stay fp32
     masters), gradients reduced in fp32. `generate` is registered as a forward, so generation gathers the
-    root's parameters (embeddings, head) as a forward does."""
+    root's parameters (embeddings, head) as a forward does. `fill(model, real)`: for a model loaded on the
+    meta device (lorakit.backends.fsdp_load), allocates and fills the shards once sharded; `real` holds the
+    parameters that were real before sharding (the adapter), whole, by name."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         MixedPrecisionPolicy,
@@ -91,17 +96,31 @@ def shard_model(model: torch.nn.Module, mesh, *, dtype: str, cpu_offload: bool) 
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
     _broadcast_trainable(model, mesh.device_type)
+    if any(getattr(p, "quant_state", None) is not None for p in model.parameters()):
+        from lorakit.model.quantize import pin_quant_states
+
+        # QLoRA: the packed 4-bit weights are stored in model.dtype (quantize.bnb_config), so they shard and
+        # gather as the other weights do; their quantization state stays whole on every rank.
+        pin_quant_states(model)
     if param_dtype != torch.float32:
         # fp32 master weights, as DeepSpeed's bf16 optimizer keeps: the policy computes in param_dtype and
         # AdamW updates fp32 values (full fine-tuning of a bf16 model would otherwise train in bf16).
         for p in model.parameters():
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
+    real = {n: p.data for n, p in model.named_parameters() if not p.is_meta} if fill else {}
     blocks = _block_classes(model)
     for m in list(model.modules()):
         if type(m).__name__ in blocks:
             fully_shard(m, **kw)
     fully_shard(model, **kw)
+    if fill is not None:
+        fill(model, real)
+    # FSDP2 fixes each group's gradient dtypes (fp32 for LoRA's fp32 masters) from the parameters that require
+    # grad at its lazy initialisation, otherwise run by the first forward. peft's disable_adapter() turns
+    # requires_grad off for the adapter, and DPO's reference pass (a first forward) runs inside it: the
+    # groups would then take no trainable parameter and hand bf16 gradients to fp32 shards. Initialise now.
+    model._get_fsdp_state()._lazy_init()
     if hasattr(model, "generate"):
         register_fsdp_forward_method(model, "generate")
     return model
@@ -118,7 +137,7 @@ def _broadcast_trainable(model: torch.nn.Module, device_type: str) -> None:
 
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else None
     for p in model.parameters():
-        if p.requires_grad:
+        if p.requires_grad and not p.is_meta:  # meta: read from the checkpoint on every rank alike
             t = p.data if device is None else p.data.to(device)
             td.broadcast(t, src=0)
             if device is not None:

@@ -107,6 +107,8 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
             dtype=dtype,
             attn_implementation=attention,
             quantization_config=quantization,
+            # FSDP2 sharded loading (backends/fsdp_load.py): the structure only; each rank reads its shards.
+            **({"device_map": "meta"} if (ds_config or {}).get("empty_weights") else {}),
         )
     except OSError as e:
         if recipe.model.allow_pickle or not no_safetensors_weights(e):

@@ -99,6 +99,44 @@ def keep_standard_4bit_layout(model: torch.nn.Module) -> int:
     return pinned
 
 
+def pin_quant_states(model: torch.nn.Module) -> int:
+    """Keep each bitsandbytes 4-bit layer's quantization state (absmax, code, blocksize, shape, nested state)
+    on the layer itself as well as on its weight; returns how many layers. FSDP2 replaces every parameter by a
+    DTensor shard and, for each forward, by the plain gathered tensor: both drop the Params4bit subclass and
+    its `quant_state`. bitsandbytes' Linear4bit.forward re-attaches the layer's `quant_state` to whatever
+    weight it finds (`fix_4bit_weight_quant_state_from_module`), so the state rides through sharding,
+    all-gathers and checkpoints whole on every rank (it is small: one byte per 64 weights), as under ZeRO-3."""
+    linear4bit = require_bitsandbytes().nn.Linear4bit
+    pinned = 0
+    for m in model.modules():
+        if isinstance(m, linear4bit) and is_4bit(m.weight):
+            m.quant_state = m.weight.quant_state
+            m.quant_storage = m.weight.dtype
+            pinned += 1
+    return pinned
+
+
+def _module_quant_states(model: torch.nn.Module) -> dict[int, Any]:
+    """Quantization state by parameter id: the weight's own, or its layer's where FSDP2 sharding replaced the
+    weight by a DTensor (pin_quant_states)."""
+    states = {}
+    for m in model.modules():
+        w = m._parameters.get("weight") if hasattr(m, "_parameters") else None
+        qs = getattr(w, "quant_state", None) or getattr(m, "quant_state", None)
+        if w is not None and qs is not None and hasattr(qs, "shape"):
+            states[id(w)] = qs
+    return states
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    """Elements of `p` this rank holds: its ZeRO-3 partition, its FSDP2 shard, or all of it."""
+    if hasattr(p, "ds_tensor"):
+        return int(p.ds_tensor.numel())
+    if hasattr(p, "to_local"):
+        return int(p.to_local().numel())
+    return int(p.numel())
+
+
 def is_4bit(p: torch.Tensor) -> bool:
     """Whether `p` is a bitsandbytes 4-bit weight (packed data plus a quantization state)."""
     return getattr(p, "quant_state", None) is not None
@@ -132,20 +170,25 @@ def quantization_summary(model: torch.nn.Module, recipe) -> dict[str, Any]:
     before = every base weight in model.dtype; after = 4-bit packed weights + their quantization constants
     (block scales, double-quantization scales and code tables, shared tables counted once) + the weights
     left unquantized. Quantization constants are not ZeRO-3 parameters: every rank holds a copy.
+    `base_bytes_per_rank`: what this rank holds of the frozen base (its ZeRO-3 partition or FSDP2 shard of
+    each weight, 4-bit ones still packed, plus the constants).
     """
     quant_type, dtype = recipe.method.quantization(), getattr(torch, recipe.model.dtype)
-    before = after = constants = 0
+    before = after = constants = on_rank = 0
     quantized_params = 0
     seen: set[int] = set()
+    states = _module_quant_states(model)
     for p in model.parameters():
         if p.requires_grad:
             continue  # the adapter, not the base
-        if is_4bit(p):
-            n = logical_numel(p)
+        on_rank += _local_numel(p) * p.element_size()
+        qs = states.get(id(p))
+        if qs is not None:
+            n = int(qs.shape.numel())
             quantized_params += n
             before += n * dtype.itemsize
             after += _storage_bytes(p)
-            for t in _quant_state_tensors(p.quant_state):
+            for t in _quant_state_tensors(qs):
                 if t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
                     constants += t.numel() * t.element_size()
@@ -158,7 +201,7 @@ def quantization_summary(model: torch.nn.Module, recipe) -> dict[str, Any]:
         {
             name.removesuffix(".base_layer").rsplit(".", 1)[-1]
             for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and not is_4bit(m.weight) and not m.weight.requires_grad
+            if isinstance(m, torch.nn.Linear) and id(m.weight) not in states and not m.weight.requires_grad
         }
     )
     return {
@@ -175,6 +218,7 @@ def quantization_summary(model: torch.nn.Module, recipe) -> dict[str, Any]:
             "saved": before - after,
             "quant_constants": constants,
         },
+        "base_bytes_per_rank": on_rank + constants,
     }
 
 
@@ -183,7 +227,8 @@ def describe_quantization(q: dict[str, Any]) -> str:
     b = q["base_bytes"]
     line = (
         f"quantization: {q['type']} (double quant, compute/storage {q['compute_dtype']}): frozen base "
-        f"{_size(b['before'])} -> {_size(b['after'])} ({b['saved'] / max(b['before'], 1):.0%} saved)"
+        f"{_size(b['before'])} -> {_size(b['after'])} ({b['saved'] / max(b['before'], 1):.0%} saved), "
+        f"{_size(q['base_bytes_per_rank'])} on this rank"
     )
     if q["unquantized_linear"]:
         line += "; left unquantized: " + ", ".join(q["unquantized_linear"])

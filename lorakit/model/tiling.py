@@ -54,11 +54,14 @@ class Adopting(nn.Module):
         super().__init__()
         for name, child in inner.named_children():
             self.add_module(name, child)
-        for name, p in inner.named_parameters(recurse=False):
+        for name, p in inner._parameters.items():  # None entries too (a Linear's bias=None)
             self.register_parameter(name, p)
         for name, b in inner.named_buffers(recurse=False):
             self.register_buffer(name, b, persistent=name not in inner._non_persistent_buffers_set)
-        # Not a child (its children are already ours): the module whose forward runs on each tile.
+        # Not a child (its children are already ours): the module whose forward runs on each tile. Its own
+        # parameters are ours by the same dict, so a parameter swapped on the wrapper (FSDP2's shard and
+        # gathered weight, each forward) is the one its forward uses.
+        object.__setattr__(inner, "_parameters", self._parameters)
         object.__setattr__(self, "inner", inner)
         from deepspeed.utils import set_z3_leaf_module
 

@@ -334,10 +334,15 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     threshold = int(zero.get("stage3_param_persistence_threshold", 1e5)) if setup.zero_stage == 3 else None
     c = counts(arch, recipe.method, a, threshold)
     d = recipe.distributed
-    # FSDP2 loads the whole model in each process and shards it afterwards; hybrid sharding keeps one copy
-    # per shard group (fsdp.shard_size, default the GPUs per node).
+    # FSDP2 loads LoRA and full fine-tuning sharded, each rank reading its own rows (backends/fsdp_load.py),
+    # other methods whole in each process; hybrid sharding keeps one copy per shard group (fsdp.shard_size,
+    # default the GPUs per node).
     fsdp = d.strategy == "fsdp"
-    partitioned_init = setup.zero_stage == 3 and recipe.method.kind != "qlora" and not fsdp
+    from lorakit.backends.fsdp_load import eligible
+
+    partitioned_init = (
+        setup.zero_stage == 3 and recipe.method.kind != "qlora" and (not fsdp or eligible(recipe))
+    )
     shards = (d.fsdp.shard_size or gpus) if fsdp and d.fsdp.sharding == "hybrid" else world
     items = model_states(
         c, setup, world=shards, dtype_bytes=a, ds_config=ds_config, partitioned_init=partitioned_init

@@ -76,22 +76,9 @@ def check_fsdp(recipe) -> None:
             "parameters, gradients and optimizer state (as ZeRO-3); remove zero_stage (or set 3), or use "
             "strategy deepspeed for ZeRO stage 0-2"
         )
-    if d.sequence_parallel > 1:
-        raise ValueError(
-            "distributed.sequence_parallel > 1 (Ulysses) runs on strategy deepspeed only; use strategy "
-            "deepspeed, or sequence_parallel 1 with fsdp"
-        )
     shard = d.fsdp.shard_size
     if shard is not None and d.num_processes > 1 and d.num_processes % shard:
         raise ValueError(
             f"distributed.fsdp.shard_size {shard} must divide the processes per node (distributed."
             f"num_processes {d.num_processes}): a shard group is meant to be one node's processes"
-        )
-    if recipe.method.kind == "qlora":
-        # bitsandbytes' Params4bit keeps its quantization state beside a uint8 tensor that fully_shard would
-        # split as plain bytes; lorakit does not load 4-bit bases with a quant_storage FSDP2 can shard.
-        raise ValueError(
-            "method.kind qlora is not supported on strategy fsdp: its 4-bit base weights would need a "
-            "bitsandbytes storage dtype FSDP2 can shard, which lorakit does not set up; use strategy "
-            "deepspeed (zero_stage 2 or 3) for QLoRA, or kind lora on fsdp"
         )

@@ -81,7 +81,8 @@ class Recipe(Section):
             raise ValueError(
                 "eval.metrics is empty while eval.generate is true: name a metric or set generate: false"
             )
-        if self.method.kind == "qlora" and self.method.use_dora and self.distributed.zero_stage == 3:
+        q, d = self.method, self.distributed  # FSDP2 gathers the 4-bit weight DoRA reads: only ZeRO-3 fails
+        if q.kind == "qlora" and q.use_dora and d.zero_stage == 3 and d.strategy == "deepspeed":
             # Tried (2 processes, tiny Llama and T5): peft's DoRA layer hands DeepSpeed a 4-bit weight that
             # ZeRO-3 never partitioned ("'Params4bit' object has no attribute 'ds_status'" in the first
             # forward), with or without checkpointing; ZeRO-2 trains it.

@@ -1,63 +1,170 @@
-"""distributed.strategy fsdp end to end: real launches of `python -m lorakit.run` on 2 processes (FSDP2 full
-sharding, gloo), preempted by SIGTERM and resumed, the adapter saved whole and merged. The step-level
-equivalence with DeepSpeed and one process is in test_token_weighting.py."""
+"""distributed.strategy fsdp end to end, one 2-process launch (FSDP2 full sharding, gloo) of several runs on
+the tiny Llama (tests/integration/qlora_worker.py), bitsandbytes' AVX512-BF16 branch forced
+(tests/bnb_layout.py; tests/unit/test_fsdp_qlora.py runs the other):
+
+- QLoRA on FSDP2 against the same recipe on DeepSpeed ZeRO-3 (dropout off): the same first-step loss; the
+  4-bit weights stay packed after sharding, each rank holding half of them (bytes per rank in summary.json);
+  the adapter saved whole, merged into the dequantized base and verified; evaluations between steps;
+- the same run resumed from its step-2 checkpoint ends exactly as the uninterrupted one;
+- DPO on FSDP2 with LoRA and with QLoRA learns the quickstart preference pairs as on ZeRO-3 (held-out
+  accuracy above 90%, as tests/integration/test_dpo.py holds ZeRO-3 to).
+
+The step-level equivalence with DeepSpeed, one process and hybrid sharding, and one gradient reduction per
+accumulation window, are in test_token_weighting.py; sequence parallelism on FSDP2 in
+test_sequence_parallel.py."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
-import yaml
 from safetensors.torch import load_file
 
 from lorakit import rundir
-from tests.conftest import tiny_recipe_dict
-from tests.integration.test_resume import assert_same_run, launch, preempt
+from tests.integration.qlora_worker import train_in_one_launch
+from tests.integration.test_dpo import _recipe as dpo_recipe
+from tests.integration.test_qlora import FORCED_ENV, qlora_recipe
 
 STEPS = 4
 
 
-def _recipe(cache_dir: Path, out: Path, path: Path, **output) -> Path:
-    raw = tiny_recipe_dict(
+def _qlora(cache_dir: Path, out: Path, strategy: str, **train) -> dict:
+    raw = qlora_recipe(cache_dir, out, "llama", 3)
+    raw["method"]["dropout"] = 0.0
+    raw["train"].update({"max_steps": STEPS, "epochs": 1, **train})
+    raw["distributed"]["strategy"] = strategy
+    raw["eval"].update({"every": 2, "generate": False})
+    raw["output"]["merge"] = strategy == "fsdp" and "resume" not in train
+    return raw
+
+
+def _dpo(cache_dir: Path, out: Path, kind: str) -> dict:
+    recipe = dpo_recipe(
         cache_dir,
         out,
-        # Dropout on: a resume must restore the RNG streams, not only the weights.
-        method={"dropout": 0.1},
-        train={"max_steps": STEPS, "micro_batch_size": 2, "gradient_accumulation_steps": 2},
+        "llama",
+        model={"dtype": "bfloat16"},
+        method={"kind": kind},
         distributed={"num_processes": 2, "zero_stage": 3, "strategy": "fsdp"},
-        eval={"enabled": False},
-        checkpoint={"every": 2, "keep": 2},
-        output=output,
+        train={"max_steps": 6},
+        eval={"every": 6},
     )
-    path.write_text(yaml.safe_dump(raw))
-    return path
+    return recipe.model_dump(mode="json")
+
+
+@pytest.fixture(scope="module")
+def runs(cache_dir, tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("fsdp")
+    dirs = {name: base / name for name in ("fsdp", "zero3", "resumed", "dpo-lora", "dpo-qlora")}
+    step2 = dirs["fsdp"] / "checkpoints" / "step-00000002"
+    recipes = {
+        base / "fsdp.yaml": _qlora(cache_dir, dirs["fsdp"], "fsdp"),
+        base / "zero3.yaml": _qlora(cache_dir, dirs["zero3"], "deepspeed", max_steps=1),
+        base / "resumed.yaml": _qlora(cache_dir, dirs["resumed"], "fsdp", resume=str(step2)),
+        base / "dpo-lora.yaml": _dpo(cache_dir, dirs["dpo-lora"], "lora"),
+        base / "dpo-qlora.yaml": _dpo(cache_dir, dirs["dpo-qlora"], "qlora"),
+    }
+    proc = train_in_one_launch(recipes, FORCED_ENV)
+    print(proc.stdout[-2000:])
+    return dirs
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in rundir.read_metrics(run) if r["kind"] == "train"}
 
 
 @pytest.mark.slow
-def test_fsdp_run_saves_whole_adapter_merges_and_resumes_after_sigterm_as_uninterrupted(cache_dir, tmp_path):
-    ref = tmp_path / "ref"
-    done = launch(_recipe(cache_dir, ref / "run", tmp_path / "ref.yaml", merge=True))
-    assert done.returncode == 0, done.stderr[-5000:]
-    run = ref / "run"
-    # The backend's record instead of a DeepSpeed config; the adapter whole (the LoRA B rows of both
-    # ranks' shards: lora_B of a 64-wide projection with r 4 is 64 x 4); merged and verified after training.
-    assert json.loads((run / "fsdp_config.json").read_text())["mesh"] == {"shard": 2}
-    assert not (run / rundir.DS_CONFIG).exists()
-    adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))
-    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
-    b = [t for k, t in adapter.items() if "lora_B" in k]
-    assert b and all(t.shape[1] == config["r"] and t.shape[0] > config["r"] for t in b)
-    assert all(t.abs().sum() > 0 for t in b)
-    summary = rundir.read_summary(run)
-    assert summary["steps"] == STEPS and Path(summary["merged_dir"]).is_dir()
-    assert summary["strategy"] == "fsdp"
+def test_qlora_on_fsdp_keeps_4bit_shards_matches_zero3_merges_and_resumes(runs):
+    fsdp, zero3 = rundir.read_summary(runs["fsdp"]), rundir.read_summary(runs["zero3"])
+    assert json.loads((runs["fsdp"] / "fsdp_config.json").read_text())["mesh"] == {"shard": 2}
+    assert fsdp["strategy"] == "fsdp" and fsdp["method"] == "qlora" and fsdp["steps"] == STEPS
+    # The same 4-bit base, the same first step (bf16 on both backends).
+    assert _losses(runs["fsdp"])[1] == pytest.approx(_losses(runs["zero3"])[1], rel=1e-3)
+    assert fsdp["loss"]["last"] < fsdp["loss"]["first"]
+    # Still 4-bit after sharding: the same packed bytes as ZeRO-3 counts, each rank holding about half.
+    q, z = fsdp["quantization"], zero3["quantization"]
+    assert q["quantized_params"] == z["quantized_params"] > 0 and q["base_bytes"] == z["base_bytes"]
+    b = q["base_bytes"]
+    per_rank = q["base_bytes_per_rank"]
+    print(f"4-bit base: {b['after']} bytes whole, {per_rank} on rank 0 (of {b['before']} in bf16)")
+    # 4 bits per quantized weight, not 16 (the embeddings and head stay bf16).
+    unquantized = b["before"] - 2 * q["quantized_params"]
+    assert b["after"] - b["quant_constants"] - unquantized == q["quantized_params"] // 2
+    shards = b["after"] - b["quant_constants"]
+    assert 0.45 * shards < per_rank - b["quant_constants"] < 0.55 * shards
+    # Saved whole (lora_B 64 x 8 on every projection of that width), merged and verified, evaluated.
+    adapter = load_file(str(runs["fsdp"] / "adapter" / "adapter_model.safetensors"))
+    b_weights = [t for k, t in adapter.items() if "lora_B" in k]
+    assert b_weights and all(t.shape[1] == 8 and t.abs().sum() > 0 for t in b_weights)
+    assert fsdp["merged_dir"] and (Path(fsdp["merged_dir"]) / "config.json").is_file()
+    assert "loss" in fsdp["eval"]
 
-    recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
-    # Step 2, not 1: a SIGTERM before the other rank has entered the loop (and installed its handler)
-    # would end that rank as the default handler does.
-    _, stopped_at = preempt(recipe, tmp_path / "run", at=2, steps=STEPS)
-    resumed = launch(recipe)
-    assert resumed.returncode == 0, resumed.stderr[-5000:]
-    assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == stopped_at
-    assert_same_run(tmp_path / "run", run, steps=STEPS)
+    resumed = runs["resumed"]
+    assert rundir.read_summary(resumed)["resumed_from"]["step"] == 2
+    after = {s: loss for s, loss in _losses(runs["fsdp"]).items() if s > 2}
+    assert sorted(after) == [3, 4] and _losses(resumed) == pytest.approx(after, abs=1e-6)
+    a = load_file(str(resumed / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == adapter.keys() and max((a[k] - adapter[k]).abs().max().item() for k in a) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["lora", "qlora"])
+def test_dpo_on_fsdp_learns_the_preference_pairs(runs, kind):
+    summary = rundir.read_summary(runs[f"dpo-{kind}"])
+    train = [r for r in rundir.read_metrics(runs[f"dpo-{kind}"]) if r["kind"] == "train"]
+    # Before the first update the policy is its reference: log 2, 50%.
+    assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-3) and train[0]["accuracy"] == 50.0
+    assert summary["strategy"] == "fsdp" and summary["eval"]["accuracy"] > 90
+    assert summary["eval"]["loss"] < math.log(2)
+
+
+@pytest.mark.slow
+def test_fp32_checkpoint_loads_sharded_within_one_and_a_half_bf16_models(cache_dir, tmp_path):
+    """A Llama of 38M parameters stored in fp32 (as FLAN-T5's checkpoints are), trained in bf16 on 2 processes:
+    each rank reads only its rows of the checkpoint, so the ranks together hold about one bf16 model while
+    loading (whole loading in each process would hold two), and the planner plans it so."""
+    import yaml
+
+    from lorakit.engine.launch import torchrun_command
+    from lorakit.model.families.tiny import build_tiny_model
+    from lorakit.planner import plan
+    from lorakit.recipe import load_recipe
+    from tests.conftest import ROOT, tiny_recipe_dict
+    from tests.integration.test_token_weighting import _run
+
+    source = tmp_path / "llama-fp32"
+    shape = {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 12}
+    model = build_tiny_model("llama", source, num_attention_heads=8, num_key_value_heads=8, **shape)
+    assert {p.dtype for p in model.parameters()} == {__import__("torch").float32}
+    bf16 = 2 * sum(p.numel() for p in model.parameters())
+    del model
+    raw = tiny_recipe_dict(
+        cache_dir,
+        tmp_path / "run",
+        model={"name_or_path": str(source), "dtype": "bfloat16", "gradient_checkpointing": True},
+        data={"format": "instruction", "max_length": 64, "max_samples": 8},
+        train={"max_steps": 1, "micro_batch_size": 1},  # the worker loads, it does not train
+        distributed={"num_processes": 2, "zero_stage": 3, "strategy": "fsdp"},
+        eval={"enabled": False},
+    )
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "memory.json"
+    _run(torchrun_command(2, "tests.integration.fsdp_memory_worker", [str(path), str(out)]), ROOT)
+    m = json.loads(out.read_text())
+    added = m["added"]
+    print(
+        f"bf16 model {bf16 / 2**20:.0f} MiB; private memory added while loading, per rank (MiB): "
+        f"sharded {[a // 2**20 for a in added['sharded']]}, whole {[a // 2**20 for a in added['whole']]}"
+    )
+    # The sharded load read exactly the weights the whole load did (gathered on rank 0), same loss.
+    assert m["meta_load"] and m["same_weights"] and m["weights"] > 100
+    assert m["loss"]["sharded"] == m["loss"]["whole"]
+    assert sum(added["sharded"]) < 1.5 * bf16
+    assert all(a < 0.9 * bf16 for a in added["sharded"])  # no rank ever held the whole model
+    assert sum(added["whole"]) > 1.5 * bf16  # what it replaces: one whole model per process
+    items = {i.name for i in plan(load_recipe(path), gpus=2).estimate.items}
+    assert "one layer in fp32 while loading (zero.Init)" in items
+    assert "whole model in each process's CPU RAM while loading" not in items

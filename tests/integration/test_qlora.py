@@ -105,7 +105,9 @@ def test_qlora_trains_and_reports_the_quantization(qlora_runs, kind, stage):
 def test_zero3_counts_the_partitioned_base_like_zero2(qlora_runs, kind):
     _, summaries, _ = qlora_runs
     z2, z3 = summaries[kind, 2], summaries[kind, 3]
+    per_rank = {k: s["quantization"].pop("base_bytes_per_rank") for k, s in (("z2", z2), ("z3", z3))}
     assert z3["quantization"] == z2["quantization"]
+    assert per_rank["z3"] < per_rank["z2"]  # ZeRO-3 partitions the 4-bit base; ZeRO-2 keeps it whole
     assert (z3["total_params"], z3["trainable_params"]) == (z2["total_params"], z2["trainable_params"])
 
 

@@ -6,7 +6,8 @@ tiled MLPs and tiled loss on the split model) and the tiny Llama fully fine-tune
 as the whole row on one rank, and packed examples kept apart across the split. A second launch trains a recipe (ZeRO-3, checkpointing) with sequence_parallel 2
 to the end and resumed from its step-2 checkpoint, against the same recipe on one process (its MLPs, head
 and loss in tiles under ZeRO-3: model.tiled_mlp and model.tiled_loss are auto-on with sequence
-parallelism, off on one process), on a two-source mixture whose eval losses per source must agree too.
+parallelism, off on one process), on a two-source mixture whose eval losses per source must agree too; the
+same launch trains one step of it on FSDP2 (strategy fsdp), whose loss must be one process's.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def test_split_row_keeps_packed_examples_apart(measured, kind):
 STEPS = 3
 
 
-def _run_recipe(cache_dir, out, sp: int, **train) -> dict:
+def _run_recipe(cache_dir, out, sp: int, strategy: str = "deepspeed", **train) -> dict:
     return tiny_recipe_dict(
         cache_dir,
         out,
@@ -96,10 +97,10 @@ def _run_recipe(cache_dir, out, sp: int, **train) -> dict:
             "max_eval_samples": 2,  # per source
         },
         train={"max_steps": STEPS, "max_tokens": 256, "gradient_accumulation_steps": 2, **train},
-        distributed={"num_processes": sp, "zero_stage": 3, "sequence_parallel": sp},
+        distributed={"num_processes": sp, "zero_stage": 3, "sequence_parallel": sp, "strategy": strategy},
         eval={"generate": True, "max_new_tokens": 4},
         checkpoint={"every": 2, "keep": 2},
-        output={"merge": sp > 1},
+        output={"merge": sp > 1 and strategy == "deepspeed"},
     )
 
 
@@ -116,12 +117,14 @@ def sp_runs(cache_dir, tmp_path_factory) -> dict[str, Path]:
     """One process, sequence_parallel 1 (in this process); then, in one 2-process launch, sequence_parallel 2
     to the end (merging), and the same recipe resumed from the first run's step-2 checkpoint."""
     base = tmp_path_factory.mktemp("sp-runs")
-    runs = {name: base / name for name in ("one", "split", "resumed")}
+    runs = {name: base / name for name in ("one", "split", "resumed", "split-fsdp")}
     lorakit.train(recipe_from_dict(_run_recipe(cache_dir, runs["one"], 1)))
     step2 = runs["split"] / "checkpoints" / "step-00000002"
     recipes = {
         base / "split.yaml": _run_recipe(cache_dir, runs["split"], 2),
         base / "resumed.yaml": _run_recipe(cache_dir, runs["resumed"], 2, resume=str(step2)),
+        # FSDP2 with sequence parallelism: one step is enough to hold its loss to one process's.
+        base / "split-fsdp.yaml": _run_recipe(cache_dir, runs["split-fsdp"], 2, "fsdp", max_steps=1),
     }
     train_in_one_launch(recipes, {"PYTHONPATH": str(ROOT)})
     return runs
@@ -146,6 +149,12 @@ def test_a_split_run_sees_the_rows_of_one_process_in_the_same_order(sp_runs):
     assert evals[0] != pytest.approx(_records(sp_runs["split"], "eval", "news_summaries/loss")[0], rel=1e-3)
     predictions = [(sp_runs[r] / rundir.PREDICTIONS).read_text().splitlines() for r in ("split", "one")]
     assert len(predictions[0]) == 4 and predictions[0] == predictions[1]  # 2 rows of each source
+
+
+def test_sequence_parallel_on_fsdp_gives_one_process_first_step(sp_runs):
+    fsdp, one = _train_losses(sp_runs["split-fsdp"]), _train_losses(sp_runs["one"])
+    assert rundir.read_summary(sp_runs["split-fsdp"])["strategy"] == "fsdp"
+    assert fsdp[1] == pytest.approx(one[1], rel=1e-3)
 
 
 def test_a_split_run_resumes_identically_and_merges(sp_runs):

@@ -13,6 +13,7 @@ from lorakit.engine.loss import micro_batch_loss, token_loss_sum
 from tests.integration import token_weighting_worker
 
 ROOT = Path(__file__).resolve().parents[2]
+MODES = ("fsdp", "fsdp-window4", "fsdp-each4")
 
 
 def test_micro_batch_scaling_matches_one_batch_gradient():
@@ -64,7 +65,8 @@ def test_one_step_is_the_same_for_one_batch_accumulation_zero3_fsdp_and_hybrid(c
     """For the tiny T5 and the tiny Llama with LoRA (fp32, SGD at lr 1: the update is the gradient): one
     batch on one process, two accumulated micro-batches, DeepSpeed ZeRO-3 and FSDP2 full sharding on two
     processes, and FSDP2 hybrid sharding on four (2 x 2 mesh) give the same loss, gradient norm and LoRA
-    update, the ranks holding different numbers of target tokens."""
+    update, the ranks holding different numbers of target tokens; FSDP2 accumulating 4 micro-batches
+    reduces its gradients once per step (counted) and steps as when it reduced after each."""
     # The one-process runs in this process (a private one-process group), saving an interpreter start.
     token_weighting_worker.main(str(cache_dir), str(tmp_path), "single")
     for mode, procs in (("two_ranks", 2), ("hybrid", 4)):
@@ -78,3 +80,12 @@ def test_one_step_is_the_same_for_one_batch_accumulation_zero3_fsdp_and_hybrid(c
             _check_same_step(tmp_path, f"{kind}-{mode}", ref)
         # FSDP2 against ZeRO-3 directly, not only through the one-process reference.
         _check_same_step(tmp_path, f"{kind}-fsdp", f"{kind}-two_ranks")
+        # Gradient accumulation on FSDP2: 4 micro-batches reduced once at the boundary give the step that
+        # reducing after each micro-batch gives, with a quarter of the reduce-scatters: one per sharded
+        # group per step, as many as a step of one micro-batch.
+        _check_same_step(tmp_path, f"{kind}-fsdp-window4", f"{kind}-fsdp-each4")
+        counts = {
+            m: json.loads((tmp_path / f"{kind}-{m}.json").read_text())["reduce_scatters"] for m in MODES
+        }
+        assert counts["fsdp-each4"] == 4 * counts["fsdp-window4"]
+        assert counts["fsdp-window4"] == counts["fsdp"] > 0

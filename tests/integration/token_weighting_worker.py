@@ -4,7 +4,9 @@ and the updated (gathered) LoRA weights of each.
     python token_weighting_worker.py CACHE OUT MODE
 
 MODE: single (one process: the 6 rows as one batch, and as 2 accumulated micro-batches) | two_ranks (2
-processes: DeepSpeed ZeRO-3, then FSDP2 full sharding, written as "fsdp") | hybrid (FSDP2 hybrid sharding, 4
+processes: DeepSpeed ZeRO-3, then FSDP2 full sharding, written as "fsdp"; then FSDP2 with 4 accumulated
+micro-batches of 8 rows, reduced once at the window's boundary ("fsdp-window4") and, as before, after
+every micro-batch ("fsdp-each4"), the gradient reduce-scatters counted) | hybrid (FSDP2 hybrid sharding, 4
 processes: a 2 x 2 mesh). The ranks hold different numbers of rows (1 and 5; 1, 2, 1 and 2).
 Launched by test_token_weighting.py, under torchrun for the multi-process modes.
 """
@@ -28,7 +30,7 @@ SPLITS = {"two_ranks": [(0, 1), (1, 6)], "fsdp": [(0, 1), (1, 6)], "hybrid": [(0
 # What each launch runs, as (mode, layout): one launch of 2 processes takes both 2-process backends.
 LAUNCHES = {
     "single": [("single", "one_batch"), ("single", "accumulate")],
-    "two_ranks": [("two_ranks", "split"), ("fsdp", "split")],
+    "two_ranks": [("two_ranks", "split"), ("fsdp", "split"), ("fsdp", "window4"), ("fsdp", "each4")],
     "hybrid": [("hybrid", "split")],
 }
 
@@ -97,6 +99,37 @@ def _engine(recipe, built, ds_config):
     return DeepSpeedEngine(engine, built)
 
 
+class _ReduceEachMicroBatch:
+    """An engine whose every micro-batch is a boundary to the backend: gradients reduced after each one,
+    what FSDP2 did before accumulating them unreduced (composition: the engine itself is unchanged)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def backward(self, loss, *, boundary: bool) -> None:
+        self.engine.backward(loss, boundary=True)
+
+
+def _counting_reduce_scatters():
+    """A dispatch mode counting the reduce-scatter collectives (c10d ops) run inside it (`.count`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += "reduce_scatter" in str(func)
+            return func(*args, **(kwargs or {}))
+
+    return Count()
+
+
 def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
     from lorakit.backends.deepspeed_config import build_ds_config
     from lorakit.data import prepare_data
@@ -107,7 +140,8 @@ def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
     from lorakit.meter import TokenMeter
     from lorakit.model import build_model, load_config, load_tokenizer
 
-    recipe = _recipe(cache, out, kind, mode, 2 if layout == "accumulate" else 1)
+    gas = {"accumulate": 2, "window4": 4, "each4": 4}.get(layout, 1)
+    recipe = _recipe(cache, out, kind, mode, gas)
     source, config = load_config(recipe)
     tok = load_tokenizer(recipe, source)
     data = prepare_data(recipe, tok, config)
@@ -117,17 +151,28 @@ def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
     engine = _engine(recipe, built, ds_config)
     collate = padded_collator(tok, config)
     rows = [data.train[i] for i in range(6)]
-    if layout == "one_batch":
+    if layout in ("window4", "each4"):
+        # 8 rows, 4 on each rank, one per micro-batch.
+        window = [collate([data.train[4 * dist.rank() + i]]) for i in range(4)]
+        if layout == "each4":
+            engine = _ReduceEachMicroBatch(engine)
+    elif layout == "one_batch":
         window = [collate(rows)]
     elif layout == "accumulate":
         window = [collate(rows[:1]), collate(rows[1:])]
     else:
         start, end = SPLITS[mode][dist.rank()]
         window = [collate(rows[start:end])]
-    stats = train_window(engine, built.inputs, window, TokenMeter())
+    if mode == "fsdp":
+        with _counting_reduce_scatters() as comms:  # FSDP2's gradient reductions
+            stats = train_window(engine, built.inputs, window, TokenMeter())
+        stats["reduce_scatters"] = comms.count
+    else:
+        stats = train_window(engine, built.inputs, window, TokenMeter())
     weights = gather_adapter_state(engine)
     if dist.is_main():
         name = f"{kind}-{layout if mode == 'single' else mode}"
+        name += f"-{layout}" if layout in ("window4", "each4") else ""
         torch.save(weights, Path(out) / f"{name}.pt")
         (Path(out) / f"{name}.json").write_text(json.dumps(stats))
     engine.close()

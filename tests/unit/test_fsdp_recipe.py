@@ -49,7 +49,6 @@ def test_defaults_and_an_fsdp_recipe():
             ],
             r"shard_size 3 must divide the processes per node",
         ),
-        (["method.kind=qlora"], r"qlora is not supported on strategy fsdp.*strategy deepspeed"),
     ],
 )
 def test_what_fsdp_cannot_do_is_refused_with_the_alternative(overrides, message):
@@ -61,6 +60,25 @@ def test_what_fsdp_cannot_do_is_refused_with_the_alternative(overrides, message)
     with pytest.raises(RecipeError, match=message) as err:
         load_recipe(QUICKSTART, ["distributed.zero_stage=3", *strategy, *overrides])
     assert err.value.exit_code == 2
+
+
+def test_qlora_dora_sequence_parallel_and_dpo_validate_on_fsdp():
+    fsdp = ["distributed.strategy=fsdp", "distributed.zero_stage=3"]
+    for extra in (
+        ["method.kind=qlora", "model.dtype=bfloat16"],
+        ["method.kind=qlora", "model.dtype=bfloat16", "method.use_dora=true"],
+    ):
+        recipe = load_recipe(QUICKSTART, [*fsdp, *extra])
+        assert recipe.distributed.strategy == "fsdp" and recipe.method.kind == "qlora"
+    causal = QUICKSTART.with_name("quickstart_causal.yaml")
+    sp = load_recipe(causal, [*fsdp, "distributed.sequence_parallel=2"])
+    assert sp.distributed.sequence_parallel == 2
+    for kind in ("lora", "qlora"):
+        dpo = load_recipe(QUICKSTART.with_name("quickstart_dpo.yaml"), [*fsdp, f"method.kind={kind}"])
+        assert dpo.distributed.strategy == "fsdp"
+    # DoRA on a 4-bit base stays refused on ZeRO-3 (DeepSpeed never partitioned the weight DoRA reads).
+    with pytest.raises(RecipeError, match="use_dora"):
+        load_recipe(QUICKSTART, ["distributed.zero_stage=3", "method.kind=qlora", "method.use_dora=true"])
 
 
 def test_doctor_line_names_the_mesh_and_skips_deepspeed_recipes():
@@ -97,8 +115,23 @@ def test_plan_shards_states_over_the_mesh_and_recommends_only_fsdp_keys():
     hybrid, h = states("distributed.fsdp.sharding=hybrid", "distributed.num_processes=8")
     # Full sharding over all 16 GPUs; hybrid over the 8 of a node (replicated across the 2 nodes).
     assert h["Adam states (fp32)"].bytes == 2 * f["Adam states (fp32)"].bytes
-    # Each process loads the whole model before sharding it: no zero.Init.
-    assert "whole model in each process's CPU RAM while loading" in f
+    # Full fine-tuning (as LoRA) loads sharded: each rank reads its rows, one tensor at a time.
+    assert "one layer in fp32 while loading (zero.Init)" in f
+    assert "whole model in each process's CPU RAM while loading" not in f
+
+    # QLoRA on FSDP2: the 4-bit base sharded over the 16 GPUs (half a byte per quantized weight), its
+    # quantization constants whole on each; it loads whole (4-bit) in each process.
+    def frozen(kind):
+        p = plan(load_recipe(xxl, [*fsdp[:2], f"method.kind={kind}"]), gpus=8, nodes=2)
+        return {i.name: i for i in p.estimate.items}
+
+    q, lora = frozen("qlora"), frozen("lora")
+    # T5 keeps its embeddings, head and `wo` in bf16: 40% of the bf16 base, split 16 ways.
+    assert q["frozen base weights"].bytes < 0.45 * lora["frozen base weights"].bytes
+    whole = q["whole 4-bit model on each GPU while loading"].bytes
+    assert 15 * q["frozen base weights"].bytes < whole < 17 * q["frozen base weights"].bytes
+    assert q["frozen base weights"].note == "4-bit linear layers" and "4-bit quantization constants" in q
+    assert "whole 4-bit model on each GPU while loading" in q
     offload, o = states("distributed.fsdp.cpu_offload=true")
     assert o["Adam states (fp32)"].where == "cpu" and o["trainable weights"].where == "cpu"
     tight = plan(load_recipe(xxl, fsdp), gpus=8, nodes=2, gpu_memory="40GB", cpu_memory="2000GB")
