@@ -11,9 +11,8 @@ import threading
 import warnings
 from pathlib import Path
 
-from lorakit import preflight, rundir, runlock
+from lorakit import dist, preflight, rundir, runlock
 from lorakit.backends.deepspeed_config import check_zero_plus_plus
-from lorakit.engine import dist
 from lorakit.engine.launch import (
     launch_env,
     launched_distributed,
@@ -182,7 +181,7 @@ def _lock_on_rank0(recipe: Recipe) -> runlock.RunLock | None:
 
 def _recording_exit(run_dir: Path, fn, *args):
     """Run `fn(*args)`; its failure is recorded in run_dir/exit.json for the launcher to exit with its code
-    and one line (record_failure). Failures inside the job's agreements (engine/dist.py) are recorded the
+    and one line (record_failure). Failures inside the job's agreements (dist.py) are recorded the
     moment they happen, before the agreement's collective, which may never complete."""
     try:
         with dist.recording_failures(lambda e: record_failure(run_dir, e)):

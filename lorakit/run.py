@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             report_to_agent(e)
             raise
 
-    from lorakit.engine import dist
+    from lorakit import dist
     from lorakit.engine.launch import launched_distributed
 
     try:

@@ -104,7 +104,7 @@ def losses_and_grads(built, rows, collators, *, per_token: bool = True) -> list[
     """For each collator, `rows` as its one batch through ModelInputs.logits (as the loop calls it):
     (loss, target tokens, gradient of every weight that got one). The loss is the token loss sum, divided by
     the target tokens when `per_token`."""
-    from lorakit.engine.loss import token_loss_sum
+    from lorakit.model.loss import token_loss_sum
 
     results = []
     for collate in collators:

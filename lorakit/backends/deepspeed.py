@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from lorakit import rundir
+from lorakit import dist, rundir
 from lorakit.backends.base import Forwarding, StepResult, gather_trainable
-from lorakit.engine import dist
 
 
 def accelerator_name() -> str:

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from lorakit import dist
 from lorakit.backends.base import Forwarding, StepResult, gather_trainable
 from lorakit.backends.fsdp_shard import DTYPES, check_built, device_mesh, full_tensor, mesh_shape, shard_model
-from lorakit.engine import dist
 
 
 class FsdpEngine(Forwarding):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lorakit.engine import dist
+from lorakit import dist
 
 # model.dtype (the recipe's names) as torch dtypes.
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

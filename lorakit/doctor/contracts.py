@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from lorakit.doctor.result import CheckResult, failed, passed
-from lorakit.engine import loss as loss_fns
 from lorakit.export.verify import RELATIVE_TOLERANCE
+from lorakit.model import loss as loss_fns
 
 SECTION = "contracts"
 # Example lengths of the causal packing contract: longer than tiny:mistral's sliding window (64), so the
@@ -188,7 +188,7 @@ def packing(
 def chunked_ce(
     vocab: int, dtype: torch.dtype, *, device="cpu", tokens: int = 64, chunk_tokens: int = 7
 ) -> CheckResult:
-    """Chunked CE == full CE: lorakit's chunked fp32 token loss (engine/loss.py) against one fp32
+    """Chunked CE == full CE: lorakit's chunked fp32 token loss (model/loss.py) against one fp32
     cross-entropy over the whole row, loss and gradient, for `vocab` logits in `dtype` on `device`."""
     gen = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(tokens, vocab, generator=gen)).to(device=device, dtype=dtype).requires_grad_()
@@ -216,7 +216,7 @@ def chunked_ce(
         detail,
         "the training loss (or its gradient) computed in chunks differs from one cross-entropy over the row: "
         "every step would train on a wrong loss",
-        "report doctor.md as a bug: this is lorakit's own kernel (lorakit/engine/loss.py) on this device",
+        "report doctor.md as a bug: this is lorakit's own kernel (lorakit/model/loss.py) on this device",
         **data,
     )
 
@@ -293,6 +293,6 @@ def accumulation(built, rows=None, *, device="cpu", tolerance: float | None = No
         detail,
         "a step accumulated over micro-batches is not the token-weighted mean of the whole step: examples in "
         "short micro-batches weigh more than they should",
-        "report doctor.md as a bug (lorakit/engine/loss.py micro_batch_loss)",
+        "report doctor.md as a bug (lorakit/model/loss.py micro_batch_loss)",
         **data,
     )

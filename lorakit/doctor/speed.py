@@ -112,8 +112,8 @@ def time_block(recipe, config, device: str, *, quick: bool) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     from lorakit.doctor.models import save_block_model, with_model
-    from lorakit.engine.loss import token_loss_sum
     from lorakit.model import build_model
+    from lorakit.model.loss import token_loss_sum
 
     notes: list[str] = []
     cpu = device == "cpu"

@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorakit import rundir, storage
+from lorakit import dist, rundir, storage
 from lorakit.backends import Engine
-from lorakit.engine import branches, dist, manifest
+from lorakit.engine import branches, manifest
 from lorakit.engine.compatibility import DOC, FORMAT_VERSION, check_compatible, recipe_fingerprint
 from lorakit.engine.rng import read_rank_rng, write_rank_rng
 from lorakit.errors import RankFailedError, RecipeError

@@ -17,13 +17,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from lorakit import rundir
+from lorakit import dist, rundir
 from lorakit.backends import Backend, Engine, backend_for, device_kind
 from lorakit.data import PreparedData
 from lorakit.data.batching import Batching
 from lorakit.data.sampler import ResumableBatchSampler
 from lorakit.data.sequence_split import split_sequences
-from lorakit.engine import branches, checkpoint, dist
+from lorakit.engine import branches, checkpoint
 from lorakit.engine.checkpoint import Checkpoint
 from lorakit.engine.loop import StepPlan, plan_steps
 from lorakit.engine.mesh import ParallelDims
@@ -55,7 +55,7 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
     resume_from = checkpoint.find_resume(recipe, run_dir)
     backend = backend_for(recipe)
     backend.check_group()
-    # Each step ends in a collective where every rank learns whether another failed (engine/dist.py).
+    # Each step ends in a collective where every rank learns whether another failed (dist.py).
     source, config, tokenizer = dist.on_every_rank("load", _load_config_and_tokenizer, recipe)
     data = prepare_everywhere(recipe, tokenizer, config)
     backend_config = backend.describe(config)

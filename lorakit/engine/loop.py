@@ -11,13 +11,13 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from lorakit import dist
 from lorakit.backends import Engine
-from lorakit.engine import dist
 from lorakit.engine.best import EARLY_STOPPING, BestPolicy, judge
 from lorakit.engine.checkpoint import LoopState
-from lorakit.engine.loss import micro_batch_loss
 from lorakit.errors import LorakitError
 from lorakit.meter import TokenMeter, peak_memory
+from lorakit.model.loss import micro_batch_loss
 from lorakit.objectives.base import Objective
 from lorakit.objectives.sft import SFT
 

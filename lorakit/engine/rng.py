@@ -13,8 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lorakit import rundir
-from lorakit.engine import dist
+from lorakit import dist, rundir
 
 
 def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

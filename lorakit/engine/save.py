@@ -7,9 +7,8 @@ from typing import Any
 
 import torch
 
-from lorakit import rundir, storage
+from lorakit import dist, rundir, storage
 from lorakit.backends import Engine, IncompleteSaveError
-from lorakit.engine import dist
 
 
 def gather_adapter_state(engine: Engine) -> dict[str, torch.Tensor]:
@@ -99,7 +98,7 @@ def save_trained(
                 built.tokenizer.save_pretrained(str(tmp))
                 _info(tmp)
 
-        # Rank 0 writes; its failure reaches every rank in the same collective (engine/dist.py).
+        # Rank 0 writes; its failure reaches every rank in the same collective (dist.py).
         dist.on_main("adapter save", write_adapter)
         return {"adapter_dir": str(out)}
     out = run_dir / (into or rundir.MODEL)

@@ -10,11 +10,11 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from lorakit import rundir
+from lorakit import dist, rundir
 from lorakit.backends import Engine
 from lorakit.data import PreparedData
 from lorakit.data.batching import Batching
-from lorakit.engine import checkpoint, dist
+from lorakit.engine import checkpoint
 from lorakit.engine.best import BestPolicy
 from lorakit.engine.checkpoint import Checkpoint, LoopState
 from lorakit.engine.loop import Checkpointing, NonFinitePolicy, Preempted, StepPlan, Trainer, TrainingDiverged

@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from lorakit import rundir
+from lorakit import dist, rundir
 from lorakit.backends import Engine
-from lorakit.engine import dist
 from lorakit.meter import live_tensor_bytes, peak_memory
 from lorakit.objectives import objective_type
 from lorakit.observe import trackers

@@ -8,10 +8,10 @@ from typing import Any, Protocol
 
 import torch
 
+from lorakit import dist
 from lorakit.data.collate import IGNORE_INDEX, left_pad_prompts
 from lorakit.data.sequence_split import EXAMPLE_INDEX, split_eval_rows
-from lorakit.engine import dist
-from lorakit.engine.loss import token_loss_sum
+from lorakit.model.loss import token_loss_sum
 
 
 class EvalModel(Protocol):

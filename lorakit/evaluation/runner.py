@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lorakit import dist
 from lorakit.data.sources import SOURCE
-from lorakit.engine import dist
 from lorakit.evaluation.generate import auto_max_new_tokens, evaluate_model
 from lorakit.recipe.schema import Recipe
 

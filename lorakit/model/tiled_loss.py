@@ -3,7 +3,7 @@ the sequence, so that no logits of the whole row ever exist.
 
 Untiled, the head's logits of a row (tokens x vocabulary in model dtype: 4 GB for 16k tokens of Llama-3's
 128k vocabulary in bf16) are kept for the backward, and their gradient of the same size is made at its start
-(lorakit.engine.loss walks them in fp32 chunks). Here the last hidden states go to `_TiledHeadLoss`, which
+(lorakit.model.loss walks them in fp32 chunks). Here the last hidden states go to `_TiledHeadLoss`, which
 runs the head and the fp32 cross-entropy one tile of tokens at a time under no_grad, keeps only the hidden
 states, and in the backward recomputes each tile's logits with grad and backpropagates them before the
 next: at most one tile of logits (tile x vocabulary, in fp32 and model dtype) is alive, for one more head
@@ -38,7 +38,7 @@ from lorakit.model.tiled_mlp import LONG_ROW_TOKENS
 from lorakit.model.tiling import Adopting, has_dropout, replayed, rng_state
 from lorakit.recipe.known_objectives import spec_of
 
-# fp32 logits per tile by default (2**25 x 4 bytes = 128 MiB), as lorakit.engine.loss's chunks: 261 tokens
+# fp32 logits per tile by default (2**25 x 4 bytes = 128 MiB), as lorakit.model.loss's chunks: 261 tokens
 # of Llama-3's 128k vocabulary, 1024 of a 32k one.
 LOSS_TILE_ELEMENTS = 2**25
 

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lorakit import dist
 from lorakit.data.preference_batching import SIDES
 from lorakit.data.preference_shared import PAIR_SPANS
-from lorakit.engine import dist
-from lorakit.engine.loss import sequence_log_probs
 from lorakit.errors import InferenceError
+from lorakit.model.loss import sequence_log_probs
 from lorakit.objectives.base import Objective, Passes
 from lorakit.recipe.dpo_section import DPO, DPO_METRICS
 

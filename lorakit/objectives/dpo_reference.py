@@ -23,10 +23,9 @@ from pathlib import Path
 
 import torch
 
-from lorakit import storage
+from lorakit import dist, storage
 from lorakit.data import cache
 from lorakit.data.preference_reference import add_reference
-from lorakit.engine import dist
 
 # Bump when the reference computation changes for the same inputs, so stale tables are not reused.
 FORMAT_VERSION = 1

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from lorakit.data.preference_batching import SIDES
-from lorakit.engine.loss import sequence_log_probs
 from lorakit.model.inputs import CROSS_MASK
+from lorakit.model.loss import sequence_log_probs
 from lorakit.model.varlen import attach_t5_position_bias
 
 SEGMENTS = "lorakit_seq2seq_segments"

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lorakit.engine import dist
+from lorakit import dist
 from lorakit.objectives.base import Passes
 from lorakit.objectives.dpo import DpoObjective, cached_reference, model_kind, reference_model, sides
 from lorakit.recipe.alignment_section import KTO, KTO_STEP_METRICS

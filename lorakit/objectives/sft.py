@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lorakit.engine.loss import token_loss_sum
+from lorakit.model.loss import token_loss_sum
 from lorakit.model.router import RouterLoss, capture_router_logits, router_loss_of
 from lorakit.objectives.base import Objective
 from lorakit.recipe.objective_spec import SFT as SFT_SPEC
@@ -46,7 +46,7 @@ class SftObjective(Objective):
 
 def causal_loss_sum(engine, inputs, batch: dict[str, Any], device) -> torch.Tensor:
     """Summed fp32 cross-entropy of a batch's target tokens: through the tiled loss head when the model has
-    one (model.tiled_loss: no logits of the whole row), else over the logits in chunks (engine/loss.py)."""
+    one (model.tiled_loss: no logits of the whole row), else over the logits in chunks (model/loss.py)."""
     if getattr(inputs, "loss_head", None) is not None:
         return inputs.token_losses(engine, batch, device).sum()
     logits = inputs.logits(engine, batch, device)

@@ -22,7 +22,7 @@ boolean mask each call); flash attention and lorakit's per-example SDPA for pack
 
 The output head keeps the logits (a per vocabulary entry and token) for the loss; at the start of the
 backward the loss makes their gradient (a) in one pass over fp32 chunks of CHUNK_ELEMENTS logits
-(lorakit.engine.loss: an fp32 softmax, its product with the incoming gradient, and its cast back: 8 + 2a
+(lorakit.model.loss: an fp32 softmax, its product with the incoming gradient, and its cast back: 8 + 2a
 per chunk element; 8 in fp32, where the cast is free). Measured (tests/unit/test_plan.py): 2a per logit
 plus 12 per chunk element in bf16. With the tiled loss (model.tiled_loss) no logits of the row exist: one
 tile's (tile x vocabulary) logits in model dtype, their fp32 copy, log-softmax and gradients, 12 bytes per
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from lorakit.engine.loss import CHUNK_ELEMENTS
+from lorakit.model.loss import CHUNK_ELEMENTS
 from lorakit.planner.arch import Arch
 from lorakit.planner.moe import expert_weights, moe_mlp
 

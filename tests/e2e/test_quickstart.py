@@ -136,7 +136,7 @@ def test_adapter_loads_with_peft_and_reproduces_the_trained_model(quickstart):
 
     from lorakit.data import Seq2SeqCollator
     from lorakit.data.cache import load_cached
-    from lorakit.engine.loss import token_loss_sum
+    from lorakit.model.loss import token_loss_sum
 
     _, _, run_dir = quickstart
     summary = rundir.read_summary(run_dir)
@@ -218,7 +218,7 @@ def test_quickstart_run_merges_through_the_cli(quickstart, tmp_path):
 
     from lorakit.data import Seq2SeqCollator
     from lorakit.data.cache import load_cached
-    from lorakit.engine.loss import token_loss_sum
+    from lorakit.model.loss import token_loss_sum
 
     _, _, run_dir = quickstart
     out = tmp_path / "merged"

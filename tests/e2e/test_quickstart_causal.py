@@ -43,7 +43,7 @@ def test_causal_adapter_loads_with_peft_and_matches_eval_loss(quickstart_causal)
 
     from lorakit.data.cache import load_cached
     from lorakit.data.collate import CausalCollator
-    from lorakit.engine.loss import token_loss_sum
+    from lorakit.model.loss import token_loss_sum
 
     _, _, run_dir = quickstart_causal
     summary = rundir.read_summary(run_dir)

@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from lorakit.data.collate import CausalCollator, PackedCausalCollator, PackedSeq2SeqCollator, Seq2SeqCollator
-from lorakit.engine.loss import token_loss_sum
 from lorakit.model.inputs import ModelInputs
+from lorakit.model.loss import token_loss_sum
 from tests.conftest import PACKING_BACKENDS, ready_for_contract, tiny_recipe_dict, training_config_model
 from tests.integration.test_packed_attention import CAUSAL_KINDS, LENGTHS
 from tests.integration.test_packed_attention import _rows as causal_rows

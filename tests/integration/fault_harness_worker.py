@@ -87,8 +87,7 @@ def launcher_outcome(run_dir: Path) -> list:
 
 
 def main(failing: int, cache: Path, out: Path) -> None:
-    from lorakit import api
-    from lorakit.engine import dist
+    from lorakit import api, dist
     from lorakit.engine.checkpoint import complete_checkpoints
     from lorakit.engine.launch import process_group
     from tests.fault_injection import inject
@@ -142,7 +141,7 @@ def stall(out: Path) -> None:
 
     import torch.distributed as torch_dist
 
-    from lorakit.engine import dist
+    from lorakit import dist
 
     torch_dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
     start = time.monotonic()

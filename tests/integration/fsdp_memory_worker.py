@@ -65,8 +65,8 @@ def main(recipe_path: str, out: str) -> None:
     import lorakit
     from lorakit.backends import backend_for
     from lorakit.engine.launch import process_group
-    from lorakit.engine.loss import token_loss_sum
     from lorakit.model import build_model, load_config
+    from lorakit.model.loss import token_loss_sum
 
     with process_group("gloo"):
         recipe = lorakit.load_recipe(recipe_path)

@@ -38,10 +38,10 @@ def _recipe(cache: str, out: str, world: int):
 def main(cache: str, out: str, mode: str) -> None:
     import deepspeed
 
+    from lorakit import dist
     from lorakit.backends.deepspeed import DeepSpeedEngine
     from lorakit.backends.deepspeed_config import build_ds_config
     from lorakit.data.collate import CausalCollator
-    from lorakit.engine import dist
     from lorakit.engine.launch import process_group
     from lorakit.engine.loop import train_window
     from lorakit.engine.save import gather_adapter_state

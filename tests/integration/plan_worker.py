@@ -20,11 +20,11 @@ def measure(path: str, out: Path) -> None:
     from torch.utils.data import DataLoader
 
     import lorakit
+    from lorakit import dist
     from lorakit.backends.deepspeed import DeepSpeedEngine, accelerator_name
     from lorakit.backends.deepspeed_config import build_ds_config
     from lorakit.data import prepare_data
     from lorakit.data.batching import make_batching
-    from lorakit.engine import dist
     from lorakit.engine.loop import train_window
     from lorakit.meter import TensorMemoryTracker, TokenMeter
     from lorakit.model import build_model, load_config, load_tokenizer

@@ -90,8 +90,8 @@ def check(name: str, cache_dir: str, mesh) -> dict:
     method = method or "lora"
     from lorakit.data.collate import PackedCausalCollator
     from lorakit.data.sequence_split import split_row
-    from lorakit.engine.loss import token_loss_sum
     from lorakit.model import build_model
+    from lorakit.model.loss import token_loss_sum
     from lorakit.model.tiled_loss import TiledLossHead
     from lorakit.objectives.sft import causal_loss_sum
 

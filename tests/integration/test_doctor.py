@@ -49,7 +49,7 @@ def test_a_leaking_attention_and_a_loss_off_by_a_factor_fail_the_doctor_and_are_
 ):
     """The injected kernels: packed rows handed to per-example SDPA as one example, so every token attends
     to the examples before it; and a token loss 5% too large."""
-    from lorakit.engine import loss
+    from lorakit.model import loss
 
     monkeypatch.setattr(inputs, "_bounds", lambda segments: (0, segments.numel()))
     real = loss.token_loss_sum

@@ -12,7 +12,7 @@ import torch
 
 from lorakit.data.collate import IGNORE_INDEX, CausalCollator, PackedCausalCollator
 from lorakit.doctor import contracts
-from lorakit.engine.loss import token_loss_sum
+from lorakit.model.loss import token_loss_sum
 from tests.conftest import PACKING_BACKENDS, losses_and_grads, training_config_model
 
 CAUSAL_KINDS = ("llama", "mistral", "qwen2")

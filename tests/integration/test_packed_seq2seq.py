@@ -9,7 +9,7 @@ import torch
 
 from lorakit.data.collate import PackedSeq2SeqCollator, Seq2SeqCollator
 from lorakit.doctor import contracts
-from lorakit.engine.loss import token_loss_sum
+from lorakit.model.loss import token_loss_sum
 from lorakit.model.varlen import _BUCKET_WASTE, _buckets
 from tests.conftest import (
     PACKING_BACKENDS,

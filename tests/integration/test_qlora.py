@@ -113,7 +113,7 @@ def test_zero3_counts_the_partitioned_base_like_zero2(qlora_runs, kind):
 
 def _eval_loss(model, kind: str, eval_ds) -> float:
     from lorakit.data.collate import CausalCollator, Seq2SeqCollator
-    from lorakit.engine.loss import token_loss_sum
+    from lorakit.model.loss import token_loss_sum
 
     if kind == "t5":
         collate = Seq2SeqCollator(0, model.config.decoder_start_token_id)

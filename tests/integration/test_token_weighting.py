@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lorakit.engine.launch import torchrun_command
-from lorakit.engine.loss import micro_batch_loss, token_loss_sum
+from lorakit.model.loss import micro_batch_loss, token_loss_sum
 from tests.integration import token_weighting_worker
 
 ROOT = Path(__file__).resolve().parents[2]

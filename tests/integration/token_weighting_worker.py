@@ -131,10 +131,10 @@ def _counting_reduce_scatters():
 
 
 def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
+    from lorakit import dist
     from lorakit.backends.deepspeed_config import build_ds_config
     from lorakit.data import prepare_data
     from lorakit.data.collate import padded_collator
-    from lorakit.engine import dist
     from lorakit.engine.loop import train_window
     from lorakit.engine.save import gather_adapter_state
     from lorakit.meter import TokenMeter

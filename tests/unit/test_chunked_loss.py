@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lorakit.engine.loss import token_loss_sum
 from lorakit.meter import TensorMemoryTracker
+from lorakit.model.loss import token_loss_sum
 
 
 def _reference(logits, labels):

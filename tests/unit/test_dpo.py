@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from lorakit.data.preference_batching import CausalPairCollator, PackedCausalPairCollator, Seq2SeqPairCollator
-from lorakit.engine.loss import sequence_log_probs
+from lorakit.model.loss import sequence_log_probs
 from lorakit.objectives.dpo import DpoObjective, metric_sums, preference_loss
 from tests.conftest import training_config_model
 

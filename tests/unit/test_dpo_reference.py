@@ -174,7 +174,7 @@ def test_reference_cached_with_the_dataset_and_keyed_by_model(cache_dir, tmp_pat
 def test_ranks_score_their_shares_in_lockstep(cache_dir, tmp_path, monkeypatch):
     """Each rank scores its share with as many forwards as every other (ZeRO-3 gathers are collective; a
     rank out of rows runs a stand-in), and the shares add up to the one-process table."""
-    from lorakit.engine import dist
+    from lorakit import dist
 
     recipe = _full_recipe(cache_dir, tmp_path, "llama")
     built, _ = _full_model(recipe)

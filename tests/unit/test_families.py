@@ -231,9 +231,9 @@ def _generic_recipe(tmp_path):
 
 
 def test_an_unclaimed_architecture_builds_and_trains_a_packed_step_with_a_warning(tmp_path):
-    from lorakit.engine.loss import token_loss_sum
     from lorakit.model import build_model
     from lorakit.model.build import UnprovenFamilyWarning
+    from lorakit.model.loss import token_loss_sum
 
     recipe = _generic_recipe(tmp_path)
     with pytest.warns(UnprovenFamilyWarning, match="no model family for 'gpt_neox'.*not proven"):

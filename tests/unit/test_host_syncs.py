@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lorakit.backends import StepResult
 from lorakit.data.collate import IGNORE_INDEX
 from lorakit.engine.loop import train_window
-from lorakit.engine.loss import token_loss_sum
 from lorakit.meter import TokenMeter
+from lorakit.model.loss import token_loss_sum
 
 # aten operations that wait for the device on CUDA.
 SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "index_put_", "index_put"}

@@ -72,8 +72,8 @@ def test_the_load_balancing_loss_is_transformers_and_its_gradient_the_formula():
 
 
 def test_sft_adds_the_aux_loss_weighted_by_target_tokens_and_it_moves_the_router_as_the_formula_says():
-    from lorakit.engine.loss import token_loss_sum
     from lorakit.model.inputs import ModelInputs
+    from lorakit.model.loss import token_loss_sum
     from lorakit.objectives.sft import SftObjective
 
     config, model = _tiny("mixtral", router_aux_loss_coef=0.5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lorakit
-from lorakit.engine.loss import CHUNK_ELEMENTS
+from lorakit.model.loss import CHUNK_ELEMENTS
 from lorakit.planner import PlanError, format_bytes, parse_bytes, plan
 from lorakit.planner.arch import KNOWN_CONFIGS, arch_from_config, known_config
 from lorakit.planner.search import slowdown
@@ -182,8 +182,8 @@ def test_packed_causal_rows_use_max_tokens():
 def test_the_head_term_is_what_the_loss_allocates(tile):
     """The planner's output-head bytes against the peak tensor memory of a bf16 head and loss over a row
     (hidden 16, so the head's own terms dominate): the chunked loss over logits, and the tiled loss."""
-    from lorakit.engine.loss import token_loss_sum
     from lorakit.meter import TensorMemoryTracker
+    from lorakit.model.loss import token_loss_sum
     from lorakit.model.tiled_loss import TiledLossHead
     from lorakit.planner.activations import _head
 

@@ -1,5 +1,5 @@
 """distributed.timeout_minutes reaches the process group: a collective that waits longer fails; the phase and
-recorders of engine/dist.py belong to the job that set them."""
+recorders of dist.py belong to the job that set them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as torch_dist
 
-from lorakit.engine import dist
+from lorakit import dist
 from lorakit.engine.launch import process_group
 from lorakit.recipe.schema import DistributedSection
 

@@ -90,8 +90,8 @@ def test_the_plan_reads_t5gemma_and_packs_it_on_eager_only(tmp_path):
 
 @pytest.mark.parametrize("attention", ["eager"])
 def test_a_packed_t5gemma_step_trains(tmp_path, attention):
-    from lorakit.engine.loss import token_loss_sum
     from lorakit.model import build_model
+    from lorakit.model.loss import token_loss_sum
 
     built = build_model(tiny_recipe(tmp_path, tmp_path / "run",
                                     model={"name_or_path": "tiny:t5gemma", "attention": attention}))  # fmt: skip

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lorakit.engine.loss import token_loss_sum
 from lorakit.errors import RecipeError
 from lorakit.meter import TensorMemoryTracker
+from lorakit.model.loss import token_loss_sum
 from lorakit.model.tiled_loss import LOSS_TILE_ELEMENTS, TiledLossHead, apply_tiled_loss, loss_tile_tokens
 from lorakit.model.tiled_mlp import LONG_ROW_TOKENS
 from lorakit.recipe import recipe_from_dict
