@@ -32,8 +32,7 @@ FRAGMENTATION = 0.05
 PROCESS_CPU_BYTES = 3 * GiB
 # A CPU run's process holds no CUDA libraries: ~0.5 GiB of runtime measured per rank (Python, torch,
 # DeepSpeed, transformers, the data loader; benchmarks/rehearsal.py, tiny and FLAN-T5-XL-width models, with
-# the launcher's allocator settings). The 1 GiB counted before ZeRO-3's limits were sized from the model
-# included ~0.5 GiB that was the whole model kept gathered (engine/deepspeed_config.py zero3_limits).
+# the launcher's allocator settings).
 CPU_RUN_PROCESS_BYTES = GiB // 2
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -335,15 +334,12 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     c = counts(arch, recipe.method, a, threshold)
     d = recipe.distributed
     # FSDP2 loads LoRA and full fine-tuning sharded, each rank reading its own rows (backends/fsdp_load.py),
-    # other methods whole in each process; hybrid sharding keeps one copy per shard group (fsdp.shard_size,
-    # default the GPUs per node).
-    fsdp = d.strategy == "fsdp"
+    # other methods whole in each process; hybrid sharding keeps one copy per shard group (fsdp.shard_size).
     from lorakit.backends.fsdp_load import eligible
 
-    partitioned_init = (
-        setup.zero_stage == 3 and recipe.method.kind != "qlora" and (not fsdp or eligible(recipe))
-    )
-    shards = (d.fsdp.shard_size or gpus) if fsdp and d.fsdp.sharding == "hybrid" else world
+    sharded_load = d.strategy != "fsdp" or eligible(recipe)
+    partitioned_init = setup.zero_stage == 3 and recipe.method.kind != "qlora" and sharded_load
+    shards = (d.fsdp.shard_size or gpus) if d.strategy == "fsdp" and d.fsdp.sharding == "hybrid" else world
     items = model_states(
         c, setup, world=shards, dtype_bytes=a, ds_config=ds_config, partitioned_init=partitioned_init
     )
