@@ -93,7 +93,7 @@ def _causal_pairs(src: SourceRows, recipe: Recipe, tokenizer) -> tuple[dict[str,
         out["prompt_ids"].append(prompt)
         out["chosen_ids"].append(responses[0])
         out["rejected_ids"].append(responses[1])
-        out["reference"].append(_last_text(read_messages(r[dpo.chosen_column])))
+        out["reference"].append(last_text(read_messages(r[dpo.chosen_column])))
     return out, refused
 
 
@@ -101,7 +101,8 @@ def _as_messages(value: str | list[dict], role: str) -> list[dict]:
     return [{"role": role, "content": value}] if isinstance(value, str) else value
 
 
-def _last_text(value: str | list[dict]) -> str:
+def last_text(value: str | list[dict]) -> str:
+    """A response's text: itself, or its last message's content (a row's reference)."""
     return value if isinstance(value, str) else (value[-1].get("content") or "")
 
 

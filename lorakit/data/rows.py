@@ -186,13 +186,14 @@ class RowCollector:
         # {field: column}; `columns` replaces what data.format reads (preference pairs: data/preference.py).
         self.columns = columns if columns is not None else required_columns(data)
         self.chat = data.messages_column if data.format == "chat" and columns is None else None
-        # Preference pairs in chat form: the prompt and each response are text or a list of messages.
-        self.loose = set(self.columns.values()) if data.format == "chat" and columns is not None else set()
+        # Columns of those holding a yes/no label (true/false or 1/0: KTO's, data/unpaired.py), not text.
+        self.flags = flags
+        # Preference (and KTO) rows in chat form: the prompt and each response are text or a list of messages.
+        chat_form = data.format == "chat" and columns is not None
+        self.loose = set(self.columns.values()) - flags if chat_form else set()
         self.alpaca = data.format == "alpaca" and columns is None
         self.message_keys, self.roles = data.message_keys, data.roles or {}
         self.transform = load_transform(data.transform)
-        # Columns of those holding a yes/no label (true/false or 1/0: KTO's, data/unpaired.py), not text.
-        self.flags = flags
         # Class ids in these columns become labels[id]; with labels known, a text target must be one of them.
         self.label_columns, self.labels = (label_columns(data) if columns is None else set()), labels
         self.direct_label = data.target_template is None

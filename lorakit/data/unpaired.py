@@ -10,20 +10,27 @@ The mismatched completion of row i is that of the next row (cyclically, in the s
 differs: fixed at preparation, as TRL's KTO fixes it by shifting completions over blocks of the dataset, so
 a packed row's length is known to the sampler and the full fine-tuning reference is scored once per row.
 
-The prompt is what SFT and DPO give the model (data.prompt_template over its columns). `_encode_causal` is
-where a row's prompt and completion become token ids: the place for chat-form rows (data.format chat,
-the prompt's messages) once lorakit.data has one row builder for a prompt as text or messages.
+The prompt is what SFT and DPO give the model: data.prompt_template over its columns (data.format
+instruction), or with data.format chat (causal LMs) data.messages_column's text or messages, rendered with
+the completion (text or assistant messages) by the chat template through the row builder DPO shares
+(lorakit.data.preference.chat_pair); a row the template refuses is a bad row (data.on_bad_rows), left out
+before the mismatched completions are chosen, and those are keyed on the prompt's token ids.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import datasets
+import numpy as np
 
 from lorakit.data import cache
 from lorakit.data.causal import check_tokenizer, encode_prompts
+from lorakit.data.chat import ChatTurns, TemplateFailed, read_messages, use_template
+from lorakit.data.preference import chat_pair, last_text
 from lorakit.data.prepared import PreparedData, bad_rows_stats
+from lorakit.data.rows import MAX_QUOTED, SourceRows
 from lorakit.data.sources import OVERLONG_DOC, eval_source, load_split, source_fingerprint, split_holdout
 from lorakit.data.templates import prompt_columns, render_prompt, rows_of
 from lorakit.data.tokenize import Lengths, model_max_length
@@ -36,12 +43,15 @@ OWN, MISMATCHED = "chosen_ids", "rejected_ids"
 
 
 def unpaired_columns(recipe) -> dict[str, str]:
-    """{recipe field: column} a KTO row must have: its prompt's columns, the completion and the label."""
+    """{recipe field: column} a KTO row must have: its prompt's columns (chat: data.messages_column), the
+    completion and the label."""
     data, kto = recipe.data, recipe.kto
+    if data.format == "chat":
+        return {"data.messages_column": data.messages_column} | kto.pair_columns()
     if data.format != "instruction":
         raise DataError(
-            f"train.objective kto reads data.format instruction (the prompt through data.prompt_template); "
-            f"data.format {data.format} is not supported for kto yet"
+            f"train.objective kto reads data.format instruction (the prompt through data.prompt_template) or "
+            f"chat (data.messages_column: the prompt as text or messages); not data.format {data.format}"
         )
     columns: dict[str, str] = {}
     for p, column in prompt_columns(data).items():
@@ -49,7 +59,7 @@ def unpaired_columns(recipe) -> dict[str, str]:
     return columns | kto.pair_columns()
 
 
-def mismatched(prompts: list[str]) -> list[int]:
+def mismatched(prompts: Sequence[Hashable]) -> list[int]:
     """For every row, the row whose completion is its mismatched one: the next (cyclically) whose prompt
     differs; the row itself when every prompt is the same (z0 then estimates nothing but is still finite)."""
     n = len(prompts)
@@ -72,6 +82,34 @@ def _encode_causal(recipe, tokenizer, rows: list[dict]) -> tuple[list[list[int]]
     return prompts, [_with_eos(x, tokenizer.eos_token_id) for x in ids]
 
 
+def _encode_chat(recipe, src: SourceRows, tokenizer) -> tuple[dict[str, list], SourceRows]:
+    """The rows of `src` in chat form as (prompt ids, completion ids), labels and references, and `src` less
+    the rows the chat template refuses (bad rows: skipped and counted, or the error under on_bad_rows error)."""
+    data, kto = recipe.data, recipe.kto
+    chat = ChatTurns(tokenizer)
+    out: dict[str, list] = {"prompt": [], OWN: [], "label": [], "reference": []}
+    kept, refused = [], []
+    for i, r in enumerate(rows_of(src.rows.to_dict())):
+        chat.where = src.where(i)
+        completion = read_messages(r[kto.completion_column])
+        try:
+            prompt, (ids,) = chat_pair(chat, read_messages(r[data.messages_column]), [completion])
+        except TemplateFailed as e:
+            if data.on_bad_rows == "error":
+                raise
+            refused.append(str(e))
+            continue
+        kept.append(i)
+        for key, value in (("prompt", prompt), (OWN, ids), ("label", bool(r[kto.label_column]))):
+            out[key].append(value)
+        out["reference"].append(last_text(completion))
+    if refused:
+        where = src.where.take(np.asarray(kept, dtype=np.int64))
+        quoted = (src.quoted + refused)[:MAX_QUOTED]
+        src = SourceRows(src.rows.select(kept), where, src.skipped + len(refused), quoted)
+    return out, src
+
+
 def _encode_seq2seq(recipe, tokenizer, rows: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
     """(source ids, completion ids) of every row (T5's tokenizer appends EOS)."""
     sources = tokenizer([render_prompt(recipe.data, r) for r in rows], verbose=False)["input_ids"]
@@ -86,19 +124,26 @@ def _cap(ids: list[int], cap: int, keep_end: bool) -> list[int]:
     return ids[len(ids) - cap :] if keep_end else [*ids[: cap - 1], ids[-1]]
 
 
-def _encode(recipe, src, tokenizer, enc_dec: bool) -> dict[str, list]:
-    """Every row of the split as (prompt, completion, mismatched completion) ids, label and reference."""
-    rows = rows_of(src.rows.to_dict())
-    prompts, completions = (_encode_seq2seq if enc_dec else _encode_causal)(recipe, tokenizer, rows)
-    partner = mismatched([render_prompt(recipe.data, r) for r in rows])
-    kto = recipe.kto
-    return {
-        "prompt": prompts,
-        OWN: completions,
-        MISMATCHED: [completions[j] for j in partner],
-        "label": [bool(r[kto.label_column]) for r in rows],
-        "reference": [r[kto.completion_column] for r in rows],
-    }
+def _encode(recipe, src, tokenizer, enc_dec: bool) -> tuple[dict[str, list], SourceRows]:
+    """Every kept row of the split as (prompt, completion, mismatched completion) ids, label and reference,
+    and the split's rows less those the chat template refused."""
+    if recipe.data.format == "chat":
+        out, src = _encode_chat(recipe, src, tokenizer)
+        # Keyed on the rendered prompt, so a prompt given as text and as one user message is one prompt.
+        partner = mismatched([tuple(p) for p in out["prompt"]])
+    else:
+        rows = rows_of(src.rows.to_dict())
+        prompts, completions = (_encode_seq2seq if enc_dec else _encode_causal)(recipe, tokenizer, rows)
+        kto = recipe.kto
+        out = {
+            "prompt": prompts,
+            OWN: completions,
+            "label": [bool(r[kto.label_column]) for r in rows],
+            "reference": [r[kto.completion_column] for r in rows],
+        }
+        partner = mismatched([render_prompt(recipe.data, r) for r in rows])
+    out[MISMATCHED] = [out[OWN][j] for j in partner]
+    return out, src
 
 
 def _auto(value: int | str, lengths: list[int], model_max: int | None) -> int:
@@ -179,7 +224,13 @@ def prepare_unpaired(recipe, tokenizer, model_config) -> PreparedData:
     data = recipe.data
     enc_dec = bool(getattr(model_config, "is_encoder_decoder", False))
     columns = unpaired_columns(recipe)
+    if enc_dec and data.format == "chat":
+        raise DataError(
+            "data.format chat: encoder-decoder models (T5 family) take a text prompt; set data.format: "
+            "instruction with data.input_column (through data.prompt_template)"
+        )
     if not enc_dec:
+        tokenizer = use_template(tokenizer, data.chat_template)
         check_tokenizer(data, tokenizer)
     eval_split, held_out = eval_source(data) if recipe.eval_active() else (None, False)
     split_names = {"train": data.split} | ({"eval": eval_split} if eval_split else {})
@@ -190,6 +241,8 @@ def prepare_unpaired(recipe, tokenizer, model_config) -> PreparedData:
     depends["data"] = data.model_dump(exclude={"cache_dir", "num_proc", "packing", "group_by_length"})
     depends.update(columns=list(columns.values()), tokenizer=cache.tokenizer_fingerprint(tokenizer))
     depends["model_max"] = model_max
+    if data.format == "chat":
+        depends["chat_template"] = getattr(tokenizer, "chat_template", None)
     key = cache.fingerprint(depends)
     path = cache.cache_path(data.cache_dir, key)
     found = _cached(path)
@@ -202,7 +255,9 @@ def prepare_unpaired(recipe, tokenizer, model_config) -> PreparedData:
     else:
         limits = {"train": data.max_samples, "eval": data.max_eval_samples}
         raw = {k: load_split(data, s, limits[k], columns, flags) for k, s in split_names.items()}
-    encoded = {k: _encode(recipe, src, tokenizer, enc_dec) for k, src in raw.items()}
+    encoded = {}
+    for k, src in raw.items():
+        encoded[k], raw[k] = _encode(recipe, src, tokenizer, enc_dec)
     lengths = _caps(recipe, list(encoded.values()), enc_dec, model_max)
     splits, overlong = {}, {"policy": data.overlong}
     for k, src in raw.items():

@@ -109,13 +109,6 @@ def check_orpo(recipe) -> None:
 def check_kto(recipe) -> None:
     """ValueError for what train.objective kto cannot be combined with."""
     check_preference_rows(recipe, "kto", "completions", reference=True)
-    if recipe.data.format == "chat":
-        # lorakit/data/unpaired.py's _encode_causal is where chat-form rows will be built (one row builder
-        # for prompts as text or messages); until then they are refused here, before any work.
-        raise ValueError(
-            "train.objective kto reads its prompt as text for now: use data.format instruction "
-            "(data.input_column through data.prompt_template)"
-        )
 
 
 ORPO = pair_spec("orpo", check_orpo, ORPO_METRICS, "each preference pair's sequences")

@@ -1,6 +1,7 @@
 """KTO's rows (lorakit.data.unpaired): (prompt, completion, label) read from a file, labels as true/false or
 1/0, each row laid out as a preference pair with a mismatched completion (another row's, another prompt);
-bad labels are named by row; the planner counts KTO's and ORPO's passes through Objective.passes."""
+bad labels are named by row; chat-form rows render through the chat template (refused ones are bad
+rows); the planner counts KTO's and ORPO's passes through Objective.passes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 
 import pytest
 
+from lorakit.data.chat import use_template
 from lorakit.data.unpaired import mismatched, prepare_unpaired
 from lorakit.errors import DataError, RecipeError
 from lorakit.objectives import objective_type
@@ -100,15 +102,79 @@ def test_the_planner_counts_each_objectives_passes():
     assert "no reference forward" in plans["orpo"].describe() and "KTO:" in plans["kto"].describe()
 
 
-def test_kto_refuses_chat_prompts_until_the_chat_row_builder(cache_dir, tmp_path):
-    with pytest.raises(RecipeError, match="kto reads its prompt as text for now"):
-        tiny_recipe(
-            cache_dir,
-            tmp_path / "r",
-            train={"objective": "kto"},
-            data={"format": "chat"},
-            eval={"enabled": False},
+# Wants a system turn first (a prompt without one cannot be rendered: a bad row); no BOS, so a rendering's ids
+# are its text's.
+TEMPLATE = (
+    "{% if messages[0].role != 'system' %}{{ raise_exception('a system message comes first') }}{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SYSTEM = {"role": "system", "content": "Answer in a few words."}
+CAT, DOG = (
+    [SYSTEM, {"role": "user", "content": "Describe a cat."}],
+    [SYSTEM, {"role": "user", "content": "A dog?"}],
+)
+CHAT_ROWS = [
+    {"prompt": CAT, "completion": "A cat sits.", "label": True},
+    {"prompt": CAT, "completion": [{"role": "assistant", "content": "No."}], "label": 0},
+    {"prompt": "Describe a fox.", "completion": "A fox.", "label": 1},  # no system turn: refused
+    {"prompt": DOG, "completion": [{"role": "assistant", "content": "A dog runs."}], "label": False},
+]
+
+
+def _chat_recipe(cache_dir, tmp_path, rows, **data):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chat = {"source": str(path), "format": "chat", "messages_column": "prompt", "chat_template": TEMPLATE}
+    return tiny_recipe(
+        cache_dir,
+        tmp_path / "run",
+        model={"name_or_path": "tiny:llama"},
+        data={**chat, "on_bad_rows": "skip", **data},
+        train={"objective": "kto"},
+        eval={"enabled": False},
+    )
+
+
+def test_chat_rows_render_through_the_template_and_refused_rows_are_bad_rows(cache_dir, tmp_path, tokenizer):
+    recipe = _chat_recipe(cache_dir, tmp_path, CHAT_ROWS)
+    data = prepare_unpaired(recipe, tokenizer, tiny_config("llama"))
+    tok = use_template(tokenizer, TEMPLATE)
+    kept = [CHAT_ROWS[i] for i in (0, 1, 3)]
+    train = data.train
+    assert train["label"] == [True, False, False] and data.stats["desirable_rows"] == 1
+    assert train["reference"] == ["A cat sits.", "No.", "A dog runs."]
+    for row, prompt, own in zip(kept, train["prompt_ids"], train["chosen_ids"], strict=True):
+        reply = row["completion"]
+        reply = [{"role": "assistant", "content": reply}] if isinstance(reply, str) else reply
+        rendering = tok.apply_chat_template([*row["prompt"], *reply], tokenize=False)
+        assert tok.decode(prompt + own) == rendering
+        assert tok.decode(prompt) == tok.apply_chat_template(
+            row["prompt"], tokenize=False, add_generation_prompt=True
         )
+    # Partners among the kept rows, never the same prompt's: both cat rows get the dog's, the dog the first cat's.
+    own = train["chosen_ids"]
+    assert train["rejected_ids"] == [own[2], own[2], own[0]]
+    bad = data.stats["bad_rows"]
+    assert (
+        bad["skipped"] == 1
+        and "line 3" in bad["first"][0]
+        and "system message comes first" in bad["first"][0]
+    )
+    with pytest.raises(DataError, match="system message comes first"):
+        recipe_error = _chat_recipe(cache_dir, tmp_path, CHAT_ROWS, on_bad_rows="error")
+        prepare_unpaired(recipe_error, tokenizer, tiny_config("llama"))
+    # A text prompt is one user turn: rendered as its message list is, so the two are one prompt to pair by.
+    fox = {"prompt": [{"role": "user", "content": "Describe a fox."}], "completion": "Foxes.", "label": True}
+    lenient = TEMPLATE.split("{% endif %}", 1)[1]
+    recipe_text = _chat_recipe(cache_dir, tmp_path, [CHAT_ROWS[2], CHAT_ROWS[3], fox], chat_template=lenient)
+    text = prepare_unpaired(recipe_text, tokenizer, tiny_config("llama")).train
+    assert text["prompt_ids"][0] == text["prompt_ids"][2] and text["chosen_ids"][0] != text["chosen_ids"][2]
+    assert tokenizer.decode(text["prompt_ids"][0]) == "<|user|>\nDescribe a fox.<|end|>\n<|assistant|>\n"
+    own = text["chosen_ids"]
+    assert text["rejected_ids"] == [own[1], own[2], own[1]]
+    with pytest.raises(DataError, match="encoder-decoder models"):
+        prepare_unpaired(recipe, tok, tiny_config("t5"))
 
 
 def test_each_objective_is_made_from_its_section():
