@@ -99,7 +99,8 @@ def train(recipe: Recipe, train_dataset=None, eval_dataset=None) -> TrainResult:
         # that torchrun or the deepspeed launcher started directly takes the lock on rank 0.
         return _train_in_group(recipe, lock_on_rank0=not runlock.held_by_launcher(run_dir=recipe.output.dir))
     # Bad input (model directory, tokenizer, data files, columns, rows) is exit 2 here: before the lock
-    # makes output.dir and before any worker starts.
+    # makes output.dir and before any worker starts; a directory another run holds, before any of that work.
+    runlock.refuse_if_held_here(recipe.output.dir)
     preflight.check_run_paths(recipe)
     prepared = prepare(recipe)
     if recipe.distributed.num_processes == 1 and not prepared.cache_hit:

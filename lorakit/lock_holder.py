@@ -179,3 +179,24 @@ class LockWatch:
         if current is None or current.token != self.token:
             self.lost_to = current.describe() if current is not None else "nobody (it was removed)"
         return self.lost_to is not None
+
+
+def in_use(run_dir: Path, holder: Holder) -> RunLockedError:
+    """The error for a run directory whose lock `holder` holds."""
+    return RunLockedError(
+        f"output.dir {run_dir} is in use by another run: {holder.describe()}. Wait for it to finish or stop "
+        f"it, or use another output.dir. (A run that was killed leaves the lock behind; it is taken over once "
+        f"its process is gone, or from another host once its heartbeat is seen to stop.)"
+    )
+
+
+def refuse_if_held_here(run_dir: str | Path) -> None:
+    """RunLockedError when a live process of this machine holds `run_dir`'s lock; reads, creates nothing.
+    Lets a launch stop before preparing data; another host's lock is judged when the lock is taken."""
+    if not Path(run_dir).is_dir():
+        return  # nothing holds it; what is in the way is the preflight's to name
+    holder = read_holder(Path(run_dir) / LOCK)
+    same_machine = holder is not None and holder.host == this_host() and holder.pid
+    if same_machine and holder.pid_namespace in (None, pid_namespace()):
+        if any(alive(pid, start) for pid, start in [[holder.pid, holder.pid_start], *holder.children]):
+            raise in_use(Path(run_dir), holder)

@@ -42,6 +42,7 @@ from lorakit.lock_holder import (
     LOCK,
     Holder,
     alive,
+    in_use,
     pid_namespace,
     process_start,
     read_holder,
@@ -50,6 +51,7 @@ from lorakit.lock_holder import (
 )
 from lorakit.lock_holder import LockWatch as LockWatch
 from lorakit.lock_holder import held_by_launcher as held_by_launcher
+from lorakit.lock_holder import refuse_if_held_here as refuse_if_held_here
 
 # How long another host's lock is watched, on this process's own monotonic clock, for its heartbeat count to
 # advance: this many of the holder's heartbeat periods (plus a margin for a slow filesystem). No two clocks
@@ -120,12 +122,7 @@ class RunLock:
                 if stale == _RETRY:
                     continue
                 if stale is None:
-                    raise RunLockedError(
-                        f"output.dir {self.run_dir} is in use by another run: {holder.describe()}. Wait for it "
-                        f"to finish or stop it, or use another output.dir. (A run that was killed leaves the "
-                        f"lock behind; it is taken over once its process is gone, or from another host once "
-                        f"its heartbeat is seen to stop.)"
-                    )
+                    raise in_use(self.run_dir, holder)
                 if self._remove(holder):
                     self._say(f"run lock: taking over {self.path} from {holder.describe()}: {stale}")
             raise RunLockedError(

@@ -275,7 +275,7 @@ def test_slurm_job_preflights_is_requeued_on_sigterm_and_resumes_like_one_run(
     out = tmp_path / "slurm-run"
     script = _write_job(_overrides(job["source"], cache_dir, out))
     # The command writes the script and nothing else; the plan for 2 x 1 heads it.
-    assert [p.name for p in out.iterdir()] == ["job.sbatch"]
+    assert sorted(p.name for p in out.iterdir()) == [".lorakit-run", "job.sbatch"]  # marker, script
     text = script.read_text()
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --signal=B:USR1@300",
                  "#SBATCH --requeue", "#SBATCH --time=00:30:00", "# hardware: 2 node(s) x 1 GPU(s)"):  # fmt: skip
@@ -345,5 +345,5 @@ def test_slurm_preflight_stops_the_job_in_seconds_naming_the_node_when_the_port_
     assert "address already in use" in done.stdout and "set MASTER_PORT" in done.stdout
     assert "the preflight failed" in done.stdout and "nothing was trained" in done.stdout
     # Nothing of a run: no training step was started, no weights loaded.
-    assert sorted(p.name for p in out.iterdir()) == ["job.sbatch", "logs"]
+    assert sorted(p.name for p in out.iterdir()) == [".lorakit-run", "job.sbatch", "logs"]
     assert not (tmp_path / "record").exists()

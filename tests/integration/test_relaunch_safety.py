@@ -83,7 +83,8 @@ def test_a_failed_relaunch_keeps_the_results_and_a_lost_lock_stops_the_run_with_
     finally:
         undo()
     assert e.value.exit_code == 75
-    [stopped] = complete_checkpoints(run)
+    # Rank 0 reads run.lock at most once a second: a loaded machine may save a periodic checkpoint first.
+    *_, stopped = complete_checkpoints(run)
     assert stopped.state["reason"] == "preempted" and stopped.step < 8
     # The earlier checkpoints were moved aside (recorded), not deleted; the finished run's results are whole.
     [record] = branches.moved_aside(run)
