@@ -189,8 +189,12 @@ def run_estimate(recipe, config, block: dict, devices: int) -> CheckResult:
         return skipped(SECTION, "run time estimate", "the block was scaled down to run on CPU: no estimate of the "
                        "real run from it")  # fmt: skip
     capped = any("capped" in n for n in block["notes"])
+    # An encoder-decoder like T5Gemma keeps its layer counts in its encoder and decoder configs.
+    configs = (config, getattr(config, "encoder", None), getattr(config, "decoder", None))
     layers = max(
-        getattr(config, k, 0) or 0 for k in ("num_hidden_layers", "num_layers", "num_decoder_layers")
+        getattr(c, k, 0) or 0
+        for c in configs
+        for k in ("num_hidden_layers", "num_layers", "num_decoder_layers")
     )
     t = recipe.train
     per_device_tps = block["tokens_per_second"] / max(layers, 1)

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-# The families whose ZeRO-3 step differs from the Llama one the token-weighting test already checks: Gemma 2
-# (tied head, embedding scale, soft-capping on eager, alternating windows) and Phi-3 (fused qkv and gate_up).
-KINDS = ("gemma2", "phi3")
+# Every dense family of issue 45 (the Llama-style ones the token-weighting test checks aside): Gemma 2 (tied
+# head, embedding scale, soft-capping on eager, alternating windows), Phi-3 (fused qkv and gate_up), Qwen3
+# and OLMo 2 (q/k norms), Gemma 3 text (q/k norms, local and global layers), T5Gemma (encoder-decoder).
+KINDS = ("gemma2", "phi3", "qwen3", "gemma3", "olmo2", "t5gemma")
 SPLIT = [(0, 1), (1, 6)]
 
 

@@ -1,7 +1,8 @@
-"""ZeRO-3 on two processes takes the same LoRA step as one process, in one launch, for the dense families of
-issue 45 whose step differs from the Llama one test_token_weighting checks (dense_families_worker.KINDS:
-Gemma 2's tied head, soft-capping on eager and alternating windows; Phi-3's fused projections), the ranks
-holding different numbers of target tokens."""
+"""ZeRO-3 on two processes takes the same LoRA step as one process, in one launch, for every dense family of
+issue 45 besides the Llama-style ones test_token_weighting checks (dense_families_worker.KINDS: Gemma 2's
+tied head, soft-capping on eager and alternating windows; Phi-3's fused projections; Qwen3's and OLMo 2's
+q/k norms; Gemma 3 text; the encoder-decoder T5Gemma), the ranks holding different numbers of target
+tokens."""
 
 import pytest
 

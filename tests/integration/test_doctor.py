@@ -21,6 +21,10 @@ CHECKS = {
 }  # fmt: skip
 # fsdp: the recipes train on DeepSpeed.
 SKIPPED_ON_ONE_CPU = {"gpus", "driver + nccl", "fsdp", "ZeRO-3 save + reload", "all_reduce"}
+ENVIRONMENT = {
+    "python + torch", "libraries", "gpus", "driver + nccl", "flash-attn", "bitsandbytes", "deepspeed ops",
+    "fsdp", "extension locks", "disk",
+}  # fmt: skip
 
 
 def _recipe(name: str, cache_dir, tmp_path, *overrides: str):
@@ -105,3 +109,29 @@ def test_contracts_of_an_architecture_without_a_tiny_kind(cache_dir, tmp_path):
     assert report.ok, report.table()
     packing = next(c for c in report.checks if c.name == "packed == alone")
     assert "64-token sliding window" in packing.detail and packing.data["tolerance"] == 1e-4
+
+
+@pytest.mark.parametrize(
+    ("kind", "base", "overrides"),
+    [
+        ("mixtral", "quickstart_causal.yaml", ("model.dtype=float32",)),
+        ("qwen3_moe", "quickstart_causal.yaml", ("model.dtype=float32",)),
+        ("olmoe", "quickstart_causal.yaml", ("model.dtype=float32",)),
+        ("t5gemma", "quickstart.yaml", ("data.max_source_length=64",)),
+    ],
+)
+def test_the_quick_doctor_passes_for_the_moe_families_and_t5gemma(kind, base, overrides, cache_dir, tmp_path):
+    """The quick doctor's recipe sections (contracts, speed, plan; the environment checks do not depend on
+    the model and pass above) on each family's tiny model: packing, chunked CE, merge and accumulation hold
+    for the expert LoRA and T5Gemma's stacks, the block is timed and the plan fits."""
+    recipe = _recipe(base, cache_dir, tmp_path, f"model.name_or_path=tiny:{kind}", "data.max_samples=32",
+                     *overrides)  # fmt: skip
+    report = run_doctor(recipe, quick=True, sections=("contracts", "speed", "plan"))
+    assert report.ok, report.table()
+    assert {c.name for c in report.checks} == CHECKS - ENVIRONMENT
+    assert {c.name for c in report.checks if c.status == "skip"} == {"ZeRO-3 save + reload", "all_reduce"}
+    # Every tiny kind has 2 layers per stack (T5Gemma's in its encoder and decoder configs).
+    assert (
+        "(2 layers at the block's speed"
+        in next(c for c in report.checks if c.name == "run time estimate").detail
+    )

@@ -1,6 +1,7 @@
-"""Mixture of experts on 2 CPU processes: a ZeRO-3 step with deliberately skewed routing completes (the MoE
-block is a ZeRO-3 leaf) and equals the same window accumulated on one process, the load-balancing loss
-included; a tiny Mixtral run merges, verified; the doctor's contracts pass for it."""
+"""Mixture of experts on 2 CPU processes: for each MoE family (Mixtral, Qwen3-MoE, OLMoE), a ZeRO-3 step with
+deliberately skewed routing completes (the MoE block is a ZeRO-3 leaf) and equals the same window accumulated
+on one process, the load-balancing loss included; a tiny Mixtral run merges, verified; the doctor's
+contracts pass for it."""
 
 import json
 import subprocess
@@ -21,17 +22,22 @@ def test_a_zero3_step_with_skewed_routing_completes_and_equals_one_process(cache
     cmd = torchrun_command(2, "tests.integration.moe_worker", [str(cache_dir), str(tmp_path), "two_ranks"])
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    one, two = (json.loads((tmp_path / f"{m}.json").read_text()) for m in ("accumulate", "two_ranks"))
-    assert one["metrics"]["aux_loss"] > 0
-    for key in ("loss", "grad_norm"):
-        assert two[key] == pytest.approx(one[key], rel=1e-4), key
-    assert two["metrics"]["aux_loss"] == pytest.approx(one["metrics"]["aux_loss"], rel=1e-4)
-    weights = {m: torch.load(tmp_path / f"{m}.pt") for m in ("accumulate", "two_ranks")}
-    assert any(".mlp.gate." in k for k in weights["accumulate"]) and any(
-        ".experts." in k for k in weights["accumulate"]
-    )
-    for key, w in weights["accumulate"].items():
-        torch.testing.assert_close(weights["two_ranks"][key], w, rtol=1e-4, atol=1e-6, msg=key)
+    for kind in moe_worker.KINDS:
+        one, two = (
+            json.loads((tmp_path / f"{kind}-{m}.json").read_text()) for m in ("accumulate", "two_ranks")
+        )
+        assert one["metrics"]["aux_loss"] > 0, kind
+        for key in ("loss", "grad_norm"):
+            assert two[key] == pytest.approx(one[key], rel=1e-4), f"{kind}: {key}"
+        assert two["metrics"]["aux_loss"] == pytest.approx(one["metrics"]["aux_loss"], rel=1e-4), kind
+        weights = {m: torch.load(tmp_path / f"{kind}-{m}.pt") for m in ("accumulate", "two_ranks")}
+        assert any(".mlp.gate." in k for k in weights["accumulate"]) and any(
+            ".experts." in k for k in weights["accumulate"]
+        ), kind
+        for key, w in weights["accumulate"].items():
+            torch.testing.assert_close(
+                weights["two_ranks"][key], w, rtol=1e-4, atol=1e-6, msg=f"{kind}: {key}"
+            )
 
 
 @pytest.mark.slow
