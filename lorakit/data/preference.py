@@ -15,7 +15,7 @@ tokens of the pair's two sequences, prompt + chosen and prompt + rejected, which
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import datasets
 
@@ -57,7 +57,8 @@ def _load(recipe: Recipe, split_names: dict[str, str], held_out: bool) -> dict[s
     return {"train": train, "eval": held}
 
 
-def _with_eos(ids: list[int], eos: int) -> list[int]:
+def with_eos(ids: list[int], eos: int) -> list[int]:
+    """`ids` ending with `eos` (added unless it is already last)."""
     return ids if ids[-1:] == [eos] else [*ids, eos]
 
 
@@ -75,7 +76,7 @@ def _causal_pairs(src: SourceRows, recipe: Recipe, tokenizer) -> tuple[dict[str,
         for column, key in ((dpo.chosen_column, "chosen_ids"), (dpo.rejected_column, "rejected_ids")):
             texts = [r[column] for r in rows]
             ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-            out[key] = [_with_eos(x, eos) for x in ids]
+            out[key] = [with_eos(x, eos) for x in ids]
         out["prompt_ids"], out["reference"] = prompts, [r[dpo.chosen_column] for r in rows]
         return out, refused
     chat = ChatTurns(tokenizer)
@@ -148,7 +149,7 @@ def _seq2seq_pairs(src: SourceRows, recipe: Recipe, tokenizer) -> tuple[dict[str
     }
     for column, key in ((dpo.chosen_column, "chosen_ids"), (dpo.rejected_column, "rejected_ids")):
         out[key] = [
-            _with_eos(x, eos) for x in tokenizer([r[column] for r in rows], verbose=False)["input_ids"]
+            with_eos(x, eos) for x in tokenizer([r[column] for r in rows], verbose=False)["input_ids"]
         ]
     out["reference"] = [r[dpo.chosen_column] for r in rows]
     return out, []
@@ -229,22 +230,30 @@ def _cap_seq2seq(pairs: dict[str, list], src_cap: int, tgt_cap: int, caps: _Caps
     return out
 
 
-def _auto(value: int | str, lengths: list[int], model_max: int | None) -> int:
+def auto_cap(value: int | str, lengths: list[int], model_max: int | None) -> int:
+    """A length cap: `value`, or with "auto" the longest of `lengths` within the model's maximum."""
     if value != "auto":
         return int(value)
     top = max(lengths, default=1)
     return min(top, model_max) if model_max else top
 
 
-def prepare_preference(recipe: Recipe, tokenizer, model_config) -> PreparedData:
-    """Load, tokenize, cap and cache the recipe's preference pairs (train and eval), or reuse the cache."""
+class PairSetup(NamedTuple):
+    """Where preparing rows in the pair layout (preference pairs, KTO's rows) starts from."""
+
+    enc_dec: bool
+    tokenizer: Any  # with data.chat_template applied (causal models)
+    split_names: dict[str, str]  # {"train": split, "eval": split} as the recipe evaluates
+    eval_split: str | None
+    held_out: bool  # the eval rows are held out of the train split
+    model_max: int | None
+
+
+def pair_setup(recipe: Recipe, tokenizer, model_config) -> PairSetup:
+    """The model kind, the tokenizer with the recipe's chat template, the splits and the model's maximum
+    length; DataError when an encoder-decoder is given anything but a text prompt."""
     data = recipe.data
     enc_dec = bool(getattr(model_config, "is_encoder_decoder", False))
-    if data.format == "alpaca":
-        raise DataError(
-            "data.format alpaca: preference pairs are (prompt, chosen, rejected); use data.format instruction "
-            "(a text prompt through data.prompt_template) or chat (the prompt as text or messages)"
-        )
     if enc_dec and data.format != "instruction":
         raise DataError(
             f"data.format {data.format}: encoder-decoder models (T5 family) take a text prompt; set "
@@ -255,7 +264,32 @@ def prepare_preference(recipe: Recipe, tokenizer, model_config) -> PreparedData:
         check_tokenizer(data, tokenizer)
     eval_split, held_out = eval_source(data) if recipe.eval_active() else (None, False)
     split_names = {"train": data.split} | ({"eval": eval_split} if eval_split else {})
-    model_max = model_max_length(tokenizer, model_config)
+    return PairSetup(
+        enc_dec, tokenizer, split_names, eval_split, held_out, model_max_length(tokenizer, model_config)
+    )
+
+
+def cached_rows(path) -> PreparedData | None:
+    """The prepared rows cached at `path`, or None."""
+    hit = cache.load_cached(path)
+    if hit is None:
+        return None
+    splits, meta = hit
+    lengths = Lengths(**meta["lengths"])
+    return PreparedData(splits["train"], splits.get("eval"), lengths, path, True, meta["stats"])
+
+
+def prepare_preference(recipe: Recipe, tokenizer, model_config) -> PreparedData:
+    """Load, tokenize, cap and cache the recipe's preference pairs (train and eval), or reuse the cache."""
+    data = recipe.data
+    if data.format == "alpaca":
+        raise DataError(
+            "data.format alpaca: preference pairs are (prompt, chosen, rejected); use data.format instruction "
+            "(a text prompt through data.prompt_template) or chat (the prompt as text or messages)"
+        )
+    enc_dec, tokenizer, split_names, eval_split, held_out, model_max = pair_setup(
+        recipe, tokenizer, model_config
+    )
     key = cache.fingerprint(
         {
             "objective": recipe.train.objective,
@@ -269,12 +303,9 @@ def prepare_preference(recipe: Recipe, tokenizer, model_config) -> PreparedData:
         }
     )
     path = cache.cache_path(data.cache_dir, key)
-    hit = cache.load_cached(path)
-    if hit is not None:
-        splits, meta = hit
-        return PreparedData(
-            splits["train"], splits.get("eval"), Lengths(**meta["lengths"]), path, True, meta["stats"]
-        )
+    found = cached_rows(path)
+    if found is not None:
+        return found
     raw = _load(recipe, split_names, held_out)
     tokenize = _seq2seq_pairs if enc_dec else _causal_pairs
     pairs = {}
@@ -286,11 +317,11 @@ def prepare_preference(recipe: Recipe, tokenizer, model_config) -> PreparedData:
             )
     overlong: dict[str, Any] = {"policy": data.overlong}
     if enc_dec:
-        src_cap = _auto(
+        src_cap = auto_cap(
             data.max_source_length, [len(x) for p in pairs.values() for x in p["input_ids"]], model_max
         )
         tgt_lengths = [len(x) for p in pairs.values() for k in PAIR_COLUMNS for x in p[k]]
-        tgt_cap = _auto(data.max_target_length, tgt_lengths, model_max)
+        tgt_cap = auto_cap(data.max_target_length, tgt_lengths, model_max)
         lengths = Lengths(max_source_length=src_cap, max_target_length=tgt_cap)
     else:
         seq_lengths = [
@@ -298,7 +329,7 @@ def prepare_preference(recipe: Recipe, tokenizer, model_config) -> PreparedData:
             for split in pairs.values()
             for p, c, r in zip(*(split[k] for k in _CAUSAL_IDS), strict=True)
         ]
-        lengths = Lengths(max_length=_auto(data.max_length, seq_lengths, model_max))
+        lengths = Lengths(max_length=auto_cap(data.max_length, seq_lengths, model_max))
     splits = {}
     for k, split in pairs.items():
         caps = _Caps(data.overlong, raw[k].where)

@@ -26,14 +26,14 @@ import datasets
 import numpy as np
 
 from lorakit.data import cache
-from lorakit.data.causal import check_tokenizer, encode_prompts
-from lorakit.data.chat import ChatTurns, TemplateFailed, read_messages, use_template
-from lorakit.data.preference import chat_pair, last_text
+from lorakit.data.causal import encode_prompts
+from lorakit.data.chat import ChatTurns, TemplateFailed, read_messages
+from lorakit.data.preference import auto_cap, cached_rows, chat_pair, last_text, pair_setup, with_eos
 from lorakit.data.prepared import PreparedData, bad_rows_stats
 from lorakit.data.rows import MAX_QUOTED, SourceRows
-from lorakit.data.sources import OVERLONG_DOC, eval_source, load_split, source_fingerprint, split_holdout
+from lorakit.data.sources import OVERLONG_DOC, load_split, source_fingerprint, split_holdout
 from lorakit.data.templates import prompt_columns, render_prompt, rows_of
-from lorakit.data.tokenize import Lengths, model_max_length
+from lorakit.data.tokenize import Lengths
 from lorakit.errors import DataError
 
 # Bump when the prepared rows change for the same inputs, so stale caches are not reused.
@@ -70,16 +70,12 @@ def mismatched(prompts: Sequence[Hashable]) -> list[int]:
     return out
 
 
-def _with_eos(ids: list[int], eos: int) -> list[int]:
-    return ids if ids[-1:] == [eos] else [*ids, eos]
-
-
 def _encode_causal(recipe, tokenizer, rows: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
     """(prompt ids, completion ids ending with EOS) of every row: the row builder of text-form rows."""
     prompts = encode_prompts(tokenizer, [render_prompt(recipe.data, r) for r in rows])
     texts = [r[recipe.kto.completion_column] for r in rows]
     ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-    return prompts, [_with_eos(x, tokenizer.eos_token_id) for x in ids]
+    return prompts, [with_eos(x, tokenizer.eos_token_id) for x in ids]
 
 
 def _encode_chat(recipe, src: SourceRows, tokenizer) -> tuple[dict[str, list], SourceRows]:
@@ -115,7 +111,7 @@ def _encode_seq2seq(recipe, tokenizer, rows: list[dict]) -> tuple[list[list[int]
     sources = tokenizer([render_prompt(recipe.data, r) for r in rows], verbose=False)["input_ids"]
     texts = [r[recipe.kto.completion_column] for r in rows]
     ids = tokenizer(texts, verbose=False)["input_ids"]
-    return sources, [_with_eos(x, tokenizer.eos_token_id) for x in ids]
+    return sources, [with_eos(x, tokenizer.eos_token_id) for x in ids]
 
 
 def _cap(ids: list[int], cap: int, keep_end: bool) -> list[int]:
@@ -146,13 +142,6 @@ def _encode(recipe, src, tokenizer, enc_dec: bool) -> tuple[dict[str, list], Sou
     return out, src
 
 
-def _auto(value: int | str, lengths: list[int], model_max: int | None) -> int:
-    if value != "auto":
-        return int(value)
-    top = max(lengths, default=1)
-    return min(top, model_max) if model_max else top
-
-
 def _caps(recipe, encoded: list[dict], enc_dec: bool, model_max: int | None) -> Lengths:
     """The caps of data.max_length (max_source_length, max_target_length); auto: the longest row's."""
     data = recipe.data
@@ -160,11 +149,13 @@ def _caps(recipe, encoded: list[dict], enc_dec: bool, model_max: int | None) -> 
     prompts = [len(p) for e in encoded for p in e["prompt"]]
     if enc_dec:
         return Lengths(
-            max_source_length=_auto(data.max_source_length, prompts, model_max),
-            max_target_length=_auto(data.max_target_length, responses, model_max),
+            max_source_length=auto_cap(data.max_source_length, prompts, model_max),
+            max_target_length=auto_cap(data.max_target_length, responses, model_max),
         )
     return Lengths(
-        max_length=_auto(data.max_length, [p + r for p, r in zip(prompts, responses, strict=True)], model_max)
+        max_length=auto_cap(
+            data.max_length, [p + r for p, r in zip(prompts, responses, strict=True)], model_max
+        )
     )
 
 
@@ -209,32 +200,13 @@ def _capped(recipe, src, encoded: dict, enc_dec: bool, lengths: Lengths, counts:
     return out
 
 
-def _cached(path) -> PreparedData | None:
-    """The prepared rows cached at `path`, or None."""
-    hit = cache.load_cached(path)
-    if hit is None:
-        return None
-    splits, meta = hit
-    lengths = Lengths(**meta["lengths"])
-    return PreparedData(splits["train"], splits.get("eval"), lengths, path, True, meta["stats"])
-
-
 def prepare_unpaired(recipe, tokenizer, model_config) -> PreparedData:
     """Load, tokenize, cap and cache the recipe's KTO rows (train and eval), or reuse the cache."""
     data = recipe.data
-    enc_dec = bool(getattr(model_config, "is_encoder_decoder", False))
-    columns = unpaired_columns(recipe)
-    if enc_dec and data.format == "chat":
-        raise DataError(
-            "data.format chat: encoder-decoder models (T5 family) take a text prompt; set data.format: "
-            "instruction with data.input_column (through data.prompt_template)"
-        )
-    if not enc_dec:
-        tokenizer = use_template(tokenizer, data.chat_template)
-        check_tokenizer(data, tokenizer)
-    eval_split, held_out = eval_source(data) if recipe.eval_active() else (None, False)
-    split_names = {"train": data.split} | ({"eval": eval_split} if eval_split else {})
-    model_max = model_max_length(tokenizer, model_config)
+    columns = unpaired_columns(recipe)  # refuses formats other than instruction and chat
+    enc_dec, tokenizer, split_names, eval_split, held_out, model_max = pair_setup(
+        recipe, tokenizer, model_config
+    )
     # What the prepared rows depend on: a change to any of them prepares them again.
     depends = {"unpaired": FORMAT_VERSION, "objective": recipe.train.objective, "causal": not enc_dec}
     depends["sources"] = {k: source_fingerprint(data, s) for k, s in split_names.items()}
@@ -245,7 +217,7 @@ def prepare_unpaired(recipe, tokenizer, model_config) -> PreparedData:
         depends["chat_template"] = getattr(tokenizer, "chat_template", None)
     key = cache.fingerprint(depends)
     path = cache.cache_path(data.cache_dir, key)
-    found = _cached(path)
+    found = cached_rows(path)
     if found is not None:
         return found
     flags = frozenset({recipe.kto.label_column})
