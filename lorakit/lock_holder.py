@@ -196,7 +196,16 @@ def refuse_if_held_here(run_dir: str | Path) -> None:
     if not Path(run_dir).is_dir():
         return  # nothing holds it; what is in the way is the preflight's to name
     holder = read_holder(Path(run_dir) / LOCK)
-    same_machine = holder is not None and holder.host == this_host() and holder.pid
-    if same_machine and holder.pid_namespace in (None, pid_namespace()):
-        if any(alive(pid, start) for pid, start in [[holder.pid, holder.pid_start], *holder.children]):
-            raise in_use(Path(run_dir), holder)
+    if holder is not None and held_here(holder):
+        raise in_use(Path(run_dir), holder)
+
+
+def held_here(holder: Holder) -> bool | None:
+    """Whether `holder`'s processes are alive, for a lock of this machine (same host and pid namespace);
+    None for another machine's lock, which only its heartbeat can judge."""
+    same_machine = holder.host == this_host() and (
+        holder.pid_namespace is None or pid_namespace() is None or holder.pid_namespace == pid_namespace()
+    )
+    if not (same_machine and holder.pid):
+        return None
+    return any(alive(pid, start) for pid, start in [[holder.pid, holder.pid_start], *holder.children])

@@ -41,7 +41,7 @@ from lorakit.lock_holder import (
     HEARTBEAT_SECONDS,
     LOCK,
     Holder,
-    alive,
+    held_here,
     in_use,
     pid_namespace,
     process_start,
@@ -171,15 +171,10 @@ class RunLock:
     def stale_reason(self, holder: Holder) -> str | None:
         """Why `holder`'s lock is stale (its processes are gone, its heartbeat stopped), None if it is held,
         or "" when the lock changed hands or went while it was watched (try again)."""
-        same_machine = holder.host == this_host() and (
-            holder.pid_namespace is None or pid_namespace() is None or holder.pid_namespace == pid_namespace()
-        )
-        if same_machine and holder.pid:
-            processes = [[holder.pid, holder.pid_start], *holder.children]
-            if any(alive(pid, start) for pid, start in processes):
-                return None
-            return f"its process {holder.pid} is gone"
-        return self._watch(holder)
+        here = held_here(holder)
+        if here is None:
+            return self._watch(holder)
+        return None if here else f"its process {holder.pid} is gone"
 
     def _watch(self, holder: Holder) -> str | None:
         """Another host's lock: stale when its heartbeat count does not advance for the watch window,
