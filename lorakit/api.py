@@ -101,11 +101,11 @@ def train(recipe: Recipe, train_dataset=None, eval_dataset=None) -> TrainResult:
     # Bad input (model directory, tokenizer, data files, columns, rows) is exit 2 here: before the lock
     # makes output.dir and before any worker starts; a directory another run holds, before any of that work.
     runlock.refuse_if_held_here(recipe.output.dir)
-    preflight.check_run_paths(recipe)
+    _check_run_dir(recipe)
     prepared = prepare(recipe)
     if recipe.distributed.num_processes == 1 and not prepared.cache_hit:
         print(prepared.describe(), flush=True)  # the job says it reused this cache
-    with _guard_run_dir(recipe) as lock:
+    with runlock.RunLock(recipe.output.dir, claim=True) as lock:
         if recipe.preflight.doctor:
             from lorakit.doctor.preflight import run_preflight
 
@@ -125,11 +125,17 @@ def check_extension_locks() -> None:
         raise ExtensionLockError(describe_stale_locks(stale))
 
 
-def _guard_run_dir(recipe: Recipe) -> runlock.RunLock:
-    """Check output.dir and data.cache_dir, then take the run lock (a context manager that releases it)."""
+def _check_run_dir(recipe: Recipe) -> None:
+    """Refuse an output.dir no run may write into, then one that is not writable or lacks space (and a bad
+    data.cache_dir)."""
     # Before the writability probe: a directory lorakit did not make gets no file, not even for a moment.
     rundir.check_trusted(Path(recipe.output.dir).expanduser().resolve())
     preflight.check_run_paths(recipe)
+
+
+def _guard_run_dir(recipe: Recipe) -> runlock.RunLock:
+    """Check output.dir and data.cache_dir, then take the run lock (a context manager that releases it)."""
+    _check_run_dir(recipe)
     return runlock.RunLock(recipe.output.dir, claim=True)
 
 
