@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,9 @@ def test_a_failed_relaunch_keeps_the_results_and_a_lost_lock_stops_the_run_with_
     def take_over() -> None:
         holder = json.loads((run / LOCK).read_text())
         (run / LOCK).write_text(json.dumps({**holder, "token": "usurper", "host": "elsewhere", "pid": 1}))
+        # The watch reads run.lock at most once a second (LockWatch.every): wait that out, so the next step
+        # boundary sees the new holder however fast the tiny steps run.
+        time.sleep(1.1)
 
     undo = inject("step", nth=1, action=take_over)
     try:
@@ -83,7 +87,7 @@ def test_a_failed_relaunch_keeps_the_results_and_a_lost_lock_stops_the_run_with_
     finally:
         undo()
     assert e.value.exit_code == 75
-    # Rank 0 reads run.lock at most once a second: a loaded machine may save a periodic checkpoint first.
+    # A periodic checkpoint (checkpoint.every 1) may come before the stop's own.
     *_, stopped = complete_checkpoints(run)
     assert stopped.state["reason"] == "preempted" and stopped.step < 8
     # The earlier checkpoints were moved aside (recorded), not deleted; the finished run's results are whole.
