@@ -4,7 +4,6 @@
                                    [--run-gpu-tests] [--extra-sides] [--work-dir DIR] [--output PATH]
     python benchmarks/gpu_bench.py --smoke            # the same code on CPU, tiny configs
     python benchmarks/gpu_bench.py --merge PART1.json PART2.json [--output benchmarks/results/gpu_h200.json]
-    python benchmarks/gpu_bench.py --plot-only benchmarks/results/gpu_h200.json
 
 Every workload (specs/gpu_bench.yaml) trains one model shape with one method (LoRA, full, QLoRA; ZeRO-0 or
 ZeRO-3, one process) on synthetic instruction data through lorakit (`lorakit.train`: causal LMs packed, T5
@@ -30,8 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the harness and this lorakit
 
-from benchmarks.harness import device, load_spec, main, steps, trainer_steps  # noqa: E402
-from benchmarks.harness.gpu_result import evaluate_targets, exit_status, measured, merge, table  # noqa: E402
+from benchmarks.harness import device, gpu_result, load_spec, main, steps, trainer_steps  # noqa: E402
 from benchmarks.harness.provenance import source_digest  # noqa: E402
 from benchmarks.harness.runner import Runner  # noqa: E402
 
@@ -184,7 +182,7 @@ class Session:
             if side == "lorakit_packed" and family == "seq2seq":
                 budget = packed_budget([len(x) for x in prepared.train["input_ids"]], w["batch"])
             result["sides"][side] = self.side(name, w, side, data_file, budget, extra)
-        done = {s: r for s, r in result["sides"].items() if measured(r)}
+        done = {s: r for s, r in result["sides"].items() if gpu_result.measured(r)}
         tps = {s: r["useful_tokens_per_second"] for s, r in done.items()}
         pairs = [(s, b) for s in tps if s.startswith("lorakit") for b in tps if b[:2] == "hf"]
         ratios = {f"{s}/{b}": tps[s] / tps[b] for s, b in pairs}
@@ -220,6 +218,7 @@ class Session:
         spec.update(dtype=self.dtype, warmup_steps=self.warmup, model_dir=str(model_dir), work_dir=str(work))
         if side.startswith("lorakit"):
             spec.update(recipe=self.recipe(w, side, data_file, work, budget), fields=SPEC["worker_fields"])
+            spec["profile"] = bool(w.get("profile"))  # one warm-up step under torch.profiler
             lorakit.prepare(recipe_from_dict(spec["recipe"]))  # tokenize and cache here: no timed run pays
         else:
             spec.update(extra, group_by_length=side == "hf_grouped", master_port=free_port(), lora=LORA)
@@ -230,6 +229,8 @@ class Session:
             log(f"  {name}/{side}: FAILED ({str(e).splitlines()[0]})")
             return {"status": "failed", "error": str(e)[-3000:]}
         steps.rates(r, self.models[w["model"]]["accounting"], w["method"], self.peak)
+        if side.startswith("lorakit"):
+            r["plan"] = gpu_result.against_plan(spec["recipe"], r, self.probe.get("gpu_memory_bytes"))
         r.update(status="measured", description=SPEC["sides"][side])
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         mem = (r["peak_gpu_memory_bytes"] or 0) / 2**30
@@ -237,6 +238,8 @@ class Session:
         matmul, step = r["mfu_vs_measured_matmul"], r["step_seconds_median"]
         what = f"MFU {mfu} ({matmul:.1%} of measured matmul), efficiency {eff:.2f}, step {step:.3f} s"
         log(f"  {name}/{side}: {rate}, {what}, peak {mem:.1f} GiB, {r['process_seconds']:.0f} s in all")
+        for line in gpu_result.describe_extras(r):
+            log(f"    {line}")
         return r
 
 
@@ -246,7 +249,7 @@ def write_result(result: dict, output: Path, out_dir: Path | None) -> None:
     from benchmarks.harness.plots import render
     from lorakit.rundir import write_json
 
-    result["targets"] = evaluate_targets(result["workloads"], SPEC["targets"])
+    result["targets"] = gpu_result.evaluate_targets(result["workloads"], SPEC["targets"])
     for path in [output] + ([out_dir / output.name] if out_dir and out_dir != output.parent else []):
         write_json(path, result)
         render(sys.modules[__name__], result, path.with_suffix(".png"))
@@ -256,7 +259,9 @@ def measure(bench) -> int:
     args, log, smoke = bench.args, bench.log, bench.args.smoke
     out_dir = Path(args.out).resolve() if args.out else None
     if args.merge:
-        return merge(args.merge, bench.output, lambda result: write_result(result, bench.output, out_dir))
+        return gpu_result.merge(
+            args.merge, bench.output, lambda result: write_result(result, bench.output, out_dir)
+        )
     # Before anything imports huggingface_hub (it reads these once): nothing here needs the hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -286,6 +291,8 @@ def measure(bench) -> int:
         s.models[m] = {"accounting": write_model_dir(work / "models" / m, m, smoke)}
     spec = {"matmul_n": 512 if smoke else 8192, "dtype": dtype}
     spec["models"] = {m: str(work / "models" / m) for m in s.models}
+    if args.run_gpu_tests:
+        spec["gpu_tests"] = str(log_path)
     try:
         # On a GPU in its own process, so this one never holds device memory; the CPU smoke run saves the
         # start-up of one more interpreter.
@@ -300,16 +307,15 @@ def measure(bench) -> int:
             log(f"building {m} FAILED: {build['error']}")
         else:
             size = f"{build['params'] / 1e9:.3f}B params, {build['safetensors_bytes'] / 2**30:.1f} GiB"
-            log(f"built {m}: {size} in {build['seconds']:.0f} s")
+            log(f"built {m}: {size} in {build['seconds']:.0f} s{' (reused)' if build.get('reused') else ''}")
     result.update(device={k: v for k, v in s.probe.items() if k != "versions"}, versions=s.probe["versions"])
     result["peak_flops"] = s.peak = steps.peak_of(s.probe, SPEC["datasheet_bf16"])
     sheet = f"{s.peak['datasheet'] / 1e12:.0f}" if s.peak["datasheet"] else "n/a"
     rate = f"measured {dtype} matmul {s.peak['measured_matmul'] / 1e12:.2f} TFLOP/s"
     log(f"device: {s.peak['device']}; {rate}; datasheet bf16 peak {sheet} TFLOP/s")
-    if s.probe.get("fused_adam"):
-        log(f"DeepSpeed fused Adam: {s.probe['fused_adam']}")
     if args.run_gpu_tests:
-        result["gpu_tests"] = device.run_gpu_tests(log_path, log)
+        result["gpu_tests"] = setup.get("gpu_tests") or {"exit_code": None, "summary": "did not finish"}
+        log(f"gpu tests (beside the weight builds): {result['gpu_tests']['summary']}")
     for i, (name, w) in enumerate(workloads.items()):
         what = f"{w['model']} {w['method']} ZeRO-{w['zero_stage']}"
         log(f"workload {name}: {what}, {runner.remaining():.0f} s left")
@@ -319,39 +325,46 @@ def measure(bench) -> int:
             error = f"{type(e).__name__}: {e}"
             result["workloads"][name] = {"model": w["model"], "status": "failed", "error": error}
             log(f"  {name}: FAILED: {error}")
-        # Free the disk of models no later workload uses (8B is 16 GB).
+        # Free the disk of models no later workload uses (8B is 16 GB); a skipped or failed workload's stays for a
+        # second command on the same machine.
         later = {x["model"] for x in list(workloads.values())[i + 1 :]}
+        later |= {x["model"] for x in result["workloads"].values() if x["status"] != "measured"}
         for m in [m for m in s.models if m not in later]:
             shutil.rmtree(work / "models" / m, ignore_errors=True)
             s.models.pop(m)
         result["benchmark_wall_seconds"] = time.perf_counter() - bench.provenance.t0
         write_result(result, output, out_dir)
-    log(table(result))
+    log(gpu_result.table(result))
     for t in result["targets"].values():
         value, met = t["measured"], {True: "met", False: "not met", None: "-"}[t["met"]]
-        shown = "not measured" if value is None else (f"{value:.1%}" if "side" in t else f"x{value:.2f}")
+        share = "at_least" in t and "side" in t  # an MFU; the others are ratios
+        shown = "not measured" if value is None else (f"{value:.1%}" if share else f"x{value:.2f}")
         log(f"target: {t['what']}: {shown} ({met})")
     log(f"wrote {output} (log {log_path}) in {result['benchmark_wall_seconds']:.0f} s")
     if result.get("gpu_tests") is not None and not device.gpu_tests_passed(result["gpu_tests"]):
         log(f"gpu tests did not pass ({result['gpu_tests']['summary']}): exit status 1")
-    return exit_status(result)
+    return gpu_result.exit_status(result)
 
 
 def plot(result: dict, plt):
     """Useful tokens/s (with ratio and MFU) and peak GPU memory per workload and side; None when no side was
     measured."""
     workloads = result["workloads"]
-    names = [n for n, w in workloads.items() if any(measured(r) for r in w.get("sides", {}).values())]
+    names = [
+        n for n, w in workloads.items() if any(gpu_result.measured(r) for r in w.get("sides", {}).values())
+    ]
     if not names:
         return None
-    sides = [s for s in SPEC["sides"] if any(measured(workloads[n]["sides"].get(s, {})) for n in names)]
+    sides = [
+        s for s in SPEC["sides"] if any(gpu_result.measured(workloads[n]["sides"].get(s, {})) for n in names)
+    ]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(max(10, 2.2 * len(names) + 4), 5.2))
     width = 0.8 / len(sides)
     for j, side in enumerate(sides):
         xs, tps, mem, labels = [], [], [], []
         for i, n in enumerate(names):
             r = workloads[n]["sides"].get(side, {})
-            if not measured(r):
+            if not gpu_result.measured(r):
                 continue
             xs.append(i + (j - (len(sides) - 1) / 2) * width)
             tps.append(r["useful_tokens_per_second"])

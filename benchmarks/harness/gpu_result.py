@@ -19,12 +19,89 @@ def evaluate_targets(workloads: dict, targets: dict) -> dict:
     out = {}
     for key, t in targets.items():
         w = workloads.get(t["workload"], {})
+        side = w.get("sides", {}).get(t.get("side"), {})
         if "ratio" in t:
             value = w.get("ratios", {}).get(t["ratio"])
+        elif t.get("of") == "plan":
+            value = (side.get("plan") or {}).get("ratio")
         else:
-            value = w.get("sides", {}).get(t["side"], {}).get("mfu")
-        out[key] = {**t, "measured": value, "met": None if value is None else bool(value >= t["at_least"])}
+            value = side.get("mfu")
+        out[key] = {**t, "measured": value, "met": None if value is None else target_met(t, value)}
     return out
+
+
+def target_met(target: dict, value: float) -> bool:
+    """`at_least` a value, or `within` a share of 1 (a measured/planned ratio)."""
+    if "within" in target:
+        return bool(abs(value - 1) <= target["within"])
+    return bool(value >= target["at_least"])
+
+
+def against_plan(recipe: dict, side: dict, gpu_memory: int | None) -> dict:
+    """lorakit.plan for the recipe a side trained, on one GPU of this one's memory, beside its measured peak:
+    the plan's allocated bytes (its per-GPU figure less the stated framework overhead) against
+    torch.cuda.max_memory_allocated, which counts the same tensors. On CPU (smoke) the plan is made for
+    PyTorch's CPU kernels and set against the process's peak RSS, which also holds the interpreter."""
+    try:
+        from lorakit.planner import plan
+        from lorakit.recipe import recipe_from_dict
+
+        device = "cuda" if gpu_memory else "cpu"
+        estimate = plan(recipe_from_dict(recipe), gpus=1, gpu_memory=gpu_memory, device=device).estimate
+    except Exception as e:  # the measurement stands without it
+        return {"error": f"{type(e).__name__}: {e}"[-1000:]}
+    planned = estimate.per_gpu_bytes - estimate.gpu_overhead
+    peak = side.get("peak_gpu_memory_bytes") or side["peak_cpu_rss_bytes"]
+    out = {
+        "device": device,
+        "planned_allocated_bytes": planned,
+        "planned_per_gpu_bytes": estimate.per_gpu_bytes,
+    }
+    return {**out, "measured_peak_bytes": peak, "ratio": peak / planned, "breakdown": estimate.to_dict()}
+
+
+def describe_extras(side: dict) -> list[str]:
+    """The log lines of a side's plan comparison and profile."""
+    lines = []
+    if (p := side.get("plan")) and "ratio" in p:
+        gib = f"{p['measured_peak_bytes'] / 2**30:.1f} GiB measured, {p['planned_allocated_bytes'] / 2**30:.1f} planned"
+        lines.append(f"against lorakit.plan: x{p['ratio']:.2f} ({gib})")
+    if prof := side.get("profile"):
+        busy = prof.get("device_busy_share")
+        lines.append(
+            f"profile of step {prof['step']}: {prof['step_seconds']:.3f} s, device busy {busy:.0%}"
+            if busy is not None
+            else f"profile of step {prof['step']}: {prof['step_seconds']:.3f} s"
+        )
+        lines += [f"  {k['share']:6.1%} {k['calls']:5d}x {k['name'][:90]}" for k in prof["top"][:8]]
+    return lines
+
+
+def profile_summary(prof, step: int, seconds: float, top: int = 25) -> dict:
+    """What one profiled step spent its time on: the device kernels (or, without a device, the CPU
+    operators) by their own time, the share of the step the device was busy, and the host's busiest ops."""
+    from torch.autograd import DeviceType
+
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6 if kernels else None
+    ranked = kernels or [e for e in events if e.self_cpu_time_total > 0]
+    time_of = (lambda e: e.self_device_time_total) if kernels else (lambda e: e.self_cpu_time_total)
+    total = sum(time_of(e) for e in ranked) or 1
+    ranked = sorted(ranked, key=time_of, reverse=True)
+    rows = [
+        {"name": e.key[:200], "calls": e.count, "ms": time_of(e) / 1e3, "share": time_of(e) / total}
+        for e in ranked
+    ]
+    host = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.self_cpu_time_total)
+    out = {"step": step, "step_seconds": seconds, "what": "device kernels" if kernels else "CPU operators"}
+    out.update(device_busy_seconds=busy, device_busy_share=None if busy is None else busy / seconds)
+    out["kernel_launches"] = sum(e.count for e in kernels)
+    out["host_top"] = [
+        {"name": e.key[:200], "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3}
+        for e in reversed(host[-10:])
+    ]
+    return {**out, "top": rows[:top]}
 
 
 def table(result: dict) -> str:

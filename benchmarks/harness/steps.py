@@ -169,13 +169,39 @@ def lorakit_worker(spec: dict) -> dict:
     from lorakit.engine import loop
 
     rec, inner = StepRecorder(spec["family"], torch.cuda.is_available()), loop.train_window
+    # The last warm-up step runs under torch.profiler (it is not timed; the profiler stops inside it).
+    profile_at, profiled = (spec["warmup_steps"] - 1 if spec.get("profile") else None), {}
 
     def timed_window(*args, **kwargs):  # instrumentation only: reads the batches, changes nothing
         for b in kwargs["window"] if "window" in kwargs else args[2]:
             rec.add(lorakit_batch_lengths(b, spec["family"]), int(b["num_token_slots"]))
+        prof = start_profiler() if len(rec.steps) == profile_at else None
+        start = time.perf_counter()
         out = inner(*args, **kwargs)
+        if prof is not None:
+            if rec.cuda:
+                torch.cuda.synchronize()
+            profiled.update(step=len(rec.steps), seconds=time.perf_counter() - start)
+            prof.stop()
+            profiled["prof"] = prof
         rec.end()
         return out
 
     loop.train_window = timed_window
-    return rec.result(spec["warmup_steps"], workers.lorakit_worker(spec))
+    result = rec.result(spec["warmup_steps"], workers.lorakit_worker(spec))
+    if profiled:
+        from benchmarks.harness.gpu_result import profile_summary
+
+        result["profile"] = profile_summary(profiled["prof"], profiled["step"], profiled["seconds"])
+    return result
+
+
+def start_profiler():
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=activities)
+    prof.start()
+    return prof
