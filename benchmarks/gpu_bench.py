@@ -1,18 +1,12 @@
 """GPU validation and benchmark: lorakit vs HF Trainer + peft on realistic model sizes with random weights.
 
-    python benchmarks/gpu_bench.py [--out DIR] [--workloads causal_1b_lora,...] [--budget-seconds S]
-                                   [--run-gpu-tests] [--extra-sides] [--work-dir DIR] [--output PATH]
-    python benchmarks/gpu_bench.py --smoke            # the same code on CPU, tiny configs
-    python benchmarks/gpu_bench.py --merge PART1.json PART2.json [--output benchmarks/results/gpu_h200.json]
+    python benchmarks/gpu_bench.py [--workloads causal_1b_lora,...] [--budget-seconds S] [--run-gpu-tests] ...
+    python benchmarks/gpu_bench.py --smoke | --merge PART1.json PART2.json [--output RESULT.json]
 
-Every workload (specs/gpu_bench.yaml) trains one model shape with one method (LoRA, full, QLoRA; ZeRO-0 or
-ZeRO-3, one process) on synthetic instruction data through lorakit (`lorakit.train`: causal LMs packed, T5
-grouped by length) and through the usual Hugging Face recipe (Trainer + peft, DataCollatorForSeq2Seq, the
-random sampler; `hf_grouped`: grouped by length), on the same tokenized rows and examples per step. Every
-run is a fresh subprocess, timed per optimizer step with a device synchronisation at its end; the first
-warm-up steps are left out. MFU = model FLOPs of the timed steps (the spec's flop_accounting) / their wall
-time / the GPU's dense bf16 peak, and again / the bf16 matmul rate measured at start. benchmarks/README.md
-and docs/gpu.md say more; benchmarks/gpu_lease_plan.md is the plan for this project's lent H200.
+Every workload (specs/gpu_bench.yaml) trains one model shape with one method through lorakit and through the
+usual Hugging Face recipe on the same tokenized rows, each side a fresh subprocess timed per optimizer step.
+docs/gpu.md says what is measured and how (MFU, the plan, the profile); benchmarks/gpu_lease_plan.md is the
+plan for this project's lent GPUs.
 """
 
 from __future__ import annotations
@@ -313,6 +307,8 @@ def measure(bench) -> int:
     sheet = f"{s.peak['datasheet'] / 1e12:.0f}" if s.peak["datasheet"] else "n/a"
     rate = f"measured {dtype} matmul {s.peak['measured_matmul'] / 1e12:.2f} TFLOP/s"
     log(f"device: {s.peak['device']}; {rate}; datasheet bf16 peak {sheet} TFLOP/s")
+    if s.probe.get("t5_sdpa_backends"):
+        log(f"SDPA kernels that take T5's attention: {s.probe['t5_sdpa_backends']}")
     if args.run_gpu_tests:
         result["gpu_tests"] = setup.get("gpu_tests") or {"exit_code": None, "summary": "did not finish"}
         log(f"gpu tests (beside the weight builds): {result['gpu_tests']['summary']}")

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One lease of a lent GPU machine, in one command (see benchmarks/gpu_lease_plan.md): the GPU contract tests
 # (run beside the weight builds; junit XML beside the result), then issue 50's workloads in order of value with
-# the time that is left: FLAN-T5-XXL LoRA at the headline recipe's shape on one GPU (peak against lorakit.plan),
-# Llama-3-8B-shaped LoRA at sequence 4096 without gradient checkpointing (profiled), FLAN-T5-XL LoRA against
-# Seq2SeqTrainer + peft with the packed T5 side (profiled), 8B QLoRA, and the 1B LoRA headline (profiled).
+# the time that is left (the third lease's results decided the order): FLAN-T5-XL LoRA against Seq2SeqTrainer +
+# peft with the packed T5 side (profiled), the 1B LoRA headline with its HF side (profiled), Llama-3-8B-shaped
+# LoRA at sequence 4096 without gradient checkpointing (profiled), FLAN-T5-XXL LoRA on one GPU (peak against
+# lorakit.plan), and 8B QLoRA.
 #
 #     bash benchmarks/gpu_checks.sh OUT_DIR [TOTAL_SECONDS] [WORKLOADS] [EXTRA gpu_bench.py ARGS...]
 #
@@ -12,7 +13,7 @@
 set -uo pipefail
 OUT_DIR="${1:?usage: gpu_checks.sh OUT_DIR [TOTAL_SECONDS] [WORKLOADS] [ARGS...]}"
 TOTAL="${2:-500}"
-WORKLOADS="${3:-t5_xxl_lora,causal_8b_lora_4k_nockpt,t5_xl_lora,causal_8b_qlora_4k,causal_1b_lora}"
+WORKLOADS="${3:-t5_xl_lora,causal_1b_lora,causal_8b_lora_4k_nockpt,t5_xxl_lora,causal_8b_qlora_4k}"
 shift $(( $# < 3 ? $# : 3 ))
 EXTRA=("$@")
 (( ${#EXTRA[@]} )) || EXTRA=(--run-gpu-tests --extra-sides --sides lorakit,hf,lorakit_packed)

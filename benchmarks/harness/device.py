@@ -69,7 +69,46 @@ def probe(matmul_n: int, dtype_name: str) -> dict:
     except Exception as e:
         out["bitsandbytes"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[-1000:]}
     out["flash_attn_importable"] = importlib.util.find_spec("flash_attn") is not None
+    if cuda:
+        out["t5_sdpa_backends"] = t5_sdpa_backends(dtype)
     out["lorakit_attention_auto"] = choose_attention("auto", LlamaForCausalLM)
+    return out
+
+
+def t5_sdpa_backends(dtype) -> dict:
+    """Which of SDPA's kernels take T5's attention (an additive position-bias mask, dropout in training) in a
+    forward and backward pass of a small T5 on the GPU: the third lease's profile showed fp32 GEMMs where T5
+    attends, the signature of SDPA's math fallback."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=256,
+        d_model=256,
+        d_kv=64,
+        d_ff=512,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=4,
+        feed_forward_proj="gated-gelu",
+        decoder_start_token_id=0,
+    )
+    model = T5ForConditionalGeneration._from_config(config, attn_implementation="sdpa", dtype=dtype).cuda()
+    ids, labels = (
+        torch.randint(1, 256, (4, 200), device="cuda"),
+        torch.randint(1, 256, (4, 40), device="cuda"),
+    )
+    mask = torch.ones_like(ids)
+    mask[1:, 150:] = 0  # padded rows, as length-grouped micro-batches have
+    out = {}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel([backend]):
+                model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            out[backend.name] = "ok"
+        except Exception as e:  # the kernel refused these inputs: what it said is the answer
+            out[backend.name] = f"{type(e).__name__}: {e}"[:300]
     return out
 
 
