@@ -72,7 +72,8 @@ def parser(spec: dict) -> argparse.ArgumentParser:
         else:
             kw["type"] = TYPES[o.get("type", "str")]
         shown = " (default: %(default)s)" if kw.get("default") is not None else ""
-        p.add_argument("--" + name.replace("_", "-"), help=o.get("help", "") + shown, **kw)
+        flag = name if o.get("positional") else "--" + name.replace("_", "-")
+        p.add_argument(flag, help=o.get("help", "") + shown, **kw)
     return p
 
 
@@ -266,8 +267,9 @@ class Bench:
             self.log(f"{c['name']}: {'met' if c['claim_met'] else 'NOT met'}")
         self.log(f"wrote {self.output} in {result['benchmark_wall_seconds']:.0f} s")
         png = self.output.with_suffix(".png")
-        drawn = plots.render(self.module, result, png)
-        self.log(f"wrote {png}" if drawn else "no chart (it needs matplotlib: pip install matplotlib)")
+        if hasattr(self.module, "plot"):
+            drawn = plots.render(self.module, result, png)
+            self.log(f"wrote {png}" if drawn else "no chart (it needs matplotlib: pip install matplotlib)")
         if not valid:
             print(f"error: {self.spec['invalid']}", file=sys.stderr)
             return 1

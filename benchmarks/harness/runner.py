@@ -75,7 +75,8 @@ def worker_main(workers: dict, argv: list[str]) -> int:
         import torch
 
         torch.set_num_threads(spec["torch_threads"])
-    Path(result_path).write_text(json.dumps(workers[kind](spec)))
+    # RESULT may hold {rank}: a worker under torchrun writes one result per rank.
+    Path(result_path.format(rank=os.environ.get("RANK", "0"))).write_text(json.dumps(workers[kind](spec)))
     return 0
 
 
