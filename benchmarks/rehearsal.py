@@ -6,10 +6,8 @@ with every process's private memory sampled and set against the planner's number
     python benchmarks/rehearsal.py --shape flan-t5-xl --steps 3         # the 2.85B FLAN-T5-XL shape
     python benchmarks/rehearsal.py --shape llama3-8b-2l --merge-only    # Llama-3-8B width, 2 layers
 
-Private memory is RssAnon (/proc/PID/status): the process's own pages, without mmapped files (a safetensors
-checkpoint mapped by the loader is page cache, not the process's). Phases of the training run come from the
-run's own records: load (launch to the first step's record), first step, steady state (steps 2..N), save
-(last step to exit); then the merge as its own process. Results go to benchmarks/results/rehearsal_SHAPE.json.
+Private memory is RssAnon (/proc/PID/status: no mmapped files). The phases (load, first step, steady state,
+save) come from the run's own records; the merge runs as its own process (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # as a script: the harness and this lorakit
 
 from benchmarks.harness import memory  # noqa: E402
-from benchmarks.harness.memory import Sampler, against_plan, gib, planned_of, step_memory, step_times  # noqa: E402
+from benchmarks.harness.memory import Sampler, gib, step_times  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 PIPED = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}  # output read as text
@@ -279,7 +277,7 @@ def plot(results: list[Path], png: Path) -> None:
         for i, rk in enumerate(ranks):
             ax_phase.bar([j + 0.35 * i for j in range(len(names))], [t["phases"][n][rk] for n in names], 0.35,
                          label=rk)  # fmt: skip
-        planned = planned_of(t)
+        planned = r["measured_over_planned"]["planned_per_process_gib"]
         ax_phase.scatter([j + 0.175 for j in range(len(names))], [planned[n] for n in names], marker="_",
                          s=900, color="k", zorder=3, label="plan per process (phase)")  # fmt: skip
         ax_phase.bar(len(names) + 0.2, r["merge"]["peak_private_gib"], 0.5, color="tab:green", label="merge")
@@ -290,7 +288,7 @@ def plot(results: list[Path], png: Path) -> None:
         what = r.get("label") or " ".join(r.get("env") or []) or "lorakit's defaults"
         ax_phase.set_title(f"{r['shape']} ({what}): peak per phase", fontsize=9)
         ax_phase.legend(fontsize=7)
-        by_step = step_memory(t)
+        by_step = t.get("per_step_peak") or t["per_step"]  # results from before per_step_peak: at each record
         steps = sorted(by_step, key=int)
         for rk in ranks:
             ax_step.plot([int(s) for s in steps], [by_step[s][rk] for s in steps], marker=".", label=rk)
@@ -307,8 +305,6 @@ def plot(results: list[Path], png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plot-only", nargs="+", type=Path, help="redraw results/rehearsal.png from result files")
-    p.add_argument("--replan", action="store_true",
-                   help="with --plot-only: plan each result's run again (its recipe under --work)")  # fmt: skip
     p.add_argument("--shape", choices=sorted(SHAPES), default="flan-t5-xl-2l")
     p.add_argument("--label", default=None, help="what this run tried, for the plot's titles")
     p.add_argument("--steps", type=int, default=20)
@@ -322,13 +318,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="results JSON (default results/rehearsal_SHAPE.json)")
     args = p.parse_args(argv)
     if args.plot_only:
-        for f in args.plot_only:  # older results get the comparison with the plan too
-            r = json.loads(f.read_text())
-            if "train" in r and args.replan:  # the planner changed since the run: plan the run's recipe again
-                r["train"]["planned_phases_gib"] = planned_phases(args.work / r["shape"] / "run/recipe.yaml")
-            if "train" in r:
-                r["measured_over_planned"] = against_plan(r)
-                f.write_text(json.dumps(r, indent=2) + "\n")
         plot(args.plot_only, RESULTS / "rehearsal.png")
         return 0
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
@@ -349,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         run = args.work / args.shape / "run"
         result["train"] = train(model, run, args.steps, args.override, env, SHAPES[args.shape][0])
         result["merge"] = merge(run, args.work / args.shape / "merged", env)
-        result["measured_over_planned"] = against_plan(result)
+        result["measured_over_planned"] = memory.against_plan(result)
     out = args.out or RESULTS / f"rehearsal_{args.shape}{'_merge' if args.merge_compare else ''}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -118,24 +118,17 @@ def per_step_peak(samples: list[dict], step_t: dict[int, float]) -> dict:
     return per_step(samples, step_t, peak=True)
 
 
-def step_memory(train: dict) -> dict:
-    """A result's memory per step: each step's peak where the run recorded it, else (results from before
-    `per_step_peak`) the sample at each step's record."""
-    return train.get("per_step_peak") or train["per_step"]
-
-
-def against_plan(result: dict, processes: int = 2) -> dict:
-    """Each phase's peak per rank against the plan for that phase per process (planned_phases; results
-    from before it: the planner's per-node RAM divided by the processes), the merge's peak against the
+def against_plan(result: dict) -> dict:
+    """Each phase's peak per rank against the plan for that phase per process, the merge's peak against the
     merge's plan, and the growth from step 2 to the last step."""
     t = result["train"]
-    planned = planned_of(t, processes)
+    planned = t["planned_phases_gib"]
     out = {"planned_per_process_gib": planned}
     for name, ranks in t["phases"].items():
         out[name] = {rk: round(v / planned[name], 3) for rk, v in ranks.items()}
     if result.get("merge") and planned.get("merge"):
         out["merge"] = round(result["merge"]["peak_private_gib"] / planned["merge"], 3)
-    by_step = step_memory(t)
+    by_step = {str(k): v for k, v in t["per_step_peak"].items()}  # JSON keys, as a written result has them
     steps = sorted(by_step, key=int)
     first, last = by_step.get("2", by_step[steps[0]]), by_step[steps[-1]]
     out["growth_step2_to_last_gib"] = {rk: round(last[rk] - first[rk], 3) for rk in last}
@@ -143,10 +136,3 @@ def against_plan(result: dict, processes: int = 2) -> dict:
     spread = {rk: [v[rk] for v in steady] for rk in last}
     out["steady_step_range_gib"] = {rk: round(max(v) - min(v), 3) for rk, v in spread.items()}
     return out
-
-
-def planned_of(train: dict, processes: int = 2) -> dict:
-    """The plan per process of each phase (results from before planned_phases: the planner's per-node RAM
-    divided by the processes, for every phase)."""
-    single = train["summary"]["planned_per_node_cpu_gib"] / processes
-    return train.get("planned_phases_gib") or dict.fromkeys([*train["phases"], "merge"], single)
