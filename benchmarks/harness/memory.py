@@ -13,25 +13,13 @@ from pathlib import Path
 GIB = 1 << 30
 
 
-def private_bytes(pid: int) -> int | None:
-    """RssAnon of a process, or None when it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 class Sampler:
-    """Samples RssAnon of a process tree every `every` seconds: worker ranks by their RANK variable."""
+    """Samples the private memory (RssAnon, /proc/PID/status) of a process tree every `every` seconds, worker
+    ranks named by their RANK variable: `samples` holds {t, rank -> bytes}."""
 
     def __init__(self, root: int, every: float = 0.2):
-        self.root, self.every, self.t0 = root, every, time.monotonic()
-        self.samples: list[dict] = []  # {t, rank -> bytes}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.root, self.every, self.t0, self.samples = root, every, time.monotonic(), []
+        self._stop, self._thread = threading.Event(), threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self):
         self._thread.start()
@@ -41,26 +29,25 @@ class Sampler:
         self._stop.set()
         self._thread.join()
 
-    def _ranks(self) -> dict[str, int]:
+    def _run(self):
         import psutil
 
-        try:
-            procs = [psutil.Process(self.root), *psutil.Process(self.root).children(recursive=True)]
-        except psutil.Error:
-            return {}
-        out = {}
-        for p in procs:
-            try:
-                rank = p.environ().get("RANK") if p.pid != self.root else None
-            except psutil.Error:
-                continue
-            out[f"rank{rank}" if rank is not None else f"pid{p.pid}"] = p.pid
-        return out
-
-    def _run(self):
         while not self._stop.wait(self.every):
-            t, sizes = time.monotonic() - self.t0, {n: private_bytes(pid) for n, pid in self._ranks().items()}
-            self.samples.append({"t": t, **{n: b for n, b in sizes.items() if b is not None}})
+            row = {"t": time.monotonic() - self.t0}
+            try:
+                procs = [psutil.Process(self.root), *psutil.Process(self.root).children(recursive=True)]
+            except psutil.Error:
+                procs = []
+            for p in procs:
+                try:
+                    rank = p.environ().get("RANK") if p.pid != self.root else None
+                    status = Path(f"/proc/{p.pid}/status").read_text().splitlines()
+                except (psutil.Error, OSError):  # gone
+                    continue
+                anon = next((int(ln.split()[1]) * 1024 for ln in status if ln.startswith("RssAnon:")), None)
+                if anon is not None:
+                    row[f"rank{rank}" if rank is not None else f"pid{p.pid}"] = anon
+            self.samples.append(row)
 
 
 def step_times(run_dir: Path, seen: dict[int, float], t0: float) -> None:
