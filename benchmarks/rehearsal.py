@@ -146,6 +146,8 @@ RECIPES = {
 
 def train(model: Path, out: Path, steps: int, extra: list[str], env: dict, family: str = "t5") -> dict:
     """The ZeRO-3 run on 2 processes; its private memory per rank and per phase."""
+    from lorakit.planner.phases import cpu_phases
+
     recipe, shape = RECIPES[family]
     overrides = [
         f"model.name_or_path={model}", "data.source=builtin:news_summaries", "data.split=train",
@@ -172,28 +174,18 @@ def train(model: Path, out: Path, steps: int, extra: list[str], env: dict, famil
     if proc.returncode != 0:
         raise SystemExit(f"training failed ({proc.returncode}):\n" + "".join(lines[-40:]))
     summary = json.loads((out / "summary.json").read_text())
-    return {"phases": memory.phases(s.samples, step_t, end), "per_step": memory.per_step(s.samples, step_t),
-            "per_step_peak": memory.per_step_peak(s.samples, step_t),
-            "summary": _summary_memory(summary), "planned_phases_gib": planned_phases(out / "recipe.yaml"),
-            "seconds": end}  # fmt: skip
-
-
-def planned_phases(recipe: Path) -> dict:
-    """The planner's bytes per process of each phase of this run on CPUs (lorakit/planner/phases.py), GiB."""
-    from lorakit.planner.phases import cpu_phases
-
-    return {k: gib(v) for k, v in cpu_phases(recipe).items()}
-
-
-def _summary_memory(summary: dict) -> dict:
     plan, peaks = summary.get("plan") or {}, summary["peak_memory_bytes"]
     states = sum(i["bytes"] for i in (plan.get("recipe") or {}).get("items", []) if i.get("kind") == "state")
-    out = {"planned_per_device_gib": gib(plan.get("per_gpu_bytes") or 0)}
-    out["planned_per_node_cpu_gib"] = gib(plan.get("per_node_cpu_bytes") or 0)
-    out["planned_model_states_gib"] = gib(states)
-    out["measured_model_states_gib"] = gib(peaks.get("model_states") or 0)
-    out["peak_cpu_rss_gib"] = gib(peaks["cpu_rss"])
-    return {**out, **{k: summary.get(k) for k in ("total_params", "trainable_params")}}
+    memory_of = {"planned_per_device_gib": gib(plan.get("per_gpu_bytes") or 0)}
+    memory_of["planned_per_node_cpu_gib"] = gib(plan.get("per_node_cpu_bytes") or 0)
+    memory_of.update(planned_model_states_gib=gib(states), peak_cpu_rss_gib=gib(peaks["cpu_rss"]))
+    memory_of["measured_model_states_gib"] = gib(peaks.get("model_states") or 0)
+    memory_of.update({k: summary.get(k) for k in ("total_params", "trainable_params")})
+    # The planner's bytes per process of each phase of this run on CPUs (lorakit/planner/phases.py).
+    planned = {k: gib(v) for k, v in cpu_phases(out / "recipe.yaml").items()}
+    return {"phases": memory.phases(s.samples, step_t, end), "per_step": memory.per_step(s.samples, step_t),
+            "per_step_peak": memory.per_step_peak(s.samples, step_t), "summary": memory_of,
+            "planned_phases_gib": planned, "seconds": end}  # fmt: skip
 
 
 def merge(source: Path, out: Path, env: dict, base: Path | None = None, extra: tuple[str, ...] = ()) -> dict:
