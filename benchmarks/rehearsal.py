@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -27,62 +28,34 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # as a script: the harness and this lorakit
 
-from benchmarks.harness import memory  # noqa: E402
+from benchmarks.harness import load_spec, memory  # noqa: E402
 from benchmarks.harness.memory import Sampler, gib, step_times  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 PIPED = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}  # output read as text
 
-# name -> (family, config overrides). T5 v1.1 XL (FLAN-T5-XL), Llama-3-8B; "-Nl": fewer layers, same width.
-TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+SPEC = load_spec("rehearsal")
 SHAPES = {
-    "flan-t5-xl": ("t5", {}),
-    "flan-t5-xl-2l": ("t5", dict(num_layers=2, num_decoder_layers=2)),
-    "llama3-8b-2l": ("llama", dict(num_hidden_layers=2)),
-    "tiny": ("t5", dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, num_decoder_layers=2)),
-    "tiny-llama": ("llama", dict(TINY_LLAMA, num_hidden_layers=2)),
-}
+    name: (s["family"], s.get("config", {})) for name, s in SPEC["shapes"].items()
+}  # name -> (family, config)
 
 
 def model_config(family: str, tokenizer, **over):
     """The real model's config (T5 v1.1 XL or Llama-3-8B), with `over` applied."""
     from transformers import LlamaConfig, T5Config
 
-    if family == "t5":
-        base = dict(
-            vocab_size=32128, d_model=2048, d_kv=64, d_ff=5120, num_layers=24, num_decoder_layers=24,
-            num_heads=32, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-            decoder_start_token_id=tokenizer.pad_token_id, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )  # fmt: skip
-        return T5Config(**{**base, **over})
-    base = dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-        num_key_value_heads=8, num_hidden_layers=32, rope_theta=500000.0, max_position_embeddings=8192,
-        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    return LlamaConfig(**{**base, **over})
+    f = SPEC["families"][family]
+    ids = {key: getattr(tokenizer, attr) for key, attr in f["token_ids"].items()}
+    return (T5Config if family == "t5" else LlamaConfig)(**{**f["config"], **ids, **over})
 
 
 def init_std(family: str, key: str, c) -> float | None:
-    """The init scale of a weight (None: a norm, ones). T5: its own init (factor 1); the head at
-    d_model**-0.5 rather than 1.0 so logits stay O(1) on random weights. Llama: 0.02."""
-    if key.endswith("norm.weight"):
-        return None
-    if family == "llama":
-        return 0.02
-    rules = [
-        ("relative_attention_bias", c.d_model**-0.5),
-        (".q.weight", (c.d_model * c.d_kv) ** -0.5),
-        (".k.weight", c.d_model**-0.5),
-        (".v.weight", c.d_model**-0.5),
-        (".o.weight", (c.num_heads * c.d_kv) ** -0.5),
-        (".wo.weight", c.d_ff**-0.5),
-        (".wi", c.d_model**-0.5),
-        ("lm_head", c.d_model**-0.5),
-    ]
-    return next((std for part, std in rules if part in key), 1.0)  # shared embedding: 1.0
+    """The init scale of a weight (None: a norm, ones), by the family's rules (specs/rehearsal.yaml)."""
+    f = SPEC["families"][family]
+    rules = (
+        math.prod(getattr(c, a) for a in attrs) ** -0.5 for part, attrs in f["init_rules"] if part in key
+    )
+    return None if key.endswith("norm.weight") else next(rules, f["init_std"])
 
 
 def build(shape: str, path: Path, shard_size: str = "2GB") -> dict:
@@ -137,26 +110,13 @@ def build(shape: str, path: Path, shard_size: str = "2GB") -> dict:
     return {"shape": shape, "params": n, "bytes": total, "shards": len(groups)}
 
 
-# The recipe each family trains with, and what makes its rows 128 + 32 tokens, one per micro-batch.
-RECIPES = {
-    "t5": ("flan_t5_xl_lora.yaml", ["data.max_source_length=128", "data.max_target_length=32"]),
-    "llama": ("quickstart_causal.yaml", ["data.max_length=160", "train.max_tokens=null", "train.lr=2e-4"]),
-}
-
-
 def train(model: Path, out: Path, steps: int, extra: list[str], env: dict, family: str = "t5") -> dict:
     """The ZeRO-3 run on 2 processes; its private memory per rank and per phase."""
     from lorakit.planner.phases import cpu_phases
 
-    recipe, shape = RECIPES[family]
-    overrides = [
-        f"model.name_or_path={model}", "data.source=builtin:news_summaries", "data.split=train",
-        "data.eval_split=validation", *shape, "data.packing=false", f"data.max_samples={max(64, 4 * steps)}",
-        "data.num_proc=1", "train.micro_batch_size=1", "train.gradient_accumulation_steps=1",
-        f"train.max_steps={steps}", "train.log_every=1", "distributed.num_processes=2",
-        "distributed.zero_stage=3", "eval.enabled=false", f"output.dir={out}", "output.save_adapter=true",
-        *extra,
-    ]  # fmt: skip
+    recipe, *shape = SPEC["families"][family]["recipe"]
+    overrides = [f"model.name_or_path={model}", *SPEC["train_overrides"], *shape, f"train.max_steps={steps}"]
+    overrides += [f"data.max_samples={max(64, 4 * steps)}", f"output.dir={out}", *extra]
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resume of an earlier one
     cmd = [sys.executable, "-m", "lorakit.run", str(ROOT / "recipes" / recipe), *overrides]
     step_t: dict[int, float] = {}
