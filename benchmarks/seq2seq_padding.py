@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the
 
 from benchmarks.harness import load_spec, main, plots  # noqa: E402
 from benchmarks.harness.runner import claims, first_of  # noqa: E402
-from benchmarks.harness.workers import guide_preprocess, one_process_env, train, training_args, with_lora  # noqa: E402
+from benchmarks.harness.workers import dig, guide_preprocess, one_process_env, train, training_args, with_lora  # noqa: E402
 
 SPEC = load_spec("seq2seq_padding")
 SIDES = list(SPEC["sides"])
@@ -94,14 +94,9 @@ def hf_worker(spec: dict) -> dict:
     if spec["hf"].get("zero3"):  # the model is loaded before the arguments, as in the guide's script
         one_process_env(spec["master_port"])
         deepspeed = spec["guide_zero3"]
-    sizes = {"per_device_train_batch_size": cfg["micro_batch_size"], "num_train_epochs": cfg["epochs"]}
-    sizes["gradient_accumulation_steps"] = cfg["gradient_accumulation_steps"]
-    schedule = {"learning_rate": cfg["lr"], "warmup_steps": cfg["warmup_ratio"], "seed": cfg["seed"]}
-    schedule.update(lr_scheduler_type=cfg["lr_schedule"], weight_decay=cfg["weight_decay"])
-    schedule["max_grad_norm"] = cfg["max_grad_norm"]
     # group_by_length: the expert's LengthGroupedSampler; the guide samples at random.
-    kwargs = {**spec["hf_args"], **sizes, **schedule, "deepspeed": deepspeed, "output_dir": spec["work_dir"]}
-    kwargs.update(checkpointing=recipe["model"]["gradient_checkpointing"], group_by_length=dynamic)
+    kwargs = {k: dig(recipe, key) for k, key in SPEC["hf_from_recipe"].items()}
+    kwargs.update(spec["hf_args"], deepspeed=deepspeed, output_dir=spec["work_dir"], group_by_length=dynamic)
     args = training_args(hf.Seq2SeqTrainingArguments, **kwargs)
     trainer, metrics, losses = train(
         hf.Seq2SeqTrainer, model, args, rows, counting_collator, tokenizer, Timer()
