@@ -7,20 +7,19 @@ renamed the worker fails loudly and every benchmark's smoke test catches it."""
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 
 
 class Clock:
     """Wall and CPU seconds per phase, and how many times each ran, of the functions it wraps."""
 
     def __init__(self) -> None:
-        self.wall: dict[str, float] = {}
-        self.cpu: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
+        self.wall, self.cpu, self.calls = defaultdict(float), defaultdict(float), defaultdict(int)
 
     def add(self, phase: str, wall: float, cpu: float) -> None:
-        self.wall[phase] = self.wall.get(phase, 0.0) + wall
-        self.cpu[phase] = self.cpu.get(phase, 0.0) + cpu
-        self.calls[phase] = self.calls.get(phase, 0) + 1
+        self.wall[phase] += wall
+        self.cpu[phase] += cpu
+        self.calls[phase] += 1
 
     def wrap(self, phase: str, fn):
         def timed(*args, **kwargs):
