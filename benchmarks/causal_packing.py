@@ -5,9 +5,7 @@
     python benchmarks/causal_packing.py --plot-only benchmarks/results/causal_packing.json
 
 The sides (specs/causal_packing.yaml) train the same tiny Llama on the same rows and differ only in how rows
-become micro-batches. The packed side's budget is chosen by measurement in the same invocation: a sweep
-trains one epoch at each budget of --budgets and picks the highest median useful tokens/s; the comparison
-rounds that follow are new runs, so picking the best of a noisy sweep does not flatter the headline.
+become micro-batches; the packed side's budget is chosen by a sweep before the comparison rounds (README).
 """
 
 from __future__ import annotations
@@ -18,15 +16,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the harness and this lorakit
 
 from benchmarks.harness import load_spec, main, plots  # noqa: E402
-from benchmarks.harness.cli import whole_micro_batches  # noqa: E402
 from benchmarks.harness.runner import first_of, token_checks  # noqa: E402
 
 SPEC = load_spec("causal_packing")
 MICRO_BATCH = SPEC["recipe"]["train"]["micro_batch_size"]
-
-
-def check_args(args, error) -> None:
-    whole_micro_batches(args, error, MICRO_BATCH)
 
 
 def per_budget(budget: int, runs: list[dict]) -> dict:

@@ -1,22 +1,17 @@
 """LoRA vs full fine-tuning of the same briefly pre-trained tiny model: quality, memory, speed.
 
-    python benchmarks/lora_vs_full.py [--lrs 3e-4,1e-3,3e-3,1e-2,3e-2] [--max-samples N] [--pretrain-epochs E]
-                                      [--smoke] [--output benchmarks/results/lora_vs_full.json] ...
+    python benchmarks/lora_vs_full.py [--lrs 3e-4,1e-3,3e-3,1e-2,3e-2] [--max-samples N] [--smoke] ...
     python benchmarks/lora_vs_full.py --plot-only benchmarks/results/lora_vs_full.json
 
-First `lorakit.train` pre-trains every weight of the random `tiny:llama` on articles; then LoRA and full
-fine-tuning of that model train on the same summarisation rows and packed micro-batches (the same tokens), at
-every learning rate of --lrs, each judged at its best by eval loss (specs/lora_vs_full.yaml). Round i runs both
-methods at lr_i back to back, alternating which goes first, so speed ratios are paired within a round. At the
-end `lorakit.compare` puts the best runs side by side (report.md and plots next to the result). On a model
-this small peak RSS is mostly the runtime, so the worker also measures the model state it holds: weights,
-gradients (the most held in p.grad at an optimizer step) and the AdamW state.
+`lorakit.train` pre-trains every weight of the random `tiny:llama`; LoRA and full fine-tuning of it then train
+on the same packed rows at every lr of --lrs (round i: both at lr_i, paired), each judged at its best eval loss,
+and `lorakit.compare` reports the best runs. The worker also measures the model state it holds (weights,
+gradients, AdamW state). Sides and texts: specs/lora_vs_full.yaml; benchmarks/README.md says more.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,10 +19,11 @@ sys.path.insert(0, str(ROOT))  # as a script: the harness and this lorakit
 
 from benchmarks.harness import load_spec, main, plots  # noqa: E402
 from benchmarks.harness.runner import median, paired_ratios  # noqa: E402
-from benchmarks.harness.workers import lorakit_worker  # noqa: E402
+from benchmarks.harness.workers import Clock, lorakit_worker  # noqa: E402
 
 SPEC = load_spec("lora_vs_full")
 METHODS = ("lora", "full")
+TIMER_CPU = ("epoch_cpu_seconds", "eval_cpu_seconds")  # the run's own CPU times replace the timer's
 
 
 def _bytes(tensors) -> int:
@@ -39,23 +35,13 @@ def worker(spec: dict) -> dict:
     import torch
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from lorakit.engine import loop
-
-    measured: dict = {"grads": 0, "train_cpu_seconds": 0.0}
-    step, window = DeepSpeedEngine.step, loop.train_window
+    measured, clock, step = {"grads": 0}, Clock(), DeepSpeedEngine.step
 
     def measured_step(self, *args, **kwargs):
         if self.is_gradient_accumulation_boundary():
             grads = _bytes(p.grad for p in self.module.parameters() if p.grad is not None)
             measured["grads"] = max(measured["grads"], grads)
         return step(self, *args, **kwargs)
-
-    def measured_window(*args, **kwargs):
-        cpu = time.process_time()
-        try:
-            return window(*args, **kwargs)
-        finally:
-            measured["train_cpu_seconds"] += time.process_time() - cpu
 
     def model_state(trainer) -> None:
         module = trainer.engine.module
@@ -68,14 +54,15 @@ def worker(spec: dict) -> dict:
         states = [t for state in opt.state.values() for t in state.values() if torch.is_tensor(t)]
         measured["optimizer"] = _bytes(states)
 
-    DeepSpeedEngine.step, loop.train_window = measured_step, measured_window
-    r = lorakit_worker(spec, at_run_end=model_state)
-    # The whole of Trainer.run, the evaluation after the epoch included.
-    wall = r.pop("epoch_seconds") + r.pop("eval_seconds", 0.0)
-    cpu = r.pop("epoch_cpu_seconds") + r.pop("eval_cpu_seconds", 0.0)
+    DeepSpeedEngine.step = measured_step
+    clock.patch({"window": "lorakit.engine.loop:train_window"})
+    r = lorakit_worker(spec, at_run_end=model_state, clock=clock)
+    r = {k: v for k, v in r.items() if k not in ("epoch_seconds", "eval_seconds", *TIMER_CPU)}
     state = {k: measured[k] for k in ("weights", "trainable_weights", "grads", "optimizer")}
     state["total"] = state["weights"] + state["grads"] + state["optimizer"]
-    r.update(train_cpu_seconds=measured["train_cpu_seconds"], model_state_bytes=state, run_wall_seconds=wall)
+    # The whole of Trainer.run, the evaluation after the epoch included.
+    wall, cpu = clock.wall["run"], clock.cpu["run"]
+    r.update(train_cpu_seconds=clock.cpu["window"], model_state_bytes=state, run_wall_seconds=wall)
     return {**r, "run_cpu_per_wall": cpu / wall}
 
 

@@ -6,16 +6,15 @@ with every process's private memory sampled and set against the planner's number
     python benchmarks/rehearsal.py --shape flan-t5-xl --steps 3         # the 2.85B FLAN-T5-XL shape
     python benchmarks/rehearsal.py --shape llama3-8b-2l --merge-only    # Llama-3-8B width, 2 layers
 
-Private memory is RssAnon (/proc/PID/status): the process's own pages, without mmapped files (a safetensors
-checkpoint mapped by the loader is page cache, not the process's). Phases of the training run come from the
-run's own records: load (launch to the first step's record), first step, steady state (steps 2..N), save
-(last step to exit); then the merge as its own process. Results go to benchmarks/results/rehearsal_SHAPE.json.
+Private memory is RssAnon (/proc/PID/status: no mmapped files). The phases (load, first step, steady state,
+save) come from the run's own records; the merge runs as its own process (benchmarks/README.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -29,62 +28,34 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # as a script: the harness and this lorakit
 
-from benchmarks.harness import memory  # noqa: E402
-from benchmarks.harness.memory import Sampler, against_plan, gib, planned_of, step_memory, step_times  # noqa: E402
+from benchmarks.harness import load_spec, memory  # noqa: E402
+from benchmarks.harness.memory import Sampler, gib, step_times  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 PIPED = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}  # output read as text
 
-# name -> (family, config overrides). T5 v1.1 XL (FLAN-T5-XL), Llama-3-8B; "-Nl": fewer layers, same width.
-TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+SPEC = load_spec("rehearsal")
 SHAPES = {
-    "flan-t5-xl": ("t5", {}),
-    "flan-t5-xl-2l": ("t5", dict(num_layers=2, num_decoder_layers=2)),
-    "llama3-8b-2l": ("llama", dict(num_hidden_layers=2)),
-    "tiny": ("t5", dict(d_model=64, d_ff=128, d_kv=16, num_heads=4, num_layers=2, num_decoder_layers=2)),
-    "tiny-llama": ("llama", dict(TINY_LLAMA, num_hidden_layers=2)),
-}
+    name: (s["family"], s.get("config", {})) for name, s in SPEC["shapes"].items()
+}  # name -> (family, config)
 
 
 def model_config(family: str, tokenizer, **over):
     """The real model's config (T5 v1.1 XL or Llama-3-8B), with `over` applied."""
     from transformers import LlamaConfig, T5Config
 
-    if family == "t5":
-        base = dict(
-            vocab_size=32128, d_model=2048, d_kv=64, d_ff=5120, num_layers=24, num_decoder_layers=24,
-            num_heads=32, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-            decoder_start_token_id=tokenizer.pad_token_id, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )  # fmt: skip
-        return T5Config(**{**base, **over})
-    base = dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-        num_key_value_heads=8, num_hidden_layers=32, rope_theta=500000.0, max_position_embeddings=8192,
-        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    return LlamaConfig(**{**base, **over})
+    f = SPEC["families"][family]
+    ids = {key: getattr(tokenizer, attr) for key, attr in f["token_ids"].items()}
+    return (T5Config if family == "t5" else LlamaConfig)(**{**f["config"], **ids, **over})
 
 
 def init_std(family: str, key: str, c) -> float | None:
-    """The init scale of a weight (None: a norm, ones). T5: its own init (factor 1); the head at
-    d_model**-0.5 rather than 1.0 so logits stay O(1) on random weights. Llama: 0.02."""
-    if key.endswith("norm.weight"):
-        return None
-    if family == "llama":
-        return 0.02
-    rules = [
-        ("relative_attention_bias", c.d_model**-0.5),
-        (".q.weight", (c.d_model * c.d_kv) ** -0.5),
-        (".k.weight", c.d_model**-0.5),
-        (".v.weight", c.d_model**-0.5),
-        (".o.weight", (c.num_heads * c.d_kv) ** -0.5),
-        (".wo.weight", c.d_ff**-0.5),
-        (".wi", c.d_model**-0.5),
-        ("lm_head", c.d_model**-0.5),
-    ]
-    return next((std for part, std in rules if part in key), 1.0)  # shared embedding: 1.0
+    """The init scale of a weight (None: a norm, ones), by the family's rules (specs/rehearsal.yaml)."""
+    f = SPEC["families"][family]
+    rules = (
+        math.prod(getattr(c, a) for a in attrs) ** -0.5 for part, attrs in f["init_rules"] if part in key
+    )
+    return None if key.endswith("norm.weight") else next(rules, f["init_std"])
 
 
 def build(shape: str, path: Path, shard_size: str = "2GB") -> dict:
@@ -139,24 +110,13 @@ def build(shape: str, path: Path, shard_size: str = "2GB") -> dict:
     return {"shape": shape, "params": n, "bytes": total, "shards": len(groups)}
 
 
-# The recipe each family trains with, and what makes its rows 128 + 32 tokens, one per micro-batch.
-RECIPES = {
-    "t5": ("flan_t5_xl_lora.yaml", ["data.max_source_length=128", "data.max_target_length=32"]),
-    "llama": ("quickstart_causal.yaml", ["data.max_length=160", "train.max_tokens=null", "train.lr=2e-4"]),
-}
-
-
 def train(model: Path, out: Path, steps: int, extra: list[str], env: dict, family: str = "t5") -> dict:
     """The ZeRO-3 run on 2 processes; its private memory per rank and per phase."""
-    recipe, shape = RECIPES[family]
-    overrides = [
-        f"model.name_or_path={model}", "data.source=builtin:news_summaries", "data.split=train",
-        "data.eval_split=validation", *shape, "data.packing=false", f"data.max_samples={max(64, 4 * steps)}",
-        "data.num_proc=1", "train.micro_batch_size=1", "train.gradient_accumulation_steps=1",
-        f"train.max_steps={steps}", "train.log_every=1", "distributed.num_processes=2",
-        "distributed.zero_stage=3", "eval.enabled=false", f"output.dir={out}", "output.save_adapter=true",
-        *extra,
-    ]  # fmt: skip
+    from lorakit.planner.phases import cpu_phases
+
+    recipe, *shape = SPEC["families"][family]["recipe"]
+    overrides = [f"model.name_or_path={model}", *SPEC["train_overrides"], *shape, f"train.max_steps={steps}"]
+    overrides += [f"data.max_samples={max(64, 4 * steps)}", f"output.dir={out}", *extra]
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, never a resume of an earlier one
     cmd = [sys.executable, "-m", "lorakit.run", str(ROOT / "recipes" / recipe), *overrides]
     step_t: dict[int, float] = {}
@@ -174,28 +134,18 @@ def train(model: Path, out: Path, steps: int, extra: list[str], env: dict, famil
     if proc.returncode != 0:
         raise SystemExit(f"training failed ({proc.returncode}):\n" + "".join(lines[-40:]))
     summary = json.loads((out / "summary.json").read_text())
-    return {"phases": memory.phases(s.samples, step_t, end), "per_step": memory.per_step(s.samples, step_t),
-            "per_step_peak": memory.per_step_peak(s.samples, step_t),
-            "summary": _summary_memory(summary), "planned_phases_gib": planned_phases(out / "recipe.yaml"),
-            "seconds": end}  # fmt: skip
-
-
-def planned_phases(recipe: Path) -> dict:
-    """The planner's bytes per process of each phase of this run on CPUs (lorakit/planner/phases.py), GiB."""
-    from lorakit.planner.phases import cpu_phases
-
-    return {k: gib(v) for k, v in cpu_phases(recipe).items()}
-
-
-def _summary_memory(summary: dict) -> dict:
     plan, peaks = summary.get("plan") or {}, summary["peak_memory_bytes"]
     states = sum(i["bytes"] for i in (plan.get("recipe") or {}).get("items", []) if i.get("kind") == "state")
-    out = {"planned_per_device_gib": gib(plan.get("per_gpu_bytes") or 0)}
-    out["planned_per_node_cpu_gib"] = gib(plan.get("per_node_cpu_bytes") or 0)
-    out["planned_model_states_gib"] = gib(states)
-    out["measured_model_states_gib"] = gib(peaks.get("model_states") or 0)
-    out["peak_cpu_rss_gib"] = gib(peaks["cpu_rss"])
-    return {**out, **{k: summary.get(k) for k in ("total_params", "trainable_params")}}
+    memory_of = {"planned_per_device_gib": gib(plan.get("per_gpu_bytes") or 0)}
+    memory_of["planned_per_node_cpu_gib"] = gib(plan.get("per_node_cpu_bytes") or 0)
+    memory_of.update(planned_model_states_gib=gib(states), peak_cpu_rss_gib=gib(peaks["cpu_rss"]))
+    memory_of["measured_model_states_gib"] = gib(peaks.get("model_states") or 0)
+    memory_of.update({k: summary.get(k) for k in ("total_params", "trainable_params")})
+    # The planner's bytes per process of each phase of this run on CPUs (lorakit/planner/phases.py).
+    planned = {k: gib(v) for k, v in cpu_phases(out / "recipe.yaml").items()}
+    return {"phases": memory.phases(s.samples, step_t, end), "per_step": memory.per_step(s.samples, step_t),
+            "per_step_peak": memory.per_step_peak(s.samples, step_t), "summary": memory_of,
+            "planned_phases_gib": planned, "seconds": end}  # fmt: skip
 
 
 def merge(source: Path, out: Path, env: dict, base: Path | None = None, extra: tuple[str, ...] = ()) -> dict:
@@ -279,7 +229,7 @@ def plot(results: list[Path], png: Path) -> None:
         for i, rk in enumerate(ranks):
             ax_phase.bar([j + 0.35 * i for j in range(len(names))], [t["phases"][n][rk] for n in names], 0.35,
                          label=rk)  # fmt: skip
-        planned = planned_of(t)
+        planned = r["measured_over_planned"]["planned_per_process_gib"]
         ax_phase.scatter([j + 0.175 for j in range(len(names))], [planned[n] for n in names], marker="_",
                          s=900, color="k", zorder=3, label="plan per process (phase)")  # fmt: skip
         ax_phase.bar(len(names) + 0.2, r["merge"]["peak_private_gib"], 0.5, color="tab:green", label="merge")
@@ -290,7 +240,7 @@ def plot(results: list[Path], png: Path) -> None:
         what = r.get("label") or " ".join(r.get("env") or []) or "lorakit's defaults"
         ax_phase.set_title(f"{r['shape']} ({what}): peak per phase", fontsize=9)
         ax_phase.legend(fontsize=7)
-        by_step = step_memory(t)
+        by_step = t.get("per_step_peak") or t["per_step"]  # results from before per_step_peak: at each record
         steps = sorted(by_step, key=int)
         for rk in ranks:
             ax_step.plot([int(s) for s in steps], [by_step[s][rk] for s in steps], marker=".", label=rk)
@@ -307,8 +257,6 @@ def plot(results: list[Path], png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--plot-only", nargs="+", type=Path, help="redraw results/rehearsal.png from result files")
-    p.add_argument("--replan", action="store_true",
-                   help="with --plot-only: plan each result's run again (its recipe under --work)")  # fmt: skip
     p.add_argument("--shape", choices=sorted(SHAPES), default="flan-t5-xl-2l")
     p.add_argument("--label", default=None, help="what this run tried, for the plot's titles")
     p.add_argument("--steps", type=int, default=20)
@@ -322,13 +270,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="results JSON (default results/rehearsal_SHAPE.json)")
     args = p.parse_args(argv)
     if args.plot_only:
-        for f in args.plot_only:  # older results get the comparison with the plan too
-            r = json.loads(f.read_text())
-            if "train" in r and args.replan:  # the planner changed since the run: plan the run's recipe again
-                r["train"]["planned_phases_gib"] = planned_phases(args.work / r["shape"] / "run/recipe.yaml")
-            if "train" in r:
-                r["measured_over_planned"] = against_plan(r)
-                f.write_text(json.dumps(r, indent=2) + "\n")
         plot(args.plot_only, RESULTS / "rehearsal.png")
         return 0
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
@@ -349,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         run = args.work / args.shape / "run"
         result["train"] = train(model, run, args.steps, args.override, env, SHAPES[args.shape][0])
         result["merge"] = merge(run, args.work / args.shape / "merged", env)
-        result["measured_over_planned"] = against_plan(result)
+        result["measured_over_planned"] = memory.against_plan(result)
     out = args.out or RESULTS / f"rehearsal_{args.shape}{'_merge' if args.merge_compare else ''}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

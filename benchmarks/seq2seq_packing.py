@@ -5,11 +5,9 @@ eval loss after it.
                                          [--examples-per-row 8,16,32] [--sweep-repeats K] [--smoke] ...
     python benchmarks/seq2seq_packing.py --plot-only benchmarks/results/seq2seq_packing.json
 
-Four ways to batch the same (source, summary) pairs (specs/seq2seq_packing.yaml), every side at the same
-examples per optimizer step: random and length-grouped padded micro-batches, rows of k random examples
-(lorakit's default packing; k chosen by a sweep on useful tokens per CPU second) and rows filled to a token
-budget. Round r trains every side with seed 42 + r, so the eval-loss claim is paired by seed; every run
-evaluates once after its epoch. benchmarks/README.md says more.
+Four ways to batch the same (source, summary) pairs at the same examples per optimizer step (padded random,
+padded grouped, rows of k random examples with k swept, rows filled to a token budget); round r trains every
+side with seed 42 + r and evaluates after its epoch. specs/seq2seq_packing.yaml; benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the harness and this lorakit
 
 from benchmarks.harness import load_spec, main, plots  # noqa: E402
-from benchmarks.harness.cli import whole_micro_batches  # noqa: E402
 from benchmarks.harness.runner import claims, first_of, token_checks  # noqa: E402
 
 SPEC = load_spec("seq2seq_packing")
@@ -34,9 +31,6 @@ def default_output(args) -> str:
 
 
 def check_args(args, error) -> None:
-    whole_micro_batches(args, error, MICRO_BATCH)
-    if args.examples_per_step % MICRO_BATCH:
-        error(f"--examples-per-step must be a multiple of the micro batch size {MICRO_BATCH}")
     args.examples_per_row = sorted(set(args.examples_per_row))
     bad = [k for k in args.examples_per_row if args.examples_per_step % k]
     if bad:

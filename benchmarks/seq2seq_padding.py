@@ -4,10 +4,8 @@
     python benchmarks/seq2seq_padding.py --plot-only benchmarks/results/seq2seq_padding.json
 
 The baseline is the recipe of Philipp Schmid's "Fine-tune FLAN-T5 XL/XXL using DeepSpeed & Hugging Face
-Transformers" (padding="max_length" at tokenization, Seq2SeqTrainer + DataCollatorForSeq2Seq, here with a
-peft LoRA adapter), without and with the guide's DeepSpeed ZeRO-3; the expert side is what a careful Hugging
-Face user writes instead (dynamic padding, batches grouped by length); lorakit trains the same rows with
-`lorakit.train` (ZeRO-0 and ZeRO-3). Sides, shared settings and texts: specs/seq2seq_padding.yaml.
+Transformers" (padding="max_length", Seq2SeqTrainer, with peft LoRA), without and with its ZeRO-3; the expert
+pads dynamically and groups by length; lorakit trains the same rows. Sides: specs/seq2seq_padding.yaml.
 """
 
 from __future__ import annotations
@@ -19,20 +17,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the harness and this lorakit
 
 from benchmarks.harness import load_spec, main, plots  # noqa: E402
-from benchmarks.harness.cli import whole_micro_batches  # noqa: E402
 from benchmarks.harness.runner import claims, first_of  # noqa: E402
-from benchmarks.harness.workers import guide_preprocess, one_process_env, train, training_args, with_lora  # noqa: E402
+from benchmarks.harness.workers import dig, guide_preprocess, one_process_env, train, training_args, with_lora  # noqa: E402
 
 SPEC = load_spec("seq2seq_padding")
 SIDES = list(SPEC["sides"])
-MICRO_BATCH = SPEC["recipe"]["train"]["micro_batch_size"]
 
 
 def check_args(args, error) -> None:
     unknown = sorted(set(args.sides or ()) - set(SIDES))
     if unknown:
         error(f"--sides: unknown side(s) {', '.join(unknown)}; the sides are {', '.join(SIDES)}")
-    whole_micro_batches(args, error, MICRO_BATCH)
 
 
 def hf_worker(spec: dict) -> dict:
@@ -99,14 +94,9 @@ def hf_worker(spec: dict) -> dict:
     if spec["hf"].get("zero3"):  # the model is loaded before the arguments, as in the guide's script
         one_process_env(spec["master_port"])
         deepspeed = spec["guide_zero3"]
-    sizes = {"per_device_train_batch_size": cfg["micro_batch_size"], "num_train_epochs": cfg["epochs"]}
-    sizes["gradient_accumulation_steps"] = cfg["gradient_accumulation_steps"]
-    schedule = {"learning_rate": cfg["lr"], "warmup_steps": cfg["warmup_ratio"], "seed": cfg["seed"]}
-    schedule.update(lr_scheduler_type=cfg["lr_schedule"], weight_decay=cfg["weight_decay"])
-    schedule["max_grad_norm"] = cfg["max_grad_norm"]
     # group_by_length: the expert's LengthGroupedSampler; the guide samples at random.
-    kwargs = {**spec["hf_args"], **sizes, **schedule, "deepspeed": deepspeed, "output_dir": spec["work_dir"]}
-    kwargs.update(checkpointing=recipe["model"]["gradient_checkpointing"], group_by_length=dynamic)
+    kwargs = {k: dig(recipe, key) for k, key in SPEC["hf_from_recipe"].items()}
+    kwargs.update(spec["hf_args"], deepspeed=deepspeed, output_dir=spec["work_dir"], group_by_length=dynamic)
     args = training_args(hf.Seq2SeqTrainingArguments, **kwargs)
     trainer, metrics, losses = train(
         hf.Seq2SeqTrainer, model, args, rows, counting_collator, tokenizer, Timer()

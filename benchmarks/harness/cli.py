@@ -14,7 +14,7 @@ from pathlib import Path
 from benchmarks.harness import plots
 from benchmarks.harness.provenance import ROOT, Provenance
 from benchmarks.harness.runner import Runner, derive, first_of, interleave, medians_of, ratios, worker_main
-from benchmarks.harness.workers import lorakit_worker
+from benchmarks.harness.workers import dig, lorakit_worker
 
 SPECS = ROOT / "benchmarks" / "specs"
 
@@ -40,12 +40,9 @@ def _numbers(kind):
     return parse
 
 
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
-TYPES = {"int": int, "float": float, "str": str, "path": str, "names": _names}
-TYPES.update(ints=_numbers(int), floats=_numbers(float))
+TYPES = {"int": int, "float": float, "str": str, "path": str, "ints": _numbers(int)}
+TYPES.update(floats=_numbers(float), names=lambda text: [x.strip() for x in text.split(",") if x.strip()])
+KINDS = {"flag": {"action": "store_true"}, "switch": {"choices": ("on", "off")}}
 
 
 def options(spec: dict) -> dict:
@@ -54,8 +51,9 @@ def options(spec: dict) -> dict:
     return {name: {**shared.get(name, {}), **(o or {})} for name, o in spec.get("options", {}).items()}
 
 
-def parser(spec: dict) -> argparse.ArgumentParser:
-    """The benchmark's argparse parser: the spec's options plus --output, --smoke, --note, --plot-only."""
+def parse(spec: dict, module, argv: list[str]) -> argparse.Namespace:
+    """The spec's options plus --output, --smoke (its smoke options first, so that later ones win), --note and
+    --plot-only, parsed; bad values exit with code 2 before anything is written."""
     p = argparse.ArgumentParser(prog=f"python benchmarks/{spec['benchmark']}.py", description=spec["about"])
     default = spec.get("output_help", spec.get("output"))
     p.add_argument("--output", help=f"result JSON (default: {default}; --smoke: a temp file)")
@@ -65,29 +63,22 @@ def parser(spec: dict) -> argparse.ArgumentParser:
     p.add_argument("--plot-only", metavar="RESULT_JSON", help="only redraw the chart of an existing result")
     for name, o in options(spec).items():
         kw = {k: o[k] for k in ("default", "metavar", "nargs", "choices") if k in o}
-        if o.get("type") == "flag":
-            kw["action"] = "store_true"
-        elif o.get("type") == "switch":
-            kw["choices"] = ("on", "off")
-        else:
-            kw["type"] = TYPES[o.get("type", "str")]
+        kw.update(KINDS.get(o.get("type"), {"type": TYPES.get(o.get("type", "str"))}))
         shown = " (default: %(default)s)" if kw.get("default") is not None else ""
-        p.add_argument("--" + name.replace("_", "-"), help=o.get("help", "") + shown, **kw)
-    return p
-
-
-def parse(spec: dict, module, argv: list[str]) -> argparse.Namespace:
-    """Parsed options (--smoke puts the spec's smoke options first, so that later ones win); bad values exit
-    with code 2 before anything is written."""
-    p = parser(spec)
+        flag = name if o.get("positional") else "--" + name.replace("_", "-")
+        p.add_argument(flag, help=o.get("help", "") + shown, **kw)
     args = p.parse_args(argv)
     if args.smoke:
         args = p.parse_args([*spec["smoke"], *argv])
     args.argv = argv
     for name, o in options(spec).items():
-        value = getattr(args, name)
+        value, flag = getattr(args, name), "--" + name.replace("_", "-")
         if "min" in o and value is not None and value < o["min"]:
-            p.error(f"--{name.replace('_', '-')} must be >= {o['min']}")
+            p.error(f"{flag} must be >= {o['min']}")
+        if "multiple_of" in o and value % (n := dig(spec["recipe"], o["multiple_of"])):
+            # lorakit's sampler fills a last short micro-batch with repeats: the sides' counts would differ.
+            what = o["multiple_of"].rpartition(".")[2].replace("_", " ")
+            p.error(f"{flag} must be a multiple of the {what} {n}")
         if o.get("type") == "switch":
             setattr(args, name, value == "on")
         elif o.get("type") == "path" and value is not None:
@@ -116,15 +107,6 @@ def main(module, argv: list[str] | None = None) -> int:
         shutil.rmtree(bench.tmp, ignore_errors=True)
 
 
-def whole_micro_batches(args, error, micro_batch: int) -> None:
-    """--max-samples must fill whole micro-batches: lorakit's sampler fills a last short one with repeats (the
-    Trainer does not), so the sides' counts would differ."""
-    if args.max_samples % micro_batch:
-        error(
-            f"--max-samples must be a multiple of the micro batch size {micro_batch}, got {args.max_samples}"
-        )
-
-
 def set_dotted(raw: dict, key: str, value) -> None:
     """raw['a']['b'] = value for key 'a.b' (a dotted override, as on lorakit's command line)."""
     *path, last = key.split(".")
@@ -146,9 +128,7 @@ class Bench:
         self.output = Path(args.output or ROOT / default).expanduser().resolve()
         self.runner = Runner(module.__file__, self.tmp, self.tmp / "workers.log")
 
-    @staticmethod
-    def log(msg: str) -> None:
-        print(msg, flush=True)
+    log = staticmethod(lambda msg: print(msg, flush=True))
 
     def recipe(self, side: str | None = None, overrides: dict | None = None) -> dict:
         """The spec's recipe, then the side's dotted overrides, the options bound to recipe keys, `overrides`."""
@@ -254,20 +234,21 @@ class Bench:
         write_json(self.output, result)
         checks = result.get("checks", {})
         if "examples_per_run" in checks:
-            useful, examples = checks["useful_tokens"], checks["examples_per_run"]
-            self.log(f"useful tokens: {useful} on every run, {examples} examples")
+            self.log(
+                f"useful tokens: {checks['useful_tokens']} on every run, {checks['examples_per_run']} examples"
+            )
         for key, r in result.get("ratios", {}).items():
             paired = [round(x, 2) for x in r["paired_useful_tokens_per_second"]]
-            ratio = r["useful_tokens_per_second"]
-            self.log(f"{key}: x{ratio:.2f} useful tokens/s (of medians), paired {paired}")
-        one = [{"name": "claim", "claim_met": result["claim_met"]}] if "claim_met" in result else []
-        claims = result.get("claims") or one
-        for c in claims:
+            self.log(
+                f"{key}: x{r['useful_tokens_per_second']:.2f} useful tokens/s (of medians), paired {paired}"
+            )
+        for c in result.get("claims") or ([dict(result, name="claim")] if "claim_met" in result else []):
             self.log(f"{c['name']}: {'met' if c['claim_met'] else 'NOT met'}")
         self.log(f"wrote {self.output} in {result['benchmark_wall_seconds']:.0f} s")
         png = self.output.with_suffix(".png")
-        drawn = plots.render(self.module, result, png)
-        self.log(f"wrote {png}" if drawn else "no chart (it needs matplotlib: pip install matplotlib)")
+        if hasattr(self.module, "plot"):
+            drawn = plots.render(self.module, result, png)
+            self.log(f"wrote {png}" if drawn else "no chart (it needs matplotlib: pip install matplotlib)")
         if not valid:
             print(f"error: {self.spec['invalid']}", file=sys.stderr)
             return 1

@@ -13,25 +13,13 @@ from pathlib import Path
 GIB = 1 << 30
 
 
-def private_bytes(pid: int) -> int | None:
-    """RssAnon of a process, or None when it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 class Sampler:
-    """Samples RssAnon of a process tree every `every` seconds: worker ranks by their RANK variable."""
+    """Samples the private memory (RssAnon, /proc/PID/status) of a process tree every `every` seconds, worker
+    ranks named by their RANK variable: `samples` holds {t, rank -> bytes}."""
 
     def __init__(self, root: int, every: float = 0.2):
-        self.root, self.every, self.t0 = root, every, time.monotonic()
-        self.samples: list[dict] = []  # {t, rank -> bytes}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.root, self.every, self.t0, self.samples = root, every, time.monotonic(), []
+        self._stop, self._thread = threading.Event(), threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self):
         self._thread.start()
@@ -41,26 +29,25 @@ class Sampler:
         self._stop.set()
         self._thread.join()
 
-    def _ranks(self) -> dict[str, int]:
+    def _run(self):
         import psutil
 
-        try:
-            procs = [psutil.Process(self.root), *psutil.Process(self.root).children(recursive=True)]
-        except psutil.Error:
-            return {}
-        out = {}
-        for p in procs:
-            try:
-                rank = p.environ().get("RANK") if p.pid != self.root else None
-            except psutil.Error:
-                continue
-            out[f"rank{rank}" if rank is not None else f"pid{p.pid}"] = p.pid
-        return out
-
-    def _run(self):
         while not self._stop.wait(self.every):
-            t, sizes = time.monotonic() - self.t0, {n: private_bytes(pid) for n, pid in self._ranks().items()}
-            self.samples.append({"t": t, **{n: b for n, b in sizes.items() if b is not None}})
+            row = {"t": time.monotonic() - self.t0}
+            try:
+                procs = [psutil.Process(self.root), *psutil.Process(self.root).children(recursive=True)]
+            except psutil.Error:
+                procs = []
+            for p in procs:
+                try:
+                    rank = p.environ().get("RANK") if p.pid != self.root else None
+                    status = Path(f"/proc/{p.pid}/status").read_text().splitlines()
+                except (psutil.Error, OSError):  # gone
+                    continue
+                anon = next((int(ln.split()[1]) * 1024 for ln in status if ln.startswith("RssAnon:")), None)
+                if anon is not None:
+                    row[f"rank{rank}" if rank is not None else f"pid{p.pid}"] = anon
+            self.samples.append(row)
 
 
 def step_times(run_dir: Path, seen: dict[int, float], t0: float) -> None:
@@ -118,24 +105,17 @@ def per_step_peak(samples: list[dict], step_t: dict[int, float]) -> dict:
     return per_step(samples, step_t, peak=True)
 
 
-def step_memory(train: dict) -> dict:
-    """A result's memory per step: each step's peak where the run recorded it, else (results from before
-    `per_step_peak`) the sample at each step's record."""
-    return train.get("per_step_peak") or train["per_step"]
-
-
-def against_plan(result: dict, processes: int = 2) -> dict:
-    """Each phase's peak per rank against the plan for that phase per process (planned_phases; results
-    from before it: the planner's per-node RAM divided by the processes), the merge's peak against the
+def against_plan(result: dict) -> dict:
+    """Each phase's peak per rank against the plan for that phase per process, the merge's peak against the
     merge's plan, and the growth from step 2 to the last step."""
     t = result["train"]
-    planned = planned_of(t, processes)
+    planned = t["planned_phases_gib"]
     out = {"planned_per_process_gib": planned}
     for name, ranks in t["phases"].items():
         out[name] = {rk: round(v / planned[name], 3) for rk, v in ranks.items()}
     if result.get("merge") and planned.get("merge"):
         out["merge"] = round(result["merge"]["peak_private_gib"] / planned["merge"], 3)
-    by_step = step_memory(t)
+    by_step = {str(k): v for k, v in t["per_step_peak"].items()}  # JSON keys, as a written result has them
     steps = sorted(by_step, key=int)
     first, last = by_step.get("2", by_step[steps[0]]), by_step[steps[-1]]
     out["growth_step2_to_last_gib"] = {rk: round(last[rk] - first[rk], 3) for rk in last}
@@ -143,10 +123,3 @@ def against_plan(result: dict, processes: int = 2) -> dict:
     spread = {rk: [v[rk] for v in steady] for rk in last}
     out["steady_step_range_gib"] = {rk: round(max(v) - min(v), 3) for rk, v in spread.items()}
     return out
-
-
-def planned_of(train: dict, processes: int = 2) -> dict:
-    """The plan per process of each phase (results from before planned_phases: the planner's per-node RAM
-    divided by the processes, for every phase)."""
-    single = train["summary"]["planned_per_node_cpu_gib"] / processes
-    return train.get("planned_phases_gib") or dict.fromkeys([*train["phases"], "merge"], single)

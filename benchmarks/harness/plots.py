@@ -84,18 +84,13 @@ def budget_labels(result: dict, spec: dict, sides: list[str]) -> dict:
     return {s: spec["sides"][s]["label"] + own.get(s, "") for s in sides}
 
 
-def ratio_notes(result: dict, side: str, name=str) -> list[str]:
-    """'x1.23 vs OTHER' for each ratio of the result whose side is `side` (OTHER as `name` shows it)."""
-    mine = [r for r in result["ratios"].values() if r["side"] == side]
-    return [f"x{r['useful_tokens_per_second']:.2f} vs {name(r['versus'])}" for r in mine]
-
-
 def speed_bars(ax, result: dict, labels: dict, efficiency="padding efficiency", fontsize=8, name=str) -> None:
-    """Useful tokens/s of each side, with its ratios above it and, unless `efficiency` is None, its padding
-    efficiency."""
+    """Useful tokens/s of each side, with its ratios ('x1.23 vs OTHER', OTHER as `name` shows it) above it
+    and, unless `efficiency` is None, its padding efficiency."""
 
     def notes(side: str) -> str:
-        lines = ratio_notes(result, side, name)
+        mine = [r for r in result["ratios"].values() if r["side"] == side]
+        lines = [f"x{r['useful_tokens_per_second']:.2f} vs {name(r['versus'])}" for r in mine]
         lines += [f"{efficiency} {result['padding_efficiency'][side]:.2f}"] if efficiency else []
         return "\n".join(lines)
 

@@ -15,20 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def machine() -> dict:
     """The machine a result was measured on (the host's CPU; a GPU result adds its device separately)."""
-    cpu = None
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), None)
-    except OSError:
-        pass
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_model": cpu,
-        "cpu_count": os.cpu_count(),
-        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "accelerator": "none (CPU only)",
-    }
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), None)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    out = {"platform": platform.platform(), "machine": platform.machine(), "cpu_model": cpu}
+    return {**out, "cpu_count": os.cpu_count(), "usable_cores": cores, "accelerator": "none (CPU only)"}
 
 
 def versions() -> dict:
@@ -40,9 +31,7 @@ def versions() -> dict:
 
 
 def load_average() -> dict:
-    """The machine's 1/5/15-minute load averages now."""
-    one, five, fifteen = os.getloadavg()
-    return {"1min": one, "5min": five, "15min": fifteen}
+    return dict(zip(("1min", "5min", "15min"), os.getloadavg(), strict=True))
 
 
 def source_files() -> dict[str, str]:
@@ -57,13 +46,6 @@ def source_digest(files: dict[str, str] | None = None) -> str:
     return hashlib.sha256("".join(f"{p}\0{h}\n" for p, h in files.items()).encode()).hexdigest()[:16]
 
 
-def source_dirty() -> bool | None:
-    """Whether lorakit/ has uncommitted changes (None when git cannot tell)."""
-    command = ["git", "status", "--porcelain", "--", "lorakit"]
-    diff = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    return bool(diff.stdout.strip()) if diff.returncode == 0 else None
-
-
 class Provenance:
     """Taken at the start of an invocation; `end()` returns the blocks a result records about it.
 
@@ -73,37 +55,27 @@ class Provenance:
     def __init__(self) -> None:
         from lorakit.rundir import git_revision
 
-        self.t0 = time.perf_counter()
+        self.t0, self.load = time.perf_counter(), load_average()
         self.date = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        self.load = load_average()
-        self.revision = git_revision(ROOT)
-        self.dirty = source_dirty() if self.revision else None
-        self.files = source_files()
+        self.revision, self.dirty, self.files = git_revision(ROOT), None, source_files()
+        if self.revision:  # whether lorakit/ has uncommitted changes (None when git cannot tell)
+            diff = subprocess.run(
+                ["git", "status", "--porcelain", "--", "lorakit"], cwd=ROOT, capture_output=True
+            )
+            self.dirty = bool(diff.stdout.strip()) if diff.returncode == 0 else None
 
     def start(self) -> dict:
         """The fields known when the benchmark starts."""
-        return {
-            "date": self.date,
-            "load_average_at_start": self.load,
-            "machine": machine(),
-            "versions": versions(),
-            "git_revision": self.revision,
-        }
+        out = {"date": self.date, "load_average_at_start": self.load, "machine": machine()}
+        return {**out, "versions": versions(), "git_revision": self.revision}
 
     def end(self) -> dict:
         """The fields known when it ends: what changed in lorakit meanwhile, the load, the wall time."""
         files = source_files()
         start, end = source_digest(self.files), source_digest(files)
         changed = sorted(p for p in self.files.keys() | files.keys() if self.files.get(p) != files.get(p))
-        return {
-            "lorakit_source": {
-                "changed_during_run": changed,
-                "git_revision_at_start": self.revision,
-                "uncommitted_changes_at_start": self.dirty,
-                "sha256_at_start": start,
-                "sha256_at_end": end,
-                "unchanged_during_run": start == end,
-            },
-            "load_average_at_end": load_average(),
-            "benchmark_wall_seconds": time.perf_counter() - self.t0,
-        }
+        source = {"changed_during_run": changed, "git_revision_at_start": self.revision}
+        source.update(uncommitted_changes_at_start=self.dirty, sha256_at_start=start, sha256_at_end=end)
+        source["unchanged_during_run"] = start == end
+        out = {"lorakit_source": source, "load_average_at_end": load_average()}
+        return {**out, "benchmark_wall_seconds": time.perf_counter() - self.t0}

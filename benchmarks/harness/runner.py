@@ -37,10 +37,8 @@ class Runner:
         spec_path.write_text(json.dumps(spec))
         result_path.unlink(missing_ok=True)
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
-        # Nothing here needs the hub (local models and data): offline, a missing file fails at once instead
-        # of waiting on a network the machine may not have.
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("HF_DATASETS_OFFLINE", "1")
+        # Nothing here needs the hub (local models and data): offline, a missing file fails at once.
+        env.update({k: env.get(k, "1") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")})
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         timeout = None if math.isinf(self.remaining()) else max(self.remaining() - reserve, 1.0)
         load = os.getloadavg()[0]
@@ -75,28 +73,25 @@ def worker_main(workers: dict, argv: list[str]) -> int:
         import torch
 
         torch.set_num_threads(spec["torch_threads"])
-    Path(result_path).write_text(json.dumps(workers[kind](spec)))
+    # RESULT may hold {rank}: a worker under torchrun writes one result per rank.
+    Path(result_path.format(rank=os.environ.get("RANK", "0"))).write_text(json.dumps(workers[kind](spec)))
     return 0
 
 
 def interleave(items: list, rounds: int, run_one, log, title: str = "repeat") -> list[dict]:
     """Every item once per round, the order reversed every other round, so that no item always runs first
-    (or right after the same neighbour) and machine noise hits them all; `run_one(item, round)` returns a
-    run, which gets `repeat` and `position`."""
+    (or right after the same neighbour); `run_one(item, round)` returns a run, given `repeat` and `position`."""
     runs = []
     for rnd in range(rounds):
         order = list(items) if rnd % 2 == 0 else list(reversed(items))
         log(f"{title} {rnd + 1}/{rounds}: {' -> '.join(map(str, order))}")
-        for position, item in enumerate(order):
-            runs.append(dict(run_one(item, rnd), repeat=rnd, position=position))
+        runs += [dict(run_one(item, rnd), repeat=rnd, position=i) for i, item in enumerate(order)]
     return runs
 
 
 def derive(run: dict, rates: dict) -> dict:
     """Adds each rate `name: [numerator, denominator]` of the spec to a run (in place) and returns it."""
-    for name, (num, den) in rates.items():
-        if run.get(num) is not None and run.get(den):
-            run[name] = run[num] / run[den]
+    run.update({k: run[n] / run[d] for k, (n, d) in rates.items() if run.get(n) is not None and run.get(d)})
     return run
 
 
@@ -107,7 +102,6 @@ def median(values) -> float | None:
 
 
 def medians_of(runs: list[dict], keys: list[str]) -> dict:
-    """{key: median over the runs}."""
     return {k: median(r.get(k) for r in runs) for k in keys}
 
 
@@ -125,14 +119,13 @@ def pairs(runs: list[dict], side: str, base: str) -> list[tuple[dict, dict]]:
 
 
 def paired_ratios(runs: list[dict], side: str, base: str, key: str) -> list[float]:
-    """side / base of `key`, round by round."""
     return [s[key] / b[key] for b, s in pairs(runs, side, base)]
 
 
 def ratios(runs: list[dict], meds: dict, comparisons, key_format: str = "{side}/{versus}") -> dict:
-    """Each comparison (side, versus): ratios of the medians and the same ratios round by round. The
-    per-CPU-second ratio comes with it when runs record CPU time (one torch thread: it moves far less than
-    wall time when other jobs take the core), the eval-loss difference when they record an eval loss."""
+    """Each comparison (side, versus): ratios of the medians and the same ratios round by round; per CPU
+    second too when runs record CPU time (with one torch thread it moves far less than wall time when other
+    jobs take the core), the eval-loss difference when they record an eval loss."""
     out = {}
     for side, base in comparisons:
         m, b = meds[side], meds[base]
@@ -141,17 +134,22 @@ def ratios(runs: list[dict], meds: dict, comparisons, key_format: str = "{side}/
         r["useful_tokens_per_second"] = m["useful_tokens_per_second"] / b["useful_tokens_per_second"]
         r.update(paired_useful_tokens_per_second=paired, paired_median=statistics.median(paired))
         r["epoch_time_speedup"] = b["epoch_seconds"] / m["epoch_seconds"]
-        for key in ("step_useful_tokens_per_second", "useful_tokens_per_cpu_second"):
-            if key in m:
-                r[key] = m[key] / b[key]
+        r.update(
+            {
+                k: m[k] / b[k]
+                for k in ("step_useful_tokens_per_second", "useful_tokens_per_cpu_second")
+                if k in m
+            }
+        )
         if "useful_tokens_per_cpu_second" in m:
             cpu = paired_ratios(runs, side, base, "useful_tokens_per_cpu_second")
             r["paired_useful_tokens_per_cpu_second"] = cpu
         r["padding_efficiency_ratio"] = m["padding_efficiency"] / b["padding_efficiency"]
         if "eval_loss" in m:
             r["eval_loss_difference"] = m["eval_loss"] - b["eval_loss"]
-            differences = [s["eval_loss"] - v["eval_loss"] for v, s in pairs(runs, side, base)]
-            r["paired_eval_loss_differences"] = differences
+            r["paired_eval_loss_differences"] = [
+                s["eval_loss"] - v["eval_loss"] for v, s in pairs(runs, side, base)
+            ]
         out[key_format.format(side=side, versus=base)] = r
     return out
 
@@ -160,9 +158,9 @@ def claims(specs: list[dict], ratio_of: dict, meds: dict, valid: bool, key_forma
     """Each claim of the spec with the measured value it is judged on; `claim_met` comes from the recorded
     medians, and is False whenever the runs failed their checks (`valid`).
 
-    A speed claim (`ratio_at_least`) is judged on wall-clock useful tokens/s; the ratio per CPU second is
-    recorded next to it (`cpu_ratio`, `cpu_claim_met`) when measured. An eval-loss claim holds when the
-    side's median eval loss is at most the other's; the paired differences (same seed) come with it."""
+    A speed claim (`ratio_at_least`) is judged on wall-clock useful tokens/s, the ratio per CPU second
+    recorded next to it (`cpu_ratio`, `cpu_claim_met`) when measured; an eval-loss claim holds when the side's
+    median eval loss is at most the other's, with the paired differences (same seed)."""
     out = []
     for c in specs:
         r = ratio_of[key_format.format(**c)]
@@ -190,8 +188,7 @@ def one_or_all(values) -> object:
 def token_checks(every: list[dict], rows: int, label=lambda r: r["side"]) -> dict:
     """What every run of a lorakit-only benchmark must share: the same useful tokens (as lorakit counts
     them, and as the worker counts them batch by batch), the same loss tokens, each example once."""
-    useful = sorted({r["useful_tokens"] for r in every})
-    examples = sorted({r["examples"] for r in every})
+    useful, examples = sorted({r["useful_tokens"] for r in every}), sorted({r["examples"] for r in every})
     counted = all(r["counted_useful_tokens"] == r["useful_tokens"] for r in every)
     # With one torch thread, a run well below 1 CPU second per wall second lost the core to other jobs.
     slow = [label(r) for r in every if r["cpu_seconds_per_wall_second"] < 0.9]

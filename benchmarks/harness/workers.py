@@ -1,13 +1,46 @@
-"""What runs inside a worker process: `lorakit.train` with our timers and counters, and the pieces the
-Hugging Face Trainer baselines share.
+"""What runs inside a worker process: `lorakit.train` with our timers and counters (`Clock`), and the pieces
+the Hugging Face Trainer baselines share.
 
-lorakit's loop has no hooks yet, so the lorakit worker wraps two of its internals: `Trainer.run` (the epoch
-clock) and `train_window` (one optimizer step's micro-batches). If either is renamed the worker fails loudly
-and every benchmark's smoke test catches it."""
+lorakit's loop has no hooks, so the timers wrap its internals (`Trainer.run`, `train_window`, ...): if one is
+renamed the worker fails loudly and every benchmark's smoke test catches it."""
 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
+
+
+class Clock:
+    """Wall and CPU seconds per phase, and how many times each ran, of the functions it wraps."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu, self.calls = defaultdict(float), defaultdict(float), defaultdict(int)
+
+    def add(self, phase: str, wall: float, cpu: float) -> None:
+        self.wall[phase] += wall
+        self.cpu[phase] += cpu
+        self.calls[phase] += 1
+
+    def wrap(self, phase: str, fn):
+        def timed(*args, **kwargs):
+            w, c = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(phase, time.perf_counter() - w, time.process_time() - c)
+
+        return timed
+
+    def patch(self, targets: dict) -> None:
+        """Wraps each `phase: 'module:Owner.name'` (instrumentation only: times, changes nothing)."""
+        import functools
+        import importlib
+
+        for phase, path in targets.items():
+            module, attribute = path.split(":")
+            *owners, name = attribute.split(".")
+            owner = functools.reduce(getattr, owners, importlib.import_module(module))
+            setattr(owner, name, self.wrap(phase, getattr(owner, name)))
 
 
 def dig(summary: dict, path: str):
@@ -23,71 +56,56 @@ def count_batches(counts: dict, window: list[dict], family: str) -> None:
     for b in window:
         ids, labels, mask = b["input_ids"], b["labels"], b.get("attention_mask")
         loss = int((labels != -100).sum())
-        counts["examples"] = counts.get("examples", 0) + int(b.get("num_examples", ids.shape[0]))
-        counts["micro_batches"] = counts.get("micro_batches", 0) + 1
-        counts["rows"] = counts.get("rows", 0) + ids.shape[0]
-        counts["loss_tokens"] = counts.get("loss_tokens", 0) + loss
+        add = {"examples": int(b.get("num_examples", ids.shape[0])), "micro_batches": 1, "rows": ids.shape[0]}
         if family == "causal":
             useful = int(mask.sum()) if mask is not None else ids.numel()
-            counts["widest_row"] = max(counts.get("widest_row", 0), ids.shape[1])
+            widest = {"widest_row": ids.shape[1]}
         else:  # encoder tokens (packed rows mark them by segment) + target tokens
             source = int(mask.sum()) if mask is not None else int((b["source_segments"] > 0).sum())
-            useful = source + loss
-            counts["source_tokens"] = counts.get("source_tokens", 0) + source
-            counts["widest_source_row"] = max(counts.get("widest_source_row", 0), ids.shape[1])
-            counts["widest_target_row"] = max(counts.get("widest_target_row", 0), labels.shape[1])
-        counts["counted_useful_tokens"] = counts.get("counted_useful_tokens", 0) + useful
+            useful, add["source_tokens"] = source + loss, source
+            widest = {"widest_source_row": ids.shape[1], "widest_target_row": labels.shape[1]}
+        for key, n in {**add, "loss_tokens": loss, "counted_useful_tokens": useful}.items():
+            counts[key] = counts.get(key, 0) + n
+        counts.update({k: max(counts.get(k, 0), n) for k, n in widest.items()})
 
 
-def lorakit_worker(spec: dict, at_run_end=None) -> dict:
+def lorakit_worker(spec: dict, at_run_end=None, clock: Clock | None = None) -> dict:
     """`lorakit.train(spec['recipe'])` in this (fresh) process. Returns `spec['fields']` read from its
     summary (`{name: dotted path}`), the epoch's wall and CPU seconds (`Trainer.run`, the evaluation after
     the epoch timed apart), and with `spec['count']` ('causal' or 'seq2seq') what the micro-batches held.
-    `at_run_end(trainer)` may read the trainer when its run ends (before the model is saved)."""
+    `at_run_end(trainer)` may read the trainer when its run ends (before the model is saved); `clock` may
+    time more phases."""
     import torch
 
     import lorakit
     from lorakit.engine import loop
     from lorakit.recipe import recipe_from_dict
 
-    threads = spec.get("torch_threads") or 0
-    timer: dict = {}
-    counts: dict = {}
+    clock, counts, timer = clock or Clock(), {}, {}
+    clock.patch({"run": "lorakit.engine.loop:Trainer.run", "eval": "lorakit.engine.session:Job.evaluate"})
     run, window = loop.Trainer.run, loop.train_window
 
-    def timed_run(self):
+    def pinned_run(self):
         # DeepSpeed's initialisation can reset torch's thread count; pin it again before the clock starts.
-        if threads:
-            torch.set_num_threads(threads)
-        evaluate = self.evaluate
-        if evaluate is not None:
-            timer.update(eval_seconds=0.0, eval_cpu_seconds=0.0)
-
-            def timed_evaluate(*args, **kwargs):
-                wall, cpu = time.perf_counter(), time.process_time()
-                try:
-                    return evaluate(*args, **kwargs)
-                finally:
-                    timer["eval_seconds"] += time.perf_counter() - wall
-                    timer["eval_cpu_seconds"] += time.process_time() - cpu
-
-            self.evaluate = timed_evaluate
-        wall, cpu = time.perf_counter(), time.process_time()
+        if spec.get("torch_threads"):
+            torch.set_num_threads(spec["torch_threads"])
         try:
             return run(self)
         finally:
-            timer["epoch_seconds"] = time.perf_counter() - wall - timer.get("eval_seconds", 0.0)
-            timer["epoch_cpu_seconds"] = time.process_time() - cpu - timer.get("eval_cpu_seconds", 0.0)
+            wall, cpu = clock.wall.get("eval", 0.0), clock.cpu.get("eval", 0.0)
+            if self.evaluate is not None:
+                timer.update(eval_seconds=wall, eval_cpu_seconds=cpu)
+            timer.update(epoch_seconds=clock.wall["run"] - wall, epoch_cpu_seconds=clock.cpu["run"] - cpu)
             timer["torch_threads"] = torch.get_num_threads()
             if at_run_end is not None:
                 at_run_end(self)
 
-    def counted_window(engine, inputs, batches, meter, *args, **kwargs):
+    def counted_window(engine, inputs, batches, *args, **kwargs):
         if spec.get("count"):
             count_batches(counts, batches, spec["count"])
-        return window(engine, inputs, batches, meter, *args, **kwargs)
+        return window(engine, inputs, batches, *args, **kwargs)
 
-    loop.Trainer.run, loop.train_window = timed_run, counted_window
+    loop.Trainer.run, loop.train_window = pinned_run, counted_window
     summary = lorakit.train(recipe_from_dict(spec["recipe"])).summary
     return {**timer, **counts, **{name: dig(summary, path) for name, path in spec.get("fields", {}).items()}}
 
