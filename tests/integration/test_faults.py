@@ -69,14 +69,17 @@ def _rows(out: Path, done: list[tuple[subprocess.CompletedProcess, float]]) -> l
 
 @pytest.fixture(scope="module")
 def harness(cache_dir, tmp_path_factory):
-    """Both harness launches (rank 0 failing, rank 1 failing), at once; per launch: each rank's rows, the
-    exit codes, and the seconds from the last row's failure until both processes were gone."""
-    outs = {f: tmp_path_factory.mktemp(f"rank{f}-fails") for f in ROWS}
-    procs = [p for f in ROWS for p in _start_harness([str(f), str(cache_dir), str(outs[f])])]
+    """The harness launches (rank 0 failing, rank 1 failing, and `barrier`), at once; per launch: each
+    rank's rows, the exit codes, and the seconds from the last row's failure until both processes were
+    gone."""
+    launches = [*ROWS, "barrier"]
+    outs = {f: tmp_path_factory.mktemp(f"rank{f}-fails") for f in launches}
+    args = {f: [str(f), str(cache_dir), str(outs[f])] for f in launches}
+    procs = [p for f in launches for p in _start_harness(args[f])]
     done = _finish(procs)
     results = {}
-    for f in ROWS:
-        mine = done[2 * f : 2 * f + 2]
+    for i, f in enumerate(launches):
+        mine = done[2 * i : 2 * i + 2]
         gone = max(t for _, t in mine) - float((outs[f] / "step.failed-at").read_text())
         results[f] = (_rows(outs[f], mine), [d.returncode for d, _ in mine], gone)
     return results
@@ -155,6 +158,22 @@ def test_an_error_in_a_step_ends_the_other_rank_with_the_phase_and_step(harness,
         f"rank {failing} failed during training at step 1: RuntimeError: injected in step",
         1,
     ]
+
+
+def test_a_failure_inside_deepspeeds_checkpoint_collectives_reaches_every_rank(harness):
+    """Review L4's fourth case, under plain processes (no launcher of lorakit's): rank 0 fails inside
+    DeepSpeed's own checkpoint save while rank 1 waits in DeepSpeed's barrier, where lorakit's agreement
+    cannot reach it (before dist.foreign_collectives both waited until the group's 10-minute timeout). Each
+    rank ends at once with the root cause, the launcher with its line and exit code 1, and checkpoint 1
+    stays the newest complete one."""
+    (rank0, rank1), codes, gone = harness["barrier"]
+    cause = "rank 0 failed during checkpoint save at step 2: RuntimeError: injected in checkpoint barrier"
+    assert codes == [1, 1] and gone < 60
+    assert rank0[:2] == ["RuntimeError", "injected in checkpoint barrier"]
+    assert rank1[:2] == ["RankFailedError", f"{cause}; rank 1 stopped with it"]
+    assert rank0[2] < 30 and rank1[2] < 30
+    assert rank0[3] == {"broken": True, "launcher": [cause, 1], "complete": [1]}
+    assert rank1[3] == {"broken": True}
 
 
 def test_a_stalled_rank_is_an_error_after_the_group_timeout(tmp_path):
