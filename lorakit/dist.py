@@ -280,7 +280,7 @@ def _agree(name: str, step, error: Exception | None, value: Any) -> list[Any]:
 # in the group's store under this key, as [rank, line]; each other rank adds 1 under _HEARD once it read it.
 _NOTICE = "lorakit/failed-inside-collectives"
 _HEARD = _NOTICE + "/heard"
-_POLL_SECONDS = 0.2
+_POLL_SECONDS = 0.5  # two requests a second to the store from each rank, and only inside the block
 # How long the failing rank waits for the others to read its line before it leaves, and how long a rank
 # that read it waits for its own collective to fail (the failing rank's connections closing) before it
 # ends its process itself (a backend, NCCL, that waits for distributed.timeout_minutes instead).
