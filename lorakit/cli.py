@@ -76,7 +76,10 @@ def quiet_libraries() -> None:
 def run_cli(body: Callable[..., int | None], *args) -> int:
     """Run a command body (with `args`, e.g. the parsed command line), turning lorakit's input errors into
     a message (followed by `see` and the documentation page, when the error names one) and the error's exit
-    code (2 for bad input)."""
+    code (2 for bad input). Any other error is a crash: its traceback is printed as Python would (exit code
+    1), but redacted (disclosure.format_exception), since another library's message can carry a token or
+    a URL's password."""
+    from lorakit.disclosure import format_exception
     from lorakit.errors import LorakitError
 
     try:
@@ -84,6 +87,9 @@ def run_cli(body: Callable[..., int | None], *args) -> int:
     except LorakitError as e:
         print(error_message(e), file=sys.stderr)
         return e.exit_code
+    except Exception as e:
+        print(format_exception(e), file=sys.stderr, end="", flush=True)
+        return 1
 
 
 # The dtypes a command can load or export weights in (--dtype of merge and generate).

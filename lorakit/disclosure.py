@@ -10,20 +10,26 @@ the console (error messages, tracker lines and warnings) pass their text through
 - Hugging Face tokens (`hf_...`) wherever they appear;
 - the value of every secret-named environment variable (HF_TOKEN, WANDB_API_KEY, MLFLOW_TRACKING_PASSWORD,
   anything ending in _TOKEN, _API_KEY, _SECRET, _PASSWORD, ...) wherever it appears verbatim.
+
+`format_exception` is the traceback of an error that is not lorakit's own (a tokenizer's, datasets', a
+tracker's), as the CLIs print it and as a worker leaves it for torchrun: Python's text, redacted, with the
+home directory written as `~` (tracebacks get pasted into issues and CI logs; the user's name is no help).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
 MASK = "***"
 
-# scheme://user:password@ or scheme://token@ (the part before the first '@' of the authority).
+# scheme://user:password@ or scheme://token@ (the part before the first '@' of the authority); also with
+# one slash, as a URL reads once a library took it for a path and normalised it (`/data/https:/u:pw@host`).
 _USERINFO = re.compile(
-    r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^/\s:@?#]*)(?::(?P<pw>[^/\s@?#]*))?@"
+    r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*:/{1,2})(?P<user>[^/\s:@?#]*)(?::(?P<pw>[^/\s@?#]*))?@"
 )
 _QUERY_KEYS = (
     "token|access_token|auth_token|id_token|refresh_token|api_key|apikey|key|password|passwd|pwd|secret|"
@@ -54,6 +60,16 @@ def redact(text: str, environ: Mapping[str, str] | None = None) -> str:
     text = _USERINFO.sub(_hide_userinfo, text)
     text = _QUERY.sub(lambda m: m["lead"] + MASK, text)
     return _HF_TOKEN.sub("hf_" + MASK, text)
+
+
+def format_exception(error: BaseException, environ: Mapping[str, str] | None = None) -> str:
+    """The traceback Python would print for `error` (its causes included), redacted, the home directory
+    (HOME of `environ`, default this process's) written as `~`."""
+    text = redact("".join(traceback.format_exception(error)), environ)
+    home = (os.environ if environ is None else environ).get("HOME", "").rstrip("/")
+    if home:
+        text = re.sub(rf"(?<![\w.~/-]){re.escape(home)}(?![\w.-])", "~", text)
+    return text
 
 
 def _hide_userinfo(m: re.Match) -> str:

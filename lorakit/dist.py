@@ -6,7 +6,11 @@ labels what the process is doing so a stuck collective's error says where it was
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -254,6 +258,8 @@ def _attempt(name: str, step, fn: Callable[..., T], args, kwargs) -> tuple[T | N
 
 def _agree(name: str, step, error: Exception | None, value: Any) -> list[Any]:
     """Gather every rank's (failure, value); raise if any rank failed; return the values in rank order."""
+    if error is not None and group_broken():
+        raise error  # no collective of this group can complete any more (foreign_collectives)
     mine = describe_failure(error) if error is not None else None
     try:
         with phase(name, step):
@@ -268,3 +274,87 @@ def _agree(name: str, step, error: Exception | None, value: Any) -> list[Any]:
     if failed:
         raise RankFailedError(f"{failed[0][1]}; rank {rank()} stopped with it")
     return [v for _, v in gathered]
+
+
+# A rank that fails inside another library's collectives (foreign_collectives) leaves its root-cause line
+# in the group's store under this key, as [rank, line]; each other rank adds 1 under _HEARD once it read it.
+_NOTICE = "lorakit/failed-inside-collectives"
+_HEARD = _NOTICE + "/heard"
+_POLL_SECONDS = 0.5  # two requests a second to the store from each rank, and only inside the block
+# How long the failing rank waits for the others to read its line before it leaves, and how long a rank
+# that read it waits for its own collective to fail (the failing rank's connections closing) before it
+# ends its process itself (a backend, NCCL, that waits for distributed.timeout_minutes instead).
+NOTICE_WAIT_SECONDS = 10.0
+GIVE_UP_SECONDS = 20.0
+
+
+@contextlib.contextmanager
+def foreign_collectives(give_up: float = GIVE_UP_SECONDS) -> Iterator[None]:
+    """Run a block that enters another library's collectives (DeepSpeed's barriers inside its checkpoint
+    save): a rank that fails there cannot reach lorakit's agreement, because the others wait in the
+    library's next collective, not in the agreement. So the failing rank records its root cause, leaves the
+    line in the group's store for the others to read and then leaves the group (group_broken: no agreement
+    is attempted, the CLI ends the process at once, which closes its connections). The others watch the
+    store while they are in the block: their collective then fails and they raise RankFailedError naming
+    the root cause; where it does not fail soon (NCCL), the watching thread prints that line and ends the
+    process with exit code 1 after `give_up` seconds instead of waiting out distributed.timeout_minutes."""
+    store = _store() if world_size() > 1 else None
+    if store is None:
+        yield
+        return
+    heard: list[str] = []
+    done = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(store, heard, done, give_up), daemon=True)
+    watcher.start()
+    try:
+        yield
+    except Exception as e:
+        if heard:  # another rank failed first; this rank's collective failed because of it
+            _BROKEN[0] = True
+            raise RankFailedError(f"{heard[0]}; rank {rank()} stopped with it") from e
+        if not collective_failure(e):  # this rank's own failure: the root cause
+            _BROKEN[0] = True
+            _record(e)
+            _tell_others(store, describe_failure(e))
+        raise
+    finally:
+        done.set()
+        watcher.join()
+
+
+def _store():
+    with contextlib.suppress(Exception):
+        return dist.distributed_c10d._get_default_store()
+    return None
+
+
+def _tell_others(store, line: str) -> None:
+    """Leave `line` for the other ranks and wait (at most NOTICE_WAIT_SECONDS) until each has read it."""
+    with contextlib.suppress(Exception):
+        store.set(_NOTICE, json.dumps([rank(), line]))
+        deadline = time.monotonic() + NOTICE_WAIT_SECONDS
+        while store.add(_HEARD, 0) < world_size() - 1 and time.monotonic() < deadline:
+            time.sleep(_POLL_SECONDS)
+
+
+def _watch(store, heard: list[str], done: threading.Event, give_up: float) -> None:
+    """Poll the store for another rank's line until `done`; once read, give the collective `give_up`
+    seconds to fail, then end the process with the line."""
+    while not done.wait(_POLL_SECONDS):
+        try:
+            if not store.check([_NOTICE]):
+                continue
+            sender, line = json.loads(store.get(_NOTICE))
+        except Exception:
+            return  # the store is gone (its host left): this rank's collective fails on its own
+        if sender == rank():
+            continue
+        heard.append(line)
+        with contextlib.suppress(Exception):
+            store.add(_HEARD, 1)
+        if not done.wait(give_up):
+            from lorakit.disclosure import redact
+
+            print(redact(f"error: {line}; rank {rank()} stopped with it"), file=sys.stderr, flush=True)
+            os._exit(RankFailedError.exit_code)
+        return

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 
 from lorakit.cli import quiet_libraries, recipe_parser, run_cli
 
@@ -43,13 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     from lorakit import dist
     from lorakit.engine.launch import launched_distributed
 
-    try:
-        code = run_cli(reporting)
-    except Exception:
-        if not launched_distributed():
-            raise
-        traceback.print_exc()  # the root cause's traceback, as Python prints it
-        code = 1
+    # A crash's traceback (the root cause's) is printed redacted, with exit code 1 (run_cli).
+    code = run_cli(reporting)
     if dist.group_broken() or (code != 0 and (launched_distributed() or dist.initialized())):
         # A failed rank of a group ends now, its error printed and recorded. Its peers may be waiting in a
         # collective until its connections close, and Python's teardown of a training process (garbage

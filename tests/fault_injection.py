@@ -30,6 +30,9 @@ TARGETS = {
     "resume": ("lorakit.engine.checkpoint", "_choose"),
     "metrics write": ("lorakit.observe.metrics", "JsonlSink.write"),
     "eval metrics": ("lorakit.evaluation.scoring", "compute_metrics"),
+    # Inside DeepSpeed's own checkpoint save (rank 0 writes the model states between its barriers): the
+    # other ranks wait in DeepSpeed's barrier, not in lorakit's agreement (review L4's fourth case).
+    "checkpoint barrier": ("deepspeed.runtime.engine", "DeepSpeedEngine._save_checkpoint"),
 }
 
 

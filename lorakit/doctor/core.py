@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from lorakit.disclosure import redact
 from lorakit.doctor import contracts, ds_ops, env, speed
 from lorakit.doctor.backend import fsdp_backend
 from lorakit.doctor.result import SECTIONS, CheckResult, DoctorReport, failed, passed, skipped
@@ -47,10 +48,10 @@ def _guard(section: str, name: str, fn: Callable[[], CheckResult | list[CheckRes
             failed(
                 section,
                 name,
-                f"the check raised {type(e).__name__}: {e}",
+                redact(f"the check raised {type(e).__name__}: {e}"),
                 f"{name} could not be checked on this machine",
                 CRASH_ACTION,
-                traceback=traceback.format_exc(limit=8),
+                traceback=redact(traceback.format_exc(limit=8)),
             )
         ]
     out = out if isinstance(out, list) else [out]

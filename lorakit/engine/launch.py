@@ -157,15 +157,22 @@ def torchrun_command(
 
 
 def report_to_agent(error: BaseException) -> None:
-    """Under torchrun, leave `error` in this worker's error file (TORCHELASTIC_ERROR_FILE, torch's
-    ErrorHandler): the agent then knows the rank stopped on an error of its own, unlike one that died
-    without one (a signal, os._exit). Call it in the `except` block that caught `error`."""
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    """Under torchrun, leave `error` in this worker's error file (TORCHELASTIC_ERROR_FILE): the agent then
+    knows the rank stopped on an error of its own, unlike one that died without one (a signal, os._exit),
+    and plain torchrun prints it as the root cause. Written as torch's ErrorHandler.record_exception
+    writes it, but redacted (disclosure.format_exception): torchrun prints the file's message and traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
         return
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    import json
+    import time
 
-    with contextlib.suppress(Exception):
-        ErrorHandler().record_exception(error)
+    from lorakit.disclosure import format_exception, redact
+
+    message = redact(f"{type(error).__name__}: {error}")
+    stack = {"py_callstack": format_exception(error), "timestamp": str(int(time.time()))}
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps({"message": {"message": message, "extraInfo": stack}}))
 
 
 def root_cause_line(recorded: dict[str, Any] | None, failures: dict[str, dict[str, Any]]) -> str | None:

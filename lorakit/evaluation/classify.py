@@ -71,6 +71,8 @@ def plot_confusion_matrix(report: dict[str, Any], path: Path, title: str = "conf
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from lorakit.observe.plot import save_figure
+
     matrix, rows, columns = report["confusion_matrix"], report["labels"], report["columns"]
     fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(columns), 1.2 + 0.9 * len(rows)))
     shares = [[v / max(sum(r), 1) for v in r] for r in matrix]
@@ -87,10 +89,10 @@ def plot_confusion_matrix(report: dict[str, Any], path: Path, title: str = "conf
         f"{title} (accuracy {accuracy:.1%}, {report['invalid']} invalid)" if accuracy is not None else title
     )
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=100, format="png")
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        save_figure(fig, path, dpi=100)
+    finally:
+        plt.close(fig)
 
 
 def save_classification(report: dict[str, Any], path: Path, plot: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from lorakit.disclosure import redact
 from lorakit.errors import VerificationError
 from lorakit.export.verify import Check
 
@@ -59,8 +60,8 @@ class MergeResult:
 
 
 def say(line: str) -> None:
-    """One line of the merge's progress, printed at once."""
-    print(line, flush=True)
+    """One line of the merge's progress, printed at once (redacted: a note can quote another library's error)."""
+    print(redact(line), flush=True)
 
 
 def require(check: Check) -> Check:

@@ -6,11 +6,11 @@ Agg canvas: no pyplot state, no display needed.
 
 from __future__ import annotations
 
+import io
 import math
-import os
 from pathlib import Path
 
-from lorakit import rundir
+from lorakit import rundir, storage
 
 
 def loss_curves(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
@@ -25,8 +25,8 @@ def loss_curves(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]
 
 
 def plot_losses(run_dir: Path) -> Path | None:
-    """Draw run_dir/loss.png from run_dir/metrics.jsonl (written beside and renamed into place); None when
-    no step was logged."""
+    """Draw run_dir/loss.png from run_dir/metrics.jsonl (durably: save_figure); None when no step was
+    logged."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -46,7 +46,16 @@ def plot_losses(run_dir: Path) -> Path | None:
     ax.legend()
     fig.tight_layout()
     out = run_dir / rundir.LOSS_PLOT
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp)
-    os.replace(tmp, out)
+    save_figure(fig, out)
     return out
+
+
+def save_figure(fig, path: Path, **options) -> None:
+    """Write a matplotlib figure as a PNG at `path` the way lorakit writes every file: rendered to bytes in
+    memory, then storage.write_file (temp, fsync, rename, fsync of the directory), so after a crash or a
+    power loss `path` is the old picture or the new one, never a short one. `options`: savefig's (dpi). A
+    full disk is a DiskFullError naming the file."""
+    png = io.BytesIO()
+    fig.savefig(png, format="png", **options)
+    with storage.writing(path.name, path):
+        storage.write_file(path, png.getvalue())

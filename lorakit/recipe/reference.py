@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
-import os
 import sys
-import tempfile
 import textwrap
 import types
 import typing
@@ -25,6 +23,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from lorakit import storage
 from lorakit.recipe.schema import Recipe
 
 REGENERATE = "python -m lorakit.recipe.reference --write docs/recipes.md"
@@ -244,25 +243,11 @@ def _count_word(n: int) -> str:
 
 
 def write(path: str | Path, text: str) -> None:
-    """Write `text` to `path` atomically: a temporary file in the same directory, then a rename."""
+    """Write `text` to `path` atomically and durably (storage.write_file: temp, fsync, rename, fsync of the
+    directory), keeping the page's current mode (a new page: what the umask gives)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-        # mkstemp creates the file 0600; give it the mode a plain write would (or the page's current one).
-        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    storage.write_file(path, text, mode=path.stat().st_mode & 0o777 if path.exists() else None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+from lorakit.observe.plot import save_figure
 from lorakit.report.runs import RunRow
 from lorakit.report.table import LOWER_IS_BETTER, NO_DIRECTION, eval_names, fmt_count
 
@@ -176,15 +177,12 @@ def plot_speed_memory(rows: list[RunRow], path: Path) -> bool:
 
 
 def _save(fig, path: Path, plt) -> None:
-    # Drawn to a temporary name and renamed, so a reader never sees half a PNG.
+    # Durably, like every file lorakit writes: a reader never sees half a PNG, a power loss leaves none.
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
     try:
-        fig.savefig(tmp, dpi=110)
-        tmp.replace(path)
+        save_figure(fig, path, dpi=110)
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
 
 
 def draw_all(rows: list[RunRow], output: Path) -> dict[str, Path]:

@@ -20,6 +20,14 @@ and the run's checkpoints.
 `stall`: a plain gloo group whose timeout is 3 s (a real job's waits between ranks could pass that on a
 loaded machine); in step 1 (lorakit's phase label), rank 1 stalls for 6 s while rank 0 waits in the step's
 all_reduce. Writes OUT/rank-0.json: [kind, message, seconds].
+
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python fault_harness_worker.py barrier CACHE OUT
+
+`barrier`: one job in which rank 0 fails inside DeepSpeed's own save of step 2's checkpoint (writing the
+model states, between DeepSpeed's barriers) while rank 1 waits in DeepSpeed's barrier, not in lorakit's
+agreement. Writes OUT/rank-r.json: [kind, message, seconds from the failure until this rank stopped,
+after], `after` saying whether the group is broken and, on rank 0, the launcher's line and code and the
+complete checkpoints.
 """
 
 from __future__ import annotations
@@ -157,8 +165,35 @@ def stall(out: Path) -> None:
     os._exit(0)  # as lorakit.run does: gloo's teardown of a group with a vanished peer aborts
 
 
+def barrier(cache: Path, out: Path) -> None:
+    from lorakit import api, dist
+    from lorakit.engine.checkpoint import complete_checkpoints
+    from lorakit.engine.launch import process_group
+    from tests.fault_injection import inject
+
+    run_dir, stamp = out / "checkpoint-barrier", out / "step.failed-at"
+    with process_group("gloo", timeout_minutes=10):
+        if dist.rank() == 0:
+            inject("checkpoint barrier", 2, stamp=str(stamp))
+        try:
+            api._train_in_group(recipe_for(cache, run_dir), lock_on_rank0=False)
+            outcome = ["ok", ""]
+        except Exception as e:
+            outcome = [type(e).__name__, str(e)]
+        took = time.time() - float(stamp.read_text()) if stamp.exists() else None
+        after = {"broken": dist.group_broken()}
+        if dist.rank() == 0:
+            after["launcher"] = launcher_outcome(run_dir)
+            after["complete"] = [c.step for c in complete_checkpoints(run_dir)]
+        (out / f"rank-{dist.rank()}.json").write_text(json.dumps([*outcome, took, after]))
+        sys.stdout.flush()
+        os._exit(1)  # as lorakit.run ends a failed rank of a group
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "stall":
         stall(Path(sys.argv[2]))
+    elif sys.argv[1] == "barrier":
+        barrier(Path(sys.argv[2]), Path(sys.argv[3]))
     else:
         main(int(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))

@@ -157,6 +157,26 @@ def test_an_error_in_a_step_ends_the_other_rank_with_the_phase_and_step(harness,
     ]
 
 
+def test_a_failure_inside_deepspeeds_checkpoint_collectives_reaches_every_rank(cache_dir, tmp_path):
+    """Review L4's fourth case, under plain processes (no launcher of lorakit's): rank 0 fails inside
+    DeepSpeed's own checkpoint save while rank 1 waits in DeepSpeed's barrier, where lorakit's agreement
+    cannot reach it (before dist.foreign_collectives both waited until the group's 10-minute timeout). Each
+    rank ends at once with the root cause, the launcher with its line and exit code 1, and checkpoint 1
+    stays the newest complete one."""
+    # A launch of its own, after the others (sharing the CPUs with them would slow their rows' timings).
+    done = _finish(_start_harness(["barrier", str(cache_dir), str(tmp_path)]), 300)
+    rank0, rank1 = _rows(tmp_path, done)
+    codes = [d.returncode for d, _ in done]
+    gone = max(t for _, t in done) - float((tmp_path / "step.failed-at").read_text())
+    cause = "rank 0 failed during checkpoint save at step 2: RuntimeError: injected in checkpoint barrier"
+    assert codes == [1, 1] and gone < 60
+    assert rank0[:2] == ["RuntimeError", "injected in checkpoint barrier"]
+    assert rank1[:2] == ["RankFailedError", f"{cause}; rank 1 stopped with it"]
+    assert rank0[2] < 30 and rank1[2] < 30
+    assert rank0[3] == {"broken": True, "launcher": [cause, 1], "complete": [1]}
+    assert rank1[3] == {"broken": True}
+
+
 def test_a_stalled_rank_is_an_error_after_the_group_timeout(tmp_path):
     rank0, _ = _rows(tmp_path, _finish(_start_harness(["stall", str(tmp_path)]), 60))
     kind, message, took = rank0

@@ -31,6 +31,8 @@ ENV = {"WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567", "HF_TOKEN": 
         ("https://ghp_tok3n@github.com/me/x", "https://***@github.com/me/x"),
         ("http://host/api?run=1&token=abc123&x=2", "http://host/api?run=1&token=***&x=2"),
         ("https://s3/x?X-Amz-Signature=deadbeef", "https://s3/x?X-Amz-Signature=***"),
+        # A URL a library took for a path and normalised (datasets: "Unable to find /data/https:/u:pw@...").
+        ("/data/https:/alice:s3cret@host/t.jsonl", "/data/https:/alice:***@host/t.jsonl"),
         ("login with hf_" + "B2" * 17 + " now", "login with hf_*** now"),  # any HF token, set or not
         (f"HF_TOKEN={ENV['HF_TOKEN']}", "HF_TOKEN=***"),
         ("key 0123456789abcdef0123456789abcdef01234567 in a message", "key *** in a message"),
@@ -77,6 +79,68 @@ def test_the_console_shows_no_credential(monkeypatch):
     with pytest.warns(TrackerWarning) as caught:
         sink.write({"step": 1})
     assert "s3cret" not in str(caught[0].message) and "alice:***@" in str(caught[0].message)
+
+
+def _datasets_error(home) -> Exception:
+    """A real error of another library: datasets asked for a data file under the home directory whose path
+    holds a token."""
+    import datasets
+
+    try:
+        datasets.load_dataset("json", data_files=str(home / "data" / ENV["HF_TOKEN"] / "t.jsonl"))
+    except Exception as e:
+        return e
+    raise AssertionError("datasets found the file")
+
+
+def test_a_foreign_errors_traceback_is_printed_and_written_redacted(tmp_path, monkeypatch, capsys):
+    """An error that is not lorakit's (here datasets', and one raised from it that quotes a URL with a
+    password) reaches the console as Python's traceback, from every CLI (cli.run_cli) with exit code 1, and
+    torchrun's error file (launch.report_to_agent), which plain torchrun prints, as the same traceback:
+    credentials redacted, the home directory written as ~."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from lorakit.cli import run_cli
+    from lorakit.engine.launch import report_to_agent
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("HF_TOKEN", ENV["HF_TOKEN"])
+    error = _datasets_error(tmp_path)
+    assert ENV["HF_TOKEN"] in str(error) and type(error).__module__.split(".")[0] != "lorakit"
+
+    def body():
+        raise RuntimeError("while reading https://alice:s3cret@host/t.jsonl?sig=t0k") from error
+
+    assert run_cli(body) == 1
+    printed = capsys.readouterr().err
+    errfile = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(errfile))
+    try:
+        body()
+    except RuntimeError as e:
+        report_to_agent(e)
+    # torchrun's own reader of a worker's error file (the root cause it prints)
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(errfile))
+    written = json.loads(errfile.read_text())["message"]["extraInfo"]["py_callstack"]
+    for text in (printed, written, json.dumps(failure.message)):
+        assert "s3cret" not in text and "t0k" not in text and ENV["HF_TOKEN"] not in text, text
+        assert "alice:***@host" in text and "sig=***" in text
+    for text in (printed, written):
+        assert text.startswith("Traceback (most recent call last):")
+        assert "~/data/***/t.jsonl" in text and str(tmp_path) not in text, text
+        assert text.rstrip().endswith("RuntimeError: while reading https://alice:***@host/t.jsonl?sig=***")
+    assert failure.message["message"] == "RuntimeError: while reading https://alice:***@host/t.jsonl?sig=***"
+
+
+def test_a_crashed_doctor_check_is_reported_redacted():
+    from lorakit.doctor.core import _guard
+
+    def check():
+        raise ConnectionError("https://alice:s3cret@mlflow.example.com/ refused the connection")
+
+    (result,) = _guard("environment", "trackers", check)
+    assert "s3cret" not in result.detail and "alice:***@" in result.detail
+    assert "s3cret" not in result.data["traceback"] and "alice:***@" in result.data["traceback"]
 
 
 @pytest.mark.parametrize("mask", [0o077, 0o002])

@@ -20,9 +20,16 @@ from lorakit.data.cache import save_cached
 from lorakit.engine import branches, compatibility, manifest
 from lorakit.engine import checkpoint as ck
 from lorakit.errors import MergeError, RecipeError, RunDirError, RunLockedError
+from lorakit.evaluation.classify import classification_report, plot_confusion_matrix
 from lorakit.export.output import atomic_directory
 from lorakit.export.sources import locate
+from lorakit.model.families.tiny import resolve_model_source
 from lorakit.observe.metrics import JsonlSink
+from lorakit.observe.plot import plot_losses
+from lorakit.recipe import reference
+from lorakit.report import plots
+from lorakit.report.plots import draw_all
+from lorakit.report.runs import RunRow
 from lorakit.runlock import RunLock
 from tests.conftest import tiny_recipe, tiny_recipe_dict
 
@@ -170,6 +177,26 @@ def test_every_artifact_is_fsynced_file_and_parent(tmp_path, fsyncs):
     assert (entry / "meta.json").is_file()
     assert any(Path(p).name == "meta.json" for p in fsyncs)
     assert fsyncs[-1] == str(entry.parent)
+    # loss.png and confusion_matrix.png (rendered to bytes, then storage.write_file), a comparison's plots
+    record = {"kind": "train", "step": 1, "loss": 2.0}
+    (run / rundir.METRICS).write_text(json.dumps(record) + "\n")
+    compared = tmp_path / "compared"
+    compared.mkdir()
+    for draw, name, where in (
+        (lambda: plot_losses(run), rundir.LOSS_PLOT, run),
+        (lambda: plot_confusion_matrix(classification_report("a", "a", "a"), run / "cm.png"), "cm.png", run),
+        (lambda: draw_all([RunRow(run, "r", train_records=[record])], compared), plots.LOSS, compared),
+    ):
+        fsyncs.clear()
+        draw()
+        _synced_before_published(fsyncs, where, name)
+    # writers outside a run: the generated recipe reference (docs/recipes.md), a tiny model's directory
+    fsyncs.clear()
+    reference.write(tmp_path / "recipes.md", "# page\n")
+    _synced_before_published(fsyncs, tmp_path, "recipes.md")
+    fsyncs.clear()
+    built = Path(resolve_model_source("tiny:llama", tmp_path / "tiny"))
+    _synced_before_published(fsyncs, built.parent, built.name, "config.json")
 
 
 # --- checkpoints: manifest, damage, fallback, rollback --------------------------------------------------

@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lorakit import storage
 from lorakit.errors import RecipeError
 from lorakit.model.families.base import TINY_MAX_LENGTH
 from lorakit.model.families.registry import family_named, tiny_kinds
@@ -184,7 +185,8 @@ def resolve_model_source(name_or_path: str, cache_dir: str | os.PathLike) -> str
     try:
         build_tiny_model(kind, tmp)
         try:
-            os.rename(tmp, target)
+            # Durably (its files fsynced before the rename, the parent after), as every lorakit writer.
+            storage.publish_directory(tmp, target)
         except OSError:
             # Another process renamed its build into place first: theirs is as good as ours.
             if not target.is_dir():
