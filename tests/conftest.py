@@ -25,6 +25,30 @@ def run_cli(module: str, *args, timeout: float = 900, **options) -> subprocess.C
     )
 
 
+# Test files whose tests share a session fixture go to one xdist worker together, so the fixture is built once
+# (every other file goes alone, as --dist loadfile sends it): the files that use tests/e2e/conftest.py's
+# mnli_run and mnli_merged.
+SHARED_UNITS = {
+    "tests/e2e/test_generate.py": "tests/e2e/conftest.py::mnli_run",
+    "tests/e2e/test_evaluate.py": "tests/e2e/conftest.py::mnli_run",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile (pyproject.toml), with the files of SHARED_UNITS scheduled as one unit each."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedFixtureScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SHARED_UNITS.get(path, path)
+
+    return SharedFixtureScheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """One cache for the whole session, so the tiny T5 is built once."""

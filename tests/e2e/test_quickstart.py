@@ -65,13 +65,13 @@ def run_recipe(base, recipe: str, *overrides: str, env=None):
     return proc, cache, run_dir
 
 
-def recipe_run(recipe: str):
+def recipe_run(recipe: str, *overrides: str):
     """A module-scoped fixture named after recipes/RECIPE (quickstart.yaml: `quickstart`): the recipe run
-    once by run_recipe."""
+    once by run_recipe, with `overrides`."""
 
     @pytest.fixture(scope="module", name=Path(recipe).stem)
     def run(tmp_path_factory):
-        return run_recipe(tmp_path_factory.mktemp(Path(recipe).stem), recipe)
+        return run_recipe(tmp_path_factory.mktemp(Path(recipe).stem), recipe, *overrides)
 
     return run
 

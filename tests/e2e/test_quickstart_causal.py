@@ -66,9 +66,10 @@ def test_causal_adapter_loads_with_peft_and_matches_eval_loss(quickstart_causal)
 @pytest.mark.slow
 @pytest.mark.parametrize("verbose", ["0", "1"], ids=["quiet", "LORAKIT_VERBOSE"])
 def test_qlora_quickstart_on_zero3_with_a_quiet_console(tmp_path, verbose):
-    """The causal quickstart with a 4-bit base, as the user types it, bitsandbytes' AVX512-BF16 branch forced
-    on (its CPU inference layout once broke this): trains, evaluates and saves on 2 processes with ZeRO-3,
-    and the console holds no other library's chatter unless LORAKIT_VERBOSE=1 asks for it."""
+    """The causal quickstart with a 4-bit base, bitsandbytes' AVX512-BF16 branch forced on (its CPU inference
+    layout once broke this): trains, evaluates (generating) and saves on 2 processes with ZeRO-3, and the
+    console holds no other library's chatter unless LORAKIT_VERBOSE=1 asks for it. A quarter of the data
+    and shorter generations: the quickstart's own size is test_packed_causal_run_trains_and_reports_packing's."""
     env = {
         **os.environ,
         AVX512BF16_ENV: "1",
@@ -77,7 +78,9 @@ def test_qlora_quickstart_on_zero3_with_a_quiet_console(tmp_path, verbose):
     }
     env.pop("OMP_NUM_THREADS", None)  # torchrun's banner about it is part of what is checked
     overrides = ["method.kind=qlora"] + (
-        ["train.max_steps=2", "eval.generate=false"] if verbose == "1" else []
+        ["train.max_steps=2", "eval.generate=false"]
+        if verbose == "1"
+        else ["data.max_samples=128", "data.max_eval_samples=16", "eval.max_new_tokens=8"]
     )
     run = run_recipe(tmp_path, "quickstart_causal.yaml", *overrides, env=env)
     proc, _, run_dir = run

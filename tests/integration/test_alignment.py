@@ -2,7 +2,8 @@
 once. ORPO reaches held-out preference accuracy above 80% on the builtin preference pairs; KTO's reward
 margin between desirable and undesirable held-out rows (builtin kto_rows) is positive and grows. Each run
 is then resumed from its middle checkpoint and repeats the uninterrupted run: the same step records and the
-same adapter."""
+same adapter. The two whole runs share one 2-process launch and the two resumed runs another
+(qlora_worker.py trains recipes in order)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import shutil
 import pytest
 import torch
 
-import lorakit
 from lorakit import rundir
 from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.recipe.alignment_section import KTO_STEP_METRICS, ORPO_METRICS
-from tests.conftest import tiny_recipe
+from tests.conftest import ROOT, tiny_recipe_dict
+from tests.integration.qlora_worker import train_in_one_launch
 
 DATA = {
     "orpo": {"source": "builtin:preference_pairs", "input_column": "question"},
@@ -32,13 +33,11 @@ def _adapter(run_dir) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("objective", ["orpo", "kto"])
-def test_zero3_two_processes_learn_and_resume_identically(cache_dir, tmp_path, objective):
+def _recipe(cache_dir, out, objective: str) -> dict:
     steps = STEPS[objective]
-    recipe = tiny_recipe(
+    return tiny_recipe_dict(
         cache_dir,
-        tmp_path / "run",
+        out,
         model={"name_or_path": "tiny:llama", "gradient_checkpointing": True},
         method={"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
         data={
@@ -53,8 +52,43 @@ def test_zero3_two_processes_learn_and_resume_identically(cache_dir, tmp_path, o
         checkpoint={"every": steps // 2, "keep": 3},
         distributed={"num_processes": 2, "zero_stage": 3},
     )
-    whole = lorakit.train(recipe)
-    records = rundir.read_metrics(whole.run_dir)
+
+
+@pytest.fixture(scope="module")
+def runs(cache_dir, tmp_path_factory) -> dict[str, dict]:
+    """Per objective: the whole run's records, summary, adapter and checkpoint steps, then the run resumed
+    from its middle checkpoint (the later ones removed, as if it had stopped there): `resumed` is its
+    summary and `again` its records."""
+    base = tmp_path_factory.mktemp("alignment")
+    recipes = {base / f"{o}.yaml": _recipe(cache_dir, base / o, o) for o in STEPS}
+    env = {"PYTHONPATH": str(ROOT)}
+    train_in_one_launch(recipes, env)
+    out = {}
+    for objective in STEPS:
+        run_dir = base / objective
+        found = complete_checkpoints(run_dir)
+        out[objective] = {
+            "records": rundir.read_metrics(run_dir),
+            "summary": rundir.read_summary(run_dir),
+            "adapter": _adapter(run_dir),
+            "checkpoints": [c.step for c in found],
+        }
+        for later in found[1:]:
+            shutil.rmtree(later.path)
+    train_in_one_launch(recipes, env)
+    for objective in STEPS:
+        out[objective]["resumed"] = rundir.read_summary(base / objective)
+        out[objective]["again"] = rundir.read_metrics(base / objective)
+        out[objective]["again_adapter"] = _adapter(base / objective)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["orpo", "kto"])
+def test_zero3_two_processes_learn_and_resume_identically(runs, objective):
+    steps = STEPS[objective]
+    whole = runs[objective]
+    records = whole["records"]
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     # Halfway, the end, and (KTO's 160 rows) an epoch's end between.
@@ -68,19 +102,18 @@ def test_zero3_two_processes_learn_and_resume_identically(cache_dir, tmp_path, o
         assert train[0]["loss"] == pytest.approx(0.5, abs=1e-5) and train[0]["kl"] == 0.0
         assert 0 < evals[0]["margin"] < evals[-1]["margin"], evals
         assert 0.2 < evals[-1]["desirable_share"] < 0.8 and evals[-1]["rewards/undesirable"] < 0
-    assert f"{objective} " in " ".join(whole.summary["method_options"])  # `orpo lambda=0.1`, `kto beta=0.1`
-    adapter = _adapter(whole.run_dir)
+    assert f"{objective} " in " ".join(
+        whole["summary"]["method_options"]
+    )  # `orpo lambda=0.1`, `kto beta=0.1`
+    adapter = whole["adapter"]
 
-    # As if the run had stopped after its middle checkpoint.
-    found = complete_checkpoints(whole.run_dir)
-    assert found[0].step == steps // 2 and found[-1].step == steps  # (KTO: and its epoch's end, step 6)
-    for later in found[1:]:
-        shutil.rmtree(later.path)
-    resumed = lorakit.train(recipe)
-    assert resumed.summary["resumed_from"]["step"] == steps // 2
-    again = [r for r in rundir.read_metrics(resumed.run_dir) if r["kind"] == "train"]
+    # As if the run had stopped after its middle checkpoint (the fixture removed the later ones).
+    found = whole["checkpoints"]
+    assert found[0] == steps // 2 and found[-1] == steps  # (KTO: and its epoch's end, step 6)
+    assert whole["resumed"]["resumed_from"]["step"] == steps // 2
+    again = [r for r in whole["again"] if r["kind"] == "train"]
     keys = ("step", "loss", "grad_norm", *STEP_KEYS[objective])
     assert [r[k] for r in again for k in keys] == pytest.approx([r[k] for r in train for k in keys], abs=1e-6)
-    again_adapter = _adapter(resumed.run_dir)
+    again_adapter = whole["again_adapter"]
     assert again_adapter.keys() == adapter.keys()
     assert all(torch.equal(again_adapter[k], adapter[k]) for k in adapter)

@@ -1,6 +1,7 @@
 """DPO end to end on the builtin preference pairs: 2 processes on ZeRO-3 for a tiny Llama and a tiny T5
 (held-out preference accuracy from 50% to above 90%, the adapter merged and verified, generate and compare
-on the run); full fine-tuning DPO on its cached reference, which learns and resumes identically (1 process)."""
+on the run; both runs in one launch); full fine-tuning DPO on its cached reference, which learns and resumes
+identically (1 process)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import torch
 import lorakit
 from lorakit import rundir
 from lorakit.engine.checkpoint import complete_checkpoints
+from lorakit.recipe import recipe_from_dict
 from lorakit.recipe.dpo_section import DPO_METRICS
-from tests.conftest import tiny_recipe
+from tests.conftest import ROOT, tiny_recipe_dict
+from tests.integration.qlora_worker import train_in_one_launch
 
 # Steps of the 2-process runs, evaluated halfway and at the end: the tiny Llama's shared-prompt rows hold
 # 6 micro-batches of pairs an epoch, the tiny T5's padded ones 10; both are above 90% held-out accuracy at
@@ -23,7 +26,7 @@ from tests.conftest import tiny_recipe
 STEPS = {"llama": 6, "t5": 8}
 
 
-def _recipe(cache_dir, out, kind: str, **sections):
+def _recipe_dict(cache_dir, out, kind: str, **sections) -> dict:
     values = {
         "model": {"name_or_path": f"tiny:{kind}", "gradient_checkpointing": True},
         "method": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
@@ -43,23 +46,39 @@ def _recipe(cache_dir, out, kind: str, **sections):
     }
     for section, extra in sections.items():
         values[section] = {**values.get(section, {}), **extra}
-    return tiny_recipe(cache_dir, out, **values)
+    return tiny_recipe_dict(cache_dir, out, **values)
+
+
+def _recipe(cache_dir, out, kind: str, **sections):
+    return recipe_from_dict(_recipe_dict(cache_dir, out, kind, **sections))
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(cache_dir, tmp_path_factory) -> dict[str, Path]:
+    """The run directory of each kind's 2-process ZeRO-3 run, merged at the end; both runs in one launch
+    (qlora_worker.py trains recipes in order)."""
+    base = tmp_path_factory.mktemp("dpo-zero3")
+    recipes = {
+        base / f"{kind}.yaml": _recipe_dict(
+            cache_dir,
+            base / kind,
+            kind,
+            distributed={"num_processes": 2, "zero_stage": 3},
+            output={"merge": True},
+            train={"max_steps": steps},
+            eval={"every": steps // 2},
+        )
+        for kind, steps in STEPS.items()
+    }
+    train_in_one_launch(recipes, {"PYTHONPATH": str(ROOT)})
+    return {kind: base / kind for kind in STEPS}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "t5"])
-def test_dpo_zero3_two_processes_learns_the_preference_and_merges(cache_dir, tmp_path, kind):
-    recipe = _recipe(
-        cache_dir,
-        tmp_path / "run",
-        kind,
-        distributed={"num_processes": 2, "zero_stage": 3},
-        output={"merge": True},
-        train={"max_steps": STEPS[kind]},
-        eval={"every": STEPS[kind] // 2},
-    )
-    result = lorakit.train(recipe)
-    records = rundir.read_metrics(result.run_dir)
+def test_dpo_zero3_two_processes_learns_the_preference_and_merges(zero3_runs, tmp_path, kind):
+    run_dir = zero3_runs[kind]
+    records = rundir.read_metrics(run_dir)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     # eval.every halfway, and the run's end.
@@ -70,19 +89,19 @@ def test_dpo_zero3_two_processes_learns_the_preference_and_merges(cache_dir, tmp
         # No dropout in the tiny Llama: before the first update the policy is its reference exactly.
         assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
         assert train[0]["accuracy"] == 50.0 and train[0]["margin"] == 0.0
-    summary = result.summary
+    summary = rundir.read_summary(run_dir)
     assert summary["eval"]["accuracy"] > 90, evals
     assert summary["eval"]["margin"] > 0 and summary["eval"]["loss"] < math.log(2)
     assert summary["loss"]["last"] < summary["loss"]["first"]
-    assert summary["merged_dir"] and (result.run_dir / "merged" / "config.json").is_file()
+    assert summary["merged_dir"] and (run_dir / "merged" / "config.json").is_file()
 
     # The run is an ordinary adapter run for generate and compare.
     # A text line is the value of the one column the prompt template reads (data.input_column).
     generated = lorakit.generate(
-        result.run_dir, ["Describe the scene: a nurse reading a book at home."], max_new_tokens=4
+        run_dir, ["Describe the scene: a nurse reading a book at home."], max_new_tokens=4
     )
     assert len(generated.records) == 1 and "nurse" in generated.records[0]["prompt"]
-    report = lorakit.compare([result.run_dir], output=tmp_path / "report")
+    report = lorakit.compare([run_dir], output=tmp_path / "report")
     text = report.report.read_text()
     assert "eval accuracy" in text and "lora (dpo beta=0.1)" in text
 

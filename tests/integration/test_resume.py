@@ -59,21 +59,6 @@ def launch(recipe: Path, fault: str | None = None, **extra_env: str) -> subproce
     return _finish(_start(recipe, fault, **extra_env))
 
 
-def preempt(
-    recipe: Path, run_dir: Path, at: int, steps: int = STEPS
-) -> tuple[subprocess.CompletedProcess, int]:
-    """Launch `recipe` with SIGTERM after step `at`: exit 75 and a preempted checkpoint. The signal travels
-    launcher -> torchrun -> workers while step `at` ends, so the ranks stop together at the first boundary
-    after it arrives: step `at`, or a later one on a loaded machine, never the end. Returns the process and
-    the checkpoint's step."""
-    stopped = launch(recipe, fault=f"term:{at}")
-    assert stopped.returncode == 75, stopped.stderr[-5000:]
-    ckpts = complete_checkpoints(run_dir)
-    stopped_at = ckpts[-1].step
-    assert at <= stopped_at < steps and ckpts[-1].state["reason"] == "preempted"
-    return stopped, stopped_at
-
-
 def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rundir.read_metrics(run_dir) if r["kind"] == "train"}
 
@@ -100,68 +85,25 @@ def reference(cache_dir, tmp_path_factory) -> Path:
     return base / "run"
 
 
-@pytest.mark.slow
-def test_sigkill_mid_epoch_then_relaunch_matches_uninterrupted(reference, cache_dir, tmp_path):
-    recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
-    killed = launch(recipe, fault="kill:5")
-    assert killed.returncode == -signal.SIGKILL
-    assert not (tmp_path / "run" / "summary.json").exists()
-    assert [c.step for c in complete_checkpoints(tmp_path / "run")] == [2, 4]
-
-    resumed = launch(recipe)
-    assert resumed.returncode == 0, resumed.stderr[-5000:]
-    assert "resuming from" in resumed.stdout + resumed.stderr
-    summary = rundir.read_summary(tmp_path / "run")
-    assert summary["resumed_from"]["step"] == 4 and summary["steps"] == STEPS
-    assert_same_run(tmp_path / "run", reference)
+def _resumed_from(proc: subprocess.CompletedProcess, run_dir: Path, step: int) -> bool:
+    """Whether the launch `proc` said it resumed from `run_dir`'s checkpoint of `step`."""
+    ckpt = (run_dir / "checkpoints" / f"step-{step:08d}").resolve()
+    return f"resuming from {ckpt} " in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_exits_75_and_the_relaunch_resumes(reference, cache_dir, tmp_path):
-    recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
-    stopped, stopped_at = preempt(recipe, tmp_path / "run", at=3)
-    assert "relaunch the same command to resume" in stopped.stderr.lower()
-    # Preemption released the run lock: a requeued job starts at once.
-    assert not (tmp_path / "run" / LOCK).exists()
-
-    resumed = launch(recipe)
-    assert resumed.returncode == 0, resumed.stderr[-5000:]
-    assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == stopped_at
-    assert_same_run(tmp_path / "run", reference)
-
-
-@pytest.mark.slow
-def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(reference, cache_dir, tmp_path):
-    recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
-    crashed = launch(recipe, fault="crash-save:4")
-    assert crashed.returncode == 1, crashed.stderr[-5000:]
-    # The launcher names the rank that ended without an error of its own, and where the run was.
-    assert crashed.stderr.rstrip().splitlines()[-2:] == [
-        "error: rank 0 exited with code 9 (no error of its own) during checkpoint save at step 4; rank 1 "
-        "stopped with it",
-        "see docs/faults.md#a-rank-that-dies",
-    ]
-    root = tmp_path / "run" / "checkpoints"
-    # Step 2 is intact and the newest; the half-written step 4 was never published, and the launcher removed
-    # it once torchrun had stopped every worker (a launcher killed outright leaves it to the next save's prune).
-    assert not (root / ".tmp-step-00000004").exists() and not (root / "step-00000004").exists()
-    assert [c.step for c in complete_checkpoints(tmp_path / "run")] == [2]
-
-    resumed = launch(recipe)
-    assert resumed.returncode == 0, resumed.stderr[-5000:]
-    assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == 2
-    assert not (root / ".tmp-step-00000004").exists()
-    assert_same_run(tmp_path / "run", reference)
-
-
-@pytest.mark.slow
-def test_a_second_launch_is_refused_and_a_relaunch_takes_the_killed_runs_lock_over(
+def test_a_killed_run_is_refused_to_a_second_launch_taken_over_preempted_and_resumed_like_uninterrupted(
     reference, cache_dir, tmp_path
 ):
-    """Two launches of one recipe at once: exactly one trains, the other exits 2 within seconds naming it.
-    The first is then SIGKILLed mid-epoch (its lock stays behind); a relaunch takes the stale lock over and
-    resumes to the same run as an uninterrupted one."""
-    recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
+    """One run through the faults of a node and a scheduler, each launch going on from what the previous
+    one left (one run for all of them keeps the suite's launches few):
+    1. Two launches of one recipe at once: exactly one trains, the other exits 2 within seconds naming it.
+    2. The first is SIGKILLed mid-epoch (after step 5): no summary, checkpoints 2 and 4, its lock behind.
+    3. A relaunch takes the stale lock over, resumes from step 4 and is preempted (SIGTERM after its second
+       step, 6): exit 75, a preempted checkpoint, the lock released.
+    4. The next relaunch resumes from that checkpoint and ends as the uninterrupted run did."""
+    run = tmp_path / "run"
+    recipe = _recipe(cache_dir, run, tmp_path / "recipe.yaml")
     go = tmp_path / "go"
     first = _start(recipe, fault="kill:5", LORAKIT_HOLD_UNTIL=str(go))
     try:
@@ -170,7 +112,7 @@ def test_a_second_launch_is_refused_and_a_relaunch_takes_the_killed_runs_lock_ov
         while not Path(f"{go}.waiting").exists():
             assert first.poll() is None and time.monotonic() < deadline, _finish(first, 1).stderr[-5000:]
             time.sleep(0.5)
-        holder = read_holder(tmp_path / "run" / LOCK)
+        holder = read_holder(run / LOCK)
         assert holder.pid == first.pid
 
         start = time.monotonic()
@@ -180,42 +122,77 @@ def test_a_second_launch_is_refused_and_a_relaunch_takes_the_killed_runs_lock_ov
         assert f"is in use by another run: pid {first.pid} on host {holder.host}" in second.stderr
         assert "Traceback" not in second.stderr and "batching:" not in second.stdout
         assert seconds < 60, seconds
-        assert read_holder(tmp_path / "run" / LOCK).token == holder.token
+        assert read_holder(run / LOCK).token == holder.token
     finally:
         go.touch()
         killed = _finish(first)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-5000:]
-    assert [c.step for c in complete_checkpoints(tmp_path / "run")] == [2, 4]
-    assert read_holder(tmp_path / "run" / LOCK).token == holder.token  # SIGKILL left it behind
+    assert not (run / "summary.json").exists()
+    assert [c.step for c in complete_checkpoints(run)] == [2, 4]
+    assert read_holder(run / LOCK).token == holder.token  # SIGKILL left it behind
+
+    # SIGTERM as the relaunch's second step (6) starts: the signal travels launcher -> torchrun -> workers
+    # and the ranks stop together at the first boundary after it arrives: step 6, or a later one on a loaded
+    # machine, never the end.
+    stopped = launch(recipe, fault="term:2")
+    assert stopped.returncode == 75, stopped.stderr[-5000:]
+    out = stopped.stdout + stopped.stderr
+    assert f"run lock: taking over {run / LOCK} from pid {first.pid}" in out
+    assert f"its process {first.pid} is gone" in out
+    assert _resumed_from(stopped, run, 4)
+    assert "relaunch the same command to resume" in stopped.stderr.lower()
+    ckpts = complete_checkpoints(run)
+    stopped_at = ckpts[-1].step
+    assert 6 <= stopped_at < STEPS and ckpts[-1].state["reason"] == "preempted"
+    # Preemption released the run lock: a requeued job starts at once.
+    assert not (run / LOCK).exists()
 
     resumed = launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
-    out = resumed.stdout + resumed.stderr
-    assert f"run lock: taking over {tmp_path / 'run' / LOCK} from pid {first.pid}" in out
-    assert f"its process {first.pid} is gone" in out
-    assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == 4
-    assert not (tmp_path / "run" / LOCK).exists()
-    assert_same_run(tmp_path / "run", reference)
+    assert _resumed_from(resumed, run, stopped_at)
+    summary = rundir.read_summary(run)
+    assert summary["resumed_from"]["step"] == stopped_at and summary["steps"] == STEPS
+    assert not (run / LOCK).exists()
+    assert_same_run(run, reference)
 
 
 @pytest.mark.slow
-def test_no_space_while_writing_a_checkpoint_exits_74_and_keeps_the_previous_one(
+def test_a_crash_or_a_full_disk_while_writing_a_checkpoint_keeps_the_previous_one(
     reference, cache_dir, tmp_path
 ):
-    recipe = _recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml")
-    root = tmp_path / "run" / "checkpoints"
-    full = launch(recipe, fault="enospc:*/checkpoints/.tmp-step-00000004/*")
+    """A rank dies while writing step 4's checkpoint (exit 1, step 2 kept); the relaunch resumes from step 2
+    and runs out of space while writing step 6's (exit 74, steps 2 and 4 kept, the lock released); the last
+    relaunch resumes from step 4 and ends as the uninterrupted run did."""
+    run = tmp_path / "run"
+    recipe = _recipe(cache_dir, run, tmp_path / "recipe.yaml")
+    root = run / "checkpoints"
+    crashed = launch(recipe, fault="crash-save:4")
+    assert crashed.returncode == 1, crashed.stderr[-5000:]
+    # The launcher names the rank that ended without an error of its own, and where the run was.
+    assert crashed.stderr.rstrip().splitlines()[-2:] == [
+        "error: rank 0 exited with code 9 (no error of its own) during checkpoint save at step 4; rank 1 "
+        "stopped with it",
+        "see docs/faults.md#a-rank-that-dies",
+    ]
+    # Step 2 is intact and the newest; the half-written step 4 was never published, and the launcher removed
+    # it once torchrun had stopped every worker (a launcher killed outright leaves it to the next save's prune).
+    assert not (root / ".tmp-step-00000004").exists() and not (root / "step-00000004").exists()
+    assert [c.step for c in complete_checkpoints(run)] == [2]
+
+    full = launch(recipe, fault="enospc:*/checkpoints/.tmp-step-00000006/*")
+    assert _resumed_from(full, run, 2)
     # Rank 0 ran out of space in DeepSpeed's torch.save; the launcher exits with its code and message.
     assert full.returncode == 74, full.stderr[-5000:]
     assert (
-        f"error: no space left on the device while writing the checkpoint of step 4 ({root / 'step-00000004'})"
-        in (full.stderr)
+        f"error: no space left on the device while writing the checkpoint of step 6 ({root / 'step-00000006'})"
+        in full.stderr
     )
-    assert [c.step for c in complete_checkpoints(tmp_path / "run")] == [2]
-    assert not (root / "step-00000004").exists() and not (root / ".tmp-step-00000004").exists()
-    assert not (tmp_path / "run" / LOCK).exists()
+    assert [c.step for c in complete_checkpoints(run)] == [2, 4]
+    assert not (root / "step-00000006").exists() and not (root / ".tmp-step-00000006").exists()
+    assert not (root / ".tmp-step-00000004").exists()
+    assert not (run / LOCK).exists()
 
     resumed = launch(recipe)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
-    assert rundir.read_summary(tmp_path / "run")["resumed_from"]["step"] == 2
-    assert_same_run(tmp_path / "run", reference)
+    assert rundir.read_summary(run)["resumed_from"]["step"] == 4
+    assert_same_run(run, reference)

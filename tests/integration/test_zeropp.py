@@ -6,6 +6,7 @@ hpz_partition_size 2 on 2 processes makes one secondary group of the whole world
 DeepSpeed builds and all-gathers the secondary partition all the same. The tiny T5 has a separate output
 head, which lorakit restores under a second zero.Init (model/untie.py): without passing that init the hpZ
 group the first one made, DeepSpeed fails (issues #4901, #7066), so this test also guards that workaround.
+The plain run and then the hpZ run train in one 2-process launch (qlora_worker.py trains recipes in order).
 """
 
 import json
@@ -16,13 +17,15 @@ from safetensors.torch import load_file
 import lorakit
 from lorakit import rundir
 from lorakit.errors import RecipeError
-from tests.conftest import tiny_recipe
+from lorakit.recipe import recipe_from_dict
+from tests.conftest import ROOT, tiny_recipe_dict
+from tests.integration.qlora_worker import train_in_one_launch
 
 pytestmark = pytest.mark.slow
 
 
-def _recipe(cache_dir, out, **distributed):
-    return tiny_recipe(
+def _recipe(cache_dir, out, **distributed) -> dict:
+    return tiny_recipe_dict(
         cache_dir,
         out,
         train={"max_steps": 4, "lr": 2e-2},
@@ -38,8 +41,14 @@ def _losses(run_dir):
 
 
 def test_hpz_trains_as_plain_zero3(cache_dir, tmp_path):
-    hpz = lorakit.train(_recipe(cache_dir, tmp_path / "hpz", hpz_partition_size=2)).run_dir
-    plain = lorakit.train(_recipe(cache_dir, tmp_path / "plain")).run_dir
+    hpz, plain = tmp_path / "hpz", tmp_path / "plain"
+    train_in_one_launch(
+        {
+            tmp_path / "plain.yaml": _recipe(cache_dir, plain),
+            tmp_path / "hpz.yaml": _recipe(cache_dir, hpz, hpz_partition_size=2),
+        },
+        {"PYTHONPATH": str(ROOT)},
+    )
     zero = json.loads((hpz / rundir.DS_CONFIG).read_text())["zero_optimization"]
     assert zero["stage"] == 3 and zero["zero_hpz_partition_size"] == 2
     assert (
@@ -64,5 +73,5 @@ def test_quantized_communication_is_refused_on_cpu_before_any_work(cache_dir, tm
     # the model (qwZ) or at the first backward (qgZ).
     out = tmp_path / "run"
     with pytest.raises(RecipeError, match=rf"distributed.{key} .* needs GPUs"):
-        lorakit.train(_recipe(cache_dir, out, **{key: True}))
+        lorakit.train(recipe_from_dict(_recipe(cache_dir, out, **{key: True})))
     assert not (out / rundir.DS_CONFIG).exists()
