@@ -364,15 +364,15 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
 
     # Three moments: the start of the backward (the output head's gradients), the backward through the
     # layers (gradients, buckets, a recomputed layer), the optimizer step (fp32 gradients).
-    gpu = {when: total("gpu", when) for when in ("resident", "forward", "backward", "gradients", "step")}
-    # An objective's no-grad forward (DPO's reference pass, or full fine-tuning's pass before training),
-    # before anything of the micro-batch is kept: never above the training moments, but counted.
+    gpu = {w: total("gpu", w) for w in ("resident", "forward", "backward", "gradients", "step", "start")}
+    # Before anything of the micro-batch is kept: an objective's no-grad forward (DPO's reference pass, full
+    # fine-tuning's pass before training), FSDP2's first block (items "start": the root's all-gather output).
     no_grad = act.no_grad_forward if objective_type(recipe).passes(recipe).no_grad_forward else 0
     train = gpu["resident"] + max(
         gpu["forward"] + act.at_loss,
         gpu["forward"] + gpu["backward"] + gpu["gradients"] + act.in_layers,
         gpu["gradients"] + gpu["step"],
-        gpu["forward"] + no_grad,
+        gpu["forward"] + max(no_grad, gpu["start"]),
     )
     allocated = max(train, total("gpu", "load"))
     overhead = int(CUDA_CONTEXT_BYTES + FRAGMENTATION * allocated) if kernels.device == "cuda" else 0
@@ -383,7 +383,6 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     if kernels.device == "cpu":
         # Without a GPU, the "GPU" tensors live in the same RAM.
         cpu += gpus * allocated
-    nvme = sum(i.bytes for i in items if i.where == "nvme")
     return Estimate(
         setup=setup,
         items=tuple(items),
@@ -393,7 +392,7 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
         gpu_overhead=overhead,
         per_gpu_bytes=per_gpu,
         per_node_cpu_bytes=cpu,
-        nvme_bytes=nvme,
+        nvme_bytes=sum(i.bytes for i in items if i.where == "nvme"),
         fits_gpu=None if gpu_cap is None else per_gpu <= gpu_cap,
         fits_cpu=None if cpu_cap is None else cpu <= cpu_cap,
         slowdown=slowdown(setup, reference, adapter=recipe.method.adapter(), nodes=nodes),

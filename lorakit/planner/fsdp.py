@@ -13,10 +13,11 @@ parameters kept in float32 (lorakit.backends.fsdp_shard); no gradient sync betwe
                            the forward's start to the backward's end: fully_shard does not reshard the root
                            after forward
     gathered blocks        two blocks' worth at once. Forward: a block's unsharded parameters and the all-gather
-                           output they were copied out of (kept until the next block's copy-out); at the first
-                           block the root's all-gather output in its place. Backward: the block computing and
-                           the one before it, prefetched. Plus the float32 shards cast to the compute dtype for
-                           the all-gather
+                           output they were copied out of (kept until the next block's copy-out). Backward: the
+                           block computing and the one before it, prefetched. Plus the float32 shards cast to
+                           the compute dtype for the all-gather
+    first block            at the forward's start, before activations: the root's all-gather output (kept
+                           until the first block's copy-out) beside the root and the first block
     reduce-scatter         a unit's unsharded gradients in the compute dtype and its float32 reduce-scatter input
                            (kept until the next unit reduces), and the root's unsharded gradients, made from the
                            head's backward on and reduced at the end
@@ -109,9 +110,11 @@ def fsdp_states(arch: Arch, recipe, c: Counts, setup: Setup, *, world: int, dtyp
     copy_in = max(u.trainable * a * (a != 4) + u.gathered(a) * (where != "gpu") for u in [root, *blocks])
     items.append(Item("FSDP2 root unit, gathered", root.gathered(a), "gpu", "forward",
                       "embeddings, head, final norms: whole through the forward and the backward"))  # fmt: skip
-    pair = max(2 * max(g, default=0), root.gathered(a) + (g[0] if g else 0))
-    items.append(Item("FSDP2 gathered blocks", pair + copy_in // world, "gpu", "forward",
-                      "a block and the next one's all-gather buffer (first block: the root's)"))  # fmt: skip
+    items.append(Item("FSDP2 gathered blocks", 2 * max(g, default=0) + copy_in // world, "gpu", "backward",
+                      "a block and the next one's all-gather output (forward: its own; backward: the "
+                      "prefetched block's)"))  # fmt: skip
+    items.append(Item("FSDP2 root's all-gather output, first block", root.gathered(a) + (g[0] if g else 0)
+                      + copy_in // world, "gpu", "start", "kept until the first block's copy-out"))  # fmt: skip
     tb = max((u.trainable for u in blocks), default=0)
     reduce = max(root.trainable * a + tb * (a + 4), root.trainable * (a + 4))
     items.append(Item("FSDP2 unsharded gradients, reduce-scatter input (fp32)", reduce, "gpu", "backward",
