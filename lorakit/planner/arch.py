@@ -146,6 +146,11 @@ class Arch(Shape):
     # generic family's contracts, lorakit.model.families.Family.unproven; empty for registered families).
     family: str = ""
     unproven: tuple[str, ...] = ()
+    # The blocks FSDP2 shards one by one (modules of the model's _no_split_modules classes, as
+    # lorakit.backends.fsdp_shard wraps them), and the bytes per weight the checkpoint stores (its config's
+    # dtype; unstated: float32, transformers' default).
+    blocks: tuple[str, ...] = ()
+    stored_dtype_bytes: int = 4
 
     def caveat(self) -> str | None:
         """The generic family's "not proven" sentence for this model (None for a registered family)."""
@@ -299,6 +304,7 @@ def _arch(config_json: str, config_cls, trust_remote_code: bool) -> Arch:
     if not tied and head_module.weight is model.get_input_embeddings().weight:
         numels.append(head_module.weight.numel())
     fields = {k: v for k, v in vars(shape).items() if k != "tied_head"}
+    block_types = set(getattr(model, "_no_split_modules", None) or ())
     return Arch(
         model_type=config.model_type,
         is_encoder_decoder=is_enc_dec,
@@ -318,6 +324,8 @@ def _arch(config_json: str, config_cls, trust_remote_code: bool) -> Arch:
             if (n := sum(p.numel() for p in m.parameters(recurse=False)))
         ),
         fused_params=_fused_params(family, model),
+        blocks=tuple(n for n, m in model.named_modules() if type(m).__name__ in block_types),
+        stored_dtype_bytes=2 if str(getattr(config, "dtype", None)).endswith(("bfloat16", "float16")) else 4,
     )
 
 

@@ -16,6 +16,7 @@ from lorakit.model.tiled_mlp import planned_tile
 from lorakit.objectives import objective_type
 from lorakit.planner.activations import Activations, Kernels, Shape, activations
 from lorakit.planner.arch import Arch, arch_from_config, resolve_config
+from lorakit.planner.fsdp import fsdp_states
 from lorakit.planner.search import ROW_STEP, candidates, longest_row, overrides, recipe_setup, slowdown
 from lorakit.planner.shapes import micro_batch_shape, positive
 from lorakit.planner.states import Item, Setup, counts, model_states
@@ -329,20 +330,19 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     ds_config = build_ds_config(
         _variant(recipe, setup), world, accelerator=kernels.device, hidden_size=arch.hidden
     )
-    zero = ds_config["zero_optimization"]
-    threshold = int(zero.get("stage3_param_persistence_threshold", 1e5)) if setup.zero_stage == 3 else None
-    c = counts(arch, recipe.method, a, threshold)
-    d = recipe.distributed
-    # FSDP2 loads LoRA and full fine-tuning sharded, each rank reading its own rows (backends/fsdp_load.py),
-    # other methods whole in each process; hybrid sharding keeps one copy per shard group (fsdp.shard_size).
-    from lorakit.backends.fsdp_load import eligible
-
-    sharded_load = d.strategy != "fsdp" or eligible(recipe)
-    partitioned_init = setup.zero_stage == 3 and recipe.method.kind != "qlora" and sharded_load
-    shards = (d.fsdp.shard_size or gpus) if d.strategy == "fsdp" and d.fsdp.sharding == "hybrid" else world
-    items = model_states(
-        c, setup, world=shards, dtype_bytes=a, ds_config=ds_config, partitioned_init=partitioned_init
+    zero, d = ds_config["zero_optimization"], recipe.distributed
+    zero3 = setup.zero_stage == 3 and d.strategy == "deepspeed"
+    c = counts(
+        arch, recipe.method, a, int(zero.get("stage3_param_persistence_threshold", 1e5)) if zero3 else None
     )
+    if d.strategy == "fsdp":  # its own byte model; hybrid sharding keeps one copy per shard group
+        shards = (d.fsdp.shard_size or gpus) if d.fsdp.sharding == "hybrid" else world
+        items = fsdp_states(arch, recipe, c, setup, world=shards, dtype_bytes=a)
+    else:
+        partitioned_init = setup.zero_stage == 3 and recipe.method.kind != "qlora"
+        items = model_states(
+            c, setup, world=world, dtype_bytes=a, ds_config=ds_config, partitioned_init=partitioned_init
+        )
     if setup.max_tokens:
         scale = setup.max_tokens / shape.seq_len
         target = round(shape.target_len * scale) if shape.target_len else None
@@ -364,15 +364,15 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
 
     # Three moments: the start of the backward (the output head's gradients), the backward through the
     # layers (gradients, buckets, a recomputed layer), the optimizer step (fp32 gradients).
-    gpu = {when: total("gpu", when) for when in ("resident", "forward", "backward", "gradients", "step")}
-    # An objective's no-grad forward (DPO's reference pass, or full fine-tuning's pass before training),
-    # before anything of the micro-batch is kept: never above the training moments, but counted.
+    gpu = {w: total("gpu", w) for w in ("resident", "forward", "backward", "gradients", "step", "start")}
+    # Before anything of the micro-batch is kept: an objective's no-grad forward (DPO's reference pass, full
+    # fine-tuning's pass before training), FSDP2's first block (items "start": the root's all-gather output).
     no_grad = act.no_grad_forward if objective_type(recipe).passes(recipe).no_grad_forward else 0
     train = gpu["resident"] + max(
         gpu["forward"] + act.at_loss,
         gpu["forward"] + gpu["backward"] + gpu["gradients"] + act.in_layers,
         gpu["gradients"] + gpu["step"],
-        gpu["forward"] + no_grad,
+        gpu["forward"] + max(no_grad, gpu["start"]),
     )
     allocated = max(train, total("gpu", "load"))
     overhead = int(CUDA_CONTEXT_BYTES + FRAGMENTATION * allocated) if kernels.device == "cuda" else 0
@@ -383,7 +383,6 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     if kernels.device == "cpu":
         # Without a GPU, the "GPU" tensors live in the same RAM.
         cpu += gpus * allocated
-    nvme = sum(i.bytes for i in items if i.where == "nvme")
     return Estimate(
         setup=setup,
         items=tuple(items),
@@ -393,7 +392,7 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
         gpu_overhead=overhead,
         per_gpu_bytes=per_gpu,
         per_node_cpu_bytes=cpu,
-        nvme_bytes=nvme,
+        nvme_bytes=sum(i.bytes for i in items if i.where == "nvme"),
         fits_gpu=None if gpu_cap is None else per_gpu <= gpu_cap,
         fits_cpu=None if cpu_cap is None else cpu <= cpu_cap,
         slowdown=slowdown(setup, reference, adapter=recipe.method.adapter(), nodes=nodes),

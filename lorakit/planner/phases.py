@@ -1,9 +1,11 @@
 """A CPU run's memory per process and per phase: what benchmarks/rehearsal.py measures the plan against.
 
     load        the runtime, the resident model states (each rank's partition of the weights, as zero.Init
-                builds it) and what loading adds (zero.Init: one layer in fp32)
-    step        the estimate's training peak: every model state, ZeRO-3's gathered weights and buckets, the
-                activations (the first step and the steady state alike)
+                builds it, or FSDP2's shards) and what loading adds (zero.Init: one layer in fp32; FSDP2's
+                sharded loading: one tensor's rows)
+    step        the estimate's training peak: every model state, ZeRO-3's gathered weights and buckets (FSDP2:
+                its gathered root and blocks, reduce-scatter buffers), the activations (the first step and the
+                steady state alike)
     save        the resident states and the trainable weights gathered whole in model.dtype (the adapter's or
                 the 16-bit model's consolidated state dict)
     merge       the streaming merge (export/stream_job.py) as its own process: its runtime, the largest

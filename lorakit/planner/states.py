@@ -62,7 +62,8 @@ class Item:
 
     when: "resident" (from initialisation or the first step on), "forward" (from the forward through the
     backward), "backward" (from the first gradient of the backward on), "gradients" (from the first gradient
-    through the optimizer step), "step" (during the optimizer step only) or "load" (while the model loads).
+    through the optimizer step), "step" (during the optimizer step only), "start" (at the forward's start,
+    before any activation: FSDP2's first block) or "load" (while the model loads).
     """
 
     name: str

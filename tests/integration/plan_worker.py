@@ -59,6 +59,16 @@ def measure(path: str, out: Path) -> None:
             train_window(engine, built.inputs, [batch], TokenMeter())
         gc.collect()
         rest, peak = tracker.current - tracker.baseline, tracker.peak - tracker.baseline
+    write_result(out, path, recipe, config, built, batching, batch, rest, peak)
+    dist.barrier()
+    engine.close()
+
+
+def write_result(out: Path, path: str, recipe, config, built, batching, batch, rest: int, peak: int) -> None:
+    """This rank's JSON: the bytes measured and the micro-batch's shape; rank 0 adds the plan of that shape."""
+    import lorakit
+    from lorakit import dist
+
     shape = {"rows": len(batch["input_ids"]), "seq_len": int(batch["input_ids"].shape[1])}
     if built.is_encoder_decoder:
         shape["target_len"] = int(batch["labels"].shape[1])
@@ -76,10 +86,7 @@ def measure(path: str, out: Path) -> None:
             seq_len=shape["seq_len"], target_len=shape.get("target_len"),
         )  # fmt: skip
         result["plan"] = planned.to_dict()
-    name = Path(path).stem
-    (out / f"{name}.rank{dist.rank()}.json").write_text(json.dumps(result))
-    dist.barrier()
-    engine.close()
+    (out / f"{Path(path).stem}.rank{dist.rank()}.json").write_text(json.dumps(result))
 
 
 def main(out: str, paths: list[str]) -> None:

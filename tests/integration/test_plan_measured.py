@@ -27,6 +27,8 @@ SETUPS = {
     "t5-full-zero3": ("t5", "full", 3, False),
     "llama-qlora-zero2-packed-ckpt": ("llama", "qlora", 2, True),
 }
+# Measured from the CPU allocator (plan_fsdp_worker.py): FSDP2 resizes storages in place.
+FSDP_SETUPS = {"t5-lora-fsdp": ("t5", "lora", 3, False), "t5-full-fsdp-accum2": ("t5", "full", 3, False)}
 
 
 def setup_recipe(cache: Path, out: Path, model: str, method: str, stage: int, checkpointing: bool) -> dict:
@@ -55,17 +57,19 @@ def setup_recipe(cache: Path, out: Path, model: str, method: str, stage: int, ch
     )
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory, cache_dir):
-    base = tmp_path_factory.mktemp("plan-measured")
+def _measure(base: Path, cache: Path, setups: dict, worker: str, **extra) -> dict:
+    """Each setup trained and planned by `worker` under torchrun on 2 processes: {name: [rank 0, rank 1]}."""
     paths = []
-    for name, (model, method, stage, ckpt) in SETUPS.items():
+    for name, (model, method, stage, ckpt) in setups.items():
         path = base / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(setup_recipe(cache_dir, base / name, model, method, stage, ckpt)))
+        raw = setup_recipe(cache, base / name, model, method, stage, ckpt)
+        for section, values in extra.get(name, {}).items():
+            raw[section].update(values)
+        path.write_text(yaml.safe_dump(raw))
         lorakit.prepare(lorakit.load_recipe(path))  # tokenize here; the workers only read the cache
         paths.append(str(path))
     proc = subprocess.run(
-        torchrun_command(2, "tests.integration.plan_worker", [str(base), *paths]),
+        torchrun_command(2, worker, [str(base), *paths]),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -73,8 +77,22 @@ def measured(tmp_path_factory, cache_dir):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {
-        name: [json.loads((base / f"{name}.rank{r}.json").read_text()) for r in (0, 1)] for name in SETUPS
+        name: [json.loads((base / f"{name}.rank{r}.json").read_text()) for r in (0, 1)] for name in setups
     }
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory, cache_dir):
+    base = tmp_path_factory.mktemp("plan-measured")
+    zero = _measure(base, cache_dir, SETUPS, "tests.integration.plan_worker")
+    # FSDP2 (planner/fsdp.py): LoRA with its gathered root and blocks; full fine-tuning with fp32 gradients,
+    # reduce-scatter buffers and an accumulation window of 2 (unsharded fp32 gradients held across it).
+    fsdp = {"distributed": {"strategy": "fsdp"}}
+    extra = {
+        "t5-lora-fsdp": fsdp,
+        "t5-full-fsdp-accum2": {**fsdp, "train": {"gradient_accumulation_steps": 2}},
+    }
+    return {**zero, **_measure(base, cache_dir, FSDP_SETUPS, "tests.integration.plan_fsdp_worker", **extra)}
 
 
 def _resident(plan_recipe: dict) -> int:
@@ -82,7 +100,7 @@ def _resident(plan_recipe: dict) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SETUPS))
+@pytest.mark.parametrize("name", [*SETUPS, *FSDP_SETUPS])
 def test_plan_is_within_tolerance_of_measured_memory(measured, name):
     # The plan (made on rank 0, for rank 0's micro-batch) is per rank.
     ranks = measured[name]
