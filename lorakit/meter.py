@@ -52,6 +52,8 @@ def _live_storages(device_type: str | None = None) -> dict[int, torch.UntypedSto
     import gc
     import warnings
 
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
     out: dict[int, torch.UntypedStorage] = {}
     with warnings.catch_warnings():
         # isinstance() on some deprecated torch.distributed objects warns; they are not tensors anyway.
@@ -61,6 +63,8 @@ def _live_storages(device_type: str | None = None) -> dict[int, torch.UntypedSto
             # died raises ReferenceError on that.
             if not issubclass(type(obj), torch.Tensor) or obj.is_meta:
                 continue
+            if is_traceable_wrapper_subclass(obj):
+                continue  # a DTensor (FSDP2) owns no memory: gc sees the local shard it wraps on its own
             try:
                 storage = obj.untyped_storage()
             except (RuntimeError, NotImplementedError):
@@ -68,6 +72,17 @@ def _live_storages(device_type: str | None = None) -> dict[int, torch.UntypedSto
             if device_type is None or storage.device.type == device_type:
                 out[id(storage)] = storage
     return out
+
+
+def _plain_tensors(t) -> list[torch.Tensor]:
+    """The tensors that own memory in `t`: itself, or for a wrapper such as a DTensor the tensors it wraps."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not isinstance(t, torch.Tensor) or t.is_meta:
+        return []
+    if is_traceable_wrapper_subclass(t):
+        return [x for name in t.__tensor_flatten__()[0] for x in _plain_tensors(getattr(t, name))]
+    return [t]
 
 
 def live_tensor_bytes(device_type: str | None = None) -> int:
@@ -137,9 +152,9 @@ class TensorMemoryTracker:
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor) and not t.is_meta:
+                    for inner in _plain_tensors(t):
                         try:
-                            tracker._track(t.untyped_storage())
+                            tracker._track(inner.untyped_storage())
                         except (RuntimeError, NotImplementedError):
                             pass
                 return out

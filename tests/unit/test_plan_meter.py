@@ -73,3 +73,40 @@ def test_live_tensor_bytes_counts_a_new_parameter():
     p = torch.nn.Parameter(torch.zeros(250_000))  # 1 MB
     assert live_tensor_bytes("cpu") - before >= 1_000_000
     del p
+
+
+def test_live_tensor_bytes_counts_a_sharded_tensor_once(tmp_path):
+    """FSDP2's parameters are DTensors: a wrapper around the local shard, which gc also sees. The wrapper
+    has no memory of its own; counting it too doubled the run summary's model states under FSDP2."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        whole = torch.ones(250_000)
+        before = live_tensor_bytes("cpu")
+        sharded = distribute_tensor(whole, mesh, [Shard(0)])
+        del whole
+        gc.collect()
+        assert sharded.to_local().numel() == 250_000
+        # The shard holds the same 1 MB the whole tensor did (one rank: a view of it); nothing was added.
+        assert abs(live_tensor_bytes("cpu") - before) < 100_000
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tracker_counts_the_shard_an_operator_returns_inside_a_dtensor(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        sharded = distribute_tensor(torch.ones(250_000), init_device_mesh("cpu", (1,)), [Shard(0)])
+        with TensorMemoryTracker("cpu") as t:
+            doubled = sharded * 2  # a DTensor whose local shard is 1 MB of new memory
+            assert t.current - t.baseline == doubled.to_local().untyped_storage().nbytes() == 1_000_000
+    finally:
+        dist.destroy_process_group()
