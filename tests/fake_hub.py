@@ -132,6 +132,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_HEAD(self):
         path, _ = self._record(b"")
+        if not path.startswith("/datasets/"):
+            return self.send_error(501, "Unsupported method ('HEAD')")  # as before datasets were served
         if self._authorized():
             self._dataset(path, b"", head=True)
 
