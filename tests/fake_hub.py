@@ -1,6 +1,8 @@
 """A local stand-in for the Hugging Face Hub's HTTP API, on 127.0.0.1 in a thread: just the endpoints that
 huggingface_hub's client calls for a push (whoami, create repo, repo info, create branch, validate-yaml,
-preupload, the LFS batch API with basic PUT uploads, commit), recording every request and every commit.
+preupload, the LFS batch API with basic PUT uploads, commit), recording every request and every commit; and
+dataset repositories whose commits hold files (revision info, tree, paths-info, resolve: what `datasets`
+reads to load a hub dataset at a revision).
 
 The client is pointed at it with HF_ENDPOINT (and HF_HUB_DISABLE_XET=1: with hf_xet installed the client
 would upload large files through Xet storage, a protocol this fake does not speak; the LFS path it falls
@@ -50,6 +52,8 @@ class FakeHub:
     lfs_uploads: list[str] = field(default_factory=list)  # oids PUT, in order
     # Dataset repositories: {repo id: {revision: commit sha}} (GET /api/datasets/{repo}/revision/{rev}).
     datasets: dict[str, dict[str, str]] = field(default_factory=dict)
+    # The files of each dataset commit: {commit sha: {path: content}}.
+    dataset_files: dict[str, dict[str, bytes]] = field(default_factory=dict)
     drop_next_commit: bool = False  # close the connection of the next commit request without answering
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -122,14 +126,55 @@ class _Handler(BaseHTTPRequestHandler):
                     200, {"id": repo_id, "sha": "0" * 40, "private": self.hub.repos[repo_id].private}
                 )
             return self._error(404, "Repository not found")
-        if path.startswith("/api/datasets/"):
-            parts = path.split("/")
-            repo_id, revision = "/".join(parts[3:5]), "/".join(parts[6:]) or "main"
-            sha = self.hub.datasets.get(repo_id, {}).get(revision)
-            if sha is None:
-                return self._error(404, "Repository or revision not found")
-            return self._send(200, {"id": repo_id, "sha": sha, "private": False, "siblings": []})
+        if path.startswith(("/api/datasets/", "/datasets/")):
+            return self._dataset(path, b"")
         self._error(404, f"no fake for GET {path}")
+
+    def do_HEAD(self):
+        path, _ = self._record(b"")
+        if not path.startswith("/datasets/"):
+            return self.send_error(501, "Unsupported method ('HEAD')")  # as before datasets were served
+        if self._authorized():
+            self._dataset(path, b"", head=True)
+
+    def _dataset(self, path: str, body: bytes, head: bool = False) -> None:
+        """A dataset repository: /api/datasets/REPO/{revision,tree,paths-info}/REV[/PATH], or the file
+        /datasets/REPO/resolve/REV/PATH (REV: a branch or tag, or a commit sha)."""
+        parts = path.split("/")
+        api = parts[1] == "api"
+        repo_id, action = "/".join(parts[2 + api : 4 + api]), (parts[4 + api : 5 + api] or ["revision"])[0]
+        revision, rest = (parts[5 + api : 6 + api] or ["main"])[0], "/".join(parts[6 + api :])
+        revisions = self.hub.datasets.get(repo_id, {})
+        sha = revisions.get(revision) or (revision if revision in revisions.values() else None)
+        if sha is None:
+            return self._error(404, "Repository or revision not found")
+        files = self.hub.dataset_files.get(sha, {})
+        entries = [
+            {"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+            for f, b in files.items()
+        ]
+        if action == "revision":
+            siblings = [{"rfilename": f} for f in files]
+            return self._send(200, {"id": repo_id, "sha": sha, "private": False, "siblings": siblings})
+        if action == "tree":  # the files under `rest` (all of them: every listing here is recursive)
+            return self._send(
+                200, [e for e in entries if e["path"].startswith(rest.rstrip("/") + "/" if rest else "")]
+            )
+        if action == "paths-info":
+            wanted = set(parse_qs(body.decode()).get("paths", []))
+            return self._send(200, [e for e in entries if e["path"] in wanted])
+        if action != "resolve":
+            return self._error(404, f"no fake for {path}")
+        self.send_response(200 if rest in files else 404)
+        if rest not in files:  # what the client reads as "no such file in this commit"
+            self.send_header("X-Error-Code", "EntryNotFound")
+            files = {rest: b""}
+        for name, value in (("X-Repo-Commit", sha), ("ETag", f'"{hashlib.sha1(files[rest]).hexdigest()}"')):
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(files[rest])))
+        self.end_headers()
+        if not head:
+            self.wfile.write(files[rest])
 
     def do_PUT(self):
         body = self._body()
@@ -155,6 +200,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._create_repo(json.loads(body))
         if path.endswith(".git/info/lfs/objects/batch"):
             return self._lfs_batch(json.loads(body))
+        if path.startswith("/api/datasets/"):
+            return self._dataset(path, body)
         parts = path.split("/")
         # /api/models/OWNER/NAME/{preupload,commit,branch}/REVISION
         if len(parts) >= 7 and parts[1:3] == ["api", "models"]:

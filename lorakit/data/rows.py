@@ -356,9 +356,12 @@ class RowCollector:
     def dataset(self) -> SourceRows:
         """The kept rows as an in-memory Dataset, with their lines (or indices) and the skip count."""
         self.finish()
-        features = {c: datasets.Value("bool" if c in self.flags else "string") for c in self.values}
+        import pyarrow as pa
+
+        types = {c: pa.bool_() if c in self.flags else pa.string() for c in self.values}
         try:
-            ds = datasets.Dataset.from_dict(self.values, features=datasets.Features(features))
+            # Straight to Arrow: Dataset.from_dict scans every value for mixed struct types first.
+            ds = datasets.Dataset(pa.table({c: pa.array(v, type=types[c]) for c, v in self.values.items()}))
         except (TypeError, ValueError) as e:  # pyarrow's ArrowInvalid / ArrowTypeError derive from these
             raise DataError(f"{self.origin}: the rows cannot be stored as one table: {e}") from e
         positions = np.asarray(self.positions, dtype=np.int64)

@@ -12,7 +12,7 @@ import numpy as np
 
 from lorakit.data.rows import SourceRows
 from lorakit.data.sources import OVERLONG_DOC, SOURCE
-from lorakit.data.templates import fit_prompts, prompt_columns, render_prompt, render_target, rows_of
+from lorakit.data.templates import fill, fit_prompts, prompt_columns, render_prompt, rows_of, target_columns
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
 
@@ -83,30 +83,54 @@ def longest(lengths: np.ndarray, model_max: int | None) -> int:
     return top if model_max is None else min(top, model_max)
 
 
+def token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """`tokenizer(texts)["input_ids"]` (special tokens added, nothing cut or padded). A fast tokenizer's backend
+    encodes them directly once the first text, through transformers, showed the same ids: transformers' per-row
+    dicts (attention masks, offsets) cost more CPU than the ids themselves on long rows."""
+    first = tokenizer(texts[:1], verbose=False)["input_ids"]  # also sets the backend up as transformers does
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if len(texts) < 2 or backend is None or backend.truncation is not None or backend.padding is not None:
+        return first if len(texts) < 2 else tokenizer(texts, verbose=False)["input_ids"]
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # fast: no character offsets
+    ids = [e.ids for e in encode(texts)]
+    return ids if ids[0] == first[0] else tokenizer(texts, verbose=False)["input_ids"]
+
+
 def tokenize_rows(ds: datasets.Dataset, data: DataSection, tokenizer, num_proc: int = 1) -> datasets.Dataset:
     """Add untruncated `input_ids` (templated source) and `labels` (target) columns; keep the raw target.
 
-    The rows were checked when loaded (lorakit.data.sources): every input and target is non-empty text."""
+    The rows were checked when loaded (lorakit.data.sources): every input and target is non-empty text.
+    Batches stay Arrow tables in and out (datasets' per-value type inference is the slow part of a map)."""
+    import pyarrow as pa
 
-    def fn(batch):
-        rows = rows_of(batch)
-        texts = [render_prompt(data, r) for r in rows]
-        targets = [render_target(data, r) for r in rows]
-        return {
-            "input_ids": tokenizer(texts, verbose=False)["input_ids"],
-            "labels": tokenizer(targets, verbose=False)["input_ids"],
-            "reference": targets,
-        }
+    prompt, target = prompt_columns(data), target_columns(data)
+    fields = sorted(set(prompt.values()) | set(target.values()))
+    kept = [SOURCE] if SOURCE in ds.column_names else []  # a mixture's source names stay with their rows
 
-    return ds.map(
+    def fn(batch: pa.Table) -> pa.Table:
+        columns = {c: batch.column(c).to_pylist() for c in fields}
+        rows = [dict(zip(fields, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+        texts = [fill(data.prompt_template, prompt, r) for r in rows]
+        if data.target_template is None:
+            targets = columns[data.target_column]
+        else:
+            targets = [fill(data.target_template, target, r) for r in rows]
+        out = {c: batch.column(c) for c in kept}
+        # The types datasets gave these columns when the map returned lists (its int32 for input_ids).
+        out["input_ids"] = pa.array(token_ids(tokenizer, texts), type=pa.list_(pa.int32()))
+        out["labels"] = pa.array(token_ids(tokenizer, targets), type=pa.list_(pa.int64()))
+        out["reference"] = pa.array(targets, type=pa.string())
+        return pa.table(out)
+
+    tokenized = ds.with_format("arrow").map(
         fn,
         batched=True,
-        # A mixture's source names stay with their rows.
-        remove_columns=[c for c in ds.column_names if c != SOURCE],
+        remove_columns=[c for c in ds.column_names if c not in kept],
         num_proc=map_processes(num_proc),
         desc="tokenizing",
         load_from_cache_file=False,
     )
+    return tokenized.with_format(None)
 
 
 def _template_ends(data: DataSection, tokenizer) -> tuple[list[int], list[int]] | None:

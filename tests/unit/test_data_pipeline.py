@@ -137,3 +137,17 @@ def test_unreachable_sources_are_clear_errors(cache_dir, tmp_path, monkeypatch):
     recipe = tiny_recipe(cache_dir, tmp_path / "run", model={"name_or_path": "lorakit-test/nope"})
     with pytest.raises(RecipeError, match=r"model\.name_or_path 'lorakit-test/nope'"):
         load_config(recipe)
+
+
+def test_tokenizing_through_the_backend_gives_transformers_ids(cache_dir, tmp_path):
+    from lorakit.data.tokenize import token_ids
+
+    recipe = tiny_recipe(cache_dir, tmp_path / "run")
+    tok = load_tokenizer(recipe, load_config(recipe)[0])
+    texts = ["Summarize:\nnews </s> here", "def f(x):\n    return x  # ünïcode", "word " * 900, "x"]
+    assert token_ids(tok, texts) == tok(texts)["input_ids"] and len(token_ids(tok, texts)[2]) > 900
+    tok(texts, truncation=True, max_length=8, padding="max_length")  # leaves the backend cutting and padding
+    assert (
+        token_ids(tok, texts) == tok(texts)["input_ids"]
+        and token_ids(tok, texts[:1]) == tok(texts[:1])["input_ids"]
+    )

@@ -3,6 +3,9 @@ the parser rejects, data.transform (and its source in the cache key), hub revisi
 in-memory datasets, and ShareGPT / Alpaca / conversational preference files training as they are."""
 
 import json
+import os
+import secrets
+import subprocess
 import sys
 
 import datasets
@@ -18,8 +21,9 @@ from lorakit.data.rows import alpaca_prompt
 from lorakit.data.source_files import with_datasets
 from lorakit.data.sources import source_fingerprint
 from lorakit.errors import DataError
-from tests.conftest import tiny_recipe
-from tests.fake_hub import TOKEN, FakeHubServer
+from lorakit.testing import resolve_model_source
+from tests.conftest import tiny_recipe, tiny_recipe_dict
+from tests.fake_hub import TOKEN, FakeHubServer, client_env
 from tests.unit.test_causal_data import CONVERSATION, _jsonl, _labelled_spans, _load
 
 ALPACA = [
@@ -121,7 +125,7 @@ def test_transform_runs_in_prepare_and_its_source_keys_the_cache(tiny, tmp_path,
         prepare_data(_with(r, transform="mytransforms:nothing"), tok, config)
 
 
-def test_a_new_hub_revision_is_prepared_again(tiny, monkeypatch, tmp_path):
+def test_the_cache_key_follows_the_commit_a_revision_resolves_to(tiny, monkeypatch, tmp_path):
     recipe, _, _ = tiny
     with FakeHubServer() as server:
         server.hub.datasets["alice/chats"] = {"main": "a" * 40, "v2": "b" * 40}
@@ -134,6 +138,54 @@ def test_a_new_hub_revision_is_prepared_again(tiny, monkeypatch, tmp_path):
         assert "c" * 40 in source_fingerprint(r.data, "train")
         assert "b" * 40 in source_fingerprint(_with(r, revision="v2").data, "train")
         assert server.hub.calls("GET", "/api/datasets/alice/chats/revision/v2")
+
+
+# One child process (huggingface_hub and datasets read the hub's address when imported): prepare at main, at
+# v2, and at main again, printing what each prepare got.
+_PREPARE_REVISIONS = """
+import json, sys
+import lorakit
+from lorakit.recipe import recipe_from_dict
+recipe = json.loads(sys.argv[1])
+for revision in (None, "v2", None):
+    recipe["data"]["revision"] = revision
+    data = lorakit.prepare(recipe_from_dict(recipe))
+    print(json.dumps({"hit": data.cache_hit, "references": list(data.train["reference"]), "path": str(data.path)}))
+"""
+
+
+def test_a_new_hub_revision_is_prepared_again(cache_dir, monkeypatch, tmp_path):
+    data = {
+        "source": "alice/qa",
+        "input_column": "input",
+        "target_column": "target",
+        "prompt_template": "{input}",
+    }
+    data.update(max_samples=None, eval_split=None, cache_dir=str(tmp_path / "cache"))
+    recipe = tiny_recipe_dict(cache_dir, tmp_path / "run", data=data, eval={"enabled": False})
+    recipe["model"]["name_or_path"] = resolve_model_source("tiny:t5", str(cache_dir))
+    main, v2 = (
+        secrets.token_hex(20),
+        secrets.token_hex(20),
+    )  # commits of this test only: no cache from another run
+    rows = {main: [("one", "1"), ("two", "2")], v2: [("three", "3")]}
+    with FakeHubServer() as server:
+        server.hub.datasets["alice/qa"] = {"main": main, "v2": v2}
+        for sha, pairs in rows.items():
+            lines = "".join(json.dumps({"input": i, "target": t}) + "\n" for i, t in pairs)
+            server.hub.dataset_files[sha] = {"train.jsonl": lines.encode()}
+        env = client_env(os.environ, server.url, tmp_path / "hf-home")
+        cmd = [sys.executable, "-c", _PREPARE_REVISIONS, json.dumps(recipe)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        first, other, again = (json.loads(line) for line in done.stdout.splitlines()[-3:])
+        # Each commit's file was downloaded once: main's rows on the first run, v2's on the second.
+        assert [
+            len(server.hub.calls("GET", f"/datasets/alice/qa/resolve/{s}/train.jsonl")) for s in rows
+        ] == [1, 1]
+    assert not first["hit"] and first["references"] == ["1", "2"]
+    assert not other["hit"] and other["references"] == ["3"] and other["path"] != first["path"]
+    assert again == {**first, "hit": True}  # main again: served from its cache
 
 
 def test_in_memory_datasets_are_read_as_a_source(tiny):
