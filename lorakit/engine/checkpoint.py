@@ -268,7 +268,7 @@ def _fresh_directory(tmp: Path) -> None:
 
 def _write_rank_part(engine: Engine, tmp: Path, rank_counters, adapter: bool, what: str, final: Path) -> None:
     """This rank's share of a checkpoint: its engine partition, RNG states and counters."""
-    # The backend's save runs its own collectives (DeepSpeed's barriers): a rank failing inside it leaves
+    # The backend's save runs its own collectives (its barriers): a rank failing inside it leaves
     # the others there, not at the agreement, so they learn it through dist.foreign_collectives.
     with dist.foreign_collectives(), storage.writing(what, final):
         # Frozen base weights are not state: resume reloads them from model.name_or_path.
