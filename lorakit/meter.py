@@ -6,6 +6,7 @@ import resource
 import sys
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def peak_memory() -> dict[str, int | None]:
@@ -52,8 +53,6 @@ def _live_storages(device_type: str | None = None) -> dict[int, torch.UntypedSto
     import gc
     import warnings
 
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     out: dict[int, torch.UntypedStorage] = {}
     with warnings.catch_warnings():
         # isinstance() on some deprecated torch.distributed objects warns; they are not tensors anyway.
@@ -76,8 +75,6 @@ def _live_storages(device_type: str | None = None) -> dict[int, torch.UntypedSto
 
 def _plain_tensors(t) -> list[torch.Tensor]:
     """The tensors that own memory in `t`: itself, or for a wrapper such as a DTensor the tensors it wraps."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     if not isinstance(t, torch.Tensor) or t.is_meta:
         return []
     if is_traceable_wrapper_subclass(t):

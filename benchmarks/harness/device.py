@@ -146,8 +146,9 @@ def build_weights(model_dir: str, dtype: str) -> dict:
         Path(model_dir) / "built.json",
         {"config": json.loads(config.to_json_string()), "dtype": dtype},
     )
-    if marker.is_file() and json.loads(marker.read_text())["identity"] == identity:
-        return dict(json.loads(marker.read_text())["build"], reused=True, seconds=time.perf_counter() - start)
+    earlier = json.loads(marker.read_text()) if marker.is_file() else {}
+    if earlier.get("identity") == identity:
+        return dict(earlier["build"], reused=True, seconds=time.perf_counter() - start)
     auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)

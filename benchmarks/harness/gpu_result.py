@@ -68,11 +68,8 @@ def describe_extras(side: dict) -> list[str]:
         lines.append(f"against lorakit.plan: x{p['ratio']:.2f} ({gib})")
     if prof := side.get("profile"):
         busy = prof.get("device_busy_share")
-        lines.append(
-            f"profile of step {prof['step']}: {prof['step_seconds']:.3f} s, device busy {busy:.0%}"
-            if busy is not None
-            else f"profile of step {prof['step']}: {prof['step_seconds']:.3f} s"
-        )
+        busy = "" if busy is None else f", device busy {busy:.0%}"
+        lines.append(f"profile of step {prof['step']}: {prof['step_seconds']:.3f} s{busy}")
         lines += [f"  {k['share']:6.1%} {k['calls']:5d}x {k['name'][:90]}" for k in prof["top"][:8]]
     return lines
 
@@ -84,13 +81,13 @@ def profile_summary(prof, step: int, seconds: float, top: int = 25) -> dict:
 
     events = prof.key_averages()
     kernels = [e for e in events if e.device_type == DeviceType.CUDA]
-    busy = sum(e.self_device_time_total for e in kernels) / 1e6 if kernels else None
     ranked = kernels or [e for e in events if e.self_cpu_time_total > 0]
     time_of = (lambda e: e.self_device_time_total) if kernels else (lambda e: e.self_cpu_time_total)
-    total = sum(time_of(e) for e in ranked) or 1
-    ranked = sorted(ranked, key=time_of, reverse=True)
+    spent = sum(time_of(e) for e in ranked)
+    busy = spent / 1e6 if kernels else None  # the kernels' own time: the device was busy that long
+    ranked = sorted(ranked, key=time_of, reverse=True)[:top]
     rows = [
-        {"name": e.key[:200], "calls": e.count, "ms": time_of(e) / 1e3, "share": time_of(e) / total}
+        {"name": e.key[:200], "calls": e.count, "ms": time_of(e) / 1e3, "share": time_of(e) / (spent or 1)}
         for e in ranked
     ]
     host = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.self_cpu_time_total)
@@ -101,7 +98,7 @@ def profile_summary(prof, step: int, seconds: float, top: int = 25) -> dict:
         {"name": e.key[:200], "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3}
         for e in reversed(host[-10:])
     ]
-    return {**out, "top": rows[:top]}
+    return {**out, "top": rows}
 
 
 def table(result: dict) -> str:
