@@ -95,6 +95,7 @@ def main(recipe_path: str, out: str) -> None:
                 "loaded": load_config_ is not None,
                 "frozen": frozen,
             }
+            engine.close()
             del built, engine, state
         both = [None, None]
         dist.all_gather_object(both, {h: r["added"] for h, r in results.items()})
@@ -110,6 +111,9 @@ def main(recipe_path: str, out: str) -> None:
             }
             with open(out, "w") as f:
                 json.dump(report, f)
+        # Both ranks leave together: one that tore its gloo group down while the other was still inside the
+        # last collective aborted once in CI ("terminate called without an active exception", rank 1).
+        dist.barrier()
 
 
 if __name__ == "__main__":
