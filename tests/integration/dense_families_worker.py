@@ -4,7 +4,7 @@ DeepSpeed ZeRO-3; writes loss, grad norm and the updated (gathered) LoRA weights
     python dense_families_worker.py CACHE OUT MODE
 
 MODE: single (one process, the 6 rows as one batch) | two_ranks (2 processes, ZeRO-3, rows 1 and 5).
-Launched by test_dense_families_zero3.py, under torchrun for two_ranks. Steps follow
+Launched by test_token_weighting.py (two_ranks under torchrun, through two_ranks_worker.py). Steps follow
 token_weighting_worker's (fp32, SGD at lr 1, every LoRA weight drawn from one generator).
 """
 

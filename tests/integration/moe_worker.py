@@ -7,7 +7,8 @@ on; writes loss, grad norm, the aux-loss metric and the gathered adapter of each
     python -m tests.integration.moe_worker CACHE OUT MODE
 
 MODE: two_ranks (under torchrun, 2 processes, each rank one micro-batch) | accumulate (one process, the two
-micro-batches accumulated: the same window). Launched by test_moe.py.
+micro-batches accumulated: the same window). Launched by test_token_weighting.py (two_ranks through
+two_ranks_worker.py).
 """
 
 import json

@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --nproc_per_node=2 -m tests.integration.plan_worker OUT RECIPE.yaml ...
 
-Launched by test_plan_measured.py. For each recipe: the model is built as lorakit.engine.job.run_job
+Launched by test_plan_measured.py (FSDP2 recipes go to plan_fsdp_worker.py's measure, in the same launch). For each recipe: the model is built as lorakit.engine.job.run_job
 builds it (build_ds_config, build_model, deepspeed.initialize, make_batching), then two optimizer steps
 run on the micro-batch with the most token slots, inside a TensorMemoryTracker (CPU has no allocator
 statistics). Written per rank: the tensor bytes alive after the second step (model states) and the peak
@@ -90,15 +90,16 @@ def write_result(out: Path, path: str, recipe, config, built, batching, batch, r
 
 
 def main(out: str, paths: list[str]) -> None:
-    import deepspeed
-    import torch.distributed as dist
+    """Measure each recipe in order in one process group: FSDP2 recipes (distributed.strategy fsdp) with
+    plan_fsdp_worker.py's allocator profile, the others here (one launch for both saves its start-up)."""
+    import lorakit
+    from lorakit.engine.launch import process_group
+    from tests.integration import plan_fsdp_worker
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    try:
+    with process_group("gloo"):
         for path in paths:
-            measure(path, Path(out))
-    finally:
-        dist.destroy_process_group()
+            fsdp = lorakit.load_recipe(path).distributed.strategy == "fsdp"
+            (plan_fsdp_worker.measure if fsdp else measure)(path, Path(out))
 
 
 if __name__ == "__main__":

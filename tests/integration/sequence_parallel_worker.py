@@ -1,7 +1,7 @@
 """Sequence parallelism 2 against 1 on a fixed packed row, for each tiny causal kind given:
 
     python -m torch.distributed.run --nproc_per_node=2 -m tests.integration.sequence_parallel_worker \
-        CACHE_DIR OUT_JSON llama qwen2 mistral llama-full llama-qlora
+        CACHE_DIR OUT_JSON llama qwen2 mistral llama-full llama-qlora [--train RECIPE.yaml ...]
 
 Each rank builds the same LoRA model twice (same seed, so the same adapter init): once as a plain packed
 model (sequence_parallel 1, the whole row on every rank) and once with sequence_parallel 2 (gradient
@@ -12,6 +12,8 @@ the whole row's (`llama-qlora`: both on the same 4-bit base). Then isolation: ch
 row leaves the other examples' logits (gathered from both ranks) unchanged. Last, the split LoRA Llama in
 a ZeRO-2 engine, the split QLoRA Llama and the split fully fine-tuned Llama (its head trains through the
 tiled loss) in ZeRO-3 engines: DeepSpeed's averaged gradients are half the whole row's. Rank 0 writes what it measured to OUT_JSON; the test asserts on it.
+With --train, the same launch then trains each recipe given, in order (lorakit.train, as on a worker of
+`python -m lorakit.run`).
 """
 
 from __future__ import annotations
@@ -213,7 +215,9 @@ def check_engine(name: str, zero_stage: int, cache_dir: str, mesh) -> dict:
     return {"grad_rel_diff": worst, "grad_count": len(want)}
 
 
-def main(cache_dir: str, out: str, kinds: list[str]) -> None:
+def main(cache_dir: str, out: str, kinds: list[str], recipes: list[str] = ()) -> None:
+    """The checks of `kinds`, then lorakit.train of each recipe in order, in one process group (as
+    qlora_worker.py trains them: one launch for both saves its start-up)."""
     from lorakit.engine.mesh import ParallelDims
 
     dist.init_process_group("gloo")
@@ -236,9 +240,21 @@ def main(cache_dir: str, out: str, kinds: list[str]) -> None:
         if mesh.rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f, indent=1)
+        if recipes:
+            import deepspeed
+
+            import lorakit
+
+            deepspeed.init_distributed(
+                dist_backend="gloo"
+            )  # DeepSpeed's view of this group, as lorakit joins it
+            for path in recipes:
+                lorakit.train(lorakit.load_recipe(path))
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    args = sys.argv[3:]
+    cut = args.index("--train") if "--train" in args else len(args)
+    main(sys.argv[1], sys.argv[2], args[:cut], args[cut + 1 :])

@@ -2,12 +2,10 @@
 once. ORPO reaches held-out preference accuracy above 80% on the builtin preference pairs; KTO's reward
 margin between desirable and undesirable held-out rows (builtin kto_rows) is positive and grows. Each run
 is then resumed from its middle checkpoint and repeats the uninterrupted run: the same step records and the
-same adapter. The two whole runs share one 2-process launch and the two resumed runs another
-(qlora_worker.py trains recipes in order)."""
+same adapter. The two whole runs and then the two resumed runs share one 2-process launch (qlora_worker.py
+trains recipes in order)."""
 
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
@@ -56,30 +54,30 @@ def _recipe(cache_dir, out, objective: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(cache_dir, tmp_path_factory) -> dict[str, dict]:
-    """Per objective: the whole run's records, summary, adapter and checkpoint steps, then the run resumed
-    from its middle checkpoint (the later ones removed, as if it had stopped there): `resumed` is its
-    summary and `again` its records."""
+    """Per objective: the whole run's records, summary, adapter and checkpoint steps, and the run resumed
+    from its middle checkpoint into a directory of its own (as if it had stopped there): `resumed` is its
+    summary, `again` its records (the steps after the checkpoint) and `again_adapter` its adapter. All four
+    runs in one launch, the resumed ones after the whole ones."""
     base = tmp_path_factory.mktemp("alignment")
     recipes = {base / f"{o}.yaml": _recipe(cache_dir, base / o, o) for o in STEPS}
-    env = {"PYTHONPATH": str(ROOT)}
-    train_in_one_launch(recipes, env)
+    for o, steps in STEPS.items():
+        middle = base / o / "checkpoints" / f"step-{steps // 2:08d}"
+        resumed = _recipe(cache_dir, base / f"{o}-resumed", o)
+        resumed["train"]["resume"] = str(middle)
+        recipes[base / f"{o}-resumed.yaml"] = resumed
+    train_in_one_launch(recipes, {"PYTHONPATH": str(ROOT)})
     out = {}
     for objective in STEPS:
-        run_dir = base / objective
-        found = complete_checkpoints(run_dir)
+        run_dir, again = base / objective, base / f"{objective}-resumed"
         out[objective] = {
             "records": rundir.read_metrics(run_dir),
             "summary": rundir.read_summary(run_dir),
             "adapter": _adapter(run_dir),
-            "checkpoints": [c.step for c in found],
+            "checkpoints": [c.step for c in complete_checkpoints(run_dir)],
+            "resumed": rundir.read_summary(again),
+            "again": rundir.read_metrics(again),
+            "again_adapter": _adapter(again),
         }
-        for later in found[1:]:
-            shutil.rmtree(later.path)
-    train_in_one_launch(recipes, env)
-    for objective in STEPS:
-        out[objective]["resumed"] = rundir.read_summary(base / objective)
-        out[objective]["again"] = rundir.read_metrics(base / objective)
-        out[objective]["again_adapter"] = _adapter(base / objective)
     return out
 
 
@@ -107,13 +105,15 @@ def test_zero3_two_processes_learn_and_resume_identically(runs, objective):
     )  # `orpo lambda=0.1`, `kto beta=0.1`
     adapter = whole["adapter"]
 
-    # As if the run had stopped after its middle checkpoint (the fixture removed the later ones).
+    # As if the run had stopped after its middle checkpoint: the run resumed from it repeats every later step.
     found = whole["checkpoints"]
     assert found[0] == steps // 2 and found[-1] == steps  # (KTO: and its epoch's end, step 6)
     assert whole["resumed"]["resumed_from"]["step"] == steps // 2
     again = [r for r in whole["again"] if r["kind"] == "train"]
+    later = [r for r in train if r["step"] > steps // 2]
+    assert [r["step"] for r in again] == list(range(steps // 2 + 1, steps + 1))
     keys = ("step", "loss", "grad_norm", *STEP_KEYS[objective])
-    assert [r[k] for r in again for k in keys] == pytest.approx([r[k] for r in train for k in keys], abs=1e-6)
+    assert [r[k] for r in again for k in keys] == pytest.approx([r[k] for r in later for k in keys], abs=1e-6)
     again_adapter = whole["again_adapter"]
     assert again_adapter.keys() == adapter.keys()
     assert all(torch.equal(again_adapter[k], adapter[k]) for k in adapter)

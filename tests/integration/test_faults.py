@@ -2,14 +2,14 @@
 
 The rows of an exception in one phase on one rank run lorakit's real training job in a 2-process group
 started as plain processes, the way srun or pdsh start them (fault_harness_worker.py: one job per row, the
-failure injected into that phase's work by tests/fault_injection.py); the rows that need the launcher run
-the tiny T5 on 2 processes under `python -m lorakit.run` (faults/sitecustomize.py injects there).
+failure injected into that phase's work by tests/fault_injection.py). The rows that need the launcher (a
+rank SIGKILLed mid-step, trackers that are down) are links of test_resume.py's chain of launches of
+`python -m lorakit.run` (docs/faults.md's `killed`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -17,12 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from lorakit import rundir
-from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.engine.launch import free_port, launch_env
-from tests.conftest import ROOT, tiny_recipe_dict
+from tests.conftest import ROOT
 from tests.integration.fault_harness_worker import RANK0_WORK, ROWS
 from tests.process_groups import finish_group, start_group
 
@@ -185,83 +182,3 @@ def test_a_stalled_rank_is_an_error_after_the_group_timeout(tmp_path):
     assert "distributed.timeout_minutes" in message
     # The group's timeout is 3 s; rank 1 stalls for 6.
     assert 2.5 < took < 5.9
-
-
-FAULTS = Path(__file__).parent / "faults"
-
-
-def _run_recipe(cache_dir: Path, out: Path, path: Path, **output) -> Path:
-    raw = tiny_recipe_dict(
-        cache_dir,
-        out,
-        train={"max_steps": 3, "micro_batch_size": 4},
-        distributed={"num_processes": 2, "zero_stage": 0},
-        eval={"enabled": False},
-        checkpoint={"every": 1, "keep": 3},
-        output=output,
-    )
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-def _launch(recipe: Path, **env: str) -> tuple[subprocess.CompletedProcess, float, bool]:
-    """`python -m lorakit.run RECIPE` with faults/sitecustomize.py; returns its result, the time it ended,
-    and whether every process of its session (workers, torchrun, tracker helpers) was gone 10 s later."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("LORAKIT_", "WANDB_", "MLFLOW_"))}
-    full |= env | {"PYTHONPATH": os.pathsep.join([str(FAULTS), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = start_group([sys.executable, "-m", "lorakit.run", str(recipe)], full, ROOT)
-    done = finish_group(proc, 600)
-    ended = time.time()
-    for _ in range(100):
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return done, ended, True
-        time.sleep(0.1)
-    return done, ended, False
-
-
-@pytest.mark.slow
-def test_a_killed_rank_is_named_by_the_launcher_and_a_resume_survives_dead_trackers(cache_dir, tmp_path):
-    run = tmp_path / "run"
-    stamp = tmp_path / "killed-at"
-    recipe = _run_recipe(cache_dir, run, tmp_path / "recipe.yaml", report_to=[])
-    # Rank 1 is SIGKILLed (as the out-of-memory killer does) as its step 2 starts; rank 0 is then in step
-    # 2's first collective, or about to enter it.
-    failed, ended, gone = _launch(
-        recipe, LORAKIT_RAISE="step@1:2", LORAKIT_RAISE_AS="SIGKILL", LORAKIT_FAULT_STAMP=str(stamp)
-    )
-    assert failed.returncode == 1, failed.stderr[-3000:]
-    assert gone and ended - float(stamp.read_text()) < 60
-    lines = [line for line in failed.stderr.splitlines() if line.strip()]
-    # The run ends with the root cause, the rank that died and how, not with the survivor's collective.
-    assert lines[-2:] == [
-        "error: rank 1 was killed by SIGKILL (signal 9) during training at step 2; rank 0 stopped with it",
-        "see docs/faults.md#a-rank-that-dies",
-    ], failed.stderr[-3000:]
-    assert "Traceback" not in failed.stderr and "ChildFailedError" not in failed.stderr
-    assert [c.step for c in complete_checkpoints(run)] == [1]
-    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000001"]
-
-    # The relaunch resumes from it, with MLflow and W&B servers that are down (closed local ports) and a
-    # TensorBoard that fails every write: training completes, summary.json says which trackers failed.
-    closed = f"http://127.0.0.1:{free_port()}"
-    trackers = ["tensorboard", "mlflow", "wandb"]
-    recipe = _run_recipe(cache_dir, run, recipe, report_to=trackers, tracker_timeout_seconds=5)
-    resumed, _, gone = _launch(
-        recipe,
-        LORAKIT_RAISE="tracker log@0",
-        MLFLOW_TRACKING_URI=closed,
-        WANDB_MODE="online",
-        WANDB_BASE_URL=closed,
-        WANDB_API_KEY="x" * 40,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert gone
-    summary = rundir.read_summary(run)
-    assert summary["resumed_from"]["step"] == 1 and summary["steps"] == 3
-    assert summary["trackers"]["tensorboard"]["failed"] == "RuntimeError: injected in tracker log"
-    for backend in ("mlflow", "wandb"):
-        assert summary["trackers"][backend]["failed"], summary["trackers"]
-        assert resumed.stderr.count(f"tracker {backend} ") == 1
-    assert [r["step"] for r in rundir.read_metrics(run) if r["kind"] == "train"] == [1, 2, 3]

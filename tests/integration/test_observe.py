@@ -1,6 +1,7 @@
 """Watching and steering a run: evaluations every N steps, the tracking backends (TensorBoard, W&B offline,
 an MLflow file store) read back with their own libraries, the best evaluation's weights, early stopping,
-and all of it across a SIGTERM + resume. 2 processes, ZeRO-3, real launches of `python -m lorakit.run`."""
+and all of it across a SIGTERM + resume. 2 processes, ZeRO-3: the uninterrupted runs in one torchrun launch
+(qlora_worker.py), the SIGTERM + resume in real launches of `python -m lorakit.run`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import yaml
 
 import lorakit
 from lorakit import rundir
-from tests.conftest import tiny_recipe, tiny_recipe_dict
+from tests.conftest import ROOT, tiny_recipe, tiny_recipe_dict
+from tests.integration.qlora_worker import train_in_one_launch
 from tests.integration.test_resume import launch
 from tests.tracker_records import (
     mlflow_params,
@@ -77,12 +79,34 @@ def _plateau_recipe(cache_dir: Path, out: Path, path: Path) -> Path:
     return path
 
 
+def _plain_recipe(cache_dir: Path, out: Path) -> dict:
+    """The plateau run without any evaluation (and so without best_metric and early stopping)."""
+    raw = yaml.safe_load(_plateau_recipe(cache_dir, out, out.with_suffix(".yaml")).read_text())
+    raw["eval"] = {"enabled": False}
+    raw["checkpoint"], raw["output"]["report_to"] = {}, []
+    del raw["train"]["early_stopping_patience"]
+    return raw
+
+
 @pytest.fixture(scope="module")
-def plateau(cache_dir, tmp_path_factory) -> Path:
+def runs(cache_dir, tmp_path_factory) -> dict[str, Path]:
+    """The plateau run and the same run without evaluations, trained in order in one 2-process launch
+    (lorakit.train on each worker, as `python -m lorakit.run` runs it): their run directories."""
     base = tmp_path_factory.mktemp("plateau")
-    proc = launch(_plateau_recipe(cache_dir, base / "run", base / "recipe.yaml"), WANDB_MODE="offline")
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return base / "run"
+    dirs = {"plateau": base / "run", "plain": base / "plain"}
+    recipes = {
+        base / "recipe.yaml": yaml.safe_load(
+            _plateau_recipe(cache_dir, dirs["plateau"], base / "recipe.yaml").read_text()
+        ),
+        base / "plain.yaml": _plain_recipe(cache_dir, dirs["plain"]),
+    }
+    train_in_one_launch(recipes, {"PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"})
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def plateau(runs) -> Path:
+    return runs["plateau"]
 
 
 @pytest.mark.slow
@@ -134,19 +158,8 @@ def test_a_plateau_stops_early_and_keeps_the_best_adapter(plateau):
 
 
 @pytest.mark.slow
-def test_zero3_evaluations_on_every_rank_do_not_change_training(plateau, cache_dir, tmp_path):
-    # The plateau run without any evaluation (and so without best_metric and early stopping).
-    raw = yaml.safe_load(_plateau_recipe(cache_dir, tmp_path / "run", tmp_path / "recipe.yaml").read_text())
-    raw["eval"] = {"enabled": False}
-    raw["checkpoint"], raw["output"]["report_to"] = {}, []
-    del raw["train"]["early_stopping_patience"]
-    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw))
-    proc = launch(tmp_path / "recipe.yaml")
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    plain, evaluated = (
-        _train_losses(rundir.read_metrics(tmp_path / "run")),
-        _train_losses(rundir.read_metrics(plateau)),
-    )
+def test_zero3_evaluations_on_every_rank_do_not_change_training(runs):
+    plain, evaluated = (_train_losses(rundir.read_metrics(runs[k])) for k in ("plain", "plateau"))
     assert len(plain) == 8 and len(evaluated) == 6
     assert {step: plain[step] for step in evaluated} == evaluated
 

@@ -84,7 +84,6 @@ def _measure(base: Path, cache: Path, setups: dict, worker: str, **extra) -> dic
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory, cache_dir):
     base = tmp_path_factory.mktemp("plan-measured")
-    zero = _measure(base, cache_dir, SETUPS, "tests.integration.plan_worker")
     # FSDP2 (planner/fsdp.py): LoRA with its gathered root and blocks; full fine-tuning with fp32 gradients,
     # reduce-scatter buffers and an accumulation window of 2 (unsharded fp32 gradients held across it).
     fsdp = {"distributed": {"strategy": "fsdp"}}
@@ -92,7 +91,9 @@ def measured(tmp_path_factory, cache_dir):
         "t5-lora-fsdp": fsdp,
         "t5-full-fsdp-accum2": {**fsdp, "train": {"gradient_accumulation_steps": 2}},
     }
-    return {**zero, **_measure(base, cache_dir, FSDP_SETUPS, "tests.integration.plan_fsdp_worker", **extra)}
+    # One launch for all: the FSDP2 setups first, in processes where nothing was trained yet (their bytes
+    # come from the allocator's running total), then the DeepSpeed ones.
+    return _measure(base, cache_dir, {**FSDP_SETUPS, **SETUPS}, "tests.integration.plan_worker", **extra)
 
 
 def _resident(plan_recipe: dict) -> int:

@@ -3,7 +3,7 @@
 One torchrun launch of sequence_parallel_worker checks the model side on a fixed packed row for a tiny
 Llama, Qwen2 and Mistral (an example longer than its sliding window) (fp32, LoRA, gradient checkpointing
 tiled MLPs and tiled loss on the split model) and the tiny Llama fully fine-tuned: the same loss and the same gradients
-as the whole row on one rank, and packed examples kept apart across the split. A second launch trains a recipe (ZeRO-3, checkpointing) with sequence_parallel 2
+as the whole row on one rank, and packed examples kept apart across the split. The same launch then trains a recipe (ZeRO-3, checkpointing) with sequence_parallel 2
 to the end and resumed from its step-2 checkpoint, against the same recipe on one process (its MLPs, head
 and loss in tiles under ZeRO-3: model.tiled_mlp and model.tiled_loss are auto-on with sequence
 parallelism, off on one process), on a two-source mixture whose eval losses per source must agree too; the
@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from safetensors.torch import load_file
 
 import lorakit
@@ -25,25 +26,37 @@ from lorakit import rundir
 from lorakit.engine.launch import torchrun_command
 from lorakit.recipe import recipe_from_dict
 from tests.conftest import ROOT, tiny_recipe_dict
-from tests.integration.qlora_worker import train_in_one_launch
 from tests.unit.test_mixture import DIALOGUES, NEWS
 
 KINDS = ("llama", "qwen2", "mistral", "llama-full", "llama-qlora")
 
 
 @pytest.fixture(scope="module")
-def measured(cache_dir, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("sp") / "measured.json"
+def launched(cache_dir, tmp_path_factory) -> tuple[dict, dict[str, Path]]:
+    """One 2-process launch of sequence_parallel_worker: the model-side checks (what it measured), then the
+    recipe runs (their run directories; see sp_runs)."""
+    base = tmp_path_factory.mktemp("sp")
+    out = base / "measured.json"
+    runs, recipes = _recipe_runs(cache_dir, base)
+    for path, raw in recipes.items():
+        path.write_text(yaml.safe_dump(raw))
+        lorakit.prepare(lorakit.load_recipe(str(path)))  # tokenize here; the workers only read the cache
+    args = [str(cache_dir), str(out), *KINDS, "--train", *map(str, recipes)]
     proc = subprocess.run(
-        torchrun_command(2, "tests.integration.sequence_parallel_worker", [str(cache_dir), str(out), *KINDS]),
+        torchrun_command(2, "tests.integration.sequence_parallel_worker", args),
         cwd=ROOT,
-        env=os.environ.copy(),
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), runs
+
+
+@pytest.fixture(scope="module")
+def measured(launched) -> dict:
+    return launched[0]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -112,11 +125,10 @@ def _records(run_dir: Path, kind: str, key: str) -> list:
     return [r[key] for r in rundir.read_metrics(run_dir) if r["kind"] == kind]
 
 
-@pytest.fixture(scope="module")
-def sp_runs(cache_dir, tmp_path_factory) -> dict[str, Path]:
-    """One process, sequence_parallel 1 (in this process); then, in one 2-process launch, sequence_parallel 2
-    to the end (merging), and the same recipe resumed from the first run's step-2 checkpoint."""
-    base = tmp_path_factory.mktemp("sp-runs")
+def _recipe_runs(cache_dir, base: Path) -> tuple[dict[str, Path], dict[Path, dict]]:
+    """One process, sequence_parallel 1 (trained here, in this process); and the recipes of the 2-process
+    runs: sequence_parallel 2 to the end (merging), the same recipe resumed from the first run's step-2
+    checkpoint, and one step on FSDP2. The run directories by name, and the recipes by YAML path."""
     runs = {name: base / name for name in ("one", "split", "resumed", "split-fsdp")}
     lorakit.train(recipe_from_dict(_run_recipe(cache_dir, runs["one"], 1)))
     step2 = runs["split"] / "checkpoints" / "step-00000002"
@@ -126,8 +138,12 @@ def sp_runs(cache_dir, tmp_path_factory) -> dict[str, Path]:
         # FSDP2 with sequence parallelism: one step is enough to hold its loss to one process's.
         base / "split-fsdp.yaml": _run_recipe(cache_dir, runs["split-fsdp"], 2, "fsdp", max_steps=1),
     }
-    train_in_one_launch(recipes, {"PYTHONPATH": str(ROOT)})
-    return runs
+    return runs, recipes
+
+
+@pytest.fixture(scope="module")
+def sp_runs(launched) -> dict[str, Path]:
+    return launched[1]
 
 
 def test_a_split_run_sees_the_rows_of_one_process_in_the_same_order(sp_runs):

@@ -1,5 +1,10 @@
 """Token-weighted loss: micro-batches, ranks with different token counts and the sharding backend (DeepSpeed
-ZeRO-3, FSDP2 full and hybrid) must not change the step."""
+ZeRO-3, FSDP2 full and hybrid) must not change the step; nor do two ZeRO-3 ranks for the dense families of
+issue 45 and the MoE families with skewed routing.
+
+The one-process steps run in this process; every two-rank step (token_weighting_worker.py,
+dense_families_worker.py, moe_worker.py) in one 2-process launch (two_ranks_worker.py), FSDP2 hybrid
+sharding in one 4-process launch."""
 
 import json
 import subprocess
@@ -10,7 +15,7 @@ import torch
 
 from lorakit.engine.launch import torchrun_command
 from lorakit.model.loss import micro_batch_loss, token_loss_sum
-from tests.integration import token_weighting_worker
+from tests.integration import dense_families_worker, moe_worker, token_weighting_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("fsdp", "fsdp-window4", "fsdp-each4")
@@ -60,32 +65,73 @@ def _check_same_step(out: Path, name: str, ref: str) -> None:
         torch.testing.assert_close(weights[name][key], w, rtol=1e-4, atol=1e-7, msg=f"{name}: {key}")
 
 
+@pytest.fixture(scope="module")
+def steps(cache_dir, tmp_path_factory) -> dict[str, Path]:
+    """Each worker's outputs in a folder of its own: "weighting", "dense" and "moe"."""
+    out = {name: tmp_path_factory.mktemp(name) for name in ("weighting", "dense", "moe")}
+    # The one-process runs in this process (private one-process groups), saving interpreter starts.
+    token_weighting_worker.main(str(cache_dir), str(out["weighting"]), "single")
+    dense_families_worker.main(str(cache_dir), str(out["dense"]), "single")
+    moe_worker.main(str(cache_dir), str(out["moe"]), "accumulate")
+    folders = [str(out[name]) for name in ("weighting", "dense", "moe")]
+    _run(torchrun_command(2, "tests.integration.two_ranks_worker", [str(cache_dir), *folders]), ROOT)
+    cmd = torchrun_command(
+        4, "tests.integration.token_weighting_worker", [str(cache_dir), str(out["weighting"]), "hybrid"]
+    )
+    _run(cmd, ROOT)
+    return out
+
+
 @pytest.mark.slow
-def test_one_step_is_the_same_for_one_batch_accumulation_zero3_fsdp_and_hybrid(cache_dir, tmp_path):
+def test_one_step_is_the_same_for_one_batch_accumulation_zero3_fsdp_and_hybrid(steps):
     """For the tiny T5 and the tiny Llama with LoRA (fp32, SGD at lr 1: the update is the gradient): one
     batch on one process, two accumulated micro-batches, DeepSpeed ZeRO-3 and FSDP2 full sharding on two
     processes, and FSDP2 hybrid sharding on four (2 x 2 mesh) give the same loss, gradient norm and LoRA
     update, the ranks holding different numbers of target tokens; FSDP2 accumulating 4 micro-batches
     reduces its gradients once per step (counted) and steps as when it reduced after each."""
-    # The one-process runs in this process (a private one-process group), saving an interpreter start.
-    token_weighting_worker.main(str(cache_dir), str(tmp_path), "single")
-    for mode, procs in (("two_ranks", 2), ("hybrid", 4)):
-        cmd = torchrun_command(
-            procs, "tests.integration.token_weighting_worker", [str(cache_dir), str(tmp_path), mode]
-        )
-        _run(cmd, ROOT)
+    out = steps["weighting"]
     for kind in ("t5", "llama"):
         ref = f"{kind}-one_batch"
         for mode in ("accumulate", "two_ranks", "fsdp", "hybrid"):
-            _check_same_step(tmp_path, f"{kind}-{mode}", ref)
+            _check_same_step(out, f"{kind}-{mode}", ref)
         # FSDP2 against ZeRO-3 directly, not only through the one-process reference.
-        _check_same_step(tmp_path, f"{kind}-fsdp", f"{kind}-two_ranks")
+        _check_same_step(out, f"{kind}-fsdp", f"{kind}-two_ranks")
         # Gradient accumulation on FSDP2: 4 micro-batches reduced once at the boundary give the step that
         # reducing after each micro-batch gives, with a quarter of the reduce-scatters: one per sharded
         # group per step, as many as a step of one micro-batch.
-        _check_same_step(tmp_path, f"{kind}-fsdp-window4", f"{kind}-fsdp-each4")
-        counts = {
-            m: json.loads((tmp_path / f"{kind}-{m}.json").read_text())["reduce_scatters"] for m in MODES
-        }
+        _check_same_step(out, f"{kind}-fsdp-window4", f"{kind}-fsdp-each4")
+        counts = {m: json.loads((out / f"{kind}-{m}.json").read_text())["reduce_scatters"] for m in MODES}
         assert counts["fsdp-each4"] == 4 * counts["fsdp-window4"]
         assert counts["fsdp-window4"] == counts["fsdp"] > 0
+
+
+@pytest.mark.slow
+def test_zero3_on_two_ranks_steps_as_one_process_for_each_dense_family(steps):
+    """ZeRO-3 on two processes takes the same LoRA step as one process for every dense family of issue 45
+    besides the Llama-style ones above (dense_families_worker.KINDS: Gemma 2's tied head, soft-capping on
+    eager and alternating windows; Phi-3's fused projections; Qwen3's and OLMo 2's q/k norms; Gemma 3 text;
+    the encoder-decoder T5Gemma), the ranks holding different numbers of target tokens."""
+    for kind in dense_families_worker.KINDS:
+        _check_same_step(steps["dense"], f"{kind}-two_ranks", f"{kind}-single")
+
+
+@pytest.mark.slow
+def test_a_zero3_step_with_skewed_routing_completes_and_equals_one_process(steps):
+    """Mixture of experts on 2 CPU processes: for each MoE family (Mixtral, Qwen3-MoE, OLMoE), a ZeRO-3 step
+    with deliberately skewed routing completes (the MoE block is a ZeRO-3 leaf) and equals the same window
+    accumulated on one process, the load-balancing loss included."""
+    out = steps["moe"]
+    for kind in moe_worker.KINDS:
+        one, two = (json.loads((out / f"{kind}-{m}.json").read_text()) for m in ("accumulate", "two_ranks"))
+        assert one["metrics"]["aux_loss"] > 0, kind
+        for key in ("loss", "grad_norm"):
+            assert two[key] == pytest.approx(one[key], rel=1e-4), f"{kind}: {key}"
+        assert two["metrics"]["aux_loss"] == pytest.approx(one["metrics"]["aux_loss"], rel=1e-4), kind
+        weights = {m: torch.load(out / f"{kind}-{m}.pt") for m in ("accumulate", "two_ranks")}
+        assert any(".mlp.gate." in k for k in weights["accumulate"]) and any(
+            ".experts." in k for k in weights["accumulate"]
+        ), kind
+        for key, w in weights["accumulate"].items():
+            torch.testing.assert_close(
+                weights["two_ranks"][key], w, rtol=1e-4, atol=1e-6, msg=f"{kind}: {key}"
+            )

@@ -8,7 +8,8 @@ processes: DeepSpeed ZeRO-3, then FSDP2 full sharding, written as "fsdp"; then F
 micro-batches of 8 rows, reduced once at the window's boundary ("fsdp-window4") and, as before, after
 every micro-batch ("fsdp-each4"), the gradient reduce-scatters counted) | hybrid (FSDP2 hybrid sharding, 4
 processes: a 2 x 2 mesh). The ranks hold different numbers of rows (1 and 5; 1, 2, 1 and 2).
-Launched by test_token_weighting.py, under torchrun for the multi-process modes.
+Launched by test_token_weighting.py, under torchrun for the multi-process modes (two_ranks through
+two_ranks_worker.py).
 """
 
 import json
