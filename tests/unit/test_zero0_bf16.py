@@ -5,6 +5,8 @@ runs), full fine-tuning training. One process, the tiny T5, DeepSpeed's real eng
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -43,13 +45,13 @@ def group():
         yield
 
 
-def _recipe(cache_dir, tmp_path, stage=0, **method):
+def _recipe(cache_dir, tmp_path, stage=0, lr=1e-2, **method):
     return tiny_recipe(
         cache_dir,
         tmp_path / "out",
         model={"dtype": "bfloat16"},
         method={"target_modules": "all-linear", **method},
-        train={"lr": 1e-2, "max_grad_norm": 1.0, "warmup_ratio": 0.0},
+        train={"lr": lr, "max_grad_norm": 1.0, "warmup_ratio": 0.0},
         distributed={"zero_stage": stage},
     )
 
@@ -117,6 +119,16 @@ def test_an_optimizer_step_syncs_the_host_a_constant_number_of_times(group, cach
     assert counts[few] == counts[many] <= 3, counts
 
 
+def test_full_fine_tuning_trains_in_bf16_with_the_same_few_syncs(group, cache_dir, tmp_path):
+    engine = _engine(_recipe(cache_dir, tmp_path, lr=1e-3, kind="full"))
+    # Every weight in bf16, T5's `wo` too (transformers loads it in fp32; DeepSpeed's bf16 mode casts it).
+    assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
+    counter = CountSyncs()
+    losses = _train(engine, range(STEPS), counter)
+    engine.close()
+    assert losses[-1] < losses[0] and counter.count <= 3 * STEPS, (losses, counter.count)
+
+
 def _train_save_train(engine: DeepSpeedEngine, directory) -> list[float]:
     """Two steps, a checkpoint, two more: the uninterrupted run (saving changes nothing of it)."""
     losses = _train(engine, range(2))
@@ -179,3 +191,38 @@ def test_an_older_runs_checkpoint_resumes_like_uninterrupted(group, cache_dir, t
     resumed.close()
     # Its per-tensor masters and AdamW state flattened: the same numbers as if it had gone on.
     assert got == want[2:]
+
+
+def test_a_nonfinite_step_is_skipped_and_a_finite_one_is_clipped_fp32_adamw():
+    from lorakit.backends.deepspeed_bf16 import MixedPrecisionAdamW
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in ((3, 4), (5,), (2, 2))]
+    reference = [torch.nn.Parameter(p.detach().float()) for p in params]
+    # Two groups with their own lr, as LoRA+ gives them.
+    opt = MixedPrecisionAdamW(
+        [{"params": params[:2], "lr": 0.1}, {"params": params[2:], "lr": 0.4}],
+        max_grad_norm=0.5,
+        weight_decay=0.01,
+        foreach=True,
+    )
+    ref = torch.optim.AdamW(
+        [{"params": reference[:2], "lr": 0.1}, {"params": reference[2:], "lr": 0.4}], weight_decay=0.01
+    )
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.full_like(p, float("nan"))
+    opt.step()
+    assert opt.overflow and not math.isfinite(opt._global_grad_norm)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True)) and not opt.state
+    for _ in range(2):
+        grads = [torch.randn(p.shape).bfloat16() for p in params]
+        for p, r, g in zip(params, reference, grads, strict=True):
+            p.grad, r.grad = g, g.float()
+        norm = torch.nn.utils.clip_grad_norm_(reference, 0.5)
+        opt.step()
+        ref.step()
+        assert not opt.overflow and opt._global_grad_norm == pytest.approx(float(norm), rel=1e-6)
+        masters = torch.cat([g["params"][0].detach() for g in opt.param_groups])
+        assert torch.allclose(masters, torch.cat([r.detach().reshape(-1) for r in reference]), atol=1e-6)
+        assert all(torch.equal(p, r.detach().bfloat16()) for p, r in zip(params, reference, strict=True))
