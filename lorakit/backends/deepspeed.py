@@ -67,8 +67,8 @@ class DeepSpeedEngine(Forwarding):
             self.engine.step()
 
     def step(self) -> StepResult:
-        """DeepSpeed's step at the boundary: clipping, the optimizer (ZeRO 1-3 skip a non-finite update
-        themselves) and the LR schedule."""
+        """DeepSpeed's step at the boundary: clipping, the optimizer (ZeRO 1-3, and ZeRO-0 in bf16, skip a
+        non-finite update themselves) and the LR schedule."""
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return StepResult(

@@ -6,7 +6,7 @@ trainable tensor for overflow with its own `.item()` and copies, scales and norm
 host sync per trainable tensor per step (879 for FLAN-T5-XL's 864 LoRA tensors on the H100 lease of
 2026-11-27, benchmarks/results/gpu_h100_2026-11-27.md). ZeRO-1/2/3 keep flat buffers and are not affected.
 
-What was weighed (docs/distributed.md#zero-0-in-bf16): running stage 0 as a one-process ZeRO-1 changes the
+What was weighed (docs/backends.md#zero-0-in-bf16): running stage 0 as a one-process ZeRO-1 changes the
 recipe's stage, its checkpoint layout (older stage-0 checkpoints would not load) and copies every gradient
 into ZeRO's buckets; fp32 adapters under torch autocast train other numbers than ZeRO-1/2/3 (fp32 compute
 weights). So here DeepSpeed runs without its bf16 wrapper (bf16 off in the config it is given; the run
