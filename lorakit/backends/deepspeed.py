@@ -28,6 +28,13 @@ def accelerator_name() -> str:
     return get_accelerator().device_name()
 
 
+def accelerator_device() -> str:
+    """The device this process trains on (`cuda:N`, `cpu`), where deepspeed.initialize moves the model."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().current_device_name()
+
+
 def _gathered(params: list[torch.nn.Parameter]):
     if any(hasattr(p, "ds_id") for p in params):
         import deepspeed
@@ -162,7 +169,7 @@ class DeepSpeedBackend:
         if bf16.owns_bf16(config):
             # ZeRO-0 in bf16: lorakit's flat-master AdamW instead of DeepSpeed's per-tensor bf16 wrapper
             # (one host sync per trainable tensor per step; deepspeed_bf16.py).
-            bf16.cast_parameters(built.model, torch.bfloat16)
+            bf16.place_module(built.model, accelerator_device())
             optimizer, groups = bf16.mixed_precision_adamw(groups, config), None
             config = bf16.engine_config(config)
         engine, *_ = deepspeed.initialize(

@@ -48,12 +48,15 @@ def engine_config(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Every floating-point parameter in `dtype`, buffers untouched: what DeepSpeed's bf16 mode does to the
-    module (transformers keeps some in fp32, T5's `wo`; ZeRO-1/2/3 train them in bf16 too)."""
+def place_module(model: torch.nn.Module, device: str) -> None:
+    """The module as DeepSpeed's bf16 mode makes it in deepspeed.initialize, before the optimizer's fp32
+    masters are copied from it: every floating-point parameter in bf16, buffers untouched (transformers
+    keeps some weights in fp32, T5's `wo`; ZeRO-1/2/3 train them in bf16 too), all on `device`, where
+    the masters are made (DeepSpeed's own move to it is then a no-op)."""
     for p in model.parameters():
-        if p.is_floating_point() and p.dtype != dtype:
-            p.data = p.data.to(dtype)
+        if p.is_floating_point() and p.dtype != torch.bfloat16:
+            p.data = p.data.to(torch.bfloat16)
+    model.to(device)
 
 
 def mixed_precision_adamw(model_parameters: list[Any], config: dict[str, Any]) -> MixedPrecisionAdamW:
