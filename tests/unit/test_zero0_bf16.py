@@ -81,14 +81,17 @@ def _batch(step: int, vocab: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _train(engine: DeepSpeedEngine, steps: range, counter: CountSyncs | None = None) -> list[float]:
-    """One micro-batch per step; returns the losses. `counter` counts the host syncs of the steps."""
+def _train(
+    engine: DeepSpeedEngine, steps: range, counter: CountSyncs | None = None, rank: int = 0
+) -> list[float]:
+    """One micro-batch per step (each rank its own); returns the losses. `counter` counts the host syncs of
+    the steps."""
     vocab = engine.module.config.vocab_size
     losses = []
     engine.train()
     for step in steps:
         torch.manual_seed(step)  # the model's own dropout draws the same masks in every run
-        batch = _batch(step % 2, vocab)
+        batch = _batch(step % 2 + 2 * rank, vocab)
         logits = engine(**batch).logits.float()
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
         engine.backward(loss, boundary=True)
