@@ -92,9 +92,12 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
     def _masters(self) -> list[torch.Tensor]:
         return [g["params"][0] for g in self.param_groups]
 
-    def _views(self, master: torch.Tensor, low: list[torch.Tensor]) -> list[torch.Tensor]:
-        sizes = [p.numel() for p in low]
-        return [v.view(p.shape) for v, p in zip(master.detach().split(sizes), low, strict=True)]
+    def _copy_back(self, master: torch.Tensor, low: list[torch.Tensor]) -> None:
+        # Cast once (one kernel), so the foreach copy, like the gradients' cat, sees one dtype: what torch's
+        # batched CUDA kernels take; with mixed dtypes they may fall back to a launch per tensor.
+        flat = master.detach().to(low[0].dtype)
+        views = flat.split([p.numel() for p in low])
+        torch._foreach_copy_(low, [v.view(p.shape) for v, p in zip(views, low, strict=True)])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -102,7 +105,8 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
         masters = self._masters()
         for master, low in zip(masters, self.low, strict=True):
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in low]
-            master.grad = torch.cat([g.reshape(-1) for g in grads], out=torch.empty_like(master))
+            # One batched cat in the gradients' dtype, then one cast (see _copy_back).
+            master.grad = torch.cat([g.reshape(-1) for g in grads]).to(master.dtype)
         norms = torch.stack([torch.linalg.vector_norm(m.grad) for m in masters])
         total = torch.linalg.vector_norm(norms)
         self._global_grad_norm = float(total)
@@ -114,7 +118,7 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
                 torch._foreach_mul_([m.grad for m in masters], coef)
             super().step()
             for master, low in zip(masters, self.low, strict=True):
-                torch._foreach_copy_(low, self._views(master, low))
+                self._copy_back(master, low)
         for master in masters:
             master.grad = None
         return None
@@ -139,7 +143,7 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
                     f"{master.numel()}: not the same trainable parameters"
                 )
             master.copy_(saved)
-            torch._foreach_copy_(low, self._views(master, low))
+            self._copy_back(master, low)
         super().load_state_dict(state_dict)
 
 
