@@ -105,8 +105,15 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
         masters = self._masters()
         for master, low in zip(masters, self.low, strict=True):
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in low]
-            # One batched cat in the gradients' dtype, then one cast (see _copy_back).
-            master.grad = torch.cat([g.reshape(-1) for g in grads]).to(master.dtype)
+            # One batched cat in the gradients' dtype, then one cast (see _copy_back). The bf16 gradients
+            # go once gathered (DeepSpeed would drop them after the step): the step never holds more than
+            # one bf16 and one fp32 copy of the gradients, what the planner counts for it.
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            for p in low:
+                p.grad = None
+            del grads
+            master.grad = flat.to(master.dtype)
+            del flat
         norms = torch.stack([torch.linalg.vector_norm(m.grad) for m in masters])
         total = torch.linalg.vector_norm(norms)
         self._global_grad_norm = float(total)
@@ -117,10 +124,10 @@ class MixedPrecisionAdamW(torch.optim.AdamW):
                 coef = (self.max_grad_norm / (total + 1e-6)).clamp(max=1.0)
                 torch._foreach_mul_([m.grad for m in masters], coef)
             super().step()
-            for master, low in zip(masters, self.low, strict=True):
-                self._copy_back(master, low)
-        for master in masters:
+        for master, low in zip(masters, self.low, strict=True):
             master.grad = None
+            if not self.overflow:
+                self._copy_back(master, low)
         return None
 
     def state_dict(self) -> dict[str, Any]:
