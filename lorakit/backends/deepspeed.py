@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from lorakit import dist, rundir
+from lorakit.backends import deepspeed_bf16 as bf16
 from lorakit.backends.base import Forwarding, StepResult, gather_trainable
 
 
@@ -25,6 +26,13 @@ def accelerator_name() -> str:
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().device_name()
+
+
+def accelerator_device() -> str:
+    """The device this process trains on (`cuda:N`, `cpu`), where deepspeed.initialize moves the model."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().current_device_name()
 
 
 def _gathered(params: list[torch.nn.Parameter]):
@@ -66,8 +74,8 @@ class DeepSpeedEngine(Forwarding):
             self.engine.step()
 
     def step(self) -> StepResult:
-        """DeepSpeed's step at the boundary: clipping, the optimizer (ZeRO 1-3 skip a non-finite update
-        themselves) and the LR schedule."""
+        """DeepSpeed's step at the boundary: clipping, the optimizer (ZeRO 1-3, and ZeRO-0 in bf16, skip a
+        non-finite update themselves) and the LR schedule."""
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return StepResult(
@@ -155,10 +163,19 @@ class DeepSpeedBackend:
         from lorakit.model.adapter import optimizer_groups
 
         t = self.recipe.train
+        # The trainable parameters; with LoRA+ (method.lr_ratio_b) in groups, each with its own lr.
+        groups = optimizer_groups(built.model, self.recipe.method, t.lr, t.weight_decay)
+        optimizer = None
+        if bf16.owns_bf16(config):
+            # ZeRO-0 in bf16: lorakit's flat-master AdamW instead of DeepSpeed's per-tensor bf16 wrapper
+            # (one host sync per trainable tensor per step; deepspeed_bf16.py).
+            bf16.place_module(built.model, accelerator_device())
+            optimizer, groups = bf16.mixed_precision_adamw(groups, config), None
+            config = bf16.engine_config(config)
         engine, *_ = deepspeed.initialize(
             model=built.model,
-            # The trainable parameters; with LoRA+ (method.lr_ratio_b) in groups, each with its own lr.
-            model_parameters=optimizer_groups(built.model, self.recipe.method, t.lr, t.weight_decay),
+            model_parameters=groups,
+            optimizer=optimizer,
             config=config,
             lr_scheduler=schedule,
         )
