@@ -20,12 +20,13 @@ from tests.conftest import tiny_recipe_dict
 from tests.integration.test_resume import launch
 
 
-def _raw(cache_dir, out, **train):
+def _raw(cache_dir, out, zero_stage=2, dtype="float32", **train):
     return tiny_recipe_dict(
         cache_dir,
         out,
+        model={"dtype": dtype},
         train={"max_steps": 5, "micro_batch_size": 4, **train},
-        distributed={"zero_stage": 2},
+        distributed={"zero_stage": zero_stage},
         eval={"enabled": False},
         checkpoint={"every": 2},
     )
@@ -46,7 +47,15 @@ def test_nan_loss_stops_with_exit_4_naming_the_step_and_keeps_the_checkpoint(cac
 
 
 @pytest.mark.slow
-def test_nan_loss_skipped_leaves_weights_finite_and_is_counted(cache_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "zero_stage,dtype",
+    # ZeRO's optimizer leaves the update out at stage 2; lorakit's own at stage 0 in bf16 (deepspeed_bf16.py).
+    [(2, "float32"), (0, "bfloat16")],
+    ids=["zero2-fp32", "zero0-bf16"],
+)
+def test_nan_loss_skipped_leaves_weights_finite_and_is_counted(
+    cache_dir, tmp_path, monkeypatch, zero_stage, dtype
+):
     real = objective.token_loss_sum
     calls = {"n": 0}
 
@@ -56,7 +65,9 @@ def test_nan_loss_skipped_leaves_weights_finite_and_is_counted(cache_dir, tmp_pa
         return out * float("nan") if calls["n"] == 3 else out
 
     monkeypatch.setattr(objective, "token_loss_sum", nan_on_third)
-    recipe = recipe_from_dict(_raw(cache_dir, tmp_path / "run", on_nonfinite="skip"))
+    recipe = recipe_from_dict(
+        _raw(cache_dir, tmp_path / "run", zero_stage=zero_stage, dtype=dtype, on_nonfinite="skip")
+    )
     s = lorakit.train(recipe).summary
     assert s["skipped_steps"] == [3] and s["steps"] == 5
     assert all(math.isfinite(x) for x in (s["loss"]["first"], s["loss"]["last"]))
