@@ -79,12 +79,12 @@ def _moe_targets(method: MethodSection, family, model) -> tuple[Any, list[str] |
 
 
 def optimizer_groups(model, method: MethodSection, lr: float, weight_decay: float) -> list[Any]:
-    """What deepspeed.initialize gets as model_parameters: the trainable parameters, or with
-    method.lr_ratio_b LoRA+'s groups (lora_B and 1-D weights at lr x ratio), each group with its own `lr`.
+    """The optimizer's parameters: the trainable parameters, or with method.lr_ratio_b LoRA+'s groups
+    (lora_B and 1-D weights at lr x ratio), each group with its own `lr`.
 
     peft's create_loraplus_optimizer sorts the parameters and calls `optimizer_cls(groups, **kwargs)`; the
-    callable given here returns the groups, since DeepSpeed builds the optimizer itself (its config names
-    AdamW), and a LambdaLR scales each group's own lr."""
+    callable given here returns the groups, since the backend builds the optimizer (DeepSpeed from its
+    config's AdamW; at ZeRO-0 in bf16 and on FSDP2, lorakit), and a LambdaLR scales each group's own lr."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not method.lr_ratio_b:
         return trainable
