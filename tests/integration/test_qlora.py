@@ -137,9 +137,15 @@ def _eval_loss(model, kind: str, eval_ds) -> float:
     return loss / tokens
 
 
+@pytest.fixture(scope="module")
+def four_bit_bases() -> dict:
+    """kind -> (its 4-bit base, that base's eval loss): loaded once for both stages' adapters."""
+    return {}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, stage", RUNS)
-def test_adapter_loads_onto_the_4bit_base(qlora_runs, kind, stage):
+def test_adapter_loads_onto_the_4bit_base(qlora_runs, four_bit_bases, kind, stage):
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
@@ -154,15 +160,20 @@ def test_adapter_loads_onto_the_4bit_base(qlora_runs, kind, stage):
     assert all(t.numel() > 0 for t in weights.values())  # whole, not empty ZeRO-3 shells
     if kind == "t5":
         assert any(".wo.lora_A" in k for k in weights)  # the unquantized wo gets LoRA too
-    cls = AutoModelForSeq2SeqLM if kind == "t5" else AutoModelForCausalLM
-    base = cls.from_pretrained(
-        s["model_source"], dtype=torch.bfloat16, quantization_config=bnb_config("nf4", torch.bfloat16)
-    ).eval()
-    assert base.is_loaded_in_4bit
     splits, _ = load_cached(Path(s["data"]["cache_dir"]))
-    base_loss = _eval_loss(base, kind, splits["eval"])
+    if kind not in four_bit_bases:
+        cls = AutoModelForSeq2SeqLM if kind == "t5" else AutoModelForCausalLM
+        loaded = cls.from_pretrained(
+            s["model_source"], dtype=torch.bfloat16, quantization_config=bnb_config("nf4", torch.bfloat16)
+        ).eval()
+        assert loaded.is_loaded_in_4bit
+        four_bit_bases[kind] = loaded, _eval_loss(loaded, kind, splits["eval"])
+    base, base_loss = four_bit_bases[kind]
     model = PeftModel.from_pretrained(base, adapter).eval()
-    loss = _eval_loss(model, kind, splits["eval"])
+    try:
+        loss = _eval_loss(model, kind, splits["eval"])
+    finally:
+        model.unload()  # the base as loaded again, for the other stage's adapter
     assert loss == pytest.approx(s["eval"]["loss"], rel=0.02)
     assert base_loss - loss > 0.05 * base_loss  # the adapter changes (improves) the 4-bit model
 
