@@ -22,7 +22,7 @@ def hpz_group_of_earlier_init() -> dict:
     hpz_partition_size) that the first one made. Upstream, each zero.Init under zero_hpz_partition_size > 1
     creates that group and a second one fails with "ZeRO parameter intra parallel group is already
     initialized" (DeepSpeed issues #4901, #7066; PR #8361 would reuse it); handing it the group is
-    zero.Init's own `zero_param_parallel_group` argument. tests/integration/test_zeropp.py trains a tiny T5
+    zero.Init's own `zero_param_parallel_group` argument. tests/integration/test_methods.py trains a tiny T5
     (whose separate head is restored here under a second zero.Init) with hpZ."""
     from deepspeed.utils import groups
 

@@ -1,7 +1,15 @@
 """DPO end to end on the builtin preference pairs: 2 processes on ZeRO-3 for a tiny Llama and a tiny T5
 (held-out preference accuracy from 50% to above 90%, the adapter merged and verified, generate and compare
-on the run; both runs in one launch); full fine-tuning DPO on its cached reference, which learns and resumes
-identically (1 process)."""
+on the run); full fine-tuning DPO on its cached reference, which learns and resumes identically (1 process).
+
+ORPO and KTO end to end: 2 processes on ZeRO-3 with a tiny Llama and LoRA, packed rows with the prompt
+once. ORPO reaches held-out preference accuracy above 80% on the builtin preference pairs; KTO's reward
+margin between desirable and undesirable held-out rows (builtin kto_rows) is positive and grows. Each run
+is then resumed from its middle checkpoint and repeats the uninterrupted run: the same step records and the
+same adapter.
+
+The two DPO runs, the ORPO and KTO runs and then their resumed runs share one 2-process launch
+(qlora_worker.py trains recipes in order)."""
 
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ import lorakit
 from lorakit import rundir
 from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.recipe import recipe_from_dict
+from lorakit.recipe.alignment_section import KTO_STEP_METRICS, ORPO_METRICS
 from lorakit.recipe.dpo_section import DPO_METRICS
 from tests.conftest import ROOT, tiny_recipe_dict
 from tests.integration.qlora_worker import train_in_one_launch
@@ -24,6 +33,40 @@ from tests.integration.qlora_worker import train_in_one_launch
 # 6 micro-batches of pairs an epoch, the tiny T5's padded ones 10; both are above 90% held-out accuracy at
 # the halfway evaluation already (100% measured), so the end leaves a margin.
 STEPS = {"llama": 6, "t5": 8}
+ALIGNMENT_DATA = {
+    "orpo": {"source": "builtin:preference_pairs", "input_column": "question"},
+    "kto": {"source": "builtin:kto_rows", "input_column": "prompt"},
+}
+# Steps, evaluated and checkpointed halfway and at the end.
+ALIGNMENT_STEPS = {"orpo": 6, "kto": 8}
+ALIGNMENT_KEYS = {"orpo": (*ORPO_METRICS, "nll", "log_odds_ratio"), "kto": KTO_STEP_METRICS}
+
+
+def _adapter(run_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def _alignment_recipe(cache_dir, out, objective: str) -> dict:
+    steps = ALIGNMENT_STEPS[objective]
+    return tiny_recipe_dict(
+        cache_dir,
+        out,
+        model={"name_or_path": "tiny:llama", "gradient_checkpointing": True},
+        method={"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
+        data={
+            **ALIGNMENT_DATA[objective],
+            "prompt_template": "{input}\n",
+            "max_samples": 160,
+            "max_eval_samples": 32,
+            "packing": True,
+        },
+        train={"objective": objective, "max_steps": steps, "lr": 5e-3, "micro_batch_size": 8},
+        eval={"generate": False, "every": steps // 2},
+        checkpoint={"every": steps // 2, "keep": 3},
+        distributed={"num_processes": 2, "zero_stage": 3},
+    )
 
 
 def _recipe_dict(cache_dir, out, kind: str, **sections) -> dict:
@@ -54,10 +97,11 @@ def _recipe(cache_dir, out, kind: str, **sections):
 
 
 @pytest.fixture(scope="module")
-def zero3_runs(cache_dir, tmp_path_factory) -> dict[str, Path]:
-    """The run directory of each kind's 2-process ZeRO-3 run, merged at the end; both runs in one launch
-    (qlora_worker.py trains recipes in order)."""
-    base = tmp_path_factory.mktemp("dpo-zero3")
+def two_process_runs(cache_dir, tmp_path_factory) -> Path:
+    """One launch (qlora_worker.py trains recipes in order): each kind's DPO run on ZeRO-3, merged at the
+    end; the ORPO and KTO runs; then each of those resumed from its middle checkpoint into a directory of its
+    own (as if it had stopped there). The folder holding their run directories."""
+    base = tmp_path_factory.mktemp("preference-zero3")
     recipes = {
         base / f"{kind}.yaml": _recipe_dict(
             cache_dir,
@@ -70,8 +114,20 @@ def zero3_runs(cache_dir, tmp_path_factory) -> dict[str, Path]:
         )
         for kind, steps in STEPS.items()
     }
+    recipes |= {base / f"{o}.yaml": _alignment_recipe(cache_dir, base / o, o) for o in ALIGNMENT_STEPS}
+    for o, steps in ALIGNMENT_STEPS.items():
+        middle = base / o / "checkpoints" / f"step-{steps // 2:08d}"
+        resumed = _alignment_recipe(cache_dir, base / f"{o}-resumed", o)
+        resumed["train"]["resume"] = str(middle)
+        recipes[base / f"{o}-resumed.yaml"] = resumed
     train_in_one_launch(recipes, {"PYTHONPATH": str(ROOT)})
-    return {kind: base / kind for kind in STEPS}
+    return base
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(two_process_runs) -> dict[str, Path]:
+    """The run directory of each kind's 2-process ZeRO-3 DPO run."""
+    return {kind: two_process_runs / kind for kind in STEPS}
 
 
 @pytest.mark.slow
@@ -187,5 +243,64 @@ def test_qlora_dpo_on_zero2_starts_at_its_reference_and_resumes_identically(cach
         [r[k] for r in reference for k in keys], abs=1e-6
     )
     again_adapter = load_file(str(resumed.run_dir / "adapter" / "adapter_model.safetensors"))
+    assert again_adapter.keys() == adapter.keys()
+    assert all(torch.equal(again_adapter[k], adapter[k]) for k in adapter)
+
+
+@pytest.fixture(scope="module")
+def alignment_runs(two_process_runs) -> dict[str, dict]:
+    """Per objective: the whole run's records, summary, adapter and checkpoint steps, and the run resumed
+    from its middle checkpoint into a directory of its own (as if it had stopped there): `resumed` is its
+    summary, `again` its records (the steps after the checkpoint) and `again_adapter` its adapter."""
+    base = two_process_runs
+    out = {}
+    for objective in ALIGNMENT_STEPS:
+        run_dir, again = base / objective, base / f"{objective}-resumed"
+        out[objective] = {
+            "records": rundir.read_metrics(run_dir),
+            "summary": rundir.read_summary(run_dir),
+            "adapter": _adapter(run_dir),
+            "checkpoints": [c.step for c in complete_checkpoints(run_dir)],
+            "resumed": rundir.read_summary(again),
+            "again": rundir.read_metrics(again),
+            "again_adapter": _adapter(again),
+        }
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["orpo", "kto"])
+def test_orpo_and_kto_on_zero3_two_processes_learn_and_resume_identically(alignment_runs, objective):
+    steps = ALIGNMENT_STEPS[objective]
+    whole = alignment_runs[objective]
+    records = whole["records"]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    # Halfway, the end, and (KTO's 160 rows) an epoch's end between.
+    assert evals[0]["step"] == steps // 2 and evals[-1]["step"] == steps
+    assert all(set(ALIGNMENT_KEYS[objective]) <= set(r) for r in train), train[0]
+    if objective == "orpo":
+        assert evals[-1]["accuracy"] > 80, evals
+        assert train[-1]["nll"] < train[0]["nll"] and train[-1]["log_odds_ratio"] > train[0]["log_odds_ratio"]
+    else:
+        # No dropout: before the first update the policy is its reference (rewards 0, loss 1/2 a row).
+        assert train[0]["loss"] == pytest.approx(0.5, abs=1e-5) and train[0]["kl"] == 0.0
+        assert 0 < evals[0]["margin"] < evals[-1]["margin"], evals
+        assert 0.2 < evals[-1]["desirable_share"] < 0.8 and evals[-1]["rewards/undesirable"] < 0
+    assert f"{objective} " in " ".join(
+        whole["summary"]["method_options"]
+    )  # `orpo lambda=0.1`, `kto beta=0.1`
+    adapter = whole["adapter"]
+
+    # As if the run had stopped after its middle checkpoint: the run resumed from it repeats every later step.
+    found = whole["checkpoints"]
+    assert found[0] == steps // 2 and found[-1] == steps  # (KTO: and its epoch's end, step 6)
+    assert whole["resumed"]["resumed_from"]["step"] == steps // 2
+    again = [r for r in whole["again"] if r["kind"] == "train"]
+    later = [r for r in train if r["step"] > steps // 2]
+    assert [r["step"] for r in again] == list(range(steps // 2 + 1, steps + 1))
+    keys = ("step", "loss", "grad_norm", *ALIGNMENT_KEYS[objective])
+    assert [r[k] for r in again for k in keys] == pytest.approx([r[k] for r in later for k in keys], abs=1e-6)
+    again_adapter = whole["again_adapter"]
     assert again_adapter.keys() == adapter.keys()
     assert all(torch.equal(again_adapter[k], adapter[k]) for k in adapter)

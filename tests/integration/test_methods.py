@@ -6,6 +6,14 @@ falls; its adapter, saved under ZeRO-3, loads with PeftModel.from_pretrained on 
 PiSSA: the converted adapter) and reproduces the run's eval loss; lorakit.merge verifies the merged model
 against it; the planner counts the run's trainable parameters; LoRA+'s groups are read back from the
 engine's optimizer. About 2 minutes on 2 CPU cores.
+
+The same launch then trains test_zeropp.py's ZeRO++ hpZ check: a plain ZeRO-3 run of the tiny T5 and the
+same run with hpz_partition_size 2, last (hpZ leaves its group in DeepSpeed's globals for the process).
+hpZ on 2 processes makes one secondary group of the whole world: the degenerate case, but DeepSpeed builds
+and all-gathers the secondary partition all the same. The tiny T5 has a separate output head, which lorakit
+restores under a second zero.Init (model/untie.py): without passing that init the hpZ group the first one
+made, DeepSpeed fails (issues #4901, #7066), so the check also guards that workaround. See
+docs/multinode.md#zero.
 """
 
 import json
@@ -22,6 +30,7 @@ from lorakit.engine.checkpoint import complete_checkpoints
 from tests.conftest import ROOT, tiny_recipe, tiny_recipe_dict
 from tests.integration.qlora_worker import train_in_one_launch
 from tests.integration.test_qlora import _eval_loss
+from tests.integration.test_zeropp import zeropp_recipe
 
 LR, RATIO = 1e-2, 8
 # name -> method section; each named method runs on both families.
@@ -31,6 +40,8 @@ METHODS = {
     "ia3": {"kind": "ia3"},
 }
 RUNS = [(family, name) for family in ("t5", "llama") for name in METHODS]
+# The ZeRO++ hpZ check's two runs (after RUNS, in this order): plain ZeRO-3 and with hpZ.
+HPZ = {"plain": {}, "hpz": {"hpz_partition_size": 2}}
 
 
 def methods_recipe(cache: Path, out: Path, family: str, name: str) -> dict:
@@ -61,6 +72,9 @@ def method_runs(tmp_path_factory, cache_dir) -> dict[tuple[str, str], Path]:
         base / f"{d.name}.yaml": methods_recipe(cache_dir, d, family, name)
         for (family, name), d in run_dirs.items()
     }
+    for name, distributed in HPZ.items():
+        run_dirs[name] = base / name
+        recipes[base / f"{name}.yaml"] = zeropp_recipe(cache_dir, run_dirs[name], **distributed)
     train_in_one_launch(recipes, {"PYTHONPATH": str(ROOT)})
     return run_dirs
 
@@ -148,3 +162,30 @@ def test_a_pissa_run_resumed_from_a_checkpoint_saves_the_same_adapter(cache_dir,
     assert rundir.read_summary(resumed)["resumed_from"]["step"] == 2
     a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (whole, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _losses(run_dir):
+    return [
+        (r["step"], r["loss"], r["grad_norm"]) for r in rundir.read_metrics(run_dir) if r["kind"] == "train"
+    ]
+
+
+@pytest.mark.slow
+def test_hpz_trains_as_plain_zero3(method_runs):
+    hpz, plain = method_runs["hpz"], method_runs["plain"]
+    zero = json.loads((hpz / rundir.DS_CONFIG).read_text())["zero_optimization"]
+    assert zero["stage"] == 3 and zero["zero_hpz_partition_size"] == 2
+    assert (
+        "zero_hpz_partition_size"
+        not in json.loads((plain / rundir.DS_CONFIG).read_text())["zero_optimization"]
+    )
+    ours, theirs = _losses(hpz), _losses(plain)
+    assert [s for s, *_ in ours] == [1, 2, 3, 4]
+    assert ours[-1][1] < ours[0][1]
+    # hpZ changes where the weights are gathered from, not the arithmetic.
+    for a, b in zip(ours, theirs, strict=True):
+        assert a == pytest.approx(b, abs=1e-6)
+    adapter, expected = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (hpz, plain))
+    assert adapter.keys() == expected.keys() and adapter
+    assert max(float((adapter[k] - expected[k]).abs().max()) for k in adapter) <= 1e-6
+    assert rundir.read_summary(hpz)["world_size"] == 2

@@ -1,26 +1,28 @@
 """QLoRA on 2 processes, ZeRO-2 and ZeRO-3, for a tiny Llama and a tiny T5: training, summary, adapter,
 resume.
 
-One torchrun launch trains the four recipes (qlora_worker.py); the checks then load each adapter with
+One torchrun launch trains the four recipes (qlora_worker.py) and then resumes the Llama ZeRO-3 run from
+its epoch-end checkpoint into a directory of its own; the checks then load each adapter with
 PeftModel.from_pretrained onto the 4-bit base, in this process. Every launched process is told its CPU has
 AVX512-BF16 (tests/bnb_layout.py), so bitsandbytes' CPU inference layout is in play on any machine: the
 runs evaluate between training steps and checkpoints, where that layout broke ZeRO-3.
 """
 
 import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from lorakit import rundir
 from lorakit.engine.checkpoint import complete_checkpoints
 from tests.bnb_layout import ENV as AVX512BF16_ENV
 from tests.conftest import ROOT, tiny_recipe_dict
 from tests.integration.qlora_worker import train_in_one_launch
-from tests.integration.test_resume import FAULTS, launch
+from tests.integration.test_resume import FAULTS
+
+# The run resumed from its epoch-end checkpoint (step 5), after an evaluation, as if the node had died later.
+RESUMED, RESUME_STEP = ("llama", 3), 5
 
 # Every process these tests launch: bitsandbytes' AVX512-BF16 branch forced, whatever this CPU has.
 FORCED_ENV = {AVX512BF16_ENV: "1", "PYTHONPATH": os.pathsep.join([str(FAULTS), str(ROOT)])}
@@ -60,7 +62,12 @@ def qlora_runs(tmp_path_factory, cache_dir):
         base / f"{d.name}.yaml": qlora_recipe(cache_dir, d, kind, stage)
         for (kind, stage), d in run_dirs.items()
     }
+    # Runs in order: the resumed run starts after the whole run wrote its checkpoints.
+    resumed = qlora_recipe(cache_dir, base / "resumed", *RESUMED)
+    resumed["train"]["resume"] = str(run_dirs[RESUMED] / "checkpoints" / f"step-{RESUME_STEP:08d}")
+    recipes[base / "resumed.yaml"] = resumed
     proc = train_in_one_launch(recipes, FORCED_ENV)
+    run_dirs["resumed"] = base / "resumed"
     return proc, {key: rundir.read_summary(d) for key, d in run_dirs.items()}, run_dirs
 
 
@@ -130,9 +137,15 @@ def _eval_loss(model, kind: str, eval_ds) -> float:
     return loss / tokens
 
 
+@pytest.fixture(scope="module")
+def four_bit_bases() -> dict:
+    """kind -> (its 4-bit base, that base's eval loss): loaded once for both stages' adapters."""
+    return {}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, stage", RUNS)
-def test_adapter_loads_onto_the_4bit_base(qlora_runs, kind, stage):
+def test_adapter_loads_onto_the_4bit_base(qlora_runs, four_bit_bases, kind, stage):
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
@@ -147,42 +160,42 @@ def test_adapter_loads_onto_the_4bit_base(qlora_runs, kind, stage):
     assert all(t.numel() > 0 for t in weights.values())  # whole, not empty ZeRO-3 shells
     if kind == "t5":
         assert any(".wo.lora_A" in k for k in weights)  # the unquantized wo gets LoRA too
-    cls = AutoModelForSeq2SeqLM if kind == "t5" else AutoModelForCausalLM
-    base = cls.from_pretrained(
-        s["model_source"], dtype=torch.bfloat16, quantization_config=bnb_config("nf4", torch.bfloat16)
-    ).eval()
-    assert base.is_loaded_in_4bit
     splits, _ = load_cached(Path(s["data"]["cache_dir"]))
-    base_loss = _eval_loss(base, kind, splits["eval"])
+    if kind not in four_bit_bases:
+        cls = AutoModelForSeq2SeqLM if kind == "t5" else AutoModelForCausalLM
+        loaded = cls.from_pretrained(
+            s["model_source"], dtype=torch.bfloat16, quantization_config=bnb_config("nf4", torch.bfloat16)
+        ).eval()
+        assert loaded.is_loaded_in_4bit
+        four_bit_bases[kind] = loaded, _eval_loss(loaded, kind, splits["eval"])
+    base, base_loss = four_bit_bases[kind]
     model = PeftModel.from_pretrained(base, adapter).eval()
-    loss = _eval_loss(model, kind, splits["eval"])
+    try:
+        loss = _eval_loss(model, kind, splits["eval"])
+    finally:
+        model.unload()  # the base as loaded again, for the other stage's adapter
     assert loss == pytest.approx(s["eval"]["loss"], rel=0.02)
     assert base_loss - loss > 0.05 * base_loss  # the adapter changes (improves) the 4-bit model
 
 
 @pytest.mark.slow
-def test_zero3_qlora_killed_after_an_evaluation_resumes_like_uninterrupted(qlora_runs, cache_dir, tmp_path):
-    """Epoch 1 ends with an evaluation and a checkpoint (step 5); the node dies after step 6; the relaunch
-    resumes the 4-bit ZeRO-3 run from step 5 and ends exactly where the uninterrupted run did."""
+def test_zero3_qlora_resumed_after_an_evaluation_repeats_the_uninterrupted_run(qlora_runs):
+    """Epoch 1 ends with an evaluation and a checkpoint (step 5); the 4-bit ZeRO-3 run resumed from that
+    checkpoint repeats every later record of the uninterrupted run and ends with the same adapter. (A real
+    SIGKILL and relaunch is test_resume.py's fault chain.)"""
     from safetensors.torch import load_file
 
-    _, _, run_dirs = qlora_runs
-    reference = run_dirs["llama", 3]
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(qlora_recipe(cache_dir, tmp_path / "run", "llama", 3)))
-
-    killed = launch(recipe, "kill:6", **{AVX512BF16_ENV: "1"})
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-5000:]
-    assert 5 in [c.step for c in complete_checkpoints(tmp_path / "run")]
-    resumed = launch(recipe, **{AVX512BF16_ENV: "1"})
-    assert resumed.returncode == 0, resumed.stderr[-5000:]
-    summary = rundir.read_summary(tmp_path / "run")
-    assert summary["resumed_from"]["step"] == 5
+    _, summaries, run_dirs = qlora_runs
+    reference, resumed = run_dirs[RESUMED], run_dirs["resumed"]
+    assert RESUME_STEP in [c.step for c in complete_checkpoints(reference)]
+    assert summaries["resumed"]["resumed_from"]["step"] == RESUME_STEP
 
     def losses(d: Path) -> dict:
-        return {(r["kind"], r["step"]): r["loss"] for r in rundir.read_metrics(d)}
+        return {(r["kind"], r["step"]): r["loss"] for r in rundir.read_metrics(d) if r["step"] > RESUME_STEP}
 
-    assert losses(tmp_path / "run") == pytest.approx(losses(reference), abs=1e-6)
-    a = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    again = losses(resumed)
+    assert ("train", RESUME_STEP + 1) in again and ("eval", 6) in again
+    assert again == pytest.approx(losses(reference), abs=1e-6)
+    a = load_file(str(resumed / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(reference / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

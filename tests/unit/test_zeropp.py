@@ -1,6 +1,6 @@
 """ZeRO++ (distributed.hpz_partition_size, quantized_weights, quantized_gradients): the schema's checks, the
 keys in ds_config.json, the checks against the process group and accelerator, and hpZ's memory in the plan.
-tests/integration/test_zeropp.py trains with hpZ on 2 CPU processes. See docs/multinode.md#zero."""
+tests/integration/test_methods.py trains with hpZ on 2 CPU processes. See docs/multinode.md#zero."""
 
 import pytest
 
