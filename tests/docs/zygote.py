@@ -1,22 +1,21 @@
-"""A fork server for the doc-test blocks: one interpreter imports torch, transformers, lorakit and the rest once,
-then forks a child per `python ...` command of a block, so the ~8 s of imports is paid once per session
-instead of by each of the ~65 commands in the documentation.
+"""A fork server for the doc-test blocks: one interpreter imports torch, transformers, lorakit and the rest
+once, then forks a child per `python ...` command of a block, so the ~8 s of imports is paid once per
+session instead of by each of the ~65 commands in the documentation.
 
-The blocks call it through `python` (and `python3`) shims first on their PATH: a tiny client (this file, run
-with `python -S -E`, stdlib only) sends its arguments, working directory and environment to the server and
-hands over its stdin, stdout and stderr (SCM_RIGHTS), so the child reads and writes exactly what a fresh
-`python` would, and the client exits with the child's exit status (or dies of its signal). Each child is a
-process of its own (isolated like a fresh interpreter), in a session of its own that the server kills when
-the client dies (a block's timeout kills the client) and to which the client forwards SIGINT/SIGTERM/SIGHUP/
-SIGUSR1. What the server cannot serve exactly like a fresh interpreter runs in one: interpreter options other
-than -m, -c and - (or a script), and an environment that differs from the server's (the libraries read theirs
-at import), as well as any command when no server is up. Either way `python` is the interpreter running the
-tests.
+The blocks reach it through `python` (and `python3`) shims first on their PATH: a tiny stdlib-only client
+(this file, run with `python -S -E`) sends its arguments, working directory and environment to the server
+and hands over its stdin, stdout and stderr (SCM_RIGHTS), so the child reads and writes what a fresh
+`python` would; the client exits with the child's status (or dies of its signal). Each child is a process
+in a session of its own, killed when its client dies (a block's timeout) and sent the SIGINT/SIGTERM/SIGHUP/
+SIGUSR1 the client gets. A fresh interpreter runs what the server cannot serve exactly: options other than
+-m, -c, - or a script, an environment other than the server's (libraries read theirs at import), and any
+command when no server is up. Either way `python` is the interpreter running the tests.
 """
 
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import os
 import shutil
@@ -115,7 +114,8 @@ def client(real_python: str, args: list[str]) -> int:
     while not reply.endswith(b"\n"):
         chunk = conn.recv(64)
         if not chunk:
-            return 1 if not reply else 0  # the server went away mid-command
+            print("zygote: the fork server died while running this command", file=sys.stderr)
+            return 1
         reply += chunk
     kind, _, value = reply.decode().strip().partition(" ")
     if kind == "fallback":  # the server would not run it exactly like a fresh interpreter
@@ -236,10 +236,8 @@ def serve(path: str, *warm: str) -> None:
                     _, status = os.waitpid(pid, 0)
                     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
                     reply = f"signal {sig}\n" if sig else f"exit {os.WEXITSTATUS(status)}\n"
-                    try:
+                    with contextlib.suppress(OSError):  # a killed client: nobody to tell
                         conn.sendall(reply.encode())
-                    except OSError:
-                        pass  # the client is gone (killed): nobody to tell
                     conn.close()
     finally:
         for pid in running:
@@ -323,10 +321,8 @@ def _from_client(pid: int, running: dict) -> None:
 
 
 def _kill_group(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _child(request: dict) -> int:
