@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.docs.harness import doc_env
+from tests.docs.harness import doc_env, run_page
 from tests.docs.zygote import ENV_VAR, Zygote, parse_args
 
 MARK = "xml.dom.minidom"  # preloaded by the server: in sys.modules only in a served command
@@ -140,3 +140,20 @@ def _state(pid: int) -> str:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_a_page_served_by_it_still_fails_at_its_failing_block(zygote, tmp_path):
+    # The wiring test_docs.py uses: python blocks and bash's `python` through the server's shims.
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nimport sys\n" + SERVED + "\n```\n\n"
+        "```bash\npython -c 'import sys; sys.exit(4)'\necho never\n```\n\n"
+        "```python\nprint('not reached')\n```\n"
+    )
+    result = run_page(page, tmp_path / "work", zygote.env, 60, python=zygote.python)
+    assert [r.returncode for r in result.results] == [0, 4]
+    assert result.results[0].output == "served\n" and "never" not in result.results[1].output
+    hung = tmp_path / "hung.md"
+    hung.write_text("```bash\npython -c 'import time; time.sleep(60)'\n```\n")
+    result = run_page(hung, tmp_path / "work2", zygote.env, 2, python=zygote.python)
+    assert result.failed is not None and result.failed.timed_out
