@@ -5,7 +5,8 @@ The convention (docs/contributing.md explains it to authors):
 - A fenced ```bash or ```python block runs on CPU. The blocks of one page run in order, in one temporary
   directory that holds a copy of the repository's recipes/ as ./recipes, so a later block may use what an
   earlier one wrote. bash blocks run with `bash -euo pipefail`; python blocks with the interpreter running
-  the tests. A bash block whose lines start with `$ ` is a transcript: only those lines run (without the
+  the tests (test_docs.py serves it, and `python` in a bash block, from a fork server that has imported
+  torch, transformers and lorakit once: see zygote.py). A bash block whose lines start with `$ ` is a transcript: only those lines run (without the
   `$ `), the others are the output they print and are not checked. Comment lines are ordinary bash
   comments.
 - `<!-- doc-test: skip REASON -->` on the line immediately before the fence: the block is not run. The
@@ -382,14 +383,22 @@ def prepare_workdir(workdir: Path, root: Path = ROOT) -> None:
         shutil.copytree(root / "recipes", workdir / "recipes", dirs_exist_ok=True)
 
 
-def run_block(block: Block, workdir: Path, scripts: Path, env: dict[str, str], timeout: float) -> BlockResult:
-    """Run one block in `workdir`; the script file is kept in `scripts` (outside the page's directory)."""
+def run_block(
+    block: Block,
+    workdir: Path,
+    scripts: Path,
+    env: dict[str, str],
+    timeout: float,
+    python: str = sys.executable,
+) -> BlockResult:
+    """Run one block in `workdir` (a python block with `python`); the script file is kept in `scripts`
+    (outside the page's directory)."""
     scripts.mkdir(parents=True, exist_ok=True)
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{block.page.name}-L{block.line}")
     if block.lang == "python":
         script = scripts / f"{stem}.py"
         script.write_text(block.code, encoding="utf-8")
-        cmd = [sys.executable, str(script)]
+        cmd = [python, str(script)]
     else:
         script = scripts / f"{stem}.sh"
         lines = block.code.splitlines()
@@ -427,6 +436,7 @@ def run_page(
     env: dict[str, str],
     timeout: float = DEFAULT_TIMEOUT_S,
     root: Path = ROOT,
+    python: str = sys.executable,
 ) -> PageResult:
     """Check a page's markers and covered-by claims, then run its blocks in order in `workdir`, stopping at
     the first that fails (later blocks may need what it should have written)."""
@@ -449,7 +459,7 @@ def run_page(
     for block in blocks:
         if not block.runs:
             continue
-        outcome = run_block(block, workdir, scripts, env, timeout)
+        outcome = run_block(block, workdir, scripts, env, timeout, python)
         result.results.append(outcome)
         if outcome.returncode != 0:
             break

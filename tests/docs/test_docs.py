@@ -3,9 +3,11 @@ a reason, or covered by a named test that runs it). One test per page; the conve
 docs/contributing.md.
 
 Pages run two at a time (LORAKIT_DOC_TEST_JOBS; each process gets one OpenMP thread), in the background
-from the first page test on, so the whole set takes about as long as its longest half; pytest's durations
-charge the waiting to whichever page test comes first. A block may take LORAKIT_DOC_TEST_TIMEOUT seconds
-(default 300) before it counts as failed. All pages together share a budget of about 3 minutes on two
+from the first page test on, so the whole set takes about as long as its longest half. Every `python` of a
+block is a child forked from one interpreter that imported torch, transformers and lorakit once (zygote.py:
+about 8 s of imports saved per command, ~65 commands), or a fresh interpreter where a command changes its
+environment or passes interpreter options. pytest's durations charge the waiting to whichever page test
+comes first. A block may take LORAKIT_DOC_TEST_TIMEOUT seconds (default 300) before it counts as failed. All pages together share a budget of about 3 minutes on two
 cores (`-s` prints each block's time): keep CPU examples to a few steps of a tiny model.
 """
 
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.docs.harness import DEFAULT_TIMEOUT_S, PageResult, discover_pages, doc_env, rel, run_page, weight
+from tests.docs.zygote import Zygote
 
 PAGES = discover_pages()
 
@@ -28,18 +31,25 @@ class PageRunner:
     def __init__(self, pages: list[Path], base: Path, jobs: int, timeout: float):
         home = base / "home"
         home.mkdir(parents=True, exist_ok=True)
-        self.env = doc_env(home)
+        self.zygote = Zygote(doc_env(home), base, log=base / "zygote.log")
+        self.env = self.zygote.env
         self.pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="doc-test")
         self.futures: dict[Path, Future[PageResult]] = {}
         for page in sorted(pages, key=weight, reverse=True):
             workdir = base / "pages" / page.stem
-            self.futures[page] = self.pool.submit(run_page, page, workdir, self.env, timeout)
+            self.futures[page] = self.pool.submit(self._run, page, workdir, timeout)
+
+    def _run(self, page: Path, workdir: Path, timeout: float) -> PageResult:
+        # Until the server has imported everything (~10 s) a command would pay the imports itself, beside it.
+        self.zygote.wait_ready(timeout=120)
+        return run_page(page, workdir, self.env, timeout, python=self.zygote.python)
 
     def result(self, page: Path) -> PageResult:
         return self.futures[page].result()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.zygote.close()
 
 
 @pytest.fixture(scope="session")

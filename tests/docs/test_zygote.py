@@ -1,0 +1,159 @@
+"""The doc-test fork server: a `python` command served by a forked child behaves like a fresh interpreter
+(arguments, stdin, output, exit codes, errors), what it cannot serve exactly runs in a fresh one, and a
+killed command (a block's timeout) takes its child with it. The server here preloads one small stdlib module,
+so whether a command was served shows in `sys.modules`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.docs.harness import doc_env, run_page
+from tests.docs.zygote import ENV_VAR, Zygote, parse_args
+
+MARK = "xml.dom.minidom"  # preloaded by the server: in sys.modules only in a served command
+SERVED = f"import sys; print('served' if {MARK!r} in sys.modules else 'fresh')"
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    base = tmp_path_factory.mktemp("zygote")
+    (base / "home").mkdir()
+    z = Zygote(doc_env(base / "home"), base, log=base / "zygote.log", warm=(MARK,))
+    assert z.wait_ready(timeout=60), (base / "zygote.log").read_text()
+    yield z
+    z.close()
+
+
+def bash(zygote, script: str, cwd, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=cwd,
+        env=env or zygote.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_parse_args_serves_only_plain_command_lines():
+    assert parse_args(["-m", "lorakit.run", "r.yaml"]) == ("module", "lorakit.run")
+    assert parse_args(["-c", "print(1)", "x"]) == ("code", "print(1)")
+    assert parse_args(["-", "x"]) == ("stdin", "-")
+    assert parse_args(["script.py", "-m"]) == ("path", "script.py")
+    assert parse_args([]) is None and parse_args(["-u", "x.py"]) is None and parse_args(["-m"]) is None
+
+
+def test_served_commands_behave_like_a_fresh_interpreter(zygote, tmp_path):
+    (tmp_path / "s.py").write_text(SERVED + "\nprint(__name__, sys.argv, sys.path[0])\n")
+    (tmp_path / "mod.py").write_text(SERVED + "\nprint(__name__, sys.argv[1:], sys.path[0])\n")
+    script = "\n".join(
+        [
+            f'python -c "{SERVED}; print(sys.argv, repr(sys.path[0]))" a b',
+            "python s.py q",
+            "python -m mod r",
+            "python - x <<'EOF'",
+            SERVED + "; import os; print(sys.argv, sys.stdin.read() == '', os.getcwd())",
+            "EOF",
+            "python -c \"import sys; print('to stderr', file=sys.stderr)\"",
+            'echo \'{"a": 1}\' | python -c "import json, sys; print(json.load(sys.stdin))"',
+            "cd .. && python -c 'import os; print(os.environ[\"PWD\"] == os.getcwd())'",
+        ]
+    )
+    done = bash(zygote, script, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "served",
+        "['-c', 'a', 'b'] ''",
+        "served",
+        f"__main__ ['s.py', 'q'] {tmp_path}",
+        "served",
+        f"__main__ ['r'] {tmp_path}",
+        "served",
+        f"['-', 'x'] True {tmp_path}",
+        "{'a': 1}",
+        "True",  # bash's own variables are the command's
+    ]
+    assert done.stderr == "to stderr\n"
+
+
+def test_failures_keep_their_exit_status(zygote, tmp_path):
+    assert bash(zygote, "python -c 'import sys; sys.exit(3)'", tmp_path).returncode == 3
+    assert bash(zygote, "python -c 'import sys; sys.exit(\"bad input\")'", tmp_path).stderr == "bad input\n"
+    raised = bash(zygote, "python -c 'raise ValueError(\"boom\")'", tmp_path)
+    assert raised.returncode == 1 and "ValueError: boom" in raised.stderr and "Traceback" in raised.stderr
+    killed = bash(
+        zygote, "python -c 'import os, signal; os.kill(os.getpid(), signal.SIGTERM)'; echo no", tmp_path
+    )
+    assert killed.returncode == 128 + signal.SIGTERM and "no" not in killed.stdout
+    # Interpreter exit: non-daemon threads are waited for, then atexit handlers run.
+    ended = bash(
+        zygote,
+        'python -c \'import atexit, threading, time; atexit.register(print, "atexit"); '
+        'threading.Thread(target=lambda: (time.sleep(0.5), print("thread"))).start()\'',
+        tmp_path,
+    )
+    assert ended.stdout.splitlines() == ["thread", "atexit"]
+
+
+def test_what_it_cannot_serve_runs_in_a_fresh_interpreter(zygote, tmp_path):
+    changed = bash(zygote, f'FOO=1 python -c "{SERVED}"; python -u -c "{SERVED}"', tmp_path)
+    assert changed.stdout.split() == ["fresh", "fresh"]
+    down = bash(
+        zygote, f'python -c "{SERVED}"', tmp_path, env={**zygote.env, ENV_VAR: str(tmp_path / "none")}
+    )
+    assert down.returncode == 0 and down.stdout.split() == ["fresh"]
+
+
+def test_a_killed_command_takes_its_child_with_it(zygote, tmp_path):
+    proc = subprocess.Popen(
+        [
+            "bash",
+            "-c",
+            'python -c \'import os, time; open("pid", "w").write(str(os.getpid())); time.sleep(60)\'',
+        ],
+        cwd=tmp_path,
+        env=zygote.env,
+        start_new_session=True,
+    )
+    pid_file = tmp_path / "pid"
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    assert child != proc.pid
+    os.killpg(proc.pid, signal.SIGKILL)  # what the harness does at a block's timeout
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and _state(child) != "Z":
+        assert time.monotonic() < deadline, "the served command outlived its killed client"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_a_page_served_by_it_still_fails_at_its_failing_block(zygote, tmp_path):
+    # The wiring test_docs.py uses: python blocks and bash's `python` through the server's shims.
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nimport sys\n" + SERVED + "\n```\n\n"
+        "```bash\npython -c 'import sys; sys.exit(4)'\necho never\n```\n\n"
+        "```python\nprint('not reached')\n```\n"
+    )
+    result = run_page(page, tmp_path / "work", zygote.env, 60, python=zygote.python)
+    assert [r.returncode for r in result.results] == [0, 4]
+    assert result.results[0].output == "served\n" and "never" not in result.results[1].output
+    hung = tmp_path / "hung.md"
+    hung.write_text("```bash\npython -c 'import time; time.sleep(60)'\n```\n")
+    result = run_page(hung, tmp_path / "work2", zygote.env, 2, python=zygote.python)
+    assert result.failed is not None and result.failed.timed_out

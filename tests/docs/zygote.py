@@ -1,0 +1,399 @@
+"""A fork server for the doc-test blocks: one interpreter imports torch, transformers, lorakit and the rest
+once, then forks a child per `python ...` command of a block, so the ~8 s of imports is paid once per
+session instead of by each of the ~65 commands in the documentation.
+
+The blocks reach it through `python` (and `python3`) shims first on their PATH: a tiny stdlib-only client
+(this file, run with `python -S -E`) sends its arguments, working directory and environment to the server
+and hands over its stdin, stdout and stderr (SCM_RIGHTS), so the child reads and writes what a fresh
+`python` would; the client exits with the child's status (or dies of its signal). Each child is a process
+in a session of its own, killed when its client dies (a block's timeout) and sent the SIGINT/SIGTERM/SIGHUP/
+SIGUSR1 the client gets. A fresh interpreter runs what the server cannot serve exactly: options other than
+-m, -c, - or a script, an environment other than the server's (libraries read theirs at import), and any
+command when no server is up. Either way `python` is the interpreter running the tests.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SERVE = "import sys; from tests.docs.zygote import serve; serve(*sys.argv[1:])"
+ENV_VAR = "LORAKIT_DOC_ZYGOTE"  # the server's socket path; the shims read it
+# What bash itself sets or changes in the environment of the commands it runs.
+SHELL_VARS = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+# Imported once by the server: what the lorakit commands and the pages' python blocks load at start.
+WARM = (
+    "torch",
+    "numpy",
+    "pyarrow",
+    "datasets",
+    "transformers",
+    "peft",
+    "accelerate",
+    "deepspeed",
+    "safetensors.torch",
+    "matplotlib.pyplot",
+    "torch.utils.tensorboard",
+    "transformers.models.t5.modeling_t5",
+    "transformers.models.llama.modeling_llama",
+    "lorakit.api",
+    "lorakit.run",
+    "lorakit.prepare",
+    "lorakit.merge",
+    "lorakit.generate",
+    "lorakit.evaluate",
+    "lorakit.compare",
+    "lorakit.plan",
+    "lorakit.backends.deepspeed",
+    "lorakit.data.pipeline",
+    "lorakit.data.prepared",
+    "lorakit.data.balanced",
+    "lorakit.data.causal",
+    "lorakit.data.chat",
+    "lorakit.data.multipack_seq2seq",
+    "lorakit.engine.session",
+    "lorakit.engine.job",
+    "lorakit.engine.save",
+    "lorakit.evaluation.runner",
+    "lorakit.model.build",
+    "lorakit.model.adapter",
+    "lorakit.model.quantize",
+    "lorakit.observe.tensorboard_sink",
+    "lorakit.planner.run_plan",
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# client (stdlib only: it runs with -S -E)
+
+
+def parse_args(args: list[str]) -> tuple[str, str] | None:
+    """(mode, target) of a `python` command line the server can run: ("module", name), ("code", text),
+    ("stdin", "-") or ("path", script); None for anything else (interpreter options, no argument)."""
+    if not args:
+        return None
+    first = args[0]
+    if first in ("-m", "-c"):
+        return (("module" if first == "-m" else "code"), args[1]) if len(args) > 1 else None
+    if first == "-":
+        return ("stdin", "-")
+    if first.startswith("-"):
+        return None
+    return ("path", first)
+
+
+def client(real_python: str, args: list[str]) -> int:
+    """Run `python ARGS` in a child of the server, or exec a fresh interpreter when that is not possible."""
+    path = os.environ.get(ENV_VAR)
+    conn = None
+    if path and parse_args(args) is not None:
+        try:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(path)
+        except OSError:
+            conn = None
+    if conn is None:
+        os.execv(real_python, [real_python, *args])
+    request = json.dumps({"args": args, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+    fds = array.array("i", [0, 1, 2])
+    conn.sendmsg([len(request).to_bytes(8, "big") + request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+    for sig in FORWARDED:
+        signal.signal(sig, lambda n, _f: conn.sendall(f"sig {n}\n".encode()))
+    reply = b""
+    while not reply.endswith(b"\n"):
+        chunk = conn.recv(64)
+        if not chunk:
+            print("zygote: the fork server died while running this command", file=sys.stderr)
+            return 1
+        reply += chunk
+    kind, _, value = reply.decode().strip().partition(" ")
+    if kind == "fallback":  # the server would not run it exactly like a fresh interpreter
+        os.execv(real_python, [real_python, *args])
+    if kind == "signal":
+        signal.signal(int(value), signal.SIG_DFL)
+        os.kill(os.getpid(), int(value))
+        return 128 + int(value)
+    return int(value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the harness's side
+
+
+class Zygote:
+    """A running server and the environment that sends the blocks' `python` to it."""
+
+    def __init__(self, env: dict[str, str], base: Path, log: Path, warm: tuple[str, ...] = WARM):
+        """Start the server (importing `warm`) with `env` plus the shims first on PATH: the environment the
+        blocks get, `self.env`."""
+        self._dir = Path(tempfile.mkdtemp(prefix="lorakit-zygote-"))  # short: a socket path has 107 bytes
+        self.socket = self._dir / "socket"
+        shims = base / "bin"
+        shims.mkdir(parents=True, exist_ok=True)
+        for name in ("python", "python3"):
+            shim = shims / name
+            shim.write_text(
+                f'#!/bin/sh\nexec "{sys.executable}" -S -E "{Path(__file__).resolve()}" "{sys.executable}" "$@"\n'
+            )
+            shim.chmod(0o755)
+        self.python = str(shims / "python")
+        self.env = {**env, ENV_VAR: str(self.socket), "PATH": os.pathsep.join([str(shims), env["PATH"]])}
+        with open(log, "w") as out:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", SERVE, str(self.socket), *warm],
+                env=self.env,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=base,
+            )
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether the server listens (within `timeout` s); until then, and if it died, `python` starts fresh."""
+        deadline = time.monotonic() + timeout
+        while not self.socket.exists():
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
+    def close(self) -> None:
+        """Stop the server (closing its stdin ends it; running children are killed) and remove its socket."""
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# server
+
+
+def serve(path: str, *warm: str) -> None:
+    """Import `warm`, then serve requests on the Unix socket `path` until stdin closes (the harness is done)."""
+    import importlib
+    import selectors
+
+    # What a command's environment must equal, taken before the imports set variables of their own (as
+    # they would again in a fresh interpreter, so the children keep them).
+    startup_env = dict(os.environ)
+    for name in warm:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # not installed here: a command that needs it pays the import itself
+            print(f"zygote: not preloaded {name}: {e}", file=sys.stderr)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    listener.listen(16)
+    os.rename(path + ".tmp", path)  # clients connect only once it listens
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, "accept")
+    sel.register(sys.stdin, selectors.EVENT_READ, "stdin")
+    running: dict[int, tuple[socket.socket, int]] = {}  # child pid -> (its client's connection, pidfd)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        while True:
+            for key, _ in sel.select():
+                what = key.data
+                if what == "stdin":
+                    return
+                if what == "accept":
+                    conn, _ = listener.accept()
+                    try:
+                        pid = _start(conn, listener, startup_env, running)
+                    except (OSError, ValueError):  # a client that died while sending: nothing to run
+                        conn.close()
+                        continue
+                    if pid is not None:
+                        pidfd = os.pidfd_open(pid)
+                        running[pid] = (conn, pidfd)
+                        sel.register(conn, selectors.EVENT_READ, ("client", pid))
+                        sel.register(pidfd, selectors.EVENT_READ, ("child", pid))
+                elif what[0] == "client":
+                    _from_client(what[1], running)
+                else:
+                    pid = what[1]
+                    conn, pidfd = running.pop(pid)
+                    sel.unregister(conn)
+                    sel.unregister(pidfd)
+                    os.close(pidfd)
+                    _, status = os.waitpid(pid, 0)
+                    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+                    reply = f"signal {sig}\n" if sig else f"exit {os.WEXITSTATUS(status)}\n"
+                    with contextlib.suppress(OSError):  # a killed client: nobody to tell
+                        conn.sendall(reply.encode())
+                    conn.close()
+    finally:
+        for pid in running:
+            _kill_group(pid, signal.SIGKILL)
+        os.unlink(path)
+
+
+def _start(conn, listener, startup_env: dict, running: dict) -> int | None:
+    """Receive a request and fork its child; None when the client was told to run a fresh interpreter."""
+    header, fds = _recv_fds(conn, 8)
+    size = int.from_bytes(header, "big") if len(header) == 8 else 0
+    body = b""
+    while len(body) < size:
+        chunk = conn.recv(size - len(body))
+        if not chunk:
+            break
+        body += chunk
+    if len(fds) != 3 or len(body) != size:
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return None
+    request = json.loads(body)
+    env = {k: v for k, v in request["env"].items() if k not in SHELL_VARS}
+    same_env = env == {k: v for k, v in startup_env.items() if k not in SHELL_VARS}
+    if not same_env or parse_args(request["args"]) is None:
+        print("zygote: fresh interpreter for", request["args"][:3], "" if same_env else "(other environment)")
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(b"fallback\n")
+        conn.close()
+        return None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            listener.close()
+            conn.close()
+            for other, pidfd in running.values():
+                other.close()
+                os.close(pidfd)
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+                os.close(fd)
+            code = _child(request)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        os._exit(code)
+    for fd in fds:
+        os.close(fd)  # the child has them: a pipe must close when the child and the client are done
+    return pid
+
+
+def _recv_fds(conn, size: int) -> tuple[bytes, list[int]]:
+    fds = array.array("i")
+    data, ancdata, _, _ = conn.recvmsg(size, socket.CMSG_SPACE(3 * fds.itemsize))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds)
+
+
+def _from_client(pid: int, running: dict) -> None:
+    """A forwarded signal, or EOF: the client died (a block's timeout), so its command dies with it."""
+    conn, _ = running[pid]
+    try:
+        data = conn.recv(256)
+    except OSError:
+        data = b""
+    if not data:
+        _kill_group(pid, signal.SIGKILL)
+        return
+    for line in data.decode().splitlines():
+        if line.startswith("sig "):
+            _kill_group(pid, int(line.split()[1]))
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
+
+
+def _child(request: dict) -> int:
+    """Run the command in this forked child as `python ARGS` would, and return its exit code."""
+    import atexit
+    import runpy
+    import threading
+    import types
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.chdir(request["cwd"])
+    for name in SHELL_VARS:  # the rest equals the server's (before its imports)
+        if name in request["env"]:
+            os.environ[name] = request["env"][name]
+        else:
+            os.environ.pop(name, None)
+    args = request["args"]
+    mode, target = parse_args(args)
+    for name in [m for m in sys.modules if m == "tests" or m.startswith("tests.")]:
+        del sys.modules[name]  # the server's own modules: a fresh interpreter has not imported them
+    code, interrupted = 0, False
+    try:
+        if mode == "module":
+            sys.argv = [args[0], *args[2:]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        elif mode == "path":
+            sys.argv = list(args)
+            sys.path[0] = os.path.dirname(os.path.realpath(target))
+            runpy.run_path(target, run_name="__main__")
+        else:
+            sys.argv = ["-c", *args[2:]] if mode == "code" else list(args)
+            sys.path[0] = ""
+            source = target if mode == "code" else sys.stdin.read()
+            main = types.ModuleType("__main__")
+            main.__dict__["__builtins__"] = __builtins__
+            sys.modules["__main__"] = main
+            exec(compile(source, "<string>" if mode == "code" else "<stdin>", "exec"), main.__dict__)
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        interrupted = True
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # as at interpreter exit: wait for the command's non-daemon threads
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if interrupted:  # as the interpreter does: die of SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
+
+
+def _exit_code(code) -> int:
+    """The exit status SystemExit(code) gives, as the interpreter computes it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    # The shim: python -S -E zygote.py REAL_PYTHON ARGS...
+    sys.exit(client(sys.argv[1], sys.argv[2:]))
