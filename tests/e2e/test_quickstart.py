@@ -191,25 +191,20 @@ def test_adapter_loads_with_peft_and_reproduces_the_trained_model(quickstart):
 
 
 @pytest.mark.slow
-def test_second_run_reuses_the_tokenized_cache(quickstart, tmp_path, capsys):
-    import lorakit
-
+def test_second_run_reuses_the_tokenized_cache(quickstart, tmp_path):
     _, cache, run_dir = quickstart
     entries = sorted((cache / "datasets").iterdir())
-    # From Python in this process (README's lorakit.train): the cache is what is tested, not the command line.
-    recipe = lorakit.load_recipe(
+    proc = run_cli(
+        "lorakit.run",
         RECIPES / "quickstart.yaml",
-        [
-            f"data.cache_dir={cache}",
-            f"output.dir={tmp_path / 'again'}",
-            "distributed.num_processes=1",  # the cache is shared by any number of processes; one starts faster
-            "train.max_steps=1",
-            "eval.generate=false",
-        ],
+        f"data.cache_dir={cache}",
+        f"output.dir={tmp_path / 'again'}",
+        "distributed.num_processes=1",  # the cache is shared by any number of processes; one starts faster
+        "train.max_steps=1",
+        "eval.generate=false",
     )
-    lorakit.train(recipe)
-    stdout = capsys.readouterr().out
-    assert "reused cached" in stdout and "tokenized and cached" not in stdout
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "reused cached" in proc.stdout and "tokenized and cached" not in proc.stdout
     assert sorted((cache / "datasets").iterdir()) == entries
     assert (
         rundir.read_summary(tmp_path / "again")["data"]["cache_dir"]
