@@ -27,6 +27,9 @@ PRELOAD = [
     "transformers.trainer_seq2seq",
     "lorakit.engine.loop",
     "lorakit.backends.deepspeed",
+    "torch.utils.tensorboard",  # a run's tracker
+    "matplotlib.figure",  # a run's loss.png
+    "matplotlib.backends.backend_agg",
 ]
 
 
