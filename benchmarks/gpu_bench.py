@@ -268,7 +268,8 @@ def measure(bench) -> int:
     log_path.write_text("")
     # bf16 is what is measured; the CPU smoke run uses float32, since bf16 matmuls are emulated (slow) on CPUs.
     dtype = "float32" if smoke else "bfloat16"
-    runner = Runner(__file__, work / "ipc", log_path, args.budget_seconds or (math.inf if smoke else 540.0))
+    budget = args.budget_seconds or (math.inf if smoke else 540.0)
+    runner = Runner(__file__, work / "ipc", log_path, budget, forked=smoke)
     s = Session(bench, work, runner, dtype)
     small = SPEC["smoke_steps"] if smoke else {}
     workloads = {n: dict(WORKLOADS[n], **small) for n in args.workloads or WORKLOADS}

@@ -126,7 +126,7 @@ class Bench:
         if args.smoke and not args.output:  # never over a committed result: a directory that outlives the run
             default = Path(tempfile.mkdtemp(prefix=f"lorakit-{self.spec['benchmark']}-smoke-")) / "smoke.json"
         self.output = Path(args.output or ROOT / default).expanduser().resolve()
-        self.runner = Runner(module.__file__, self.tmp, self.tmp / "workers.log")
+        self.runner = Runner(module.__file__, self.tmp, self.tmp / "workers.log", forked=args.smoke)
 
     log = staticmethod(lambda msg: print(msg, flush=True))
 

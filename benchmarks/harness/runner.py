@@ -15,17 +15,81 @@ from pathlib import Path
 
 from benchmarks.harness.provenance import ROOT
 
+# What every worker imports (seconds of CPU each): a smoke run's workers are forked from a server that has
+# imported them once (Runner's `forked`).
+PRELOAD = [
+    "torch",
+    "transformers",
+    "datasets",
+    "peft",
+    "deepspeed",
+    "transformers.trainer",
+    "transformers.trainer_seq2seq",
+    "lorakit.engine.loop",
+    "lorakit.backends.deepspeed",
+    "torch.utils.tensorboard",  # a run's tracker
+    "matplotlib.figure",  # a run's loss.png
+    "matplotlib.backends.backend_agg",
+]
+
+
+def worker_env() -> dict[str, str]:
+    """The variables a worker runs under: this process's, tokenizers single-threaded, warnings off, the hub
+    offline (local models and data: a missing file fails at once), this checkout's harness and lorakit."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+    env.update({k: env.get(k, "1") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def forked_worker(script: str, argv: list[str], log_path: str) -> None:
+    """In a process forked from the server: what `python SCRIPT ARGV...` does, output to the log, in its own
+    session (killed as a group, as a started worker is)."""
+    import runpy
+
+    os.setsid()
+    os.chdir(ROOT)
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
+
+
+def cuda_available() -> bool:
+    """Whether a CUDA device is here: its workers are not forked (DeepSpeed's import, in the server, initialises
+    CUDA, which a forked process cannot use)."""
+    import torch
+
+    return torch.cuda.is_available()
+
 
 class Runner:
-    """Runs workers (`SCRIPT --worker KIND SPEC RESULT`) in fresh interpreters, one at a time, under one
+    """Runs workers (`SCRIPT --worker KIND SPEC RESULT`) in fresh processes, one at a time, under one
     time budget, appending their output to one log.
 
     Every run is its own process, so nothing (thread settings, DeepSpeed or transformers globals, allocator
-    state) leaks from one run into the next."""
+    state) leaks from one run into the next. A measured run starts a new interpreter; with `forked` (smoke
+    runs, which test the script and measure nothing) each run is forked from a server that imported `preload`
+    and nothing else (no tensor op ran, no thread started there), so the runs skip the imports' CPU seconds."""
 
-    def __init__(self, script: str | Path, tmp: Path, log_path: Path, budget: float = math.inf):
+    def __init__(
+        self,
+        script: str | Path,
+        tmp: Path,
+        log_path: Path,
+        budget: float = math.inf,
+        forked: bool = False,
+        preload: list[str] = PRELOAD,
+    ):
         self.script, self.tmp, self.log_path = Path(script).resolve(), tmp, log_path
         self.deadline = time.monotonic() + budget
+        self.forks = None
+        if forked and not cuda_available():
+            import multiprocessing
+
+            self.forks = multiprocessing.get_context("forkserver")
+            self.forks.set_forkserver_preload(preload)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -36,25 +100,14 @@ class Runner:
         spec_path, result_path = self.tmp / f"{name}.spec.json", self.tmp / f"{name}.result.json"
         spec_path.write_text(json.dumps(spec))
         result_path.unlink(missing_ok=True)
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
-        # Nothing here needs the hub (local models and data): offline, a missing file fails at once.
-        env.update({k: env.get(k, "1") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")})
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         timeout = None if math.isinf(self.remaining()) else max(self.remaining() - reserve, 1.0)
         load = os.getloadavg()[0]
-        cmd = [sys.executable, str(self.script), "--worker", kind, str(spec_path), str(result_path)]
+        argv = ["--worker", kind, str(spec_path), str(result_path)]
         with open(self.log_path, "a") as log:
             log.write(f"\n===== {name} ({kind}) {datetime.now(timezone.utc).isoformat(timespec='seconds')}\n")
             log.flush()
             offset, start = log.tell(), time.perf_counter()
-            own = {"stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}  # killed as a group
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, **own)
-            try:
-                code = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)  # its own session: the worker and anything it started
-                proc.wait()
-                code = None
+            code = self._fork(argv, timeout) if self.forks else self._start(argv, log, timeout)
         seconds = time.perf_counter() - start
         if code != 0 or not result_path.is_file():
             with open(self.log_path) as f:
@@ -63,6 +116,40 @@ class Runner:
             why = f"timed out after {timeout:.0f} s (budget)" if code is None else f"exit code {code}"
             raise RuntimeError(f"{name} run failed: {why}; last output:\n{tail}")
         return dict(json.loads(result_path.read_text()), process_seconds=seconds, load_avg_1min_before=load)
+
+    def _start(self, argv: list[str], log, timeout: float | None) -> int | None:
+        """`python SCRIPT ARGV` in a new interpreter: its exit code, None when it outlived `timeout`."""
+        own = {"stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}  # killed as a group
+        proc = subprocess.Popen([sys.executable, str(self.script), *argv], cwd=ROOT, env=worker_env(), **own)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # its own session: the worker and anything it started
+            proc.wait()
+            return None
+
+    def _fork(self, argv: list[str], timeout: float | None) -> int | None:
+        """forked_worker in a process forked from the server: its exit code, None when it outlived `timeout`."""
+        from multiprocessing import forkserver
+
+        saved = os.environ.copy()
+        os.environ.update(worker_env())  # what the server (started on first use) and its forks run under
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        proc = self.forks.Process(target=forked_worker, args=(str(self.script), argv, str(self.log_path)))
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            try:
+                os.killpg(proc.pid, 9)  # its own session (os.setsid): the worker and anything it started
+            except ProcessLookupError:  # not yet in its own session
+                proc.kill()
+            proc.join()
+            return None
+        return proc.exitcode
 
 
 def worker_main(workers: dict, argv: list[str]) -> int:
