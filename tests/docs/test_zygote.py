@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.docs.harness import doc_env, run_page
-from tests.docs.zygote import ENV_VAR, Zygote, parse_args
+from tests.docs.zygote import ENV_VAR, Zygote, _from_client, parse_args
 
 MARK = "xml.dom.minidom"  # preloaded by the server: in sys.modules only in a served command
 SERVED = f"import sys; print('served' if {MARK!r} in sys.modules else 'fresh')"
@@ -142,6 +142,13 @@ def _state(pid: int) -> str:
         return "gone"
 
 
+def test_an_event_of_a_command_already_reaped_is_ignored():
+    # The server handles a batch of events in order: a child's exit (reaped, removed from `running`) may come
+    # before its client's EOF in the same batch. That EOF stopped the server with a KeyError in the full
+    # suite, and every later command ran in a fresh interpreter.
+    _from_client(12345, running={})
+
+
 def test_a_page_served_by_it_still_fails_at_its_failing_block(zygote, tmp_path):
     # The wiring test_docs.py uses: python blocks and bash's `python` through the server's shims.
     page = tmp_path / "page.md"
@@ -157,3 +164,10 @@ def test_a_page_served_by_it_still_fails_at_its_failing_block(zygote, tmp_path):
     hung.write_text("```bash\npython -c 'import time; time.sleep(60)'\n```\n")
     result = run_page(hung, tmp_path / "work2", zygote.env, 2, python=zygote.python)
     assert result.failed is not None and result.failed.timed_out
+    # The killed command's exit and its client's EOF did not stop the server: the next command is served.
+    after = tmp_path / "after.md"
+    after.write_text("```python\n" + SERVED + "\n```\n")
+    assert (
+        run_page(after, tmp_path / "work3", zygote.env, 60, python=zygote.python).results[0].output
+        == "served\n"
+    )

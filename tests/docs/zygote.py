@@ -306,7 +306,11 @@ def _recv_fds(conn, size: int) -> tuple[bytes, list[int]]:
 
 
 def _from_client(pid: int, running: dict) -> None:
-    """A forwarded signal, or EOF: the client died (a block's timeout), so its command dies with it."""
+    """A forwarded signal, or EOF: the client died (a block's timeout), so its command dies with it. A
+    command already reaped is done: its exit and its client's EOF can come in one batch of events (seen
+    under the full suite's load, where the exit, handled first, had closed the connection)."""
+    if pid not in running:
+        return
     conn, _ = running[pid]
     try:
         data = conn.recv(256)
