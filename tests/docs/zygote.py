@@ -74,10 +74,7 @@ WARM = (
 )
 
 
-# ---------------------------------------------------------------------------------------------------------
-# client (stdlib only: it runs with -S -E)
-
-
+# The client's side (stdlib only: it runs with -S -E), then the harness's, then the server's.
 def parse_args(args: list[str]) -> tuple[str, str] | None:
     """(mode, target) of a `python` command line the server can run: ("module", name), ("code", text),
     ("stdin", "-") or ("path", script); None for anything else (interpreter options, no argument)."""
@@ -127,10 +124,6 @@ def client(real_python: str, args: list[str]) -> int:
     return int(value)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# the harness's side
-
-
 class Zygote:
     """A running server and the environment that sends the blocks' `python` to it."""
 
@@ -178,10 +171,6 @@ class Zygote:
             self._proc.kill()
             self._proc.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# server
 
 
 def serve(path: str, *warm: str) -> None:
@@ -306,9 +295,8 @@ def _recv_fds(conn, size: int) -> tuple[bytes, list[int]]:
 
 
 def _from_client(pid: int, running: dict) -> None:
-    """A forwarded signal, or EOF: the client died (a block's timeout), so its command dies with it. A
-    command already reaped is done: its exit and its client's EOF can come in one batch of events (seen
-    under the full suite's load, where the exit, handled first, had closed the connection)."""
+    """A forwarded signal, or EOF: the client died (a block's timeout), so its command dies with it. A command
+    already reaped is done (its exit and its client's EOF can come in one batch of events, the exit first)."""
     if pid not in running:
         return
     conn, _ = running[pid]
