@@ -74,14 +74,14 @@ class Recipe(Section):
         d = self.distributed
         # At stage 0 in bf16 lorakit's own optimizer leaves the update out (backends/deepspeed_bf16.py); in
         # fp32 and fp16 DeepSpeed's stage 0 applies it before lorakit sees the gradient norm.
-        if self.train.on_nonfinite == "skip" and d.zero_stage == 0 and d.strategy == "deepspeed":
-            if self.model.dtype != "bfloat16":
-                raise ValueError(
-                    "train.on_nonfinite: skip needs distributed.zero_stage 1, 2 or 3, or model.dtype bfloat16: "
-                    "those optimizers leave out an update whose gradients are not finite, while stage 0 in "
-                    "float32 or float16 applies it before lorakit sees the gradient norm; use a ZeRO stage, "
-                    "bfloat16 or on_nonfinite: error"
-                )
+        stage0_applies = d.strategy == "deepspeed" and d.zero_stage == 0 and self.model.dtype != "bfloat16"
+        if self.train.on_nonfinite == "skip" and stage0_applies:
+            raise ValueError(
+                "train.on_nonfinite: skip needs distributed.zero_stage 1, 2 or 3, or model.dtype bfloat16: "
+                "those optimizers leave out an update whose gradients are not finite, while stage 0 in "
+                "float32 or float16 applies it before lorakit sees the gradient norm; use a ZeRO stage, "
+                "bfloat16 or on_nonfinite: error"
+            )
         if self.eval.enabled and self.eval.generate and not self.eval.metrics:
             raise ValueError(
                 "eval.metrics is empty while eval.generate is true: name a metric or set generate: false"

@@ -6,9 +6,9 @@ The convention (docs/contributing.md explains it to authors):
   directory that holds a copy of the repository's recipes/ as ./recipes, so a later block may use what an
   earlier one wrote. bash blocks run with `bash -euo pipefail`; python blocks with the interpreter running
   the tests (test_docs.py serves it, and `python` in a bash block, from a fork server that has imported
-  torch, transformers and lorakit once: see zygote.py). A bash block whose lines start with `$ ` is a transcript: only those lines run (without the
-  `$ `), the others are the output they print and are not checked. Comment lines are ordinary bash
-  comments.
+  torch, transformers and lorakit once: see zygote.py). A bash block whose lines start with `$ ` is a
+  transcript: only those lines run (without the `$ `), the others are the output they print and are not
+  checked. Comment lines are ordinary bash comments.
 - `<!-- doc-test: skip REASON -->` on the line immediately before the fence: the block is not run. The
   reason is required ("needs 8 GPUs and the hub", "multi-node").
 - `<!-- doc-test: covered-by TARGET -->`: the block is not run here because TARGET already runs it, and the

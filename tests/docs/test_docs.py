@@ -7,8 +7,9 @@ from the first page test on, so the whole set takes about as long as its longest
 block is a child forked from one interpreter that imported torch, transformers and lorakit once (zygote.py:
 about 8 s of imports saved per command, ~65 commands), or a fresh interpreter where a command changes its
 environment or passes interpreter options. pytest's durations charge the waiting to whichever page test
-comes first. A block may take LORAKIT_DOC_TEST_TIMEOUT seconds (default 300) before it counts as failed. All pages together share a budget of about 3 minutes on two
-cores (`-s` prints each block's time): keep CPU examples to a few steps of a tiny model.
+comes first. A block may take LORAKIT_DOC_TEST_TIMEOUT seconds (default 300) before it counts as failed.
+All pages together share a budget of about 3 minutes on two cores (`-s` prints each block's time): keep CPU
+examples to a few steps of a tiny model.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
     python -m torch.distributed.run --nproc_per_node=2 -m tests.integration.plan_worker OUT RECIPE.yaml ...
 
-Launched by test_plan_measured.py (FSDP2 recipes go to plan_fsdp_worker.py's measure, in the same launch). For each recipe: the model is built as lorakit.engine.job.run_job
-builds it (build_ds_config, build_model, deepspeed.initialize, make_batching), then two optimizer steps
+Launched by test_plan_measured.py (FSDP2 recipes go to plan_fsdp_worker.py's measure, in the same launch).
+For each recipe: the model is built as lorakit.engine.job.run_job builds it (build_ds_config, build_model,
+deepspeed.initialize, make_batching), then two optimizer steps
 run on the micro-batch with the most token slots, inside a TensorMemoryTracker (CPU has no allocator
 statistics). Written per rank: the tensor bytes alive after the second step (model states) and the peak
 during it, both above what was alive before the model was built, and rank 0 adds the plan.

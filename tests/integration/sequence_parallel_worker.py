@@ -245,9 +245,8 @@ def main(cache_dir: str, out: str, kinds: list[str], recipes: list[str] = ()) ->
 
             import lorakit
 
-            deepspeed.init_distributed(
-                dist_backend="gloo"
-            )  # DeepSpeed's view of this group, as lorakit joins it
+            # DeepSpeed's view of this group, as lorakit joins it.
+            deepspeed.init_distributed(dist_backend="gloo")
             for path in recipes:
                 lorakit.train(lorakit.load_recipe(path))
     finally:

@@ -52,14 +52,14 @@ def main(cache_dir: str, out: str) -> None:
         mine = {}
         for stage in (0, 2):
             engine = z._engine(z._recipe(Path(cache_dir), Path(out).parent / f"rank{rank}", stage=stage))
-            counter = z.CountSyncs()
+            counter = z.Syncs()
             losses = z._train(engine, range(STEPS), counter, rank=rank)
             state = engine.trainable_state()
             digest = hashlib.sha256(b"".join(state[n].float().numpy().tobytes() for n in sorted(state)))
             mine[stage] = {
                 "optimizer": type(engine.engine.optimizer).__name__,
                 "losses": losses,
-                "syncs_per_step": counter.count / STEPS,
+                "syncs_per_step": len(counter.ops) / STEPS,
                 "weights": digest.hexdigest(),
             }
             engine.close()

@@ -9,32 +9,13 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lorakit.backends.deepspeed import DeepSpeedBackend, DeepSpeedEngine
 from lorakit.engine.schedule import lambda_lr_factory
 from tests.conftest import tiny_recipe
+from tests.unit.test_host_syncs import Syncs
 
-# The operators that make a CUDA host wait for the device (a tensor's value read on the host).
-SYNCS = {
-    "aten._local_scalar_dense.default",
-    "aten.item.default",
-    "aten.nonzero.default",
-    "aten.is_nonzero.default",
-}
 STEPS = 4
-
-
-class CountSyncs(TorchDispatchMode):
-    """Counts the host-syncing operators run inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += str(func) in SYNCS
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(scope="module")
@@ -57,20 +38,12 @@ def _recipe(cache_dir, tmp_path, stage=0, lr=1e-2, **method):
 
 
 def _engine(recipe) -> DeepSpeedEngine:
-    from lorakit.model import build_model
+    from lorakit.model import build_model, load_config
 
     backend = DeepSpeedBackend(recipe)
-    config = backend.describe(_model_config(recipe))
+    config = backend.describe(load_config(recipe)[1])
     built = build_model(recipe, backend.load_config(config))
     return backend.wrap(built, config, lambda_lr_factory(2 * STEPS, 0.0, "linear"))
-
-
-def _model_config(recipe):
-    from transformers import AutoConfig
-
-    from lorakit.testing import resolve_model_source
-
-    return AutoConfig.from_pretrained(resolve_model_source(recipe.model.name_or_path, recipe.data.cache_dir))
 
 
 def _batch(step: int, vocab: int) -> dict[str, torch.Tensor]:
@@ -81,9 +54,7 @@ def _batch(step: int, vocab: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _train(
-    engine: DeepSpeedEngine, steps: range, counter: CountSyncs | None = None, rank: int = 0
-) -> list[float]:
+def _train(engine: DeepSpeedEngine, steps: range, counter: Syncs | None = None, rank: int = 0) -> list[float]:
     """One micro-batch per step (each rank its own); returns the losses. `counter` counts the host syncs of
     the steps."""
     vocab = engine.module.config.vocab_size
@@ -111,9 +82,9 @@ def test_an_optimizer_step_syncs_the_host_a_constant_number_of_times(group, cach
         engine = _engine(_recipe(cache_dir, tmp_path, target_modules=targets))
         tensors = sum(p.requires_grad for p in engine.module.parameters())
         _train(engine, range(1))
-        counter = CountSyncs()
+        counter = Syncs()
         _train(engine, range(1, 3), counter)
-        counts[tensors] = counter.count / 2
+        counts[tensors] = len(counter.ops) / 2
         engine.close()
     few, many = sorted(counts)
     assert many >= 4 * few
@@ -126,10 +97,10 @@ def test_full_fine_tuning_trains_in_bf16_with_the_same_few_syncs(group, cache_di
     engine = _engine(_recipe(cache_dir, tmp_path, lr=1e-3, kind="full"))
     # Every weight in bf16, T5's `wo` too (transformers loads it in fp32; DeepSpeed's bf16 mode casts it).
     assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
-    counter = CountSyncs()
+    counter = Syncs()
     losses = _train(engine, range(STEPS), counter)
     engine.close()
-    assert losses[-1] < losses[0] and counter.count <= 3 * STEPS, (losses, counter.count)
+    assert losses[-1] < losses[0] and len(counter.ops) <= 3 * STEPS, (losses, counter.ops)
 
 
 def _train_save_train(engine: DeepSpeedEngine, directory) -> list[float]:
@@ -169,9 +140,9 @@ def _unfused_engine(recipe) -> DeepSpeedEngine:
     """What ZeRO-0 bf16 runs were before this optimizer: DeepSpeed's own bf16 wrapper over torch's AdamW."""
     import deepspeed
 
-    from lorakit.model import build_model
+    from lorakit.model import build_model, load_config
 
-    config = DeepSpeedBackend(recipe).describe(_model_config(recipe))
+    config = DeepSpeedBackend(recipe).describe(load_config(recipe)[1])
     built = build_model(recipe, config)
     inner, *_ = deepspeed.initialize(
         model=built.model,
