@@ -28,6 +28,7 @@ from lorakit.recipe.alignment_section import KTO_STEP_METRICS, ORPO_METRICS
 from lorakit.recipe.dpo_section import DPO_METRICS
 from tests.conftest import ROOT, tiny_recipe_dict
 from tests.integration.qlora_worker import train_in_one_launch
+from tests.integration.test_resume import _adapter
 
 # Steps of the 2-process runs, evaluated halfway and at the end: the tiny Llama's shared-prompt rows hold
 # 6 micro-batches of pairs an epoch, the tiny T5's padded ones 10; both are above 90% held-out accuracy at
@@ -40,12 +41,6 @@ ALIGNMENT_DATA = {
 # Steps, evaluated and checkpointed halfway and at the end.
 ALIGNMENT_STEPS = {"orpo": 6, "kto": 8}
 ALIGNMENT_KEYS = {"orpo": (*ORPO_METRICS, "nll", "log_odds_ratio"), "kto": KTO_STEP_METRICS}
-
-
-def _adapter(run_dir) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 
 
 def _alignment_recipe(cache_dir, out, objective: str) -> dict:
@@ -212,8 +207,6 @@ def test_qlora_dpo_on_zero2_starts_at_its_reference_and_resumes_identically(cach
     """QLoRA (4-bit base) on ZeRO-2 with shared-prompt rows: the reference is the 4-bit base with the adapter
     off, so the first step's loss is ln 2; a run resumed from its step-2 checkpoint repeats the
     uninterrupted one and ends with the same adapter."""
-    from safetensors.torch import load_file
-
     recipe = _recipe(
         cache_dir,
         tmp_path / "run",
@@ -231,7 +224,7 @@ def test_qlora_dpo_on_zero2_starts_at_its_reference_and_resumes_identically(cach
     reference = [r for r in rundir.read_metrics(whole.run_dir) if r["kind"] == "train"]
     assert reference[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert reference[-1]["loss"] < reference[0]["loss"]
-    adapter = load_file(str(whole.run_dir / "adapter" / "adapter_model.safetensors"))
+    adapter = _adapter(whole.run_dir)
     found = complete_checkpoints(whole.run_dir)
     assert [c.step for c in found] == [2, 4]
     shutil.rmtree(found[-1].path)
@@ -242,7 +235,7 @@ def test_qlora_dpo_on_zero2_starts_at_its_reference_and_resumes_identically(cach
     assert [r[k] for r in again for k in keys] == pytest.approx(
         [r[k] for r in reference for k in keys], abs=1e-6
     )
-    again_adapter = load_file(str(resumed.run_dir / "adapter" / "adapter_model.safetensors"))
+    again_adapter = _adapter(resumed.run_dir)
     assert again_adapter.keys() == adapter.keys()
     assert all(torch.equal(again_adapter[k], adapter[k]) for k in adapter)
 
@@ -287,9 +280,8 @@ def test_orpo_and_kto_on_zero3_two_processes_learn_and_resume_identically(alignm
         assert train[0]["loss"] == pytest.approx(0.5, abs=1e-5) and train[0]["kl"] == 0.0
         assert 0 < evals[0]["margin"] < evals[-1]["margin"], evals
         assert 0.2 < evals[-1]["desirable_share"] < 0.8 and evals[-1]["rewards/undesirable"] < 0
-    assert f"{objective} " in " ".join(
-        whole["summary"]["method_options"]
-    )  # `orpo lambda=0.1`, `kto beta=0.1`
+    # `orpo lambda=0.1`, `kto beta=0.1`
+    assert f"{objective} " in " ".join(whole["summary"]["method_options"])
     adapter = whole["adapter"]
 
     # As if the run had stopped after its middle checkpoint: the run resumed from it repeats every later step.
