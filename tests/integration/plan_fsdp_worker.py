@@ -4,13 +4,22 @@
 
 Launched by test_plan_measured.py, as plan_worker.py for DeepSpeed. FSDP2 frees and refills its gathered
 parameters by resizing their storages, which lorakit.meter.TensorMemoryTracker (it sees operators' outputs)
-would miss, so the bytes come from the CPU allocator itself: torch.profiler's memory events carry the running
-total of what was allocated since the profile began. The profile spans building, sharding and two optimizer
-steps on the fullest micro-batch (as the job does: lorakit.backends' backend_for, load_config, build_model,
-wrap); per rank it records the peak within the second step, and the bytes of the tensors alive after it
-(model states, counted as plan_worker.py counts them: the storages Python sees).
+would miss, so the bytes come from the CPU allocator itself: torch.profiler's memory events, every allocation
+and free since the profile began. The profile spans building, sharding and two optimizer steps on the fullest
+micro-batch (as the job does: lorakit.backends' backend_for, load_config, build_model, wrap); per rank it
+records the peak within the second step, and the bytes of the tensors alive after it (model states, counted
+as plan_worker.py counts them: the storages Python sees).
+
+The bytes alive are summed from the events (allocated_series), not read from the profiler's running total:
+gloo copies a reduce-scatter's input inside the collective and may drop that copy on its own worker thread,
+which the profiler does not record, so the running total kept up to 1.4 MB of freed copies on some runs and
+not on others (18.47 to 19.98 MB for the same step). Those copies are the backend's (NCCL makes none, and a
+GPU's max_memory_allocated, which the plan models, does not see its buffers): allocations made inside a
+c10d collective are left out, and a block whose address is handed out again without a recorded free is
+counted as freed by then.
 """
 
+import bisect
 import gc
 import json
 import sys
@@ -18,15 +27,46 @@ from pathlib import Path
 
 
 def _memory_events(prof) -> tuple[list[tuple[float, int]], tuple[float, float]]:
-    """(time, total allocated) of every allocation and free, and the span of the "second step" marker."""
+    """(time, bytes alive) after every allocation and free (allocated_series), and the span of the "second
+    step" marker."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         prof.export_chrome_trace(f"{d}/trace.json")
         events = json.loads(Path(f"{d}/trace.json").read_text())["traceEvents"]
-    totals = [(e["ts"], e["args"]["Total Allocated"]) for e in events if e.get("name") == "[memory]"]
     step = next(e for e in events if e.get("name") == "second step" and "dur" in e)
-    return sorted(totals), (step["ts"], step["ts"] + step["dur"])
+    return allocated_series(events), (step["ts"], step["ts"] + step["dur"])
+
+
+def allocated_series(events: list[dict]) -> list[tuple[float, int]]:
+    """(time, bytes alive) after each memory event of a chrome trace, without the communication backend's
+    own copies (blocks allocated inside a c10d collective) and with a block counted freed once its address is
+    allocated again (its free happened on a thread the profiler does not record)."""
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("name", "").startswith("c10d::"):
+            spans.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    for v in spans.values():
+        v.sort()
+    starts = {tid: [s for s, _ in v] for tid, v in spans.items()}
+
+    def in_collective(tid, ts) -> bool:
+        i = bisect.bisect_right(starts.get(tid, []), ts) - 1
+        return i >= 0 and spans[tid][i][1] >= ts
+
+    alive: dict[int, int] = {}
+    total, series = 0, []
+    for e in sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"]):
+        addr, nbytes = e["args"]["Addr"], e["args"]["Bytes"]
+        if nbytes > 0:
+            total -= alive.pop(addr, 0)
+            alive[addr] = 0 if in_collective(e["tid"], e["ts"]) else nbytes
+            total += alive[addr]
+        else:
+            # A block allocated before the profile began counts as its free says, as the running total did.
+            total -= alive.pop(addr, -nbytes)
+        series.append((e["ts"], total))
+    return series
 
 
 def _tensor_bytes() -> int:
