@@ -4,6 +4,7 @@ start torchrun when the recipe asks for more processes than there are."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import os
 import socket
@@ -49,6 +50,8 @@ def process_group(backend: str = "auto", timeout_minutes: float | None = None) -
 
     backend = resolve_backend(backend)
     created = not dist.is_initialized()
+    if created:
+        _release_groups_before_python_exits()
     # DeepSpeed reads the launcher's variables (deepspeed.zero.Init indexes os.environ["LOCAL_RANK"]), so a
     # private group must provide them too; they are restored afterwards.
     saved = {k: os.environ.get(k) for k in _LAUNCH_VARS}
@@ -76,11 +79,51 @@ def process_group(backend: str = "auto", timeout_minutes: float | None = None) -
             import deepspeed.comm
 
             deepspeed.comm.destroy_process_group()
+            _free_destroyed_groups()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _release_groups_before_python_exits() -> None:
+    """Let every process group be freed, and its gloo threads stopped, while Python is still alive.
+
+    gloo's worker threads live as long as their group object and release each finished collective's tensors
+    themselves, taking the GIL; one that does so after the interpreter began finalizing aborts the process
+    ("terminate called without an active exception") after a successful job. What kept groups alive that
+    long: torch.distributed.nn.functional, which binds the default group as its functions' defaults when
+    first imported after the group exists (DeepSpeed's Ulysses and transformers' DeepSpeed integration import
+    it lazily), so it is imported before; engines holding their groups in reference cycles; and FSDP2's
+    device meshes, which DTensor's caches keep (see _free_destroyed_groups, run at teardown and at exit).
+    """
+    import atexit
+
+    import torch.distributed.nn.functional  # noqa: F401
+
+    atexit.unregister(_free_destroyed_groups)  # once however many groups this process makes
+    atexit.register(_free_destroyed_groups)
+
+
+def _free_destroyed_groups() -> None:
+    """Once torch.distributed has no group left, free what still holds a destroyed one: reference cycles
+    (an engine and its model's hooks), and the group registries of device meshes that DTensor's sharding
+    caches keep alive (a destroyed mesh cannot be used again, so nothing is lost)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    gc.collect()
+    meshes = sys.modules.get("torch.distributed.device_mesh")
+    if meshes is not None:
+        for obj in gc.get_objects():
+            # By the type's MRO, not isinstance: some objects' __instancecheck__ warns (torch's reduce_op).
+            if meshes.DeviceMesh in type(obj).__mro__:
+                registry = getattr(obj, "_pg_registry", None)
+                if isinstance(registry, dict):
+                    registry.clear()
+        gc.collect()
 
 
 def _init_deepspeed_distributed(backend: str, timeout_minutes: float | None = None) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+import time
+from unittest import mock
 
 import pytest
 
@@ -51,8 +53,13 @@ def test_tensorboard_resume_purges_what_the_interrupted_run_logged_after_its_che
     for step in range(1, 6):
         first.write({"kind": "train", "step": step, "loss": float(step)})
     first.close()
-    # Checkpoint at step 3; the killed run had logged 4 and 5, which the resumed run logs again.
-    resumed = TensorBoardSink(tmp_path, purge_step=4)
+    # Checkpoint at step 3; the killed run had logged 4 and 5, which the resumed run logs again. A resumed run
+    # is a later process: its event file's name carries a later second. Made within the same second, the
+    # names would order by the process's count of writers, as text ("...10" before "...9" on an xdist
+    # worker that made 9 writers before: TensorBoard then read the resumed run first).
+    later = time.time() + 2
+    with mock.patch("time.time", lambda: later):
+        resumed = TensorBoardSink(tmp_path, purge_step=4)
     for step in (4, 5, 6):
         resumed.write({"kind": "train", "step": step, "loss": 10.0 * step})
     resumed.close()
