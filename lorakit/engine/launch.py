@@ -66,12 +66,14 @@ def process_group(backend: str = "auto", timeout_minutes: float | None = None) -
                 "MASTER_PORT": str(free_port()),
             }
         )
+    succeeded = False
     try:
         if created:
             _init_deepspeed_distributed(backend, timeout_minutes)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         yield
+        succeeded = True
     finally:
         if created and dist.is_initialized():
             # DeepSpeed's teardown also drops the groups it cached, so a later job in this process
@@ -79,7 +81,8 @@ def process_group(backend: str = "auto", timeout_minutes: float | None = None) -
             import deepspeed.comm
 
             deepspeed.comm.destroy_process_group()
-            _free_destroyed_groups()
+            if succeeded:  # a failing job's error is printed first (lorakit.run then exits at once)
+                _free_destroyed_groups()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -102,8 +105,23 @@ def _release_groups_before_python_exits() -> None:
 
     import torch.distributed.nn.functional  # noqa: F401
 
-    atexit.unregister(_free_destroyed_groups)  # once however many groups this process makes
-    atexit.register(_free_destroyed_groups)
+    atexit.unregister(_before_python_exits)  # once however many groups this process makes
+    atexit.register(_before_python_exits)
+
+
+def _before_python_exits() -> None:
+    """Free destroyed groups; where a group is still alive (something outside lorakit keeps it), give gloo's
+    threads a moment with the GIL released to finish releasing their last collective, before finalization."""
+    import time
+
+    _free_destroyed_groups()
+    try:
+        tasks = Path("/proc/self/task")
+        alive = any((t / "comm").read_text().strip() == "pt_gloo_runloop" for t in tasks.iterdir())
+    except OSError:  # not Linux: no thread names to read
+        alive = True
+    if alive:
+        time.sleep(0.1)
 
 
 def _free_destroyed_groups() -> None:
