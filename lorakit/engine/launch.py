@@ -141,7 +141,6 @@ def _free_destroyed_groups() -> None:
                 registry = getattr(obj, "_pg_registry", None)
                 if isinstance(registry, dict):
                     registry.clear()
-        gc.collect()
 
 
 def _init_deepspeed_distributed(backend: str, timeout_minutes: float | None = None) -> None:
