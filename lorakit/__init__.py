@@ -4,8 +4,12 @@ import lorakit
 result = lorakit.train(lorakit.load_recipe("recipes/quickstart.yaml", ["train.epochs=1"]))
 """
 
+from lorakit import backends as _backends
 from lorakit.errors import DataError, LorakitError, RecipeError
 from lorakit.recipe import Recipe, load_recipe
+
+# The sharding backends' recipe checks run whenever a recipe validates (the recipe package cannot import them).
+_backends.install_recipe_checks()
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 from lorakit import dist, preflight, rundir, runlock
-from lorakit.backends.deepspeed_config import check_zero_plus_plus
+from lorakit.backends import backend_for
 from lorakit.engine.launch import (
     launch_env,
     launched_distributed,
@@ -221,17 +221,10 @@ def record_failure(run_dir: Path, error: BaseException) -> None:
 
 
 def _launch_workers(recipe: Recipe, lock: runlock.RunLock, prepared) -> TrainResult:
-    # ZeRO++ settings the workers would refuse (qwZ / qgZ on CPU) are refused here, before data and torchrun.
+    # What the workers' backend would refuse of this group (ZeRO++'s qwZ / qgZ on CPU) is refused here,
+    # before data and torchrun.
     n = recipe.distributed.num_processes
-    d = recipe.distributed
-    # Only ZeRO++'s quantized collectives depend on the accelerator, and asking DeepSpeed which one this is
-    # imports it (seconds, before torchrun starts the workers that import it anyway).
-    accelerator = None
-    if d.quantized_weights or d.quantized_gradients:
-        from lorakit.backends.deepspeed import accelerator_name
-
-        accelerator = accelerator_name()
-    check_zero_plus_plus(recipe, n, n, accelerator)
+    backend_for(recipe).check_before_launch(n, n)
     print(prepared.describe(), flush=True)
     run_dir = Path(recipe.output.dir).expanduser().resolve()
     from lorakit.engine.checkpoint import find_resume

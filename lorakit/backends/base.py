@@ -2,7 +2,8 @@
 never name DeepSpeed or FSDP, never ask `hasattr`, and never branch on a ZeRO stage.
 
 `Backend` is what the job asks before the model exists: check the process group, the config the run
-directory records (and the one build_model loads under), and `wrap` the built model into an `Engine`.
+directory records, the load plan build_model follows, and `wrap` the built model into an `Engine`; and what
+the launcher, the planner, the doctor and the run's description ask of the strategy (lorakit.backends.facts).
 `Engine` is what the loop, evaluation, saving and checkpoints ask of the wrapped model.
 
 The accumulation window is the loop's: `backward(loss, boundary=...)` for each micro-batch, `boundary`
@@ -19,6 +20,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
+
+    from lorakit.backends.facts import ByteModels, Layout, Readiness
+    from lorakit.model.load_plan import LoadPlan
 
 
 @dataclass(frozen=True)
@@ -118,10 +122,17 @@ class Forwarding:
 
 @runtime_checkable
 class Backend(Protocol):
-    """A sharding backend (distributed.strategy), built from the recipe."""
+    """A sharding backend (distributed.strategy), built from the recipe: everything strategy-specific that the
+    job, the launcher, the planner, the doctor and the run's description ask (no code outside
+    lorakit.backends compares the strategy)."""
 
     # The run directory's file for `describe()`'s config.
     config_file: str
+
+    def check_before_launch(self, processes: int, per_node: int | None) -> None:
+        """Refuse (RecipeError), before the data is prepared and the workers start, what `processes` processes
+        (`per_node` of them on a node; None: not known) on this machine cannot run."""
+        ...
 
     def check_group(self) -> None:
         """Refuse (RecipeError), before any work, what this process group cannot run."""
@@ -131,14 +142,42 @@ class Backend(Protocol):
         """The backend's resolved config for this group and model, as the run directory records it."""
         ...
 
-    def load_config(self, config: dict[str, Any]) -> dict[str, Any] | None:
-        """What build_model loads the model under (a DeepSpeed config for ZeRO-3's partitioned loading),
-        or None to load it whole."""
+    def describe_run(self) -> dict[str, Any]:
+        """How the run is sharded, for summary.json's `backend` and the model card: `strategy`, a short
+        `label` (ZeRO-3, FSDP2 full sharding) and the settings that made it."""
+        ...
+
+    def load_plan(self, config: dict[str, Any]) -> LoadPlan:
+        """How build_model loads the model under `config` (describe's): partitioned, meta or whole."""
         ...
 
     def wrap(self, built: Any, config: dict[str, Any], schedule: Callable[[Any], Any]) -> Engine:
         """The built model (lorakit.model.BuiltModel) as an Engine over its trainable parameters, with
         `config` (describe's) and `schedule` (a callable(optimizer) -> LR scheduler)."""
+        ...
+
+    def layout(self) -> Layout:
+        """Where the recipe keeps the model states, as the planner plans them."""
+        ...
+
+    def layouts(self) -> list[Layout]:
+        """Every layout the planner may try for this backend, in the order it prefers them on a tie."""
+        ...
+
+    def layout_overrides(self, layout: Layout) -> list[str]:
+        """The dotted recipe overrides that turn the recipe's layout into `layout` (empty: the same)."""
+        ...
+
+    def planned_states(
+        self, layout: Layout, models: ByteModels, *, world: int, per_node: int, hidden_size: int | None,
+        accelerator: str,
+    ) -> Any:  # fmt: skip
+        """The model states of `layout` on `world` processes (`per_node` per node), from the byte model of
+        `models` this backend shards by (what it returns)."""
+        ...
+
+    def environment(self) -> Readiness:
+        """Whether this machine's libraries can run the backend (the doctor's line)."""
         ...
 
 

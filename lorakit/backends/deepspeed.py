@@ -19,6 +19,8 @@ import torch
 from lorakit import dist, rundir
 from lorakit.backends import deepspeed_bf16 as bf16
 from lorakit.backends.base import Forwarding, StepResult, gather_trainable
+from lorakit.backends.facts import ByteModels, Layout, Readiness
+from lorakit.model.load_plan import WHOLE, LoadPlan
 
 
 def accelerator_name() -> str:
@@ -26,6 +28,12 @@ def accelerator_name() -> str:
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().device_name()
+
+
+def device_kind() -> str:
+    """Where the run's tensors live, as torch names the device type: `cpu` or `cuda` (what DeepSpeed's
+    accelerator detection says, so DS_ACCELERATOR=cpu keeps a GPU machine's run on the CPU)."""
+    return "cpu" if accelerator_name() == "cpu" else "cuda"
 
 
 def accelerator_device() -> str:
@@ -137,6 +145,17 @@ class DeepSpeedBackend:
     def __init__(self, recipe):
         self.recipe = recipe
 
+    def check_before_launch(self, processes: int, per_node: int | None) -> None:
+        """The ZeRO++ settings the workers would refuse (qwZ / qgZ on CPU, an hpZ group across nodes), refused
+        before the data is prepared and torchrun starts."""
+        from lorakit.backends.deepspeed_config import check_zero_plus_plus
+
+        d = self.recipe.distributed
+        # Only ZeRO++'s quantized collectives depend on the accelerator, and asking DeepSpeed which one this
+        # is imports it (seconds, before torchrun starts the workers that import it anyway).
+        accelerator = accelerator_name() if d.quantized_weights or d.quantized_gradients else None
+        check_zero_plus_plus(self.recipe, processes, per_node, accelerator)
+
     def check_group(self) -> None:
         """The ZeRO++ settings this process group or accelerator cannot run are refused before any work."""
         from lorakit.backends.deepspeed_config import check_zero_plus_plus
@@ -152,9 +171,67 @@ class DeepSpeedBackend:
             self.recipe, dist.world_size(), accelerator=accelerator_name(), hidden_size=hidden
         )
 
-    def load_config(self, config: dict[str, Any]) -> dict[str, Any] | None:
-        """What build_model loads under: the DeepSpeed config (ZeRO-3 loads partitioned)."""
-        return config
+    def describe_run(self) -> dict[str, Any]:
+        """DeepSpeed ZeRO at the recipe's stage, with its offload and ZeRO++ settings."""
+        from lorakit.recipe.schema import ZERO_PLUS_PLUS
+
+        d = self.recipe.distributed
+        return {
+            "strategy": "deepspeed",
+            "label": f"ZeRO-{d.zero_stage}",
+            "zero_stage": d.zero_stage,
+            "offload_optimizer": d.offload_optimizer,
+            "offload_params": d.offload_params,
+            **{key: getattr(d, key) for key in ZERO_PLUS_PLUS},
+        }
+
+    def load_plan(self, config: dict[str, Any]) -> LoadPlan:
+        """ZeRO-3 loads partitioned under its config (each rank materialises only its partition); stages 0-2
+        load the model whole in each process."""
+        if config.get("zero_optimization", {}).get("stage") == 3:
+            return LoadPlan.partitioned(config)
+        return WHOLE
+
+    def layout(self) -> Layout:
+        """The recipe's ZeRO stage and offload."""
+        d = self.recipe.distributed
+        return Layout(d.zero_stage, d.offload_optimizer, d.offload_params)
+
+    def layouts(self) -> list[Layout]:
+        """ZeRO-2 and 3, each with every offload level it has (to the CPU)."""
+        return [Layout(2, "none", "none"), Layout(2, "cpu", "none"),
+                Layout(3, "none", "none"), Layout(3, "cpu", "none"), Layout(3, "cpu", "cpu")]  # fmt: skip
+
+    def layout_overrides(self, layout: Layout) -> list[str]:
+        """distributed.zero_stage, offload_optimizer and offload_params, where they change."""
+        d, out = self.recipe.distributed, []
+        if layout.zero_stage != d.zero_stage:
+            out.append(f"distributed.zero_stage={layout.zero_stage}")
+        if layout.offload_optimizer != d.offload_optimizer:
+            out.append(f"distributed.offload_optimizer={layout.offload_optimizer}")
+        if layout.offload_params != d.offload_params:
+            out.append(f"distributed.offload_params={layout.offload_params}")
+        return out
+
+    def planned_states(
+        self, layout: Layout, models: ByteModels, *, world: int, per_node: int, hidden_size: int | None,
+        accelerator: str,
+    ) -> Any:  # fmt: skip
+        """ZeRO's byte model under the DeepSpeed config of `layout` (its buckets and ZeRO++ partitions);
+        ZeRO-3 loads partitioned except a 4-bit base, which transformers quantizes whole while loading."""
+        from lorakit.backends.deepspeed_config import build_ds_config
+
+        d = self.recipe.distributed
+        variant = self.recipe.model_copy(update={"distributed": d.model_copy(update={
+            "zero_stage": layout.zero_stage, "offload_optimizer": layout.offload_optimizer,
+            "offload_params": layout.offload_params})})  # fmt: skip
+        config = build_ds_config(variant, world, accelerator=accelerator, hidden_size=hidden_size)
+        partitioned = layout.zero_stage == 3 and self.recipe.method.kind != "qlora"
+        return models.zero(config, partitioned_init=partitioned)
+
+    def environment(self) -> Readiness:
+        """Nothing of its own: the doctor's `deepspeed ops` line checks DeepSpeed."""
+        return Readiness(None, "the recipe trains on DeepSpeed (distributed.strategy: deepspeed)")
 
     def wrap(self, built, config: dict[str, Any], schedule: Callable[[Any], Any]) -> DeepSpeedEngine:
         """deepspeed.initialize over the trainable parameters with the recipe's LR schedule."""

@@ -111,6 +111,30 @@ def build_ds_config(
     }
 
 
+def check_recipe(recipe: Recipe) -> None:
+    """ValueError for what DeepSpeed cannot train of a validated recipe (registered with the recipe's checks by
+    lorakit.backends, run when a recipe with distributed.strategy deepspeed validates)."""
+    d = recipe.distributed
+    # At stage 0 in bf16 lorakit's own optimizer leaves the update out (backends/deepspeed_bf16.py); in fp32
+    # and fp16 DeepSpeed's stage 0 applies it before lorakit sees the gradient norm.
+    if recipe.train.on_nonfinite == "skip" and d.zero_stage == 0 and recipe.model.dtype != "bfloat16":
+        raise ValueError(
+            "train.on_nonfinite: skip needs distributed.zero_stage 1, 2 or 3, or model.dtype bfloat16: "
+            "those optimizers leave out an update whose gradients are not finite, while stage 0 in "
+            "float32 or float16 applies it before lorakit sees the gradient norm; use a ZeRO stage, "
+            "bfloat16 or on_nonfinite: error"
+        )
+    q = recipe.method  # FSDP2 gathers the 4-bit weight DoRA reads: only ZeRO-3 fails
+    if q.kind == "qlora" and q.use_dora and d.zero_stage == 3:
+        # Tried (2 processes, tiny Llama and T5): peft's DoRA layer hands DeepSpeed a 4-bit weight that
+        # ZeRO-3 never partitioned ("'Params4bit' object has no attribute 'ds_status'" in the first
+        # forward), with or without checkpointing; ZeRO-2 trains it.
+        raise ValueError(
+            "method.use_dora: DoRA on a 4-bit base (kind qlora) fails under ZeRO-3 (peft's DoRA layer reaches "
+            "a 4-bit weight DeepSpeed did not partition); use distributed.zero_stage 2, or kind lora"
+        )
+
+
 def check_zero_plus_plus(
     recipe: Recipe, world_size: int, per_node: int | None, accelerator: str | None
 ) -> None:

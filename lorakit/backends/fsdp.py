@@ -22,7 +22,9 @@ import torch
 
 from lorakit import dist
 from lorakit.backends.base import Forwarding, StepResult, gather_trainable
+from lorakit.backends.facts import ByteModels, Layout, Readiness
 from lorakit.backends.fsdp_shard import DTYPES, check_built, device_mesh, full_tensor, mesh_shape, shard_model
+from lorakit.model.load_plan import WHOLE, LoadPlan
 
 
 class FsdpEngine(Forwarding):
@@ -129,10 +131,23 @@ class FsdpBackend:
 
     config_file = "fsdp_config.json"
 
-    def __init__(self, recipe, device_type: str):
+    def __init__(self, recipe, device_type: str | None = None):
         self.recipe = recipe
-        # Where the shards live, as torch names the device type: cpu or cuda.
-        self.device_type = device_type
+        # Where the shards live, as torch names the device type: cpu or cuda (None: found when first needed).
+        self._device_type = device_type
+
+    @property
+    def device_type(self) -> str:
+        """cpu or cuda: the one given, else lorakit.backends.device_kind() (asked once, when first needed)."""
+        if self._device_type is None:
+            from lorakit.backends.deepspeed import device_kind
+
+            self._device_type = device_kind()
+        return self._device_type
+
+    def check_before_launch(self, processes: int, per_node: int | None) -> None:
+        """Nothing more: the schema checked the mesh against distributed.num_processes, and check_group checks
+        the group's."""
 
     def check_group(self) -> None:
         """A hybrid shard group must divide the processes (the mesh's shape, computed before any work)."""
@@ -152,15 +167,70 @@ class FsdpBackend:
             "reduce_dtype": "float32",
         }
 
-    def load_config(self, config: dict[str, Any]) -> dict[str, Any] | None:
-        """Several processes, LoRA or full fine-tuning from safetensors: build_model loads on the meta device
-        and each rank reads its own shards once sharded (lorakit.backends.fsdp_load); otherwise None: the
-        model loads whole in each process and is sharded after."""
-        from lorakit.backends.fsdp_load import EMPTY_WEIGHTS, eligible
+    def describe_run(self) -> dict[str, Any]:
+        """FSDP2 with the fsdp section's sharding (never a ZeRO stage: distributed.zero_stage does not apply)."""
+        f = self.recipe.distributed.fsdp
+        label = f"FSDP2 {f.sharding} sharding" + (", CPU offload" if f.cpu_offload else "")
+        return {"strategy": "fsdp", "label": label, **f.model_dump(mode="json")}
+
+    def load_plan(self, config: dict[str, Any]) -> LoadPlan:
+        """Several processes, LoRA or full fine-tuning from safetensors: on the meta device, each rank reading
+        its own shards once sharded (lorakit.backends.fsdp_load); otherwise whole in each process, sharded
+        after."""
+        from lorakit.backends.fsdp_load import eligible
 
         if dist.world_size() > 1 and eligible(self.recipe):
-            return {EMPTY_WEIGHTS: True}
-        return None
+            return LoadPlan.meta()
+        return WHOLE
+
+    def layout(self) -> Layout:
+        """ZeRO-3's partitioning; cpu_offload as offloading both the optimizer and the parameters."""
+        d = self.recipe.distributed
+        offload = "cpu" if d.fsdp.cpu_offload else None
+        return Layout(d.zero_stage, offload or d.offload_optimizer, offload or d.offload_params)
+
+    def layouts(self) -> list[Layout]:
+        """What FSDP2 has: everything sharded, nothing or everything offloaded to the CPU."""
+        return [Layout(3, "none", "none"), Layout(3, "cpu", "cpu")]
+
+    def layout_overrides(self, layout: Layout) -> list[str]:
+        """distributed.fsdp.cpu_offload, where it changes."""
+        if layout.offload_params == self.layout().offload_params:
+            return []
+        return [f"distributed.fsdp.cpu_offload={str(layout.offload_params != 'none').lower()}"]
+
+    def planned_states(
+        self, layout: Layout, models: ByteModels, *, world: int, per_node: int, hidden_size: int | None,
+        accelerator: str,
+    ) -> Any:  # fmt: skip
+        """FSDP2's byte model over its shard group: hybrid sharding keeps one copy per group of shard_size
+        (default: the processes per node), full sharding shards over the world."""
+        from lorakit.backends.fsdp_load import eligible
+
+        f = self.recipe.distributed.fsdp
+        group = (f.shard_size or per_node) if f.sharding == "hybrid" else world
+        return models.fsdp(shard_group=group, sharded_load=eligible(self.recipe))
+
+    def environment(self) -> Readiness:
+        """torch's fully_shard and device mesh, and the mesh the recipe will shard over."""
+        try:
+            from torch.distributed.device_mesh import init_device_mesh  # noqa: F401
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except ImportError as e:
+            return Readiness(
+                False,
+                f"torch {torch.__version__} has no FSDP2: {e}",
+                "install torch 2.6 or newer (lorakit is tested with 2.13), or use distributed.strategy: deepspeed",
+            )
+        d = self.recipe.distributed
+        procs = d.num_processes
+        if d.fsdp.sharding == "full":
+            mesh = f"full sharding over {procs} process(es) per node (x nodes)"
+        else:
+            shard = d.fsdp.shard_size or procs
+            mesh = f"hybrid: shard groups of {shard}, replicated {procs // shard}x per node (x nodes)"
+        offload = ", parameters and optimizer state offloaded to CPU" if d.fsdp.cpu_offload else ""
+        return Readiness(True, f"torch {torch.__version__} fully_shard; {mesh}{offload}")
 
     def wrap(self, built, config: dict[str, Any], schedule: Callable[[Any], Any]) -> FsdpEngine:
         """fully_shard the model; AdamW over its trainable (sharded) parameters (LoRA+ groups as with

@@ -22,9 +22,6 @@ import torch
 
 from lorakit.errors import RecipeError
 
-# What build_model's loading config says for a meta-device load (Backend.load_config).
-EMPTY_WEIGHTS = "empty_weights"
-
 
 def eligible(recipe) -> bool:
     """Whether the recipe's model loads sharded: LoRA (plain init) or full fine-tuning, from safetensors."""

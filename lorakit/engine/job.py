@@ -63,7 +63,7 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
     # Data-parallel replicas x sequence-parallel groups; the data is split over the replicas.
     mesh = ParallelDims.build(recipe.distributed.sequence_parallel)
     built = dist.on_every_rank(
-        "load", build_model, recipe, backend.load_config(backend_config), sp_group=mesh.sp_group
+        "load", build_model, recipe, backend.load_plan(backend_config), sp_group=mesh.sp_group
     )
     params = count_parameters(built.model)
     log = (

@@ -10,6 +10,7 @@ __all__, __getattr__ = lazy_names(
     __name__,
     {
         "lorakit.model.build": ("BuiltModel", "build_model", "count_parameters"),
+        "lorakit.model.load_plan": ("LoadPlan",),
         "lorakit.model.source": ("load_config", "load_tokenizer"),
     },
 )

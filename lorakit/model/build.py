@@ -1,4 +1,4 @@
-"""Load the base model (dtype, attention backend, ZeRO-3 partitioned init), attach the adapter (LoRA, IA3:
+"""Load the base model (dtype, attention backend, the backend's load plan), attach the adapter (LoRA, IA3:
 model/adapter.py), checkpointing."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from lorakit.model.families import Family, family_of
 from lorakit.model.families.moe import check_method
 from lorakit.model.families.unknown import loadable_class
 from lorakit.model.inputs import ModelInputs
+from lorakit.model.load_plan import WHOLE, LoadPlan
 from lorakit.model.quantize import bnb_config, check_keep_in_fp32, keep_standard_4bit_layout, logical_numel
 from lorakit.model.sequence_parallel import register_sequence_parallel
 
@@ -55,11 +56,12 @@ def no_safetensors_weights(error: OSError) -> bool:
     return "safetensors" in text and not missing_file
 
 
-def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = None) -> BuiltModel:
+def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) -> BuiltModel:
     """Load the base in the recipe's dtype and attention backend, then apply the method.
 
-    With ZeRO-3, `ds_config` must be given: HfDeepSpeedConfig is alive during from_pretrained, so each
-    rank materialises only its shard of the base (an 11B model never sits whole on one rank). With
+    `load` is the backend's plan (Backend.load_plan): partitioned (ZeRO-3: HfDeepSpeedConfig is alive during
+    from_pretrained, so each rank materialises only its shard of the base; an 11B model never sits whole on
+    one rank), meta (the structure only; the backend reads each rank's shards once sharded) or whole. With
     distributed.sequence_parallel > 1, `sp_group` is this rank's sequence-parallel group (engine/mesh.py).
     """
     source, config = load_config(recipe)
@@ -91,10 +93,10 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
     quantization = bnb_config(quant_type, dtype) if quant_type else None
 
     hf_ds_config = None
-    if ds_config is not None and ds_config.get("zero_optimization", {}).get("stage") == 3:
+    if load.kind == "partitioned":
         from transformers.integrations import HfDeepSpeedConfig
 
-        hf_ds_config = HfDeepSpeedConfig(ds_config)
+        hf_ds_config = HfDeepSpeedConfig(load.zero_config)
     # Seeded before loading so the LoRA init (and any freshly initialised weights) is reproducible.
     torch.manual_seed(recipe.train.seed)
     try:
@@ -107,8 +109,8 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
             dtype=dtype,
             attn_implementation=attention,
             quantization_config=quantization,
-            # FSDP2 sharded loading (backends/fsdp_load.py): the structure only; each rank reads its shards.
-            **({"device_map": "meta"} if (ds_config or {}).get("empty_weights") else {}),
+            # The structure only (FSDP2's sharded loading, backends/fsdp_load.py): each rank reads its shards.
+            **({"device_map": "meta"} if load.kind == "meta" else {}),
         )
     except OSError as e:
         if recipe.model.allow_pickle or not no_safetensors_weights(e):
@@ -119,7 +121,7 @@ def build_model(recipe: Recipe, ds_config: dict | None = None, sp_group: Any = N
     if hf_ds_config is not None:
         from lorakit.model.untie import restore_untied_head
 
-        restore_untied_head(model, source, recipe.model.revision, ds_config)
+        restore_untied_head(model, source, recipe.model.revision, load.zero_config)
     _set_zero3_leaves(family, model)
     # The KV cache is for generation; in training it changes how packed/masked attention is built.
     model.config.use_cache = False

@@ -10,16 +10,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from lorakit.backends import backend_for
 from lorakit.model.sequence_parallel import check_sequence_parallel
 from lorakit.model.tiled_loss import planned_loss_tile
 from lorakit.model.tiled_mlp import planned_tile
 from lorakit.objectives import objective_type
 from lorakit.planner.activations import Activations, Kernels, Shape, activations
 from lorakit.planner.arch import Arch, arch_from_config, resolve_config
-from lorakit.planner.fsdp import fsdp_states
+from lorakit.planner.byte_models import PlannedBytes
 from lorakit.planner.search import ROW_STEP, candidates, longest_row, overrides, recipe_setup, slowdown
 from lorakit.planner.shapes import micro_batch_shape, positive
-from lorakit.planner.states import Item, Setup, counts, model_states
+from lorakit.planner.states import Item, Setup, counts
 from lorakit.planner.units import HEADROOM, PlanError, parse_bytes
 from lorakit.recipe.objective_spec import SFT
 
@@ -256,7 +257,8 @@ def plan(
     notes: list[str] = [arch.caveat()] if arch.unproven else []  # the generic family's "not proven"
     shape, kernels, min_tokens = micro_batch_shape(recipe, arch, seq_len, target_len, device, notes)
     world = gpus * nodes
-    base = recipe_setup(recipe)
+    backend = backend_for(recipe)
+    base = recipe_setup(recipe, backend)
     if kernels.packed:
         base = replace(base, max_tokens=shape.seq_len)
 
@@ -267,8 +269,7 @@ def plan(
     best = None
     if gpu_cap is not None:
         # Recommend only setups with headroom for the model's error; the recipe's own setup first on ties.
-        fsdp = recipe.distributed.strategy == "fsdp"
-        options = candidates(base, min_tokens=min_tokens, fsdp=fsdp)
+        options = candidates(base, min_tokens=min_tokens, layouts=backend.layouts())
         tried = [own] + [e for e in map(estimate, options) if e.setup != base]
         fitting = [e for e in tried if e.fits and e.per_gpu_bytes <= HEADROOM * gpu_cap]
         if fitting:
@@ -298,7 +299,7 @@ def plan(
         trainable_params=c.trainable,
         estimate=own,
         recommendation=best,
-        recommended_overrides=tuple(overrides(best.setup, recipe, base)) if best else (),
+        recommended_overrides=tuple(overrides(best.setup, recipe, base, backend)) if best else (),
         assumptions=tuple(notes),
         longest_row=longest,
         sequence_parallel=shape.sequence_parallel,
@@ -307,42 +308,13 @@ def plan(
     )
 
 
-def _variant(recipe, setup: Setup):
-    """The recipe with `setup` applied (for DeepSpeed's config: bucket sizes, offload)."""
-    return recipe.model_copy(
-        update={
-            "distributed": recipe.distributed.model_copy(
-                update={
-                    "zero_stage": setup.zero_stage,
-                    "offload_optimizer": setup.offload_optimizer,
-                    "offload_params": setup.offload_params,
-                }  # fmt: skip
-            ),
-            "train": recipe.train.model_copy(update={"micro_batch_size": setup.micro_batch_size}),
-        }
-    )
-
-
 def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: Kernels, world: int, gpus: int,
               gpu_cap, cpu_cap, reference: Setup, nodes: int) -> Estimate:  # fmt: skip
-    from lorakit.backends.deepspeed_config import build_ds_config
-
-    ds_config = build_ds_config(
-        _variant(recipe, setup), world, accelerator=kernels.device, hidden_size=arch.hidden
-    )
-    zero, d = ds_config["zero_optimization"], recipe.distributed
-    zero3 = setup.zero_stage == 3 and d.strategy == "deepspeed"
-    c = counts(
-        arch, recipe.method, a, int(zero.get("stage3_param_persistence_threshold", 1e5)) if zero3 else None
-    )
-    if d.strategy == "fsdp":  # its own byte model; hybrid sharding keeps one copy per shard group
-        shards = (d.fsdp.shard_size or gpus) if d.fsdp.sharding == "hybrid" else world
-        items = fsdp_states(arch, recipe, c, setup, world=shards, dtype_bytes=a)
-    else:
-        partitioned_init = setup.zero_stage == 3 and recipe.method.kind != "qlora"
-        items = model_states(
-            c, setup, world=world, dtype_bytes=a, ds_config=ds_config, partitioned_init=partitioned_init
-        )
+    # The model states: the byte model the recipe's backend shards by, with its parameters.
+    items = backend_for(recipe).planned_states(
+        setup.layout, PlannedBytes(arch, recipe, setup, world, a), world=world, per_node=gpus,
+        hidden_size=arch.hidden, accelerator=kernels.device,
+    )  # fmt: skip
     if setup.max_tokens:
         scale = setup.max_tokens / shape.seq_len
         target = round(shape.target_len * scale) if shape.target_len else None

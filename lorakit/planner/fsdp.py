@@ -84,12 +84,11 @@ def units(arch: Arch, method, c: Counts, dtype_bytes: int) -> tuple[Unit, list[U
     return root, blocks
 
 
-def fsdp_states(arch: Arch, recipe, c: Counts, setup: Setup, *, world: int, dtype_bytes: int) -> list[Item]:
+def fsdp_states(arch: Arch, recipe, c: Counts, setup: Setup, *, world: int, dtype_bytes: int,
+                sharded_load: bool) -> list[Item]:  # fmt: skip
     """The per-rank items of `recipe` on FSDP2 over shard groups of `world` ranks (see the module docstring);
     `setup.offload_params` "cpu": distributed.fsdp.cpu_offload (the shards, their gradients and Adam's states
-    in CPU RAM, gathered onto the GPU)."""
-    from lorakit.backends.fsdp_load import eligible
-
+    in CPU RAM, gathered onto the GPU); `sharded_load`: each rank reads its own rows of the checkpoint."""
     a, t = dtype_bytes, c.trainable
     where = "gpu" if setup.offload_params == "none" else setup.offload_params
     items = []
@@ -123,7 +122,7 @@ def fsdp_states(arch: Arch, recipe, c: Counts, setup: Setup, *, world: int, dtyp
     if recipe.train.gradient_accumulation_steps > 1:
         items.append(Item("unsharded fp32 gradients across the accumulation window", t * 4, "gpu", "forward",
                           "no reduce-scatter until the boundary", kind="buffer"))  # fmt: skip
-    if eligible(recipe):
+    if sharded_load:
         # read_shards: a rank's rows of one tensor as stored, cast to model.dtype (and to the float32 of a
         # trainable weight); LoRA's weights made whole on every rank before sharding.
         stored = arch.stored_dtype_bytes

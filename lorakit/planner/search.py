@@ -19,18 +19,19 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from lorakit.backends import Backend
+from lorakit.backends.facts import Layout
 from lorakit.planner.states import Setup
 
 
-def recipe_setup(recipe) -> Setup:
-    """The setup a recipe asks for. FSDP2 (distributed.strategy fsdp) is planned as ZeRO-3's layout, its
-    cpu_offload as offloading both the optimizer and the parameters."""
-    d = recipe.distributed
-    fsdp_offload = "cpu" if d.strategy == "fsdp" and d.fsdp.cpu_offload else None
+def recipe_setup(recipe, backend: Backend) -> Setup:
+    """The setup a recipe asks for: its backend's layout (FSDP2 is planned as ZeRO-3's, its cpu_offload as
+    offloading both the optimizer and the parameters)."""
+    layout = backend.layout()
     return Setup(
-        zero_stage=d.zero_stage,
-        offload_optimizer=fsdp_offload or d.offload_optimizer,
-        offload_params=fsdp_offload or d.offload_params,
+        zero_stage=layout.zero_stage,
+        offload_optimizer=layout.offload_optimizer,
+        offload_params=layout.offload_params,
         micro_batch_size=recipe.train.micro_batch_size,
         max_tokens=None,
         gradient_checkpointing=recipe.model.gradient_checkpointing,
@@ -56,12 +57,10 @@ def slowdown(setup: Setup, reference: Setup, *, adapter: bool, nodes: int) -> fl
     return factor
 
 
-def candidates(
-    base: Setup, *, min_tokens: int | None, offload_device: str = "cpu", fsdp: bool = False
-) -> list[Setup]:
-    """Every setup the planner tries: ZeRO-2 and 3, each offload level, with and without checkpointing,
-    and micro-batches (or packed rows) halved down to 1 (or to the longest example). `fsdp`: only what
-    FSDP2 has (ZeRO-3's layout, nothing or everything offloaded to the CPU)."""
+def candidates(base: Setup, *, min_tokens: int | None, layouts: list[Layout]) -> list[Setup]:
+    """Every setup the planner tries: each of the backend's `layouts` (DeepSpeed: ZeRO-2 and 3 with each
+    offload level; FSDP2: nothing or everything offloaded), with and without checkpointing, and
+    micro-batches (or packed rows) halved down to 1 (or to the longest example)."""
     sizes: list[tuple[int, int | None]] = []
     if base.max_tokens:
         n = base.max_tokens
@@ -75,37 +74,24 @@ def candidates(
         while n >= 1:
             sizes.append((n, None))
             n //= 2
-    offloads = {2: [("none", "none"), (offload_device, "none")],
-                3: [("none", "none"), (offload_device, "none"), (offload_device, offload_device)]}  # fmt: skip
-    if fsdp:
-        offloads = {3: [("none", "none"), ("cpu", "cpu")]}
     out = []
-    for stage in offloads:
-        for opt, par in offloads[stage]:
-            for ckpt in (False, True):
-                for mb, tokens in sizes:
-                    out.append(
-                        replace(base, zero_stage=stage, offload_optimizer=opt, offload_params=par,
-                                micro_batch_size=mb, max_tokens=tokens, gradient_checkpointing=ckpt)
-                    )  # fmt: skip
+    for layout in layouts:
+        for ckpt in (False, True):
+            for mb, tokens in sizes:
+                out.append(
+                    replace(base, zero_stage=layout.zero_stage, offload_optimizer=layout.offload_optimizer,
+                            offload_params=layout.offload_params, micro_batch_size=mb, max_tokens=tokens,
+                            gradient_checkpointing=ckpt)
+                )  # fmt: skip
     return out
 
 
-def overrides(setup: Setup, recipe, base: Setup) -> list[str]:
+def overrides(setup: Setup, recipe, base: Setup, backend: Backend) -> list[str]:
     """The dotted recipe overrides that turn `recipe` (whose own setup is `base`) into `setup` (empty when
-    nothing changes), keeping the optimizer batch: a smaller micro-batch or packed row gets proportionally
-    more accumulation steps."""
-    out = []
-    d, t = recipe.distributed, recipe.train
-    if d.strategy == "fsdp":
-        if setup.offload_params != base.offload_params:
-            out.append(f"distributed.fsdp.cpu_offload={str(setup.offload_params != 'none').lower()}")
-    elif setup.zero_stage != d.zero_stage:
-        out.append(f"distributed.zero_stage={setup.zero_stage}")
-    if d.strategy != "fsdp" and setup.offload_optimizer != d.offload_optimizer:
-        out.append(f"distributed.offload_optimizer={setup.offload_optimizer}")
-    if d.strategy != "fsdp" and setup.offload_params != d.offload_params:
-        out.append(f"distributed.offload_params={setup.offload_params}")
+    nothing changes): the backend's for its layout, then the micro-batch's, keeping the optimizer batch (a
+    smaller micro-batch or packed row gets proportionally more accumulation steps)."""
+    t = recipe.train
+    out = backend.layout_overrides(setup.layout)
     if setup.gradient_checkpointing != recipe.model.gradient_checkpointing:
         out.append(f"model.gradient_checkpointing={str(setup.gradient_checkpointing).lower()}")
     shrink = 1

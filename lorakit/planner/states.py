@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lorakit.backends.facts import Layout
 from lorakit.planner.arch import Arch
 from lorakit.planner.moe import parameter_lora
 
@@ -41,6 +42,11 @@ class Setup:
     # Packed micro-batches: the token budget of the (encoder) row; None without packing.
     max_tokens: int | None
     gradient_checkpointing: bool
+
+    @property
+    def layout(self) -> Layout:
+        """The stage and offload, as the backend names them (lorakit.backends.facts.Layout)."""
+        return Layout(self.zero_stage, self.offload_optimizer, self.offload_params)
 
     def label(self) -> str:
         """A short human description: ZeRO-3, offload optimizer+params to cpu, mb 4, checkpointing."""

@@ -2,12 +2,44 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from lorakit.recipe.fsdp_section import FsdpSection
 from lorakit.recipe.section import Section
+
+# The sharding backends' checks of a whole validated recipe (ValueError naming the field), which lorakit
+# installs from lorakit.backends when it is imported: the recipe package cannot import the backends it
+# validates for (a floor up), and every process imports lorakit before it validates a recipe.
+_BACKEND_CHECKS: list[Callable[[Any], None]] = []
+# The functions whose ValueErrors those checks raise, for docs/recipes.md (reference.py reads their source).
+_BACKEND_RULES: list[Callable[[Any], None]] = []
+
+
+def install_backend_checks(
+    check: Callable[[Any], None], rules: tuple[Callable[[Any], None], ...] = ()
+) -> None:
+    """Run `check(recipe)` on every recipe, once its sections are valid (lorakit.backends.check_recipe);
+    `rules`: the functions whose ValueErrors it raises, as docs/recipes.md lists them."""
+    if check not in _BACKEND_CHECKS:
+        _BACKEND_CHECKS.append(check)
+        _BACKEND_RULES.extend(rules)
+
+
+def backend_rules() -> list[Callable[[Any], None]]:
+    """The functions that raise the installed backend checks' ValueErrors (docs/recipes.md lists them)."""
+    return list(_BACKEND_RULES)
+
+
+def check_backend(recipe) -> None:
+    """The recipe's sharding backend's checks (ValueError); RuntimeError when none were installed."""
+    if not _BACKEND_CHECKS:
+        raise RuntimeError("no backend checks installed: importing lorakit installs lorakit.backends' checks")
+    for check in _BACKEND_CHECKS:
+        check(recipe)
+
 
 # The ZeRO++ keys of DistributedSection (zero_stage 3 only); deepspeed_config.py writes them.
 ZERO_PLUS_PLUS = ("hpz_partition_size", "quantized_weights", "quantized_gradients")

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from lorakit import storage
+from lorakit.recipe.distributed_section import backend_rules
 from lorakit.recipe.schema import Recipe
 
 REGENERATE = "python -m lorakit.recipe.reference --write docs/recipes.md"
@@ -111,25 +112,32 @@ def validator_messages(model: type[BaseModel]) -> list[str]:
     """
     messages = []
     for name in model.__pydantic_decorators__.model_validators:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(model, name))))
-        # `for name in ("a", "b"): ... raise ValueError(f"x.{name} ...")` gives one message per value.
-        loops: dict[int, tuple[str, list[str]]] = {}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.For) and isinstance(node.target, ast.Name):
-                values = [e.value for e in getattr(node.iter, "elts", []) if isinstance(e, ast.Constant)]
-                if values and len(values) == len(node.iter.elts):
-                    for inner in ast.walk(node):
-                        loops[id(inner)] = (node.target.id, values)
-        for node in ast.walk(tree):
-            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args):
-                continue
-            if not (isinstance(node.exc.func, ast.Name) and node.exc.func.id == "ValueError"):
-                continue
-            var, values = loops.get(id(node), ("", [None]))
-            for value in values:
-                text = _string(node.exc.args[0], {var: value} if var else {})
-                if text is not None:
-                    messages.append(text)
+        messages += raised_messages(getattr(model, name))
+    return messages
+
+
+def raised_messages(function: Any) -> list[str]:
+    """The messages of the ValueErrors `function` raises, read from its source (as validator_messages)."""
+    messages = []
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    # `for name in ("a", "b"): ... raise ValueError(f"x.{name} ...")` gives one message per value.
+    loops: dict[int, tuple[str, list[str]]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name):
+            values = [e.value for e in getattr(node.iter, "elts", []) if isinstance(e, ast.Constant)]
+            if values and len(values) == len(node.iter.elts):
+                for inner in ast.walk(node):
+                    loops[id(inner)] = (node.target.id, values)
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args):
+            continue
+        if not (isinstance(node.exc.func, ast.Name) and node.exc.func.id == "ValueError"):
+            continue
+        var, values = loops.get(id(node), ("", [None]))
+        for value in values:
+            text = _string(node.exc.args[0], {var: value} if var else {})
+            if text is not None:
+                messages.append(text)
     return messages
 
 
@@ -225,7 +233,8 @@ def generate() -> str:
         lines += _rules(
             validator_messages(model) + [m for _, sub in _nested(model) for m in validator_messages(sub)]
         )
-    across = validator_messages(Recipe)
+    # The sharding backends' own checks (lorakit.backends installs them) are checked on the whole recipe too.
+    across = validator_messages(Recipe) + [m for rule in backend_rules() for m in raised_messages(rule)]
     if across:
         lines += [
             "",

@@ -13,10 +13,10 @@ from pydantic import model_validator
 
 from lorakit.recipe.alignment_section import KtoSection, OrpoSection
 from lorakit.recipe.data_section import DataSection, SourceSpec, data_parts
-from lorakit.recipe.distributed_section import ZERO_PLUS_PLUS, DistributedSection
+from lorakit.recipe.distributed_section import ZERO_PLUS_PLUS, DistributedSection, check_backend
 from lorakit.recipe.dpo_section import DpoSection
 from lorakit.recipe.eval_section import EvalSection, metric_keys
-from lorakit.recipe.fsdp_section import FsdpSection, check_fsdp
+from lorakit.recipe.fsdp_section import FsdpSection
 from lorakit.recipe.known_objectives import check_objective, spec_of
 from lorakit.recipe.method import MethodSection
 from lorakit.recipe.model_section import ModelSection
@@ -71,29 +71,9 @@ class Recipe(Section):
                 "eval.generate: data.format completion has no reference outputs to score generations "
                 "against; set eval.generate: false (the eval loss is still computed)"
             )
-        d = self.distributed
-        # At stage 0 in bf16 lorakit's own optimizer leaves the update out (backends/deepspeed_bf16.py); in
-        # fp32 and fp16 DeepSpeed's stage 0 applies it before lorakit sees the gradient norm.
-        stage0_applies = d.strategy == "deepspeed" and d.zero_stage == 0 and self.model.dtype != "bfloat16"
-        if self.train.on_nonfinite == "skip" and stage0_applies:
-            raise ValueError(
-                "train.on_nonfinite: skip needs distributed.zero_stage 1, 2 or 3, or model.dtype bfloat16: "
-                "those optimizers leave out an update whose gradients are not finite, while stage 0 in "
-                "float32 or float16 applies it before lorakit sees the gradient norm; use a ZeRO stage, "
-                "bfloat16 or on_nonfinite: error"
-            )
         if self.eval.enabled and self.eval.generate and not self.eval.metrics:
             raise ValueError(
                 "eval.metrics is empty while eval.generate is true: name a metric or set generate: false"
-            )
-        q, d = self.method, self.distributed  # FSDP2 gathers the 4-bit weight DoRA reads: only ZeRO-3 fails
-        if q.kind == "qlora" and q.use_dora and d.zero_stage == 3 and d.strategy == "deepspeed":
-            # Tried (2 processes, tiny Llama and T5): peft's DoRA layer hands DeepSpeed a 4-bit weight that
-            # ZeRO-3 never partitioned ("'Params4bit' object has no attribute 'ds_status'" in the first
-            # forward), with or without checkpointing; ZeRO-2 trains it.
-            raise ValueError(
-                "method.use_dora: DoRA on a 4-bit base (kind qlora) fails under ZeRO-3 (peft's DoRA layer reaches "
-                "a 4-bit weight DeepSpeed did not partition); use distributed.zero_stage 2, or kind lora"
             )
         if self.output.tracker_timeout_seconds >= self.distributed.timeout_minutes * 60:
             # The other ranks wait for rank 0's trackers to start and to close at a collective.
@@ -102,7 +82,8 @@ class Recipe(Section):
                 "processes wait for rank 0's trackers at a collective, which would time out first and fail the run"
             )
         self._check_sequence_parallel()
-        check_fsdp(self)
+        # The sharding backend's own checks (lorakit.backends: DeepSpeed's, FSDP2's).
+        check_backend(self)
         check_objective(self)
         self._check_best()
         return self

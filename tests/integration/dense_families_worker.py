@@ -23,6 +23,7 @@ SPLIT = [(0, 1), (1, 6)]
 
 def _step(cache: str, out: str, kind: str, mode: str) -> None:
     from lorakit import dist
+    from lorakit.backends.deepspeed import DeepSpeedBackend
     from lorakit.backends.deepspeed_config import build_ds_config
     from lorakit.data import prepare_data
     from lorakit.data.collate import padded_collator
@@ -46,7 +47,7 @@ def _step(cache: str, out: str, kind: str, mode: str) -> None:
     tok = load_tokenizer(recipe, source)
     data = prepare_data(recipe, tok, config)
     ds_config = build_ds_config(recipe, dist.world_size(), accelerator="cpu")
-    built = build_model(recipe, ds_config)
+    built = build_model(recipe, DeepSpeedBackend(recipe).load_plan(ds_config))
     _same_start(built.model)
     engine = _engine(recipe, built, ds_config)
     rows = [data.train[i] for i in range(6)]

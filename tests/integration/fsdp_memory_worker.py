@@ -66,6 +66,7 @@ def main(recipe_path: str, out: str) -> None:
     from lorakit.backends import backend_for
     from lorakit.engine.launch import process_group
     from lorakit.model import build_model, load_config
+    from lorakit.model.load_plan import WHOLE
     from lorakit.model.loss import token_loss_sum
 
     with process_group("gloo"):
@@ -74,10 +75,10 @@ def main(recipe_path: str, out: str) -> None:
         _, config = load_config(recipe)
         described = backend.describe(config)
         results = {}
-        for how, load_config_ in (("sharded", backend.load_config(described)), ("whole", None)):
+        for how, plan in (("sharded", backend.load_plan(described)), ("whole", WHOLE)):
 
-            def load(load_config_=load_config_):
-                built = build_model(recipe, load_config_)
+            def load(plan=plan):
+                built = build_model(recipe, plan)
                 return built, backend.wrap(
                     built, described, lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
                 )
@@ -92,7 +93,7 @@ def main(recipe_path: str, out: str) -> None:
             results[how] = {
                 "added": added,
                 "loss": float(loss),
-                "loaded": load_config_ is not None,
+                "loaded": plan.kind == "meta",
                 "frozen": frozen,
             }
             engine.close()

@@ -42,7 +42,7 @@ def main(cache: str, out: str, mode: str) -> None:
     import deepspeed
 
     from lorakit import dist
-    from lorakit.backends.deepspeed import DeepSpeedEngine
+    from lorakit.backends.deepspeed import DeepSpeedBackend, DeepSpeedEngine
     from lorakit.backends.deepspeed_config import build_ds_config
     from lorakit.data.collate import CausalCollator
     from lorakit.engine.launch import process_group
@@ -57,7 +57,7 @@ def main(cache: str, out: str, mode: str) -> None:
         for kind in KINDS:
             recipe = _recipe(cache, out, 2 if mode == "two_ranks" else 1, kind)
             ds_config = build_ds_config(recipe, dist.world_size(), accelerator="cpu")
-            built = build_model(recipe, ds_config)
+            built = build_model(recipe, DeepSpeedBackend(recipe).load_plan(ds_config))
             _same_start(built.model)
             ds_config["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
             trainable = [p for p in built.model.parameters() if p.requires_grad]

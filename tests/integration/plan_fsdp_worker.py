@@ -6,7 +6,7 @@ Launched by test_plan_measured.py, as plan_worker.py for DeepSpeed. FSDP2 frees 
 parameters by resizing their storages, which lorakit.meter.TensorMemoryTracker (it sees operators' outputs)
 would miss, so the bytes come from the CPU allocator itself: torch.profiler's memory events, every allocation
 and free since the profile began. The profile spans building, sharding and two optimizer steps on the fullest
-micro-batch (as the job does: lorakit.backends' backend_for, load_config, build_model, wrap); per rank it
+micro-batch (as the job does: lorakit.backends' backend_for, load_config, build_model with its load_plan, wrap); per rank it
 records the peak within the second step, and the bytes of the tensors alive after it (model states, counted
 as plan_worker.py counts them: the storages Python sees).
 
@@ -107,7 +107,7 @@ def measure(path: str, out: Path) -> None:
     gc.collect()
     baseline = _tensor_bytes()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        built = build_model(recipe, backend.load_config(described))
+        built = build_model(recipe, backend.load_plan(described))
         engine = backend.wrap(built, described, lambda_lr_factory(10, 0.0, recipe.train.lr_schedule))
         batching = make_batching(
             recipe, data, tokenizer, config, packing=built.packing, world=dist.world_size(), rank=dist.rank()

@@ -22,7 +22,7 @@ def measure(path: str, out: Path) -> None:
 
     import lorakit
     from lorakit import dist
-    from lorakit.backends.deepspeed import DeepSpeedEngine, accelerator_name
+    from lorakit.backends.deepspeed import DeepSpeedBackend, DeepSpeedEngine, accelerator_name
     from lorakit.backends.deepspeed_config import build_ds_config
     from lorakit.data import prepare_data
     from lorakit.data.batching import make_batching
@@ -38,7 +38,7 @@ def measure(path: str, out: Path) -> None:
     ds_config = build_ds_config(recipe, dist.world_size(), accelerator=accelerator_name(), hidden_size=hidden)
     gc.collect()
     with TensorMemoryTracker("cpu") as tracker:
-        built = build_model(recipe, ds_config)
+        built = build_model(recipe, DeepSpeedBackend(recipe).load_plan(ds_config))
         tracker.rescan()  # weights read from safetensors files are made outside torch operators
         batching = make_batching(
             recipe, data, tokenizer, config, packing=built.packing, world=dist.world_size(), rank=dist.rank()

@@ -183,6 +183,7 @@ def check_engine(name: str, zero_stage: int, cache_dir: str, mesh) -> dict:
     from deepspeed.utils import safe_get_full_grad
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+    from lorakit.backends.deepspeed import DeepSpeedBackend
     from lorakit.backends.deepspeed_config import build_ds_config
     from lorakit.data.collate import PackedCausalCollator
     from lorakit.data.sequence_split import split_row
@@ -194,7 +195,7 @@ def check_engine(name: str, zero_stage: int, cache_dir: str, mesh) -> dict:
     recipe = _recipe(kind, cache_dir, 2, method or "lora", zero_stage=zero_stage)
     config = tiny_config(kind)
     ds_config = build_ds_config(recipe, mesh.world, accelerator="cpu", hidden_size=config.hidden_size)
-    split = build_model(recipe, ds_config, sp_group=mesh.sp_group)
+    split = build_model(recipe, DeepSpeedBackend(recipe).load_plan(ds_config), sp_group=mesh.sp_group)
     batch = PackedCausalCollator(128)(_rows(0, config.vocab_size, LENGTHS.get(kind, DEFAULT_LENGTHS)))
     want = WHOLE_GRADS[name]
     trainable = [p for p in split.model.parameters() if p.requires_grad]

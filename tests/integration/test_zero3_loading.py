@@ -12,6 +12,7 @@ from transformers import AutoModelForSeq2SeqLM
 from transformers.integrations import HfDeepSpeedConfig
 from lorakit.engine.launch import process_group
 from lorakit.model import build_model
+from lorakit.model.load_plan import LoadPlan
 from lorakit.recipe import recipe_from_dict
 from tests.conftest import tiny_recipe_dict
 from pathlib import Path
@@ -26,7 +27,7 @@ with process_group():
     plain = AutoModelForSeq2SeqLM.from_pretrained(resolve_model_source("tiny:t5", cache)).eval()
     with torch.no_grad():
         want = plain(input_ids=x, decoder_input_ids=y).logits
-    built = build_model(recipe, ds_config)
+    built = build_model(recipe, LoadPlan.partitioned(ds_config))
     ours = built.model.eval()
     # Outside an engine nothing gathers ZeRO-3 shards on the fly; gather the (tiny) model whole.
     with torch.no_grad(), deepspeed.zero.GatheredParameters(list(ours.parameters())):

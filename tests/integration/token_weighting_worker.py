@@ -133,6 +133,7 @@ def _counting_reduce_scatters():
 
 def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
     from lorakit import dist
+    from lorakit.backends.deepspeed import DeepSpeedBackend
     from lorakit.backends.deepspeed_config import build_ds_config
     from lorakit.data import prepare_data
     from lorakit.data.collate import padded_collator
@@ -140,6 +141,7 @@ def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
     from lorakit.engine.save import gather_adapter_state
     from lorakit.meter import TokenMeter
     from lorakit.model import build_model, load_config, load_tokenizer
+    from lorakit.model.load_plan import WHOLE
 
     gas = {"accumulate": 2, "window4": 4, "each4": 4}.get(layout, 1)
     recipe = _recipe(cache, out, kind, mode, gas)
@@ -147,7 +149,9 @@ def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
     tok = load_tokenizer(recipe, source)
     data = prepare_data(recipe, tok, config)
     ds_config = build_ds_config(recipe, dist.world_size(), accelerator="cpu")
-    built = build_model(recipe, ds_config if recipe.distributed.strategy == "deepspeed" else None)
+    # FSDP2 here loads whole in each process (then shards), as its engine below is built by hand.
+    deepspeed = recipe.distributed.strategy == "deepspeed"
+    built = build_model(recipe, DeepSpeedBackend(recipe).load_plan(ds_config) if deepspeed else WHOLE)
     _same_start(built.model)
     engine = _engine(recipe, built, ds_config)
     collate = padded_collator(tok, config)

@@ -42,7 +42,7 @@ def _engine(recipe) -> DeepSpeedEngine:
 
     backend = DeepSpeedBackend(recipe)
     config = backend.describe(load_config(recipe)[1])
-    built = build_model(recipe, backend.load_config(config))
+    built = build_model(recipe, backend.load_plan(config))
     return backend.wrap(built, config, lambda_lr_factory(2 * STEPS, 0.0, "linear"))
 
 
@@ -142,8 +142,9 @@ def _unfused_engine(recipe) -> DeepSpeedEngine:
 
     from lorakit.model import build_model, load_config
 
-    config = DeepSpeedBackend(recipe).describe(load_config(recipe)[1])
-    built = build_model(recipe, config)
+    backend = DeepSpeedBackend(recipe)
+    config = backend.describe(load_config(recipe)[1])
+    built = build_model(recipe, backend.load_plan(config))
     inner, *_ = deepspeed.initialize(
         model=built.model,
         model_parameters=[p for p in built.model.parameters() if p.requires_grad],
