@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from lorakit import dist, rundir
-from lorakit.backends import Engine
+from lorakit.backends import Engine, backend_for
 from lorakit.meter import live_tensor_bytes, peak_memory
 from lorakit.objectives import objective_type
 from lorakit.observe import trackers
@@ -70,6 +70,9 @@ class RunSummary:
     # recipe's value and does not apply: the sharding is in fsdp_config.json).
     strategy: str
     zero_stage: int
+    # How the run was sharded, as its backend describes it (Backend.describe_run): strategy, a label for
+    # people (ZeRO-3, FSDP2 full sharding) and its settings. Absent from summaries written before it.
+    backend: dict[str, Any]
     trainable_params: int
     total_params: int
     # QLoRA: type, bits, dtypes, quantized layers and base bytes (model/quantize.py); else None.
@@ -190,6 +193,7 @@ def summarize(
         world_size=world,
         strategy=recipe.distributed.strategy,
         zero_stage=recipe.distributed.zero_stage,
+        backend=backend_for(recipe).describe_run(),
         trainable_params=job.params[0],
         total_params=job.params[1],
         quantization=job.quantization,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lorakit import rundir
+from lorakit.backends import run_label
 from lorakit.disclosure import redact
 from lorakit.export.sources import MergeSource
 from lorakit.export.verify import Check
@@ -358,7 +359,8 @@ def _hardware_lines(s: dict[str, Any]) -> list[str]:
     nodes = plan.get("nodes")
     where = f"{s['world_size']} process{'es' if s['world_size'] != 1 else ''} on {device}"
     where += f" ({nodes} nodes)" if nodes and nodes > 1 else ""
-    setup = [f"ZeRO-{s['zero_stage']}"] if s.get("zero_stage") is not None else []
+    label = run_label(s)  # the backend's (ZeRO-3, FSDP2 full sharding), never a ZeRO stage for FSDP2
+    setup = [label] if label else []
     setup += [s["dtype"]] if s.get("dtype") else []
     setup += [f"attention {s['attention']}"] if s.get("attention") else []
     lines = [f"- hardware: {where}" + (f", {', '.join(setup)}" if setup else "")]

@@ -160,3 +160,29 @@ def test_collect_refuses_what_is_not_a_run_or_an_export(tmp_path):
     with pytest.raises(LorakitError, match="neither a run directory") as err:
         collect(tmp_path, "me/t")
     assert err.value.exit_code == 2 and err.value.doc_link() == "docs/publish.md#what-is-pushed"
+
+
+def _hardware_line(summary: dict) -> str:
+    raw = tiny_recipe_dict(Path("c"), Path("o"), distributed={"strategy": "fsdp", "zero_stage": 3})
+    recipe = recipe_from_dict(raw)
+    facts = HubFacts(
+        repo_id="me/fsdp", layout="adapter", method="lora", base_name="b", base_load="b",
+        is_encoder_decoder=True, recipe=recipe, recipe_text=dump_recipe(recipe), summary=summary, images=(),
+    )  # fmt: skip
+    (line,) = [x for x in hub_card(facts).splitlines() if x.startswith("- hardware:")]
+    return line
+
+
+def test_the_card_of_an_fsdp2_run_names_fsdp2_not_a_zero_stage():
+    """summary.json records the recipe's zero_stage (3 by default) for every run; an FSDP2 run's card said
+    "ZeRO-3" from it. The card now reads the backend's own description, and an older summary's strategy."""
+    from lorakit.backends.fsdp import FsdpBackend
+
+    raw = tiny_recipe_dict(Path("c"), Path("o"), distributed={"strategy": "fsdp", "zero_stage": 3})
+    recipe = recipe_from_dict(raw)
+    written = {**ROUGE_SUMMARY, "strategy": "fsdp", "backend": FsdpBackend(recipe, "cpu").describe_run()}
+    assert _hardware_line(written) == (
+        "- hardware: 8 processes on cuda, FSDP2 full sharding, bfloat16, attention flash_attention_2"
+    )
+    older = {**ROUGE_SUMMARY, "strategy": "fsdp"}  # a run directory from before summary.json's `backend`
+    assert "ZeRO" not in _hardware_line(older) and ", FSDP2, bfloat16" in _hardware_line(older)
