@@ -98,3 +98,46 @@ BACKEND_WORDS = ["deepspeed", "zero_stage", "zero-3", "ds_", "fsdp", "hasattr(",
 def test_the_job_and_the_loop_speak_only_the_protocol(name):
     text = (ENGINE_DIR / name).read_text().lower()
     assert not [w for w in BACKEND_WORDS if w in text], name
+
+
+def _strategy_comparisons(path: Path) -> list[int]:
+    """Lines of `path` comparing something's `.strategy` or the names "deepspeed" / "fsdp" (ast, so a
+    comment or a docstring is no comparison, nor export's own merge `strategy` variable)."""
+    import ast
+
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Attribute) and s.attr == "strategy" for s in sides) or any(
+                isinstance(s, ast.Constant) and s.value in ("deepspeed", "fsdp") for s in sides
+            ):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_code_outside_the_backends_compares_the_strategy():
+    package = ENGINE_DIR.parent
+    found = {
+        str(p.relative_to(package.parent)): lines
+        for p in sorted(package.rglob("*.py"))
+        if "backends" not in p.relative_to(package).parts and (lines := _strategy_comparisons(p))
+    }
+    assert not found, f"ask the backend (lorakit.backends) instead: {found}"
+    # The scan sees a comparison where there is one.
+    assert _strategy_comparisons(package / "backends" / "__init__.py")
+
+
+@pytest.mark.parametrize(
+    "strategy,stage,kind", [("deepspeed", 3, "partitioned"), ("deepspeed", 2, "whole"), ("fsdp", 3, "whole")]
+)
+def test_each_backend_plans_the_load(tmp_path, strategy, stage, kind):
+    """ZeRO-3 loads partitioned under its config, stages 0-2 whole; FSDP2 in one process whole (several
+    processes: on the meta device, tests/integration/test_fsdp.py)."""
+    from lorakit.backends import backend_for
+
+    raw = {"strategy": strategy, "zero_stage": stage}
+    recipe = tiny_recipe(tmp_path / "cache", tmp_path / "run", distributed=raw)
+    config = {"zero_optimization": {"stage": stage}}
+    plan = backend_for(recipe, "cpu").load_plan(config)
+    assert plan.kind == kind and (plan.zero_config is config) == (kind == "partitioned")
