@@ -359,8 +359,7 @@ def _hardware_lines(s: dict[str, Any]) -> list[str]:
     nodes = plan.get("nodes")
     where = f"{s['world_size']} process{'es' if s['world_size'] != 1 else ''} on {device}"
     where += f" ({nodes} nodes)" if nodes and nodes > 1 else ""
-    label = run_label(s)  # the backend's (ZeRO-3, FSDP2 full sharding), never a ZeRO stage for FSDP2
-    setup = [label] if label else []
+    setup = [label] if (label := run_label(s)) else []  # the backend's: ZeRO-3, FSDP2 full sharding
     setup += [s["dtype"]] if s.get("dtype") else []
     setup += [f"attention {s['attention']}"] if s.get("attention") else []
     lines = [f"- hardware: {where}" + (f", {', '.join(setup)}" if setup else "")]
