@@ -35,8 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             # Under torchrun: this rank stopped on an error of its own, unlike one that died without one.
             from lorakit.engine.launch import report_to_agent
+            from lorakit.engine.loop import Preempted
 
             report_to_agent(e)
+            if args.worker and isinstance(e, Preempted):
+                # A stop request: the launcher (lorakit.train) prints it once, from exit.json, for all ranks.
+                return e.exit_code
             raise
 
     from lorakit import dist

@@ -25,6 +25,7 @@ from lorakit.data.sampler import LengthGroupedBatchSampler
 from lorakit.data.token_budget import TokenBudgetBatchSampler, token_budget_for_rows
 from lorakit.data.tokenize import token_counts
 from lorakit.errors import DataError
+from lorakit.model.families.start import decoder_start_token_id
 from lorakit.recipe import Recipe
 
 # The share of a packed encoder row the two-capacity packer fills (0.94-0.97 measured, docs/packing.md).
@@ -150,7 +151,7 @@ def seq2seq_packing(
         )
         return Batching(
             sampler,
-            make_collator(None, None, config.decoder_start_token_id),
+            make_collator(None, None, decoder_start_token_id(config)),
             eval_collator,
             True,
             efficiency=sampler.efficiency(),
@@ -162,7 +163,7 @@ def seq2seq_packing(
     sampler = Seq2SeqMultipackBatchSampler(
         src, tgt, max_src, max_tgt, num_replicas=world, rank=rank, seed=t.seed
     )
-    collator = make_collator(max_src, max_tgt, config.decoder_start_token_id)
+    collator = make_collator(max_src, max_tgt, decoder_start_token_id(config))
     return Batching(
         sampler,
         collator,

@@ -210,5 +210,7 @@ def padded_collator(tokenizer, config):
     """The collator of eval batches (and of unpacked training): padded, never packed, so the loss of a row
     does not depend on which rows share its batch."""
     if getattr(config, "is_encoder_decoder", False):
-        return Seq2SeqCollator(tokenizer.pad_token_id, config.decoder_start_token_id)
+        from lorakit.model.families.start import decoder_start_token_id
+
+        return Seq2SeqCollator(tokenizer.pad_token_id, decoder_start_token_id(config))
     return CausalCollator(tokenizer.pad_token_id)

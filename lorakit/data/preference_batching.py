@@ -128,7 +128,9 @@ class Seq2SeqPairCollator:
 def pair_collator(tokenizer, config):
     """The padded pair collator of the model family (evaluation, and training without packing)."""
     if getattr(config, "is_encoder_decoder", False):
-        return Seq2SeqPairCollator(tokenizer.pad_token_id, config.decoder_start_token_id)
+        from lorakit.model.families.start import decoder_start_token_id
+
+        return Seq2SeqPairCollator(tokenizer.pad_token_id, decoder_start_token_id(config))
     return CausalPairCollator(tokenizer.pad_token_id)
 
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from lorakit.doctor.result import CheckResult, failed, passed
 from lorakit.export.verify import RELATIVE_TOLERANCE
 from lorakit.model import loss as loss_fns
+from lorakit.model.families.start import decoder_start_token_id
 
 SECTION = "contracts"
 # Example lengths of the causal packing contract: longer than tiny:mistral's sliding window (64), so the
@@ -97,7 +98,7 @@ def collators(built, packed: bool):
     from lorakit.data import collate
 
     if built.is_encoder_decoder:
-        start = built.model.config.decoder_start_token_id
+        start = decoder_start_token_id(built.model.config)
         alone = collate.Seq2SeqCollator(0, start)
         return alone, (collate.PackedSeq2SeqCollator(4096, 1024, start) if packed else alone)
     alone = collate.CausalCollator(0)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from lorakit.doctor.result import CheckResult, passed, skipped
+from lorakit.model.families.start import decoder_start_token_id
 
 SECTION = "speed"
 # Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s, without sparsity), matched against
@@ -97,7 +98,7 @@ def _collator(built, rows: list[dict], packed: bool):
     src = sum(len(r["input_ids"]) for r in rows)
     if built.is_encoder_decoder:
         tgt = sum(len(r["labels"]) for r in rows)
-        return collate.PackedSeq2SeqCollator(src, tgt, built.model.config.decoder_start_token_id)
+        return collate.PackedSeq2SeqCollator(src, tgt, decoder_start_token_id(built.model.config))
     return collate.PackedCausalCollator(max_tokens=src)
 
 

@@ -8,21 +8,52 @@ failed rank's exit code (negative: the signal that killed it) and whether the ra
 (TORCHELASTIC_ERROR_FILE, which lorakit's workers write when they stop on an error: launch.report_to_agent).
 A rank with a failure and no error file died without Python's error handling: a signal (SIGKILL from the
 out-of-memory killer), os._exit, a crash in native code.
+
+A stop request (SIGTERM: preemption, Ctrl-C's forward, scancel) is no failure: torchrun hands it to the
+workers, which checkpoint and record it (exit.json, exit 75), and its agent then raises SignalException out
+of run(). Here that ends the agent with 128 + the signal and nothing printed: no traceback, and none of
+torchrun's "death signal" / "closing signal" warnings; the launcher prints lorakit's one line.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
+# What torchrun's agent logs (WARNING) on its way through a stop request, by the logger that says it.
+_STOP_CHATTER = {
+    "torch.distributed.elastic.agent.server.api": ("death signal", "Got termination signal"),
+    "torch.distributed.elastic.multiprocessing.api": ("closing signal",),
+}
+
+
+class _DropStopChatter(logging.Filter):
+    def __init__(self, needles: tuple[str, ...]):
+        super().__init__()
+        self.needles = needles
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(n in record.getMessage() for n in self.needles)
+
+
+def quiet_stop_requests() -> None:
+    """Keep torchrun's agent from logging a stop request it is handing on (the workers' checkpoint and the
+    launcher's line say what happened); every other warning and error of the agent still shows."""
+    for name, needles in _STOP_CHATTER.items():
+        logging.getLogger(name).addFilter(_DropStopChatter(needles))
+
 
 def main(argv: list[str]) -> int:
-    """Run torchrun with `argv[1:]`; on a worker failure write FAILURES (`argv[0]`) and return 1."""
+    """Run torchrun with `argv[1:]`; on a worker failure write FAILURES (`argv[0]`) and return 1; on a stop
+    request return 128 + its signal number, silently."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     failures, args = Path(argv[0]), argv[1:]
+    quiet_stop_requests()
     try:
         run(parse_args(args))
     except ChildFailedError as e:
@@ -37,6 +68,9 @@ def main(argv: list[str]) -> int:
         }
         failures.write_text(json.dumps(ranks))
         return 1
+    except SignalException as e:
+        # The workers were stopped with the same signal and given torchrun's shutdown timeout to checkpoint.
+        return 128 + int(e.sigval)
     return 0
 
 

@@ -35,6 +35,8 @@ from lorakit.engine.summary import MemoryProbe, summarize
 from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
 from lorakit.model.families import family_of
 from lorakit.model.families.moe import describe as describe_moe
+from lorakit.model.families.multimodal import describe as describe_towers
+from lorakit.model.families.start import decoder_start
 from lorakit.model.quantize import describe_quantization, quantization_summary
 from lorakit.model.shared_prompt import sharing_problem
 from lorakit.objectives import make_batching, make_objective, prepare_data
@@ -89,6 +91,10 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
     say(batching.describe(plan, dist.world_size()))
     if moe_line := describe_moe(family_of(config), recipe.method, config):
         say(moe_line)
+    if built.is_encoder_decoder:
+        say(decoder_start(config).describe(tokenizer))
+    if recipe.method.adapter() and (towers_line := describe_towers(config, recipe.method.target_modules)):
+        say(towers_line)
     engine, quantization = start_engine(recipe, backend, built, backend_config, plan)
     # What the objective needs before any step or checkpoint load (full fine-tuning DPO: the initial
     # model's log-probabilities of every pair, as columns of the data).

@@ -231,8 +231,12 @@ def report_to_agent(error: BaseException) -> None:
 
     message = redact(f"{type(error).__name__}: {error}")
     stack = {"py_callstack": format_exception(error), "timestamp": str(int(time.time()))}
+    # Renamed into place: torchrun's agent reads the file as soon as another rank fails, possibly while this
+    # rank is still writing it, and an empty or partial file is a JSONDecodeError (and a traceback) there.
+    tmp = Path(f"{path}.{os.getpid()}.tmp")
     with contextlib.suppress(OSError):
-        Path(path).write_text(json.dumps({"message": {"message": message, "extraInfo": stack}}))
+        tmp.write_text(json.dumps({"message": {"message": message, "extraInfo": stack}}))
+        os.replace(tmp, path)
 
 
 def root_cause_line(recorded: dict[str, Any] | None, failures: dict[str, dict[str, Any]]) -> str | None:

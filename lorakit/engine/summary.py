@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from lorakit import dist, rundir
 from lorakit.backends import Engine, backend_for
 from lorakit.meter import live_tensor_bytes, peak_memory
+from lorakit.model.families.start import decoder_start_summary
 from lorakit.objectives import objective_type
 from lorakit.observe import trackers
 
@@ -64,6 +65,9 @@ class RunSummary:
     # Packed rows: {attention kind: {kernel: calls}} (causal, encoder, decoder, cross -> varlen, flex, loop;
     # lorakit.model.fused_attention), training and evaluation on rank 0; {} without packed rows.
     attention_kernels: dict[str, dict[str, int]]
+    # Encoder-decoders: the token the decoder started on in training, evaluation and generation, and the
+    # checkpoint config attribute it was read from ({token_id, token, field}; families/start.py); else None.
+    decoder_start: dict[str, Any] | None
     dtype: str
     world_size: int
     # distributed.strategy: deepspeed (ZeRO, zero_stage says which), or fsdp (FSDP2; zero_stage is the
@@ -189,6 +193,7 @@ def summarize(
         model_source=job.built.source,
         attention=job.built.attention,
         attention_kernels=job.built.inputs.kernels.counts(),
+        decoder_start=decoder_start_summary(job.config, job.tokenizer),
         dtype=recipe.model.dtype,
         world_size=world,
         strategy=recipe.distributed.strategy,

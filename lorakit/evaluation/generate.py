@@ -11,6 +11,7 @@ import torch
 from lorakit import dist
 from lorakit.data.collate import IGNORE_INDEX, left_pad_prompts
 from lorakit.data.sequence_split import EXAMPLE_INDEX, split_eval_rows
+from lorakit.model.families.start import decoder_start_token_id
 from lorakit.model.loss import token_loss_sum
 
 
@@ -70,7 +71,10 @@ def generate_texts(
     synced_gpus: bool = False,
 ) -> list[str]:
     """Greedy (or beam) generation from a padded batch of prompts (`input_ids`, `attention_mask`), decoded
-    without special tokens. Causal LMs take left-padded prompts and only the continuation is decoded."""
+    without special tokens. Causal LMs take left-padded prompts and only the continuation is decoded.
+    Encoder-decoders start their decoder on the token their family reads from the checkpoint
+    (lorakit.model.families.start), not on whatever generation_config says."""
+    start = {} if causal else {"decoder_start_token_id": decoder_start_token_id(model.config)}
     out = model.generate(
         input_ids=prompt["input_ids"].to(device),
         attention_mask=prompt["attention_mask"].to(device),
@@ -81,6 +85,7 @@ def generate_texts(
         do_sample=False,
         use_cache=True,
         synced_gpus=synced_gpus,
+        **start,
     )
     if causal:
         # A causal LM returns prompt + continuation; the prediction is the continuation.

@@ -249,7 +249,11 @@ def _merge_weights(peft_model):
 
 
 def _save_model(model, directory: Path, shard_bytes: int) -> None:
-    """Sharded safetensors (+ index when more than one shard), config and generation config."""
+    """Sharded safetensors (+ index when more than one shard), config and generation config (whose decoder
+    start token, for an encoder-decoder, is the one its family reads from the checkpoint)."""
+    from lorakit.model.families.start import start_generation_on_it
+
+    start_generation_on_it(model, model.config)
     model.save_pretrained(str(directory), max_shard_size=shard_bytes)
 
 

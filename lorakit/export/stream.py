@@ -4,7 +4,9 @@ the check that every merged tensor is W + scale * B A.
 Only the base's headers and a model skeleton on the meta device are read to plan; the merge then holds one
 tensor at a time (in float32 while it is merged) plus the adapter. Adapters whose merge is not "add
 scale * B A to one weight" (DoRA, modules_to_save, embedding or bias LoRA, fan_in_fan_out, tied weights,
-renamed or quantized checkpoints) raise CannotStream, and the caller merges in memory with peft instead.
+tensors converted on loading, quantized checkpoints) raise CannotStream, and the caller merges in memory
+with peft instead. Checkpoints whose keys transformers renames on loading (Gemma 3's language_model.model.*,
+vision_tower.vision_model.*) are read through transformers' own conversion mapping (renamed_keys).
 """
 
 from __future__ import annotations
@@ -182,16 +184,46 @@ def checkpoint_key(model_key: str, keys: set[str], prefix: str) -> str | None:
     return next((k for k in candidates if k in keys), None)
 
 
+def renamed_keys(skeleton, keys) -> tuple[dict[str, str], set[str]]:
+    """How transformers loads the checkpoint `keys` into `skeleton`: ({model parameter name: checkpoint key}
+    for every key its checkpoint conversion mapping renames, e.g. Gemma 3's language_model.model.layers.* ->
+    model.language_model.layers.*), and the keys one of its converters rewrites (merged, split or reshaped
+    on loading: no one-to-one tensor to merge into). The mapping is transformers' own
+    (conversion_mapping.get_model_conversion_mapping, which from_pretrained applies and save_pretrained
+    reverses), so the streaming merge reads the names as loading does."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # a transformers without conversion mappings loads keys as they are
+        return {}, set()
+    conversions = get_model_conversion_mapping(skeleton)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    meta = dict(skeleton.state_dict())
+    prefix = getattr(skeleton, "base_model_prefix", None) or None
+    renamed, converted = {}, set()
+    for key in keys:
+        name, pattern = rename_source_key(key, renamings, converters, prefix, meta)
+        if pattern is not None:
+            converted.add(key)
+        elif name != key:
+            renamed[name] = key
+    return renamed, converted
+
+
 def _deltas(adapter: Adapter, skeleton, entries: dict[str, Entry]) -> dict[str, Delta]:
     tied = dict(getattr(skeleton, "all_tied_weights_keys", None) or {})
     tied_names = set(tied) | set(tied.values())
     prefix = getattr(skeleton, "base_model_prefix", "") or ""
+    renamed, converted = renamed_keys(skeleton, entries)
     deltas = {}
     for module, (a, b) in sorted(adapter.pairs.items()):
         model_key = f"{module}.weight"
         if model_key in tied_names:
             raise CannotStream(f"{module} is a tied weight (its merge changes every weight tied to it)")
-        key = checkpoint_key(model_key, set(entries), prefix)
+        key = renamed.get(model_key) or checkpoint_key(model_key, set(entries), prefix)
+        if key in converted:
+            raise CannotStream(f"{key} is converted on loading (not one tensor of the model's {model_key})")
         if key is None:
             raise CannotStream(f"{model_key} has no tensor of that name in the base checkpoint (renamed)")
         shape = entries[key].shape

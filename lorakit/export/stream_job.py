@@ -31,6 +31,7 @@ from lorakit.export.shards import (
 from lorakit.export.sources import MergeSource
 from lorakit.export.stream import CannotStream, Probe, StreamPlan, merge_tensor, plan
 from lorakit.export.verify import compare, probe_batch, probe_logits
+from lorakit.model.families.start import start_generation_on_it
 
 VERIFY = ("auto", "always", "never")
 # The logits check loads the base (then the export) once: room means that much memory, plus working space.
@@ -184,7 +185,7 @@ def _checked(key: str, tensor: torch.Tensor, probe: Probe, delta) -> float:
 
 def _save_config(plan: StreamPlan, src: MergeSource, config, torch_dtype: torch.dtype, directory: Path):
     """config.json as save_pretrained writes it for the merged model (use_cache on for serving), and the
-    base's generation config."""
+    base's generation config (an encoder-decoder's starting its decoder on its family's start token)."""
     from transformers import GenerationConfig
 
     config = config.__class__.from_dict(config.to_dict())  # a copy: the caller's config stays as it is
@@ -200,6 +201,7 @@ def _save_config(plan: StreamPlan, src: MergeSource, config, torch_dtype: torch.
         gen = GenerationConfig.from_pretrained(str(plan.base_dir))
     except OSError:
         gen = GenerationConfig.from_model_config(config)
+    start_generation_on_it(gen, config)
     gen.save_pretrained(str(directory))
 
 

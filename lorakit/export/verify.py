@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from lorakit.model.families.start import decoder_start_token_id
+
 RELATIVE_TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}
 # The most the merged model may differ from the adapter model, as a share of how far the adapter moves the base
 # (a no-op merge is at 1.0; bf16 rounding of a correct one stays near or below a third).
@@ -43,7 +45,7 @@ def probe_batch(config, vocab_size: int) -> dict[str, torch.Tensor]:
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if getattr(config, "is_encoder_decoder", False):
         dec = torch.randint(0, vocab_size, (PROBE_ROWS, PROBE_LENGTH // 2), generator=gen)
-        dec[:, 0] = config.decoder_start_token_id
+        dec[:, 0] = decoder_start_token_id(config)
         batch["decoder_input_ids"] = dec
     return batch
 

@@ -28,6 +28,9 @@ def peft_config(method: MethodSection, is_encoder_decoder: bool, family=None, mo
     method.train_router, the router) are peft `target_parameters`, and all-linear becomes the names of
     `model`'s linear layers: given as "all-linear", peft 0.21 would rewrite it for transformers 5's fused MoE
     layout itself, adapting the router and doubling the experts' rank (peft.utils.transformers_weight_conversion)."""
+    # A multimodal checkpoint's vision tower and projector stay out of a text adapter unless the recipe
+    # names them (lorakit.model.families.multimodal).
+    exclude = _towers_pattern(method, model)
     if method.kind == "ia3":
         from peft import IA3Config
 
@@ -35,6 +38,7 @@ def peft_config(method: MethodSection, is_encoder_decoder: bool, family=None, mo
         return IA3Config(
             # None: peft's IA3 defaults for the architecture (targets and feedforward modules together).
             target_modules=method.target_modules if listed else None,
+            exclude_modules=exclude,
             feedforward_modules=method.feedforward_modules or ([] if listed else None),
             modules_to_save=method.modules_to_save,
             task_type=_task_type(is_encoder_decoder),
@@ -48,12 +52,22 @@ def peft_config(method: MethodSection, is_encoder_decoder: bool, family=None, mo
         lora_dropout=method.dropout,
         target_modules=target_modules,
         target_parameters=target_parameters,
+        exclude_modules=exclude,
         use_dora=method.use_dora,
         use_rslora=method.use_rslora,
         init_lora_weights=_INIT[method.init],
         modules_to_save=method.modules_to_save,
         task_type=_task_type(is_encoder_decoder),
     )
+
+
+def _towers_pattern(method: MethodSection, model) -> str | None:
+    """peft's exclude_modules for the towers of `model`'s checkpoint that the adapter leaves alone."""
+    if model is None:
+        return None
+    from lorakit.model.families.multimodal import exclude_pattern, towers_left_alone
+
+    return exclude_pattern(towers_left_alone(model.config, method.target_modules))
 
 
 def _moe_targets(method: MethodSection, family, model) -> tuple[Any, list[str] | None]:

@@ -15,6 +15,7 @@ from lorakit.model.adapter import peft_config
 from lorakit.model.attention import choose_attention, packing_enabled, set_attention_dropout
 from lorakit.model.families import Family, family_of
 from lorakit.model.families.moe import check_method
+from lorakit.model.families.start import start_generation_on_it
 from lorakit.model.families.unknown import loadable_class
 from lorakit.model.inputs import ModelInputs
 from lorakit.model.load_plan import WHOLE, LoadPlan
@@ -125,6 +126,8 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
     _set_zero3_leaves(family, model)
     # The KV cache is for generation; in training it changes how packed/masked attention is built.
     model.config.use_cache = False
+    # Evaluation's generate() starts the decoder where training's collators do (families/start.py).
+    start_generation_on_it(model, config)
     set_attention_dropout(model, recipe.model.attention_dropout)
     if recipe.model.gradient_checkpointing:
         enable_checkpointing(model)

@@ -18,6 +18,7 @@ from typing import Any
 from lorakit.errors import RecipeError
 from lorakit.model.families import family_of
 from lorakit.model.families.base import Shape
+from lorakit.model.families.multimodal import in_towers, left_alone, towers_of
 from lorakit.model.families.unknown import loadable_class
 from lorakit.planner.units import PlanError
 
@@ -151,6 +152,10 @@ class Arch(Shape):
     # dtype; unstated: float32, transformers' default).
     blocks: tuple[str, ...] = ()
     stored_dtype_bytes: int = 4
+    # A multimodal checkpoint's modules besides the language model (Gemma 3's vision_tower and
+    # multi_modal_projector), which a text adapter leaves out unless target_modules names them
+    # (lorakit.model.families.multimodal); () for text-only models.
+    towers: tuple[str, ...] = ()
 
     def caveat(self) -> str | None:
         """The generic family's "not proven" sentence for this model (None for a registered family)."""
@@ -168,9 +173,14 @@ class Arch(Shape):
 
     def lora_targets(self, target_modules) -> list[Linear]:
         """The linear layers peft gives a LoRA adapter: `all-linear` is every linear layer but the output
-        head; a list matches module names equal to an entry or ending in "." + entry (peft's rule)."""
+        head; a list matches module names equal to an entry or ending in "." + entry (peft's rule). Neither
+        reaches into a multimodal checkpoint's towers that the list does not name (peft's exclude_modules,
+        as lorakit.model.adapter sets it)."""
+        skip = left_alone(self.towers, target_modules)
         out = []
         for lin in self.linears:
+            if in_towers(lin.name, skip):
+                continue
             if target_modules == "all-linear":
                 if lin.name != self.head:
                     out.append(lin)
@@ -326,6 +336,7 @@ def _arch(config_json: str, config_cls, trust_remote_code: bool) -> Arch:
         fused_params=_fused_params(family, model),
         blocks=tuple(n for n, m in model.named_modules() if type(m).__name__ in block_types),
         stored_dtype_bytes=2 if str(getattr(config, "dtype", None)).endswith(("bfloat16", "float16")) else 4,
+        towers=towers_of(config),
     )
 
 

@@ -219,6 +219,19 @@ def test_a_run_refused_killed_crashed_out_of_space_and_preempted_resumes_like_un
     assert stopped.returncode == 75, stopped.stderr[-5000:]
     assert _resumed_from(stopped, run, 4)
     assert "relaunch the same command to resume" in stopped.stderr.lower()
+    # The console ends with lorakit's one line (and its doc pointer), said once for every rank: no traceback
+    # from torchrun's agent (SignalException), none of its "death signal" / "closing signal" warnings, no
+    # rank repeating it.
+    assert "Traceback" not in stopped.stderr, stopped.stderr[-5000:]
+    assert "death signal" not in stopped.stderr and "closing signal" not in stopped.stderr, stopped.stderr[
+        -5000:
+    ]
+    assert stopped.stderr.count("stopped at step") == 1, stopped.stderr[-5000:]
+    last = stopped.stderr.strip().splitlines()[-2:]
+    assert (
+        last[0].startswith("error: stopped at step ")
+        and last[1] == "see docs/resume.md#preemption-sigterm-and-sigusr1"
+    )
     ckpts = complete_checkpoints(run)
     stopped_at = ckpts[-1].step
     assert 6 <= stopped_at < STEPS and ckpts[-1].state["reason"] == "preempted"

@@ -32,6 +32,9 @@ FLOORS = {
     "lorakit.recipe": 2,
     "lorakit.data": 3,
     "lorakit.model": 4,
+    # What lorakit knows about each architecture (pure records, no model code): the data layer's collators
+    # read the decoder start token there (families/start.py).
+    "lorakit.model.families": 3,
     "lorakit.testing": 5,
     "lorakit.evaluation": 5,
     "lorakit.objectives": 6,

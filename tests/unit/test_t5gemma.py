@@ -8,6 +8,7 @@ import torch
 
 from lorakit.data.collate import PackedSeq2SeqCollator
 from lorakit.model.families import family_named, family_of
+from lorakit.model.families.start import decoder_start_token_id
 from lorakit.model.inputs import ModelInputs, _as_mask
 from lorakit.model.stacked_masks import segment_positions, stacked_packed_kwargs
 from lorakit.testing import SPECIAL_TOKENS, TINY_VOCAB_SIZE, tiny_config
@@ -39,7 +40,7 @@ def test_positions_restart_per_example():
 
 def test_packed_equals_alone_in_encoder_decoder_and_cross_attention():
     model = _tiny()
-    collate = PackedSeq2SeqCollator(None, None, model.config.decoder_start_token_id)
+    collate = PackedSeq2SeqCollator(None, None, decoder_start_token_id(model.config))
     inputs = ModelInputs(model.config, "eager", torch.float32)
     rows = _rows()
     batch = collate(rows)

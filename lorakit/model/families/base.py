@@ -136,6 +136,12 @@ class Family:
     # Mixture-of-experts families: their experts and router (None: a dense MLP).
     moe: MoeLayout | None = None
     unproven: tuple[str, ...] = ()
+    # Encoder-decoders: where the checkpoint's config keeps the token its decoder starts on, as attribute
+    # paths tried in order (lorakit.model.families.start reads them); unused for causal LMs.
+    decoder_start: tuple[str, ...] = ("decoder_start_token_id",)
+    # Multimodal checkpoints: the top-level modules besides the language model (Gemma 3's vision_tower and
+    # multi_modal_projector), which text fine-tuning leaves alone (lorakit.model.families.multimodal).
+    towers: tuple[str, ...] = ()
 
     def packs(self, attention: str) -> bool:
         """Whether packed rows of this family are exact on the `attention` backend."""

@@ -10,7 +10,12 @@ no tiled loss. Gemma 3 caps neither (its checkpoints set both to null) and adds 
 
 Gemma 3's multimodal checkpoints (model type gemma3, Gemma3ForConditionalGeneration: Gemma-3-4B and up)
 hold the language model's sizes in `text_config`; the planner and the packed masks read them there
-(lorakit.model.families.base.text_config). Gemma-3-1B and 270M are text-only (gemma3_text)."""
+(lorakit.model.families.base.text_config). Text fine-tuning adapts their language model only, never the
+vision tower or the projector (`towers`, lorakit.model.families.multimodal); lorakit.testing's
+build_tiny_gemma3_multimodal builds one with a small SigLIP tower, saved in the hub's key names. Gemma-3-1B
+and 270M are text-only (gemma3_text)."""
+
+from dataclasses import replace
 
 from lorakit.model.families.base import ALL_BACKENDS, packed
 from lorakit.model.families.decoder import CAUSAL_PACKING, TINY_SLIDING_WINDOW, causal_family, causal_tiny
@@ -40,9 +45,14 @@ GEMMA2 = causal_family(
     tiled_loss=False,
 )
 
-GEMMA3 = causal_family(
-    "gemma3",
-    causal_tiny("Gemma3TextConfig", "Gemma3ForCausalLM", **_TINY),
-    model_types=("gemma3_text", "gemma3"),
-    attention=CAUSAL_PACKING,
+GEMMA3 = replace(
+    causal_family(
+        "gemma3",
+        causal_tiny("Gemma3TextConfig", "Gemma3ForCausalLM", **_TINY),
+        model_types=("gemma3_text", "gemma3"),
+        attention=CAUSAL_PACKING,
+    ),
+    # Gemma3ForConditionalGeneration's modules besides the language model (model.vision_tower: SigLIP;
+    # model.multi_modal_projector), left alone by text fine-tuning (lorakit.model.families.multimodal).
+    towers=("vision_tower", "multi_modal_projector"),
 )

@@ -73,4 +73,6 @@ FAMILY = Family(
     tiled_loss=False,
     tiled_mlp=None,
     tiny=Tiny(tokenizer="t5", config=_tiny_config, model=_tiny_model),
+    # T5 and mT5 checkpoints set decoder_start_token_id (0, their pad); T5 starts on pad where one does not.
+    decoder_start=("decoder_start_token_id", "pad_token_id"),
 )

@@ -46,13 +46,13 @@ TINY_SLIDING_WINDOW = 8
 def _tiny_config(vocab_size: int, bos: int, **shape: Any):
     from transformers import T5GemmaConfig
 
-    # lorakit's tiny tokenizer in T5's layout (pad 0, </s> 1); the decoder starts on pad, as the tiny T5's.
+    # Configured as google/t5gemma-* ship: pad 0, eos 1, and the decoder starting on its bos (lorakit's <s>
+    # here, 2 in Gemma's vocabulary), which differs from pad; no decoder_start_token_id anywhere.
     stack = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
                  sliding_window=TINY_SLIDING_WINDOW, max_position_embeddings=TINY_MAX_LENGTH,
-                 pad_token_id=0, eos_token_id=1, bos_token_id=0)  # fmt: skip
-    return T5GemmaConfig(encoder=dict(stack), decoder=dict(stack), vocab_size=vocab_size,
-                         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, bos_token_id=0)  # fmt: skip
+                 pad_token_id=0, eos_token_id=1, bos_token_id=bos)  # fmt: skip
+    return T5GemmaConfig(encoder=dict(stack), decoder=dict(stack), vocab_size=vocab_size)
 
 
 def _tiny_model(config):
@@ -71,4 +71,7 @@ FAMILY = Family(
     tiled_loss=False,
     tiled_mlp=None,
     tiny=Tiny(tokenizer="t5", config=_tiny_config, model=_tiny_model),
+    # transformers' T5Gemma shifts labels right onto the decoder's bos (its config has no
+    # decoder_start_token_id).
+    decoder_start=("decoder.bos_token_id",),
 )

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 # Bump when anything in the construction changes (tokenizer, config, init): cached directories are keyed by
 # it, so a stale build is never picked up.
-TINY_VERSION = 2
+TINY_VERSION = 3
 TINY_VOCAB_SIZE = 2000
 
 PAD, EOS, UNK, BOS = "<pad>", "</s>", "<unk>", "<s>"
