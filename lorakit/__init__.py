@@ -10,11 +10,12 @@ from lorakit.recipe import Recipe, load_recipe
 __version__ = "0.1.0"
 
 
-def train(recipe):
-    """Train a recipe; returns TrainResult(run_dir, summary). See lorakit.api.train."""
+def train(recipe, train_dataset=None, eval_dataset=None):
+    """Train a recipe; returns TrainResult(run_dir, summary). `train_dataset` / `eval_dataset`
+    (datasets.Dataset) replace data.source's rows (docs/data.md). See lorakit.api.train."""
     from lorakit.api import train as _train
 
-    return _train(recipe)
+    return _train(recipe, train_dataset=train_dataset, eval_dataset=eval_dataset)
 
 
 def merge(source, output, **options):
