@@ -4,6 +4,7 @@ import lorakit
 result = lorakit.train(lorakit.load_recipe("recipes/quickstart.yaml", ["train.epochs=1"]))
 """
 
+import lorakit.objectives  # noqa: F401  (registers the built-in objectives and their recipe sections)
 from lorakit.errors import DataError, LorakitError, RecipeError
 from lorakit.recipe import Recipe, load_recipe
 

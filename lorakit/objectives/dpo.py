@@ -30,7 +30,7 @@ from lorakit.data.preference_shared import PAIR_SPANS
 from lorakit.errors import InferenceError
 from lorakit.model.loss import sequence_log_probs
 from lorakit.objectives.base import Objective, Passes
-from lorakit.recipe.dpo_section import DPO, DPO_METRICS
+from lorakit.objectives.dpo_settings import DPO, DPO_METRICS
 
 
 def preference_loss(

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lorakit.objectives.alignment_settings import ORPO
 from lorakit.objectives.base import Passes
 from lorakit.objectives.dpo import DpoObjective, metric_sums, sides
 from lorakit.objectives.simpo import response_tokens
-from lorakit.recipe.alignment_section import ORPO
 
 
 def log_odds(mean_log_prob: torch.Tensor) -> torch.Tensor:
