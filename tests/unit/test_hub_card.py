@@ -160,3 +160,11 @@ def test_collect_refuses_what_is_not_a_run_or_an_export(tmp_path):
     with pytest.raises(LorakitError, match="neither a run directory") as err:
         collect(tmp_path, "me/t")
     assert err.value.exit_code == 2 and err.value.doc_link() == "docs/publish.md#what-is-pushed"
+
+
+def test_the_card_names_the_objective_summary_json_records():
+    def card(summary):
+        return hub_card(HubFacts("me/m", "adapter", "lora", "./llama", "./llama", False, summary=summary))
+
+    assert "- objective: orpo\n" in card({**ROUGE_SUMMARY, "objective": "orpo"})
+    assert "- objective:" not in card(ROUGE_SUMMARY)  # an older summary: nothing recorded, nothing claimed
