@@ -127,9 +127,6 @@ class DpoObjective(Objective):
     evaluation scores the eval pairs (evaluate_preferences), never generations."""
 
     spec = DPO
-    sequences = 2  # chosen and rejected
-    # The reference pass (or, for full fine-tuning, the pass before training): counted by the planner.
-    no_grad_forward = True
 
     def __init__(
         self,
