@@ -4,6 +4,7 @@ import lorakit
 result = lorakit.train(lorakit.load_recipe("recipes/quickstart.yaml", ["train.epochs=1"]))
 """
 
+import lorakit.objectives  # noqa: F401  (registers the built-in objectives and their recipe sections)
 from lorakit import backends as _backends
 from lorakit.errors import DataError, LorakitError, RecipeError
 from lorakit.recipe import Recipe, load_recipe
@@ -14,11 +15,12 @@ _backends.install_recipe_checks()
 __version__ = "0.1.0"
 
 
-def train(recipe):
-    """Train a recipe; returns TrainResult(run_dir, summary). See lorakit.api.train."""
+def train(recipe, train_dataset=None, eval_dataset=None):
+    """Train a recipe; returns TrainResult(run_dir, summary). `train_dataset` / `eval_dataset`
+    (datasets.Dataset) replace data.source's rows (docs/data.md). See lorakit.api.train."""
     from lorakit.api import train as _train
 
-    return _train(recipe)
+    return _train(recipe, train_dataset=train_dataset, eval_dataset=eval_dataset)
 
 
 def merge(source, output, **options):

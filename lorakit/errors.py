@@ -45,17 +45,36 @@ def _rebuild(cls: type[LorakitError], args: tuple, doc: str | None) -> LorakitEr
 
 
 RECIPE_REFERENCE = "docs/recipes.md"
-# The recipe's top-level sections, in schema order: this module sits below lorakit.recipe, which imports it,
-# so it names them here; tests/docs/test_error_docs.py checks they are the schema's.
+# The recipe's declared top-level sections, in schema order: this module sits below lorakit.recipe, which
+# imports it, so it names them here; tests/docs/test_error_docs.py checks they are the schema's.
 RECIPE_SECTIONS = (
-    "model", "method", "data", "train", "distributed", "eval", "checkpoint", "dpo", "orpo", "kto", "output", "preflight",
+    "model", "method", "data", "train", "distributed", "eval", "checkpoint", "output", "preflight",
 )  # fmt: skip
+# The sections registered objectives add (lorakit.recipe.known_objectives keeps this list with its registry).
+_OBJECTIVE_SECTIONS: list[str] = []
+
+
+def add_recipe_section(name: str) -> None:
+    """Make `name.key` in a RecipeError's message link the reference's section `name` (an objective's)."""
+    if name not in _OBJECTIVE_SECTIONS:
+        _OBJECTIVE_SECTIONS.append(name)
+
+
+def remove_recipe_section(name: str) -> None:
+    """Forget a section add_recipe_section added."""
+    if name in _OBJECTIVE_SECTIONS:
+        _OBJECTIVE_SECTIONS.remove(name)
+
+
+def recipe_sections() -> tuple[str, ...]:
+    """Every top-level section of the recipe: the declared ones, then those of registered objectives."""
+    return (*RECIPE_SECTIONS, *_OBJECTIVE_SECTIONS)
 
 
 def recipe_section_link(message: str) -> str | None:
     """The recipe reference's section (`docs/recipes.md#train`) of the first `section.key` field a message
     names (each section of the schema is a heading of the generated page), or None."""
-    sections = "|".join(RECIPE_SECTIONS)
+    sections = "|".join(map(re.escape, recipe_sections()))
     m = re.search(rf"(?<![\w./-])({sections})\.[a-z_]+", message)
     return f"{RECIPE_REFERENCE}#{m[1]}" if m else None
 

@@ -59,6 +59,9 @@ class RunSummary:
     method: str
     # method.kind's options as comparisons label them (dora, rslora, pissa, lora+ x16, ...); [] for none.
     method_options: list[str]
+    # train.objective, as registered (sft, dpo, orpo, kto, a plugin's): lorakit.compare and the Hub card
+    # read it here rather than guess it from the metrics (ORPO reports DPO's).
+    objective: str
     model: str
     model_source: str
     attention: str
@@ -189,6 +192,7 @@ def summarize(
         method=recipe.method.kind,
         # A DPO run reads `lora (dpo beta=0.1)` beside its SFT twin in lorakit.compare.
         method_options=recipe.method.options() + objective_type(recipe).method_options(recipe),
+        objective=recipe.train.objective,
         model=recipe.model.name_or_path,
         model_source=job.built.source,
         attention=job.built.attention,

@@ -305,6 +305,8 @@ def _training(f: HubFacts, s: dict[str, Any]) -> list[str]:
         lines.append(f"- method: ia3: target_modules={r.method.target_modules}")
     else:
         lines.append(f"- method: {f.method}")
+    if isinstance(s.get("objective"), str):  # train.objective, as summary.json records it
+        lines.append(f"- objective: {s['objective']}")
     if s.get("trainable_params") and s.get("total_params"):
         lines.append(
             f"- trainable parameters: {_number(s['trainable_params'])} of {_number(s['total_params'])}"

@@ -1,5 +1,7 @@
 """Training objectives as a type: one module per objective family (sft.py; dpo.py with its IPO and SimPO
-variants), each an Objective (base.py) registered under its train.objective (registry.py)."""
+variants; orpo.py, kto.py), each an Objective (base.py) registered with its settings model under its
+train.objective (registry.py). Importing this package (lorakit's own __init__ does) registers the built-ins
+(builtin.py) with the recipe; it loads no torch: an objective's module is loaded when a run asks for it."""
 
 from lorakit.objectives.base import Objective
 from lorakit.objectives.registry import (
@@ -9,8 +11,11 @@ from lorakit.objectives.registry import (
     objective_type,
     prepare_data,
     register,
+    register_built_ins,
     unregister,
 )
+
+register_built_ins()
 
 __all__ = [
     "Objective",

@@ -9,8 +9,8 @@ holding the whole window, as for token-weighted SFT.
 Around the loop, the objective says how its rows are prepared and batched (prepare_data, make_batching),
 what training needs before the first step (prepare_training: full fine-tuning DPO's reference
 log-probabilities), how a run is evaluated (evaluation_data, evaluate), how summary.json names it
-(method_options) and what the memory planner adds (sequences, no_grad_forward, plan_notes,
-describe_plan, and `passes`: the sequences and reference pass it runs). Its `spec` (lorakit.recipe.objective_spec) is what the recipe knows: its name, section,
+(method_options) and what the memory planner adds (plan_notes, describe_plan, and `passes`: the sequences and
+reference pass it runs). Its `spec` (lorakit.recipe.objective_spec) is what the recipe knows: its name, section,
 refusals and metrics.
 
 The defaults are SFT's rows, batching and evaluation: an objective computing another loss over the same
@@ -57,11 +57,6 @@ class Objective(ABC):
     """A training objective: its loss and divisor, its rows, its reference pass, evaluation and metrics."""
 
     spec: ClassVar[ObjectiveSpec]
-    # The planner (lorakit.planner): sequences each example puts in a micro-batch (a preference pair: 2;
-    # encoder-decoders run its prompt once and the decoder that many times), and whether every
-    # micro-batch also runs a no-grad forward of its own size (a reference pass).
-    sequences: ClassVar[int] = 1
-    no_grad_forward: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -139,8 +134,8 @@ class Objective(ABC):
     @classmethod
     def passes(cls, recipe) -> Passes:
         """The planner hook: the sequences and reference pass one micro-batch of `recipe` runs (default:
-        the `sequences` and `no_grad_forward` class attributes)."""
-        return Passes(cls.sequences, "live" if cls.no_grad_forward else None)
+        SFT's, one sequence per example and no reference pass)."""
+        return Passes()
 
     @classmethod
     def describe_plan(cls, no_grad_forward: str) -> str | None:

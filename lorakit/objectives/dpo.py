@@ -30,7 +30,7 @@ from lorakit.data.preference_shared import PAIR_SPANS
 from lorakit.errors import InferenceError
 from lorakit.model.loss import sequence_log_probs
 from lorakit.objectives.base import Objective, Passes
-from lorakit.recipe.dpo_section import DPO, DPO_METRICS
+from lorakit.objectives.dpo_settings import DPO, DPO_METRICS
 
 
 def preference_loss(
@@ -127,9 +127,6 @@ class DpoObjective(Objective):
     evaluation scores the eval pairs (evaluate_preferences), never generations."""
 
     spec = DPO
-    sequences = 2  # chosen and rejected
-    # The reference pass (or, for full fine-tuning, the pass before training): counted by the planner.
-    no_grad_forward = True
 
     def __init__(
         self,

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from lorakit import dist
+from lorakit.objectives.alignment_settings import KTO, KTO_STEP_METRICS
 from lorakit.objectives.base import Passes
 from lorakit.objectives.dpo import DpoObjective, cached_reference, model_kind, reference_model, sides
-from lorakit.recipe.alignment_section import KTO, KTO_STEP_METRICS
 
 # Batch key of the rows' labels (True: desirable), in the order of the pairs.
 LABELS = "kto_desirable"

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lorakit.objectives.alignment_settings import ORPO
 from lorakit.objectives.base import Passes
 from lorakit.objectives.dpo import DpoObjective, metric_sums, sides
 from lorakit.objectives.simpo import response_tokens
-from lorakit.recipe.alignment_section import ORPO
 
 
 def log_odds(mean_log_prob: torch.Tensor) -> torch.Tensor:
@@ -53,11 +53,12 @@ class OrpoObjective(DpoObjective):
     """The ORPO loss over a batch of pairs (DPO's layouts); divisor: pairs. No reference pass."""
 
     spec = ORPO
-    no_grad_forward = False
 
     def __init__(self, weight: float, *, encoder_decoder: bool):
-        super().__init__(weight, encoder_decoder=encoder_decoder)
-        self.weight = weight
+        # Of DPO it keeps the pair layouts and log-probabilities only: no beta, loss variant or reference
+        # (DpoObjective.__init__'s), so nothing of DPO's loss can read the odds-ratio weight by mistake.
+        self.weight, self.encoder_decoder = weight, encoder_decoder
+        self.cached_reference = False  # no reference model, full fine-tuning included
 
     @classmethod
     def from_recipe(cls, recipe, config) -> OrpoObjective:

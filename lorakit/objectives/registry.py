@@ -1,42 +1,55 @@
 """The registry of training objectives, keyed by `train.objective`.
 
-The built-ins are listed here; `register(Cls)` adds one (its spec too, so a recipe naming it validates).
-Callers ask for the recipe's objective (objective_type, make_objective) or go through it (prepare_data,
-make_batching): nothing outside lorakit.objectives compares an objective's name.
+An objective is registered with the model of its settings, as peft registers a tuner with its config class:
+`register(Cls, Settings)` makes `Cls.spec.name` a valid train.objective and `Settings` the recipe's section of
+that name (lorakit.recipe.known_objectives validates it). The built-ins (builtin.py) are registered the same
+way when lorakit.objectives is imported, their classes loaded on first use. Callers ask for the recipe's
+objective (objective_type, make_objective) or go through it (prepare_data, make_batching): nothing outside
+lorakit.objectives compares an objective's name.
 """
 
 from __future__ import annotations
 
+import importlib
+
+from pydantic import BaseModel
+
 from lorakit.errors import RecipeError
 from lorakit.objectives.base import Objective
-from lorakit.objectives.dpo import DpoObjective
-from lorakit.objectives.kto import KtoObjective
-from lorakit.objectives.orpo import OrpoObjective
-from lorakit.objectives.sft import SftObjective
+from lorakit.objectives.builtin import BUILT_IN
 from lorakit.recipe.known_objectives import register_spec, unregister_spec
 
-_BUILT_IN: dict[str, type[Objective]] = {
-    cls.spec.name: cls for cls in (SftObjective, DpoObjective, OrpoObjective, KtoObjective)
-}
-# The process's objectives: the built-ins, and any registered since (a registry: mutable by design).
-_OBJECTIVES: dict[str, type[Objective]] = dict(_BUILT_IN)
+# The process's objectives: a class, or `module:Class` of a built-in not loaded yet (a registry: mutable by
+# design).
+_OBJECTIVES: dict[str, type[Objective] | str] = {}
 
 
-def register(objective: type[Objective]) -> type[Objective]:
-    """Make `objective` trainable under `objective.spec.name` (train.objective); returns it, so it can
-    decorate the class. ValueError when the name is taken by another objective."""
+def register_built_ins() -> None:
+    """Register the objectives lorakit ships, with their settings (idempotent; torch-free)."""
+    for b in BUILT_IN:
+        register_spec(b.spec, b.settings)
+        _OBJECTIVES.setdefault(b.spec.name, b.where)
+
+
+def register(objective: type[Objective], settings: type[BaseModel] | None = None) -> type[Objective]:
+    """Make `objective` trainable under `objective.spec.name` (train.objective), with `settings` (a pydantic
+    model, best a lorakit.recipe.section.Section) validating the recipe's top-level section of that name,
+    which the objective reads as `recipe.NAME` (known_objectives.section_of). Returns `objective`.
+    ValueError when the name is taken by another objective or settings model. Registering may happen at
+    any time before a recipe naming the objective is validated."""
     name = objective.spec.name
     held = _OBJECTIVES.get(name)
     if held is not None and held is not objective:
-        raise ValueError(f"train.objective {name!r} is already registered ({held.__qualname__})")
-    register_spec(objective.spec)
+        shown = held if isinstance(held, str) else held.__qualname__
+        raise ValueError(f"train.objective {name!r} is already registered ({shown})")
+    register_spec(objective.spec, settings)
     _OBJECTIVES[name] = objective
     return objective
 
 
 def unregister(name: str) -> None:
-    """Forget a registered objective (the built-ins stay)."""
-    if name not in _BUILT_IN:
+    """Forget a registered objective and its section (the built-ins stay)."""
+    if name not in {b.spec.name for b in BUILT_IN}:
         _OBJECTIVES.pop(name, None)
         unregister_spec(name)
 
@@ -49,6 +62,9 @@ def objective_named(name: str) -> type[Objective]:
             f"train.objective {name!r}: no such objective; known: {', '.join(sorted(_OBJECTIVES))} "
             "(lorakit.objectives.register adds one)"
         )
+    if isinstance(found, str):
+        module, _, cls = found.partition(":")
+        found = _OBJECTIVES[name] = getattr(importlib.import_module(module), cls)
     return found
 
 

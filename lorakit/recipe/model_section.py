@@ -62,7 +62,7 @@ class ModelSection(Section):
         "tile x vocabulary, in fp32), for one more head forward per step. auto: on with "
         "distributed.sequence_parallel > 1 or train.max_tokens of 32768 or more, for SFT on causal LMs "
         "whose logits are the head's output (Llama, Mistral, Mixtral, Qwen2/3, Phi-3, Gemma, OLMo 2). "
-        "Not with train.objective dpo. See docs/long-context.md.",
+        "Not with objectives whose loss needs the logits (the preference ones). See docs/long-context.md.",
     )
     loss_tile_tokens: int | None = Field(
         None,

@@ -1,8 +1,9 @@
 """What the recipe knows of a training objective: the pure-data ObjectiveSpec that `train.objective` names.
 
 The objective itself (its loss, batching, reference pass, evaluation, planner extras) is a
-lorakit.objectives.Objective, which carries its spec; the recipe, below it, validates against the specs
-alone (lorakit.recipe.known_objectives), so checking a recipe never imports torch.
+lorakit.objectives.Objective, which carries its spec; the recipe, below it, validates against the specs and
+settings models registered with it (lorakit.recipe.known_objectives), so checking a recipe never imports
+torch.
 """
 
 from __future__ import annotations
@@ -14,16 +15,14 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ObjectiveSpec:
-    """A training objective as the recipe sees it: its name, its section, what it refuses, what it reports."""
+    """A training objective as the recipe sees it: its name, what it refuses, what it reports. Its own
+    settings, when it has any, are the recipe section of the same name (registered with the spec)."""
 
     name: str
-    # The Recipe field holding this objective's own settings (`dpo`); None: it has none. Another
-    # objective's section must stay at its defaults (a dpo section in an SFT recipe is a mistake).
-    section: str | None = None
     # Whole-recipe refusals: called with the validated Recipe, raises ValueError naming the field.
     check: Callable[[Any], None] | None = None
     # What its evaluation reports besides `loss` (means over its units): `eval.NAME` for
-    # checkpoint.best_metric, and how lorakit.compare recognises one of its runs from its records.
+    # checkpoint.best_metric.
     eval_metrics: tuple[str, ...] = ()
     # Why model.tiled_loss (SFT's token cross-entropy over tiles, no logits) cannot compute its loss;
     # None: it can (and model.tiled_loss auto may tile it).
@@ -35,4 +34,5 @@ class ObjectiveSpec:
     loss_label: str | None = None
 
 
+# The default objective's spec (train.objective's default; lorakit.objectives registers it as a built-in).
 SFT = ObjectiveSpec(name="sft", no_tiled_loss=None, no_sequence_parallel=None)

@@ -25,6 +25,7 @@ from pydantic.fields import FieldInfo
 
 from lorakit import storage
 from lorakit.recipe.distributed_section import backend_rules
+from lorakit.recipe.known_objectives import settings_sections
 from lorakit.recipe.schema import Recipe
 
 REGENERATE = "python -m lorakit.recipe.reference --write docs/recipes.md"
@@ -180,8 +181,9 @@ def _rules(messages: list[str]) -> list[str]:
 
 
 def section_models() -> list[tuple[str, type[BaseModel]]]:
-    """The recipe's sections, in schema order, with their models."""
-    return [(name, field.annotation) for name, field in Recipe.model_fields.items()]
+    """The recipe's sections with their models: the declared ones in schema order, then each registered
+    objective's (known_objectives: the built-ins, and any plugin registered in this process)."""
+    return [(name, field.annotation) for name, field in Recipe.model_fields.items()] + settings_sections()
 
 
 def _model_in(annotation: Any) -> tuple[type[BaseModel], str] | None:
@@ -226,7 +228,8 @@ def generate() -> str:
     names = ", ".join(f"[`{name}`](#{name})" for name, _ in sections)
     lines = [_INTRO.format(count=_count_word(len(sections)), sections=names).rstrip("\n")]
     for name, model in sections:
-        required = "required section" if Recipe.model_fields[name].is_required() else "optional section"
+        field = Recipe.model_fields.get(name)
+        required = "required section" if field is not None and field.is_required() else "optional section"
         lines += ["", f"## {name}", "", f"{_section_doc(model)} ({required})", ""]
         lines += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
         lines += _table_rows(name, model)

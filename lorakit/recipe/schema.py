@@ -1,23 +1,29 @@
 """THE recipe schema: the Recipe and its cross-section checks. Every key, type, default and check lives in
 this package, one module per section (model_section.py, method.py, data_section.py, train_section.py with
-checkpoint, distributed_section.py with fsdp_section.py, eval_section.py, dpo_section.py, alignment_section.py
-(orpo, kto), output_section.py with preflight), the objectives `train.objective` names in known_objectives.py; docs/recipes.md is
-generated from them (reference.py). Every section and name stays importable from here.
+checkpoint, distributed_section.py with fsdp_section.py, eval_section.py, output_section.py with preflight),
+except the sections of the objectives: each registered objective with settings adds the top-level section of
+its name, validated by its own model (known_objectives.py; the built-ins' are in lorakit.objectives).
+docs/recipes.md is generated from them (reference.py). Every section and name stays importable from here.
 
 A recipe is frozen after validation; values derived from it are functions, not stored fields.
 """
 
 from __future__ import annotations
 
-from pydantic import model_validator
+import contextlib
 
-from lorakit.recipe.alignment_section import KtoSection, OrpoSection
+from pydantic import ConfigDict, ValidationError, model_validator
+
 from lorakit.recipe.data_section import DataSection, SourceSpec, data_parts
 from lorakit.recipe.distributed_section import ZERO_PLUS_PLUS, DistributedSection, check_backend
-from lorakit.recipe.dpo_section import DpoSection
 from lorakit.recipe.eval_section import EvalSection, metric_keys
 from lorakit.recipe.fsdp_section import FsdpSection
-from lorakit.recipe.known_objectives import check_objective, spec_of
+from lorakit.recipe.known_objectives import (
+    check_objective,
+    import_objective_module,
+    objective_sections,
+    spec_of,
+)
 from lorakit.recipe.method import MethodSection
 from lorakit.recipe.model_section import ModelSection
 from lorakit.recipe.output_section import REPO_ID_PATTERN, OutputSection, PreflightSection, PushToHubSection
@@ -28,11 +34,8 @@ __all__ = [
     "CheckpointSection",
     "DataSection",
     "DistributedSection",
-    "DpoSection",
     "EvalSection",
     "FsdpSection",
-    "KtoSection",
-    "OrpoSection",
     "MethodSection",
     "ModelSection",
     "OutputSection",
@@ -49,7 +52,12 @@ __all__ = [
 
 
 class Recipe(Section):
-    """A complete, validated, frozen training recipe."""
+    """A complete, validated, frozen training recipe. Besides its declared sections it holds the section of
+    each registered objective the recipe gives (and its own objective's, defaults filled in), validated by
+    that objective's settings model: `recipe.NAME`, or known_objectives.section_of(recipe)."""
+
+    # extra keys are allowed only as registered objectives' sections (_objective_sections refuses the rest).
+    model_config = ConfigDict(extra="allow", frozen=True, validate_default=True, allow_inf_nan=False)
 
     model: ModelSection
     method: MethodSection = MethodSection()
@@ -58,11 +66,36 @@ class Recipe(Section):
     distributed: DistributedSection = DistributedSection()
     eval: EvalSection = EvalSection()
     checkpoint: CheckpointSection = CheckpointSection()
-    dpo: DpoSection = DpoSection()
-    orpo: OrpoSection = OrpoSection()
-    kto: KtoSection = KtoSection()
     output: OutputSection
     preflight: PreflightSection = PreflightSection()
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _objective_sections(cls, data, handler):
+        # Before the declared sections (and the checks across them, which may read an objective's
+        # section): every other key is validated as a registered objective's section or refused; the
+        # errors of both are reported together.
+        if not isinstance(data, dict):
+            return handler(data)
+        train = data.get("train")
+        given = train if isinstance(train, dict) else {}
+        # The plugin module that registers the objective (and so its section) is imported first, as
+        # train.objective's validator does; that validator reports a module that cannot be imported.
+        if isinstance(given.get("objective_module"), str):
+            with contextlib.suppress(ValueError):
+                import_objective_module(given["objective_module"])
+        objective = getattr(
+            train, "objective", given.get("objective", TrainSection.model_fields["objective"].default)
+        )
+        data, problems = objective_sections(data, cls.model_fields, objective)
+        try:
+            recipe = handler(data)
+        except ValidationError as e:
+            problems = [_line(line) for line in e.errors()] + problems
+            raise ValidationError.from_exception_data(cls.__name__, problems) from None
+        if problems:
+            raise ValidationError.from_exception_data(cls.__name__, problems)
+        return recipe
 
     @model_validator(mode="after")
     def _check(self) -> Recipe:
@@ -140,7 +173,7 @@ class Recipe(Section):
     def eval_metric_names(self) -> set[str]:
         """`eval.NAME` for every metric this recipe's in-run evaluation reports: loss, and with eval.generate
         the keys of eval.metrics (rouge: rouge1, rouge2, rougeL, rougeLsum), and its objective's own metrics
-        (dpo: rewards/chosen, ..., accuracy)."""
+        (a preference objective's rewards, margin, accuracy)."""
         names = {"eval.loss"} | {f"eval.{key}" for key in spec_of(self).eval_metrics}
         if self.eval.generate:
             names |= {f"eval.{key}" for name in self.eval.metrics for key in metric_keys(name)}
@@ -149,3 +182,11 @@ class Recipe(Section):
     def eval_active(self) -> bool:
         """Whether the run evaluates (evaluation enabled and an eval split given)."""
         return self.eval.enabled and self.data.eval_split is not None
+
+
+def _line(error: dict) -> dict:
+    """A pydantic error as a line error ValidationError.from_exception_data takes."""
+    line = {"type": error["type"], "loc": error["loc"], "input": error.get("input")}
+    if error.get("ctx"):
+        line["ctx"] = error["ctx"]
+    return line

@@ -79,12 +79,10 @@ class TrainSection(Section):
     )
     objective: str = Field(
         "sft",
-        description="The training objective: sft (token-weighted cross-entropy on the targets), dpo "
-        "(preference tuning on (prompt, chosen, rejected) pairs, configured in the dpo section, "
-        "docs/dpo.md), orpo (SFT plus an odds-ratio preference term, no reference model) or kto (unpaired "
-        "desirable/undesirable completions), configured in the orpo and kto sections (docs/alignment.md); "
-        "or the name of an objective registered with lorakit.objectives.register (see "
-        "train.objective_module).",
+        description="The training objective: sft (token-weighted cross-entropy on the targets) or another "
+        "registered one: the preference objectives lorakit ships (docs/alignment.md) or one registered "
+        "with lorakit.objectives.register (see train.objective_module). An objective with settings "
+        "reads them from the top-level section of its name (its table below).",
     )
     resume: str = Field(
         "auto",

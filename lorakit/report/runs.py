@@ -47,7 +47,7 @@ class RunRow:
     loss_first: float | None = None
     loss_last: float | None = None
     eval: dict[str, float] = field(default_factory=dict)
-    # The run's train.objective, recognised from its records (objective_of). A loss that is not SFT's
+    # The run's train.objective, as its summary.json records it (objective_of). A loss that is not SFT's
     # token cross-entropy (DPO's) carries its objective's loss_label: its eval loss is shown as
     # `dpo loss`, apart from an SFT run's cross-entropy.
     objective: str = SFT.name
@@ -175,7 +175,7 @@ def read_run(path: str | Path, label: str | None = None) -> RunRow:
             for k, v in last.items()
             if k not in ("kind", "step", "epoch") and _number(v, float) is not None
         }
-    spec = objective_of(row)
+    spec = objective_of(row, summary.get("objective"))
     row.objective, row.loss_label = spec.name, spec.loss_label
     if spec.loss_label is not None:
         row.eval = {(loss_name(spec) if k == "loss" else k): v for k, v in row.eval.items()}
@@ -188,9 +188,14 @@ def loss_name(spec: ObjectiveSpec) -> str:
     return "loss" if spec.loss_label is None else f"{spec.loss_label} loss"
 
 
-def objective_of(row: RunRow) -> ObjectiveSpec:
-    """The objective a run trained, recognised by the metrics of its own that its eval or train records
-    carry (DPO's rewards); SFT when they carry none of any registered objective's."""
+def objective_of(row: RunRow, recorded: Any = None) -> ObjectiveSpec:
+    """The objective a run trained: `recorded`, summary.json's `objective` (its registered spec; one this
+    process does not know is tagged with its own name, its loss kept apart from any other). A summary from
+    before that key: recognised by the metrics of its own its records carry (an ORPO run, reporting DPO's,
+    reads as DPO), SFT when they carry none of any registered objective's."""
+    if isinstance(recorded, str):
+        known = {spec.name: spec for spec in specs()}
+        return known.get(recorded) or ObjectiveSpec(name=recorded, loss_label=recorded)
     for spec in specs():
         key = spec.eval_metrics[0] if spec.eval_metrics else None
         if key is not None and (key in row.eval or any(key in r for r in row.train_records)):

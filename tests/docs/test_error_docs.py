@@ -19,10 +19,15 @@ def test_the_message_then_the_page():
 
 
 def test_the_errors_know_the_recipe_sections_of_the_schema():
-    from lorakit.errors import RECIPE_SECTIONS
+    from lorakit.errors import RECIPE_SECTIONS, recipe_sections
+    from lorakit.recipe.known_objectives import settings_sections
     from lorakit.recipe.schema import Recipe
 
     assert RECIPE_SECTIONS == tuple(Recipe.model_fields)
+    # The registered objectives' sections (the built-ins' with settings: dpo, orpo, kto) follow.
+    objectives = tuple(name for name, _ in settings_sections())
+    assert objectives == ("dpo", "orpo", "kto") and recipe_sections() == RECIPE_SECTIONS + objectives
+    assert RecipeError("invalid recipe:\n  kto.beta: must be > 0").doc_link() == "docs/recipes.md#kto"
 
 
 def test_recipe_errors_link_the_section_of_the_field_they_name():

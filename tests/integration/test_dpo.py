@@ -23,9 +23,9 @@ import torch
 import lorakit
 from lorakit import rundir
 from lorakit.engine.checkpoint import complete_checkpoints
+from lorakit.objectives.alignment_settings import KTO_STEP_METRICS, ORPO_METRICS
+from lorakit.objectives.dpo_settings import DPO_METRICS
 from lorakit.recipe import recipe_from_dict
-from lorakit.recipe.alignment_section import KTO_STEP_METRICS, ORPO_METRICS
-from lorakit.recipe.dpo_section import DPO_METRICS
 from tests.conftest import ROOT, tiny_recipe_dict
 from tests.integration.qlora_worker import train_in_one_launch
 from tests.integration.test_resume import _adapter

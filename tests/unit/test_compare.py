@@ -264,3 +264,34 @@ def test_a_dpo_run_shows_its_preference_metrics_beside_an_sft_run_of_the_same_ba
     rel_header = next(line for line in report if line.startswith("| run | tokens/s")).split(" | ")
     assert rel.split(" | ")[rel_header.index("eval loss diff")] == "n/a"
     assert_png(result.plots["eval.png"])
+
+
+def test_the_objective_is_read_from_the_summary_not_guessed_from_metric_names(tmp_path):
+    """ORPO reports DPO's metric names; its summary.json records `objective: orpo`, which the comparison
+    reads (a summary from before that key: recognised by its metrics, as before)."""
+    orpo_eval = {
+        "loss": 0.9,
+        "rewards/chosen": -0.05,
+        "rewards/rejected": -0.09,
+        "margin": 0.04,
+        "accuracy": 75.0,
+    }
+    records = [dict(r, **{"rewards/chosen": -0.1, "margin": 0.02}) for r in train_records([1.9, 1.1])]
+    orpo = write_run(
+        tmp_path / "orpo",
+        summary(
+            "lora",
+            objective="orpo",
+            method_options=["orpo lambda=0.1"],
+            loss={"first": 1.9, "last": 1.1},
+            eval=orpo_eval,
+        ),
+        [*records, {"kind": "eval", "step": 2, "epoch": 0, **orpo_eval}],
+    )
+    old = write_run(tmp_path / "old", summary("lora", eval=orpo_eval), records)
+    plugin = write_run(tmp_path / "plugin", summary("lora", objective="someone_elses"), train_records([1.0]))
+    rows = [read_run(p) for p in (orpo, old, plugin)]
+    assert [r.objective for r in rows] == ["orpo", "dpo", "someone_elses"]
+    # ORPO's loss is its own quantity; an objective this process does not know is kept apart by its name.
+    assert rows[0].eval["orpo loss"] == 0.9 and "loss" not in rows[0].eval
+    assert rows[2].loss_label == "someone_elses"

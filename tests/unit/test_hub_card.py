@@ -186,3 +186,11 @@ def test_the_card_of_an_fsdp2_run_names_fsdp2_not_a_zero_stage():
     )
     older = {**ROUGE_SUMMARY, "strategy": "fsdp"}  # a run directory from before summary.json's `backend`
     assert "ZeRO" not in _hardware_line(older) and ", FSDP2, bfloat16" in _hardware_line(older)
+
+
+def test_the_card_names_the_objective_summary_json_records():
+    def card(summary):
+        return hub_card(HubFacts("me/m", "adapter", "lora", "./llama", "./llama", False, summary=summary))
+
+    assert "- objective: orpo\n" in card({**ROUGE_SUMMARY, "objective": "orpo"})
+    assert "- objective:" not in card(ROUGE_SUMMARY)  # an older summary: nothing recorded, nothing claimed

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from lorakit.objectives.dpo_settings import DpoSection
 from lorakit.planner import plan
 from lorakit.recipe import load_recipe
-from lorakit.recipe.dpo_section import DpoSection
 from tests.conftest import RECIPES
 
 

@@ -1,5 +1,6 @@
-"""The recipe's dpo section (train.objective dpo: preference tuning), its cross-section checks and the dpo
-objective's spec (lorakit.recipe.objective_spec; the objective itself is lorakit.objectives.dpo)."""
+"""The dpo objective's settings (the recipe's dpo section, registered with the objective: preference tuning),
+its cross-section checks and its spec (lorakit.recipe.objective_spec; the objective itself is
+lorakit.objectives.dpo). Torch-free: the recipe validates it without loading the objective."""
 
 from __future__ import annotations
 
@@ -133,11 +134,9 @@ def check_preference_rows(recipe, name: str, scored: str, *, reference: bool) ->
 
 
 def pair_spec(name: str, check, eval_metrics: tuple[str, ...], kept: str) -> ObjectiveSpec:
-    """The spec of an objective scoring preference-pair-shaped rows (dpo, orpo, kto): its section is named
-    as it is, its loss needs each sequence's log-probabilities, and `kept` stays whole on one rank."""
+    """The spec of an objective scoring preference-pair-shaped rows (dpo, orpo, kto): its loss needs each sequence's log-probabilities, and `kept` stays whole on one rank."""
     return ObjectiveSpec(
         name=name,
-        section=name,
         check=check,
         eval_metrics=eval_metrics,
         no_tiled_loss="needs each sequence's log-probabilities from the logits",

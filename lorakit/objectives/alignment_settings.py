@@ -1,5 +1,6 @@
-"""The recipe's orpo and kto sections (train.objective orpo, kto) and those objectives' specs
-(lorakit.recipe.objective_spec; the objectives themselves are lorakit.objectives.orpo and .kto).
+"""The orpo and kto objectives' settings (the recipe's orpo and kto sections, registered with the objectives)
+and their specs (lorakit.recipe.objective_spec; the objectives themselves are lorakit.objectives.orpo and
+.kto). Torch-free, as dpo_settings.py.
 
 ORPO reads preference pairs as DPO does (data.format instruction or chat for the prompt, two response
 columns); KTO reads unpaired rows: a prompt, one completion and a desirable/undesirable label.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from lorakit.recipe.dpo_section import DPO_METRICS, PairColumns, check_preference_rows, pair_spec
+from lorakit.objectives.dpo_settings import DPO_METRICS, PairColumns, check_preference_rows, pair_spec
 from lorakit.recipe.section import Section
 
 # ORPO's step and evaluation numbers besides the loss: DPO's (rewards are lambda x mean token log-probability).
