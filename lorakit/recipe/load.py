@@ -16,6 +16,8 @@ from lorakit.recipe.schema import Recipe
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
+    if len(item) > MAX_BYTES:
+        raise RecipeError(f"override {item[:60]!r}...: larger than {MAX_BYTES >> 20} MiB")
     if "=" not in item:
         raise RecipeError(f"override {item!r}: expected KEY=VALUE, e.g. train.lr=2e-4")
     key, _, raw = item.partition("=")
@@ -23,6 +25,8 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise RecipeError(f"override {item!r}: the key must be dotted names, e.g. train.lr")
     path = key.split(".")
+    if len(path) > MAX_DEPTH:
+        raise RecipeError(f"override {key[:60]!r}...: nested more than {MAX_DEPTH} levels deep")
     annotation = _field_annotation(path)
     takes, text = _types_of(annotation), str in _types_of(annotation, literals=False)
     # YAML parsing gives overrides the same types a recipe file would: 2e-4 -> float, [q, v] -> list.
@@ -32,6 +36,8 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         if text:  # `data.prompt_template=Summary: {input}` is text, whatever YAML makes of it
             return path, raw.strip()
         raise RecipeError(f"override {item!r}: value is not valid YAML: {e}") from None
+    except RecipeError as e:  # nested too deep, too large: named with the override's key
+        raise RecipeError(f"override {key}: {e}") from None
     # PyYAML reads 2e-4 (no dot) as a string; users mean a number.
     if isinstance(value, str):
         try:
@@ -108,11 +114,31 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 # Aliases may share one node many times over (`b: [*a, *a]`, `c: [*b, *b]`, ...); expanded, a recipe
 # larger than this many values is refused before anything copies or validates it.
 MAX_EXPANDED_NODES = 100_000
+# A recipe nests a few levels (data.mixture: a list of mappings); PyYAML composes and constructs nested
+# nodes recursively, so text nested thousands deep would end in a RecursionError and its traceback.
+MAX_DEPTH = 64
+# The text of a recipe file or one override; shipped recipes are a few KiB.
+MAX_BYTES = 1 << 20
 
 
 class RecipeLoader(yaml.SafeLoader):
     """safe_load's loader (no tags that build objects) that refuses a mapping with a repeated key, naming
     the key and its line: PyYAML would keep the last value silently."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise RecipeError(
+                    f"{_source(self.peek_event())}line {mark.line + 1}: nested more than {MAX_DEPTH} levels "
+                    "deep; a recipe is refused at that depth"
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
@@ -130,13 +156,16 @@ class RecipeLoader(yaml.SafeLoader):
 
 
 def _source(node) -> str:
+    """'NAME ' of the file a node or event was read from; '' for text that is no file (an override)."""
     name = node.start_mark.name
     return "" if name.startswith("<") else f"{name} "
 
 
 def load_yaml(text: str, name: str = "<recipe>") -> Any:
     """Parse recipe YAML: safe tags only, no repeated keys, aliases expanded to at most MAX_EXPANDED_NODES
-    values (RecipeError otherwise)."""
+    values, at most MAX_DEPTH levels and MAX_BYTES of text (RecipeError otherwise, one line)."""
+    if len(text) > MAX_BYTES:
+        raise RecipeError(f"{name}: larger than {MAX_BYTES >> 20} MiB; a recipe is refused at that size")
     loader = RecipeLoader(text)
     loader.name = name
     try:
