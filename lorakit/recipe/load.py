@@ -272,9 +272,29 @@ def _validate(raw: Any, problems: Sequence[str] = ()) -> Recipe:
     return recipe
 
 
+def import_own_code(raw: Any) -> list[str]:
+    """Import train.objective_module of a recipe the caller gave (a file on its command line, its own dict),
+    which registers a plugin objective, before the recipe is validated: validation imports nothing, and a
+    recipe read back from a run directory imports only what its caller allows (recipe/read_back.py).
+    Returns a problem line when the module cannot be imported."""
+    from lorakit.recipe.known_objectives import import_objective_module
+
+    train = raw.get("train") if isinstance(raw, dict) else None
+    module = train.get("objective_module") if isinstance(train, dict) else None
+    if not isinstance(module, str):
+        return []  # absent, or of a type validation reports
+    try:
+        import_objective_module(module)
+    except ValueError as e:
+        return [f"  {e}"]
+    return []
+
+
 def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
-    """Validate a plain dict into a frozen Recipe, raising RecipeError with field names."""
-    return _validate(raw)
+    """Validate the caller's own plain dict into a frozen Recipe (importing its train.objective_module
+    first), raising RecipeError with field names. A recipe read back from a run directory or a model card
+    goes through recipe.read_back.read_back_recipe instead."""
+    return _validate(raw, import_own_code(raw))
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
@@ -290,7 +310,9 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: the top level must be a mapping of sections (model, data, ...)")
     # Malformed overrides and schema errors are reported together, so one run shows every mistake.
-    return _validate(*_apply(raw, overrides))
+    raw, problems = _apply(raw, overrides)
+    # The file named on the caller's command line (or by its Python code) is the caller's own recipe.
+    return _validate(raw, problems + import_own_code(raw))
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -27,6 +27,7 @@ from lorakit.model.families.tiny import resolve_model_source
 from lorakit.observe.metrics import JsonlSink
 from lorakit.observe.plot import plot_losses
 from lorakit.recipe import reference
+from lorakit.recipe.read_back import NotGranted
 from lorakit.report import plots
 from lorakit.report.plots import draw_all
 from lorakit.report.runs import RunRow
@@ -298,9 +299,11 @@ def test_trust_remote_code_and_allow_pickle_come_from_the_caller_not_the_run_dir
     (run / rundir.MODEL).mkdir(parents=True)
     (run / rundir.MODEL / "config.json").write_text("{}")
     (run / rundir.RECIPE).write_text(yaml.safe_dump(raw))
-    src = locate(run)
-    assert not src.trust_remote_code and not src.allow_pickle
-    assert not src.recipe.model.trust_remote_code and not src.recipe.model.allow_pickle
+    # Asked for by the directory, not granted by the caller: refused, naming the field and the flag.
+    with pytest.raises(NotGranted, match="model.trust_remote_code is true.*pass --trust-remote-code"):
+        locate(run)
+    with pytest.raises(NotGranted, match="model.allow_pickle is true.*pass --allow-pickle"):
+        locate(run, trust_remote_code=True)
     mine = locate(run, trust_remote_code=True, allow_pickle=True)
     assert mine.trust_remote_code and mine.allow_pickle and mine.recipe.model.trust_remote_code
 
