@@ -160,3 +160,21 @@ def test_the_clis_refuse_with_exit_2_naming_the_field_and_the_flag(module, cache
     assert out.returncode == 2, out.stderr[-3000:]
     assert "train.objective_module" in out.stderr and "--allow-code evil_code" in out.stderr
     assert "Traceback" not in out.stderr and not mark.exists()
+
+
+def test_a_deep_recipe_read_back_is_refused_in_one_line_by_every_reader(cache_dir, tmp_path):
+    """Class 5 where a recipe is read back: merge/generate (locate), evaluate, push (its public copy)."""
+    from lorakit.errors import LorakitError
+    from lorakit.export.public import public_recipe
+    from lorakit.export.sources import locate
+    from lorakit.inference.model import find_trained
+    from lorakit.inference.split_eval import evaluation_recipe
+
+    run = _run_dir(tmp_path, cache_dir)
+    good = find_trained(run)
+    deep = "data:\n  source: " + "[" * 20000 + "]" * 20000 + "\n"
+    (run / rundir.RECIPE).write_text(deep)
+    for read in (lambda: locate(run), lambda: evaluation_recipe(good, None, ()), lambda: public_recipe(deep)):
+        with pytest.raises(LorakitError) as err:
+            read()
+        assert "nested more than 64 levels deep" in str(err.value) and "\n" not in str(err.value)
