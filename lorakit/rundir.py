@@ -214,7 +214,7 @@ def check_recipe_file(recipe_file: str | Path, output_dir: str | Path, resolved:
         same = given.is_file() and dump.is_file() and given.samefile(dump)
     except OSError:
         return
-    if same and given.read_text() != resolved:
+    if same and given.read_text() != disclosure.redact(resolved):  # as write_text writes it
         raise RunDirError(
             f"{recipe_file} is the run's recipe.yaml in output.dir, where the run writes its resolved recipe; "
             "lorakit never writes over the recipe file it was given: copy it out of the run directory and "

@@ -436,3 +436,25 @@ def test_push_of_a_run_directory_takes_its_run_lock(tmp_path):
             RunLockedError, match=r"in use by another run: .*\(python -m lorakit.run x.yaml\)"
         ):
             push(run, "me/model")
+
+
+def test_the_recipe_file_given_is_never_written_to(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    given = run / rundir.RECIPE
+    given.write_text("resolved: 1\n")
+    inode = given.stat().st_ino
+    # The same resolved recipe (a relaunch by the run's own recipe.yaml): allowed, and the file not rewritten.
+    rundir.check_recipe_file(given, run, "resolved: 1\n")
+    rundir.write_recipe(run, "resolved: 1\n")
+    assert given.stat().st_ino == inode
+    # Another resolved recipe (an override): the run would write over the file it was given.
+    with pytest.raises(RunDirError, match="is the run's recipe.yaml in output.dir") as e:
+        rundir.check_recipe_file(given, run, "resolved: 2\n")
+    assert e.value.exit_code == 2 and given.read_text() == "resolved: 1\n"
+    # A recipe file elsewhere is the user's; the run directory's copy is lorakit's to replace.
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("resolved: 2\n")
+    rundir.check_recipe_file(mine, run, "resolved: 2\n")
+    rundir.write_recipe(run, "resolved: 2\n")
+    assert given.read_text() == "resolved: 2\n" and mine.read_text() == "resolved: 2\n"
