@@ -37,6 +37,7 @@ from lorakit.export import publish
 from lorakit.observe import trackers
 from lorakit.preflight import prepare
 from lorakit.recipe import Recipe, dump_recipe
+from lorakit.recipe.read_back import module_of
 
 
 def doctor(recipe=None, **options):
@@ -59,6 +60,9 @@ def merge_after_training(recipe: Recipe, result: TrainResult) -> TrainResult:
     # The training job holds the run lock already.
     # Trust as the person's own recipe grants it (never the run directory's copy of it).
     trust = {"trust_remote_code": recipe.model.trust_remote_code, "allow_pickle": recipe.model.allow_pickle}
+    trust["allow_code"] = [
+        module_of(spec) for spec in (recipe.train.objective_module, recipe.data.transform) if spec
+    ]
     merged = merge(
         result.run_dir, result.run_dir / rundir.MERGED, dtype=recipe.model.dtype, lock=False, **trust
     )

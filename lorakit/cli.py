@@ -117,12 +117,21 @@ def _raise_interrupt(signum, frame):
 
 
 def add_trust_options(p: argparse.ArgumentParser) -> None:
-    """--trust-remote-code and --allow-pickle: only the person running the command grants them (a run
-    directory's recipe.yaml or a downloaded snapshot never does; docs/faults.md#run-directory-durability-and-trust)."""
+    """--trust-remote-code, --allow-pickle and --allow-code MODULE: only the person running the command
+    grants them (a run directory's recipe.yaml, a model card or a downloaded snapshot never does:
+    docs/faults.md#recipes-read-back-are-data)."""
     p.add_argument(
         "--trust-remote-code", action="store_true", help="run the model repository's own Python code"
     )
     p.add_argument("--allow-pickle", action="store_true", help="load pickled weights (pytorch_model.bin)")
+    p.add_argument(
+        "--allow-code",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="let the run's recipe import MODULE (or a module inside that package), named by its "
+        "train.objective_module or data.transform; repeatable. A recipe read back imports nothing else",
+    )
 
 
 def options(args, *names: str, **renamed: str) -> dict:

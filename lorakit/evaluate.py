@@ -33,7 +33,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from lorakit.inference import evaluate
 
     quiet_libraries()
-    trust = options(args, "output", "device", "trust_remote_code", "allow_pickle")
+    trust = options(args, "output", "device", "trust_remote_code", "allow_pickle", "allow_code")
     result = evaluate(args.source, args.split, args.overrides, **trust)
     where = f"{result.split} (held out of training)" if result.held_out else result.split
     print(f"split:    {where}, {result.rows} rows")

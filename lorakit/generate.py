@@ -51,7 +51,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     names = ("output", "max_new_tokens", "num_beams", "batch_size", "device", "dtype", "trust_remote_code")
-    names += ("allow_pickle",)
+    names += ("allow_pickle", "allow_code")
     result = generate(args.source, args.input, **options(args, *names))
     if args.output is None:
         sys.stdout.write(to_jsonl(result.records))

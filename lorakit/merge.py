@@ -63,7 +63,7 @@ def _merge(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     names = ("dtype", "max_shard_size", "base", "force", "tolerance", "compare_quantized", "strategy")
-    names += ("trust_remote_code", "allow_pickle")
+    names += ("trust_remote_code", "allow_pickle", "allow_code")
     merge(args.source, args.output, **options(args, *names, verify="verify_logits"))
     return 0
 

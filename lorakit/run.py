@@ -24,6 +24,11 @@ def main(argv: list[str] | None = None) -> int:
 
         quiet_libraries()
         recipe = lorakit.load_recipe(args.recipe, args.overrides)
+        if not args.worker:
+            from lorakit.recipe import dump_recipe
+            from lorakit.rundir import check_recipe_file
+
+            check_recipe_file(args.recipe, recipe.output.dir, dump_recipe(recipe))
         result = lorakit.train(recipe)
         if not args.worker and os.environ.get("RANK", "0") == "0":
             print("\n" + "\n".join(report_lines(result)))

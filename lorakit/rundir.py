@@ -37,10 +37,28 @@ EXIT = "exit.json"
 # lorakit's mark on a directory it made (or adopted) as a run directory: only such a directory, an empty
 # one or a new one is written into (check_trusted).
 MARKER = ".lorakit-run"
-# A run directory of a lorakit from before the marker: its recipe.yaml and one of these.
-_OLDER_RUN = (SUMMARY, EXIT, METRICS, CHECKPOINTS)
 # The directories a run replaces whole (storage.replace_directory), whose leftovers recover() cleans.
 REPLACED = (ADAPTER, MODEL, MERGED, BEST)
+# Every name a run writes, replaces, moves aside or deletes in its directory: none may be a link.
+WRITTEN = (
+    *REPLACED,
+    CHECKPOINTS,
+    TENSORBOARD,
+    WANDB,
+    RECIPE,
+    DS_CONFIG,
+    "fsdp_config.json",
+    METRICS,
+    SUMMARY,
+    EXIT,
+    TRACKERS,
+    LOSS_PLOT,
+    CLASSIFICATION,
+    CONFUSION_MATRIX,
+    PREDICTIONS,
+    MARKER,
+)
+TRUST_DOC = "docs/faults.md#run-directory-durability-and-trust"
 
 _PACKAGES = (
     "lorakit",
@@ -100,10 +118,12 @@ def write_text(path: Path, text: str) -> None:
 
 def check_trusted(run_dir: Path) -> str:
     """Whether a run may write into `run_dir`: "new" (missing), "empty", "marked" (lorakit's marker) or
-    "older" (a run directory of an older lorakit: recipe.yaml and summary.json, exit.json, metrics.jsonl or
-    checkpoints/). Anything else is a RunDirError (exit 2) naming the directory: a run replaces adapter/,
+    "older" (a run directory of a lorakit from before the marker, known by content only lorakit writes:
+    recipe.yaml and a summary.json recording lorakit's version, or a checkpoint's state.json holding its
+    recipe). Anything else is a RunDirError (exit 2) naming the directory: a run replaces adapter/,
     model/, merged/ and best/ and starts its trackers there, which must never touch what lorakit did not
-    write (`output.dir: .` in a project with a model/ package)."""
+    write (`output.dir: .` in a project with a model/ package). A link where a run writes (WRITTEN, and in
+    checkpoints/) is a RunDirError naming it: a run never follows one to replace or delete its target."""
     from lorakit.errors import RunDirError
 
     run_dir = Path(run_dir)
@@ -111,21 +131,105 @@ def check_trusted(run_dir: Path) -> str:
         return "new"
     if not run_dir.is_dir():
         return "new"  # preflight.check_directory names a file in the way
-    if (run_dir / MARKER).is_file():
+    if _is_marker(run_dir / MARKER):
+        check_links(run_dir)
         return "marked"
     # The run lock (and its temporary files) is lorakit's too: a directory holding only a lock is empty.
     names = sorted(p.name for p in run_dir.iterdir() if not p.name.lstrip(".").startswith(LOCK))
     if not names:
         return "empty"
-    if (run_dir / RECIPE).is_file() and any((run_dir / n).exists() for n in _OLDER_RUN):
+    if _older_run(run_dir):
+        check_links(run_dir)
         return "older"
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     raise RunDirError(
         f"output.dir {run_dir} is not empty and is not a lorakit run directory (it holds {shown}); a run "
         "writes only into a new or empty directory or one a lorakit run made. Point output.dir at a new "
         "directory (e.g. runs/NAME)",
-        doc="docs/faults.md#run-directory-durability-and-trust",
+        doc=TRUST_DOC,
     )
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON of a regular file (not a link) of at most 1 MiB, or None."""
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > 1 << 20:
+            return None
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_marker(path: Path) -> bool:
+    data = _read_json(path)
+    return isinstance(data, dict) and "lorakit_run_directory" in data
+
+
+def _older_run(run_dir: Path) -> bool:
+    """Proof that a lorakit from before the marker wrote `run_dir`: its recipe.yaml, and a summary.json
+    whose `versions` names lorakit or a checkpoint whose state.json holds the run's recipe and loop."""
+    recipe = run_dir / RECIPE
+    if recipe.is_symlink() or not recipe.is_file():
+        return False
+    summary = _read_json(run_dir / SUMMARY)
+    if isinstance(summary, dict) and isinstance(summary.get("versions"), dict):
+        if "lorakit" in summary["versions"]:
+            return True
+    checkpoints = run_dir / CHECKPOINTS
+    if checkpoints.is_dir() and not checkpoints.is_symlink():
+        for state in sorted(checkpoints.glob("step-*/state.json"))[:8]:
+            data = _read_json(state)
+            if isinstance(data, dict) and isinstance(data.get("recipe"), dict) and "loop" in data:
+                return True
+    return False
+
+
+def check_links(run_dir: Path) -> None:
+    """RunDirError (exit 2) naming the first link where a run writes, replaces, moves aside or deletes:
+    the names of WRITTEN and what is in checkpoints/."""
+    from lorakit.errors import RunDirError
+
+    places = [run_dir / name for name in WRITTEN]
+    checkpoints = run_dir / CHECKPOINTS
+    if checkpoints.is_dir() and not checkpoints.is_symlink():
+        places += sorted(checkpoints.iterdir())
+    for path in places:
+        if path.is_symlink():
+            raise RunDirError(
+                f"output.dir: {path} is a symbolic link; a run replaces, moves aside or deletes what is "
+                "there and never follows a link to do it. Remove the link (its target stays as it is) or "
+                "point output.dir at a new directory",
+                doc=TRUST_DOC,
+            )
+
+
+def check_recipe_file(recipe_file: str | Path, output_dir: str | Path, resolved: str) -> None:
+    """RunDirError (exit 2) when the recipe file given on the command line is output.dir's recipe.yaml and
+    the run's resolved recipe differs from it: the run would write over the file it was given. An equal
+    one is left as it is (write_recipe)."""
+    from lorakit.errors import RunDirError
+
+    given, dump = Path(recipe_file), Path(output_dir).expanduser() / RECIPE
+    try:
+        same = given.is_file() and dump.is_file() and given.samefile(dump)
+    except OSError:
+        return
+    if same and given.read_text() != disclosure.redact(resolved):  # as write_text writes it
+        raise RunDirError(
+            f"{recipe_file} is the run's recipe.yaml in output.dir, where the run writes its resolved recipe; "
+            "lorakit never writes over the recipe file it was given: copy it out of the run directory and "
+            "run the copy",
+            doc=TRUST_DOC,
+        )
+
+
+def write_recipe(run_dir: Path, resolved: str) -> None:
+    """Write the resolved recipe to run_dir/recipe.yaml, unless it holds that text already (a relaunch of
+    `python -m lorakit.run RUN/recipe.yaml` leaves the file it was given untouched)."""
+    path = run_dir / RECIPE
+    if not path.is_symlink() and path.is_file() and path.read_text() == disclosure.redact(resolved):
+        return
+    write_text(path, resolved)
 
 
 def mark(run_dir: Path) -> None:

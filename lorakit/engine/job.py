@@ -9,7 +9,6 @@ directory -> batching -> engine -> resume -> loop -> save -> summary. The steps 
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -178,7 +177,7 @@ def open_run_dir(
     for stale in (EXIT, rundir.CLASSIFICATION, rundir.CONFUSION_MATRIX, rundir.LOSS_PLOT):
         (run_dir / stale).unlink(missing_ok=True)
     resolved = dump_recipe(recipe)
-    rundir.write_text(run_dir / rundir.RECIPE, resolved)
+    rundir.write_recipe(run_dir, resolved)
     rundir.write_json(run_dir / config_file, backend_config)
     return MetricsLogger.for_run(
         run_dir,
@@ -192,10 +191,11 @@ def open_run_dir(
 
 
 def retire_earlier_outputs(recipe: Recipe, run_dir: Path, best: dict[str, Any] | None) -> list[str]:
-    """Rank 0, once this run's weights are saved: delete (and say so) what an earlier run in this
-    directory left that this run does not replace: the other kind of weights (adapter/ or model/),
-    merged/ unless output.merge replaces it next, and best/ unless it holds this run's best evaluation
-    (`best`, the loop's). Until now a failed run would have left them whole. Returns the names removed."""
+    """Rank 0, once this run's weights are saved: move aside (branches.set_aside, as abandoned checkpoints
+    are; never deleted) what an earlier run in this directory left that this run does not replace: the
+    other kind of weights (adapter/ or model/), merged/ unless output.merge replaces it next, and best/
+    unless it holds this run's best evaluation (`best`, the loop's). Until now a failed run would have left
+    them whole. Returns the names moved."""
     keep = set()
     if recipe.output.save_adapter:
         keep.add(rundir.ADAPTER if recipe.method.adapter() else rundir.MODEL)
@@ -204,13 +204,11 @@ def retire_earlier_outputs(recipe: Recipe, run_dir: Path, best: dict[str, Any] |
     best_dir = run_dir / rundir.BEST
     if best_dir.is_dir() and best is not None and branches.best_step(run_dir) == best.get("step"):
         keep.add(rundir.BEST)
-    removed = []
-    for name in (rundir.ADAPTER, rundir.MODEL, rundir.MERGED, rundir.BEST):
-        if name not in keep and (run_dir / name).is_dir():
-            shutil.rmtree(run_dir / name)
-            removed.append(name)
-            say(f"removed {name}/ of an earlier run in {run_dir}: this run does not replace it")
-    return removed
+    names = [n for n in rundir.REPLACED if n not in keep and (run_dir / n).exists()]
+    branches.set_aside(
+        run_dir, [run_dir / n for n in names], "outputs of an earlier run this run does not replace"
+    )
+    return names
 
 
 def make_loader(data: PreparedData, batching: Batching, seed: int) -> DataLoader:

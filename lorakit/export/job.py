@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ def merge(
     verify: str = "auto",
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    allow_code: Collection[str] = (),
 ) -> MergeResult:
     """Merge the LoRA adapter of a run (or an adapter directory) into its base, or re-export a full
     fine-tuning run, as sharded safetensors with tokenizer, generation config and model card in `output`.
@@ -63,11 +65,13 @@ def merge(
     `output`. tolerance: relative logit tolerance (default RELATIVE_TOLERANCE[dtype]). compare_quantized
     (QLoRA): also report the merged model against the adapter on the 4-bit base it was trained with.
     strategy: auto (shard by shard where the merge is per tensor, else in memory, saying why) | stream |
-    memory. trust_remote_code, allow_pickle: the caller's, never the run directory's. verify (streaming): the whole-model logits check auto (where there is memory for one model
+    memory. trust_remote_code, allow_pickle, allow_code (modules the run's recipe may import): the caller's, never the run directory's. verify (streaming): the whole-model logits check auto (where there is memory for one model
     copy) | always | never; the in-memory merge always runs it.
     Raises AdapterError / MergeError for bad input and VerificationError when a check fails; `output` is
     then left as it was."""
-    src = locate(source, base, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    src = locate(
+        source, base, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, allow_code=allow_code
+    )
     dtype = dtype or src.default_dtype
     tol = _tolerance(dtype, tolerance)
     shard_bytes = parse_size(max_shard_size)

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from lorakit.disclosure import redact, redact_data
+from lorakit.recipe.load import load_yaml
 
 # The files lorakit writes into adapter/, model/ and a merged export (engine/save.py, export/job.py, the
 # tokenizer's and generation config's save_pretrained); anything else a user dropped there stays local.
@@ -64,7 +65,8 @@ def public_recipe(text: str) -> tuple[str, list[str]]:
     """(the recipe YAML to publish, the dotted fields whose absolute paths were shortened): each absolute
     path becomes its last part, credentials are redacted, and a first comment line says what changed."""
     fields: list[str] = []
-    data = _shorten(yaml.safe_load(text), "", fields)
+    # Bounded in depth and size as any recipe is (RecipeError, one line): the text was read back from disk.
+    data = _shorten(load_yaml(text, "recipe.yaml"), "", fields)
     if not fields:
         return redact(text), []
     out = yaml.safe_dump(redact_data(data), sort_keys=False)

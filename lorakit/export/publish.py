@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import yaml
-
 from lorakit import rundir
 from lorakit.disclosure import redact
 from lorakit.errors import LorakitError, PublishError
@@ -303,18 +301,19 @@ def _run_recipe(run_dir: Path | None) -> tuple[Any, str | None]:
     if run_dir is None:
         return None, None
     text = (run_dir / rundir.RECIPE).read_text()
-    return _parse_recipe(text), text
+    return _parse_recipe(text, str(run_dir / rundir.RECIPE)), text
 
 
-def _parse_recipe(text: str | None) -> Any:
-    """The Recipe of `text`, or None when there is none or it no longer validates (the card then says less)."""
+def _parse_recipe(text: str | None, where: str = "the model card's recipe") -> Any:
+    """The Recipe of `text`, read back as data (it loads no model and imports nothing: recipe/read_back.py),
+    or None when there is none or it does not validate here (the card then says less)."""
     if text is None:
         return None
-    from lorakit.recipe import recipe_from_dict
+    from lorakit.recipe.read_back import read_back_recipe
 
     try:
-        return recipe_from_dict(yaml.safe_load(text))
-    except (LorakitError, yaml.YAMLError):
+        return read_back_recipe(text, where)
+    except LorakitError:
         return None
 
 

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lorakit import rundir
 from lorakit.errors import LorakitError, MergeError
 from lorakit.export.adapter import CONFIG as ADAPTER_CONFIG
-from lorakit.recipe import Recipe, recipe_from_dict
+from lorakit.recipe import Recipe
+from lorakit.recipe.read_back import NotGranted, read_back_recipe
 from lorakit.recipe.schema import DataSection
 from lorakit.testing import resolve_model_source
 
@@ -63,23 +63,25 @@ class MergeSource:
         return str(self.path) if (self.path / TOKENIZER_FILE).is_file() else self.base_source
 
 
-def as_trusted(recipe: Recipe, trust_remote_code: bool, allow_pickle: bool) -> Recipe:
-    """`recipe` (read from a run directory, a model card or a download) with model.trust_remote_code and
-    model.allow_pickle set to what the person running the command chose: whoever wrote the directory
-    does not decide which code or pickles run here."""
-    model = recipe.model.model_copy(
-        update={"trust_remote_code": trust_remote_code, "allow_pickle": allow_pickle}
-    )
-    return recipe.model_copy(update={"model": model})
-
-
-def _read_recipe(run_dir: Path, trust_remote_code: bool, allow_pickle: bool) -> tuple[Recipe, str]:
-    text = (run_dir / rundir.RECIPE).read_text()
+def _read_recipe(
+    run_dir: Path, trust_remote_code: bool, allow_pickle: bool, allow_code: Collection[str]
+) -> tuple[Recipe, str]:
+    """The run's recipe.yaml as data (recipe/read_back.py): trust and code only as the caller grants."""
+    where = run_dir / rundir.RECIPE
+    text = where.read_text()
     try:
-        recipe = recipe_from_dict(yaml.safe_load(text))
-    except (LorakitError, yaml.YAMLError) as e:
-        raise MergeError(f"{run_dir / rundir.RECIPE}: cannot read the run's recipe: {e}") from e
-    return as_trusted(recipe, trust_remote_code, allow_pickle), text
+        recipe = read_back_recipe(
+            text,
+            str(where),
+            trust_remote_code=trust_remote_code,
+            allow_pickle=allow_pickle,
+            allow_code=allow_code,
+        )
+    except NotGranted:
+        raise
+    except LorakitError as e:
+        raise MergeError(f"{where}: cannot read the run's recipe: {e}") from e
+    return recipe, text
 
 
 def _resolve(name: str, cache_dir: str, what: str) -> str:
@@ -112,12 +114,18 @@ def _artefact(p: Path, run_dir: Path | None, recipe) -> tuple[bool, Path]:
 
 
 def locate(
-    path: str | Path, base: str | None = None, *, trust_remote_code: bool = False, allow_pickle: bool = False
+    path: str | Path,
+    base: str | None = None,
+    *,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    allow_code: Collection[str] = (),
 ) -> MergeSource:
     """Find what `path` is (run dir, adapter dir, model dir) and which base model the merge uses.
 
     trust_remote_code, allow_pickle: the caller's (its command line, or its own recipe for output.merge);
-    a run directory's recipe.yaml never grants them (a downloaded snapshot has one too).
+    a run directory's recipe.yaml never grants them (a downloaded snapshot has one too), and is refused
+    when it asks for them. allow_code: the modules (--allow-code) its code fields may import.
 
     The base is `base` when given (tiny:* names resolve under the recipe's data.cache_dir), else the run's
     model.name_or_path, else the base_model_name_or_path peft recorded in adapter_config.json."""
@@ -131,7 +139,9 @@ def locate(
     if run_dir is None and (p.parent / rundir.RECIPE).is_file():
         run_dir = p.parent  # RUN/adapter or RUN/model given directly
     recipe, recipe_text = (
-        _read_recipe(run_dir, trust_remote_code, allow_pickle) if run_dir is not None else (None, None)
+        _read_recipe(run_dir, trust_remote_code, allow_pickle, allow_code)
+        if run_dir is not None
+        else (None, None)
     )
     summary_file = run_dir / rundir.SUMMARY if run_dir is not None else None
     summary = json.loads(summary_file.read_text()) if summary_file and summary_file.is_file() else None

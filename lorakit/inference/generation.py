@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,7 @@ def generate(
     dtype: str | None = None,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    allow_code: Collection[str] = (),
 ) -> GenerateResult:
     """Generate with the trained model at `source` (a run directory, its adapter directory, or a merged or
     full model directory) for every row of `inputs`, using the run's prompt template.
@@ -77,7 +78,9 @@ def generate(
     default_max_new_tokens. device: default the GPU if any, else the CPU. dtype: default the run's
     model.dtype. Raises DataError / InferenceError (exit code 2 from the CLI) for bad input, before any
     model is loaded, and writes nothing then."""
-    trained = find_trained(source, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    trained = find_trained(
+        source, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, allow_code=allow_code
+    )
     out = Path(output).expanduser().resolve() if output is not None else None
     if out is not None and isinstance(inputs, str | Path) and str(inputs) != "-":
         if Path(inputs).expanduser().resolve() == out:

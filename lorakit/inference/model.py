@@ -4,15 +4,15 @@ training held it."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lorakit.errors import InferenceError, LorakitError, MergeError
-from lorakit.export.sources import MergeSource, as_trusted, locate
-from lorakit.recipe import Recipe, recipe_from_dict
+from lorakit.export.sources import MergeSource, locate
+from lorakit.recipe import Recipe
+from lorakit.recipe.read_back import NotGranted, read_back_recipe
 
 SOURCES_DOC = "docs/inference.md#sources"
 OPTIONS_DOC = "docs/inference.md#generate"
@@ -45,12 +45,21 @@ class Trained:
         return line + f", trained with the recipe in {self.recipe_from}"
 
 
-def find_trained(path: str | Path, *, trust_remote_code: bool = False, allow_pickle: bool = False) -> Trained:
+def find_trained(
+    path: str | Path,
+    *,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    allow_code: Collection[str] = (),
+) -> Trained:
     """Find what `path` is and what it was trained with, without loading any weights. InferenceError when it
     is no run directory, adapter directory or model directory. trust_remote_code, allow_pickle: the caller's;
-    the recipe found there never grants them."""
+    the recipe found there never grants them (refused when it asks for them), and imports only the modules
+    of `allow_code` (recipe/read_back.py)."""
     try:
-        src = locate(path, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+        src = locate(
+            path, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, allow_code=allow_code
+        )
     except MergeError as e:
         raise InferenceError(str(e), doc=SOURCES_DOC) from e
     labels = ((src.summary or {}).get("data") or {}).get("labels")
@@ -63,10 +72,16 @@ def find_trained(path: str | Path, *, trust_remote_code: bool = False, allow_pic
     if card.recipe_text is None:
         return Trained(src, None, None, card.labels, None)
     try:
-        recipe = as_trusted(
-            recipe_from_dict(yaml.safe_load(card.recipe_text)), trust_remote_code, allow_pickle
+        recipe = read_back_recipe(
+            card.recipe_text,
+            str(src.path / CARD),
+            trust_remote_code=trust_remote_code,
+            allow_pickle=allow_pickle,
+            allow_code=allow_code,
         )
-    except (LorakitError, yaml.YAMLError) as e:
+    except NotGranted:
+        raise
+    except LorakitError as e:
         raise InferenceError(
             f"{src.path / CARD}: the recipe in the model card cannot be read: {e}", doc=SOURCES_DOC
         ) from e

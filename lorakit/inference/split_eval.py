@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lorakit import rundir
 from lorakit.errors import InferenceError, RecipeError
 from lorakit.inference.model import Trained, find_trained, load_model
-from lorakit.recipe import Recipe, apply_overrides, recipe_from_dict
+from lorakit.recipe import Recipe
+from lorakit.recipe.read_back import read_back_recipe
 
 EVALUATE_DOC = "docs/inference.md#evaluating-a-run-on-any-split"
 
@@ -43,16 +42,36 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def evaluation_recipe(trained: Trained, split: str | None, overrides: Sequence[str]) -> Recipe:
+def evaluation_recipe(
+    trained: Trained,
+    split: str | None,
+    overrides: Sequence[str],
+    *,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    allow_code: Collection[str] = (),
+) -> Recipe:
     """The run's recipe with `overrides` applied, evaluation on, and data.eval_split set to `split` (then
-    without data.val_size: a named split replaces the held-out rows); None keeps the run's eval split."""
-    run_dir = trained.run_dir
-    raw = yaml.safe_load((run_dir / rundir.RECIPE).read_text())
-    raw = apply_overrides(raw, overrides)
-    raw.setdefault("eval", {})["enabled"] = True
-    if split is not None:
-        raw.setdefault("data", {}).update(eval_split=split, val_size=None)
-    recipe = recipe_from_dict(raw)
+    without data.val_size: a named split replaces the held-out rows); None keeps the run's eval split.
+    Read back as data (recipe/read_back.py): trust and code (data.transform too: the data is read) only as
+    the caller grants them."""
+
+    def adjust(raw: dict) -> None:
+        raw.setdefault("eval", {})["enabled"] = True
+        if split is not None:
+            raw.setdefault("data", {}).update(eval_split=split, val_size=None)
+
+    where = trained.run_dir / rundir.RECIPE
+    recipe = read_back_recipe(
+        where.read_text(),
+        str(where),
+        overrides=overrides,
+        trust_remote_code=trust_remote_code,
+        allow_pickle=allow_pickle,
+        allow_code=allow_code,
+        reads_data=True,
+        adjust=adjust,
+    )
     if recipe.data.eval_split is None:
         raise RecipeError(
             "data.eval_split is null in the run's recipe: name the split to evaluate with --split",
@@ -80,6 +99,7 @@ def evaluate(
     device: str | None = None,
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
+    allow_code: Collection[str] = (),
 ) -> EvaluateResult:
     """Evaluate the trained model at `source` (a run directory, or a directory inside one: adapter/,
     model/, merged/) on `split` of its data (default: the run's own eval split) with the run's recipe and
@@ -87,20 +107,22 @@ def evaluate(
 
     Writes the report to `output` (default RUN/evaluate-SPLIT.json), its predictions beside it
     (...-predictions.jsonl) and, for classifier runs, its confusion matrix (...-confusion_matrix.png).
+    trust_remote_code, allow_pickle, allow_code: the caller's grants (the run's recipe is data).
     Raises InferenceError / RecipeError / DataError for bad input, before any model is loaded."""
     from lorakit.data.collate import padded_collator
     from lorakit.data.sources import eval_source
     from lorakit.model import load_config, load_tokenizer
     from lorakit.objectives import make_objective, objective_type
 
-    trained = find_trained(source, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    trust = dict(trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, allow_code=allow_code)
+    trained = find_trained(source, **trust)
     if trained.run_dir is None:
         raise InferenceError(
             f"{source}: not a run directory or a directory inside one (no recipe.yaml here or in its parent); "
             "evaluate needs the run's recipe to prepare its data",
             doc=EVALUATE_DOC,
         )
-    recipe = evaluation_recipe(trained, split, overrides)
+    recipe = evaluation_recipe(trained, split, overrides, **trust)
     split_name, held_out = eval_source(recipe.data)
     out = (
         Path(output).expanduser().resolve()

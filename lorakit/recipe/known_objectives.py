@@ -79,8 +79,8 @@ def settings_sections() -> list[tuple[str, type[BaseModel]]]:
 
 def import_objective_module(module: str | None) -> None:
     """Import `module` (train.objective_module), which registers a plugin objective with
-    lorakit.objectives.register; every process that validates the recipe does, so the launcher's workers
-    know the objective too. ValueError naming the field when it cannot be imported."""
+    lorakit.objectives.register. Called by the recipe loader for the caller's own recipe only, before
+    validation (which imports nothing); ValueError naming the field when it cannot be imported."""
     if module is None:
         return
     try:

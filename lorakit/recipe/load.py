@@ -16,6 +16,8 @@ from lorakit.recipe.schema import Recipe
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
+    if len(item) > MAX_BYTES:
+        raise RecipeError(f"override {item[:60]!r}...: larger than {MAX_BYTES >> 20} MiB")
     if "=" not in item:
         raise RecipeError(f"override {item!r}: expected KEY=VALUE, e.g. train.lr=2e-4")
     key, _, raw = item.partition("=")
@@ -23,6 +25,8 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise RecipeError(f"override {item!r}: the key must be dotted names, e.g. train.lr")
     path = key.split(".")
+    if len(path) > MAX_DEPTH:
+        raise RecipeError(f"override {key[:60]!r}...: nested more than {MAX_DEPTH} levels deep")
     annotation = _field_annotation(path)
     takes, text = _types_of(annotation), str in _types_of(annotation, literals=False)
     # YAML parsing gives overrides the same types a recipe file would: 2e-4 -> float, [q, v] -> list.
@@ -32,6 +36,8 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         if text:  # `data.prompt_template=Summary: {input}` is text, whatever YAML makes of it
             return path, raw.strip()
         raise RecipeError(f"override {item!r}: value is not valid YAML: {e}") from None
+    except RecipeError as e:  # nested too deep, too large: named with the override's key
+        raise RecipeError(f"override {key}: {e}") from None
     # PyYAML reads 2e-4 (no dot) as a string; users mean a number.
     if isinstance(value, str):
         try:
@@ -108,11 +114,31 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 # Aliases may share one node many times over (`b: [*a, *a]`, `c: [*b, *b]`, ...); expanded, a recipe
 # larger than this many values is refused before anything copies or validates it.
 MAX_EXPANDED_NODES = 100_000
+# A recipe nests a few levels (data.mixture: a list of mappings); PyYAML composes and constructs nested
+# nodes recursively, so text nested thousands deep would end in a RecursionError and its traceback.
+MAX_DEPTH = 64
+# The text of a recipe file or one override; shipped recipes are a few KiB.
+MAX_BYTES = 1 << 20
 
 
 class RecipeLoader(yaml.SafeLoader):
     """safe_load's loader (no tags that build objects) that refuses a mapping with a repeated key, naming
     the key and its line: PyYAML would keep the last value silently."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise RecipeError(
+                    f"{_source(self.peek_event())}line {mark.line + 1}: nested more than {MAX_DEPTH} levels "
+                    "deep; a recipe is refused at that depth"
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
@@ -130,13 +156,16 @@ class RecipeLoader(yaml.SafeLoader):
 
 
 def _source(node) -> str:
+    """'NAME ' of the file a node or event was read from; '' for text that is no file (an override)."""
     name = node.start_mark.name
     return "" if name.startswith("<") else f"{name} "
 
 
 def load_yaml(text: str, name: str = "<recipe>") -> Any:
     """Parse recipe YAML: safe tags only, no repeated keys, aliases expanded to at most MAX_EXPANDED_NODES
-    values (RecipeError otherwise)."""
+    values, at most MAX_DEPTH levels and MAX_BYTES of text (RecipeError otherwise, one line)."""
+    if len(text) > MAX_BYTES:
+        raise RecipeError(f"{name}: larger than {MAX_BYTES >> 20} MiB; a recipe is refused at that size")
     loader = RecipeLoader(text)
     loader.name = name
     try:
@@ -243,9 +272,29 @@ def _validate(raw: Any, problems: Sequence[str] = ()) -> Recipe:
     return recipe
 
 
+def import_own_code(raw: Any) -> list[str]:
+    """Import train.objective_module of a recipe the caller gave (a file on its command line, its own dict),
+    which registers a plugin objective, before the recipe is validated: validation imports nothing, and a
+    recipe read back from a run directory imports only what its caller allows (recipe/read_back.py).
+    Returns a problem line when the module cannot be imported."""
+    from lorakit.recipe.known_objectives import import_objective_module
+
+    train = raw.get("train") if isinstance(raw, dict) else None
+    module = train.get("objective_module") if isinstance(train, dict) else None
+    if not isinstance(module, str):
+        return []  # absent, or of a type validation reports
+    try:
+        import_objective_module(module)
+    except ValueError as e:
+        return [f"  {e}"]
+    return []
+
+
 def recipe_from_dict(raw: dict[str, Any]) -> Recipe:
-    """Validate a plain dict into a frozen Recipe, raising RecipeError with field names."""
-    return _validate(raw)
+    """Validate the caller's own plain dict into a frozen Recipe (importing its train.objective_module
+    first), raising RecipeError with field names. A recipe read back from a run directory or a model card
+    goes through recipe.read_back.read_back_recipe instead."""
+    return _validate(raw, import_own_code(raw))
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
@@ -261,7 +310,9 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: the top level must be a mapping of sections (model, data, ...)")
     # Malformed overrides and schema errors are reported together, so one run shows every mistake.
-    return _validate(*_apply(raw, overrides))
+    raw, problems = _apply(raw, overrides)
+    # The file named on the caller's command line (or by its Python code) is the caller's own recipe.
+    return _validate(raw, problems + import_own_code(raw))
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -10,8 +10,6 @@ A recipe is frozen after validation; values derived from it are functions, not s
 
 from __future__ import annotations
 
-import contextlib
-
 from pydantic import ConfigDict, ValidationError, model_validator
 
 from lorakit.recipe.data_section import DataSection, SourceSpec, data_parts
@@ -20,7 +18,6 @@ from lorakit.recipe.eval_section import EvalSection, metric_keys
 from lorakit.recipe.fsdp_section import FsdpSection
 from lorakit.recipe.known_objectives import (
     check_objective,
-    import_objective_module,
     objective_sections,
     spec_of,
 )
@@ -79,11 +76,9 @@ class Recipe(Section):
             return handler(data)
         train = data.get("train")
         given = train if isinstance(train, dict) else {}
-        # The plugin module that registers the objective (and so its section) is imported first, as
-        # train.objective's validator does; that validator reports a module that cannot be imported.
-        if isinstance(given.get("objective_module"), str):
-            with contextlib.suppress(ValueError):
-                import_objective_module(given["objective_module"])
+        # Validation imports nothing (docs/faults.md#recipes-read-back-are-data): the caller's own recipe had
+        # its train.objective_module imported by the loader before this runs (recipe/load.py), so a plugin's
+        # section is registered by now; a recipe read back names no code the caller did not grant.
         objective = getattr(
             train, "objective", given.get("objective", TrainSection.model_fields["objective"].default)
         )

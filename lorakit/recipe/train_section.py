@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from lorakit.recipe.known_objectives import import_objective_module, spec_named
+from lorakit.recipe.known_objectives import spec_named
 from lorakit.recipe.section import Section
 
 
@@ -70,7 +70,8 @@ class TrainSection(Section):
         "checkpoint.best_metric (evaluations without that metric do not count); summary.json records "
         "stop_reason early_stopping. Needs checkpoint.best_metric. null: train for every planned step.",
     )
-    # Before `objective`: its validator imports this module first (pydantic validates in field order).
+    # Imported by the loader of the caller's own recipe before validation, never by validation
+    # (recipe/read_back.py: a recipe read back imports only what its caller allows).
     objective_module: str | None = Field(
         None,
         description="A Python module to import before train.objective is read, in this process and every "
@@ -95,7 +96,6 @@ class TrainSection(Section):
     @field_validator("objective")
     @classmethod
     def _known_objective(cls, name: str, info: ValidationInfo) -> str:
-        import_objective_module(info.data.get("objective_module"))
         spec_named(name)  # ValueError listing the known objectives
         return name
 

@@ -117,3 +117,20 @@ def test_a_job_torchrun_started_directly_is_refused_on_every_rank(tmp_path):
     assert output.count(f"error: output.dir {out} is in use by another run") == 2, output[-4000:]
     assert output.count("exitcode  : 2") >= 1, output[-4000:]
     assert not cache.exists() and seconds < 2 * FAST
+
+
+def test_the_recipe_file_on_the_command_line_is_never_written_to(tmp_path):
+    """`python -m lorakit.run RUN/recipe.yaml KEY=VALUE`: the resolved dump would replace the file the user
+    gave; it is refused (exit 2) before training, the file as it was. Unchanged (the same resolved recipe),
+    the file is not rewritten either."""
+    from tests.conftest import run_cli
+
+    run = tmp_path / "run"
+    run.mkdir()
+    recipe = run / "recipe.yaml"
+    text = (RECIPES / "quickstart.yaml").read_text() + "\n# mine\n"
+    recipe.write_text(text)
+    out = run_cli("lorakit.run", recipe, f"output.dir={run}", "train.max_steps=1")
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "is the run's recipe.yaml" in out.stderr and "Traceback" not in out.stderr
+    assert recipe.read_text() == text and sorted(p.name for p in run.iterdir()) == ["recipe.yaml"]

@@ -84,3 +84,58 @@ def test_alias_expansion_is_bounded(tmp_path):
     small = tmp_path / "small.yaml"
     small.write_text(QUICKSTART.read_text().replace("  epochs: 2", "  epochs: &e 2\n  log_every: *e"))
     assert load_recipe(small).train.log_every == 2
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "data:\n  source: " + "[" * 5000 + "]" * 5000 + "\n",  # a flow sequence nested 5000 deep
+        "data:\n  source: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n",  # a flow mapping
+        "".join(f"{'  ' * i}k{i}:\n" for i in range(300)) + "  " * 300 + "v: 1\n",  # block mappings
+    ],
+    ids=["sequences", "mappings", "block"],
+)
+def test_recipe_nesting_is_bounded_with_one_line(tmp_path, text):
+    path = tmp_path / "deep.yaml"
+    path.write_text(text)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert "nested more than 64 levels deep" in str(err.value)
+    assert str(err.value).count("\n") == 0
+    assert not isinstance(err.value.__context__, RecursionError)
+
+
+def test_recipe_size_is_bounded(tmp_path):
+    path = tmp_path / "huge.yaml"
+    path.write_text(QUICKSTART.read_text() + "# " + "x" * (2 << 20) + "\n")
+    with pytest.raises(RecipeError, match=r"larger than 1 MiB"):
+        load_recipe(path)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "data.source=" + "[" * 5000 + "]" * 5000,
+        ".".join(["data"] * 5000) + "=1",
+        "data.prompt_template=" + "x" * (2 << 20),
+    ],
+    ids=["deep-value", "deep-key", "huge-value"],
+)
+def test_overrides_are_bounded_with_one_problem_line(override):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(QUICKSTART, [override])
+    lines = str(err.value).splitlines()
+    assert lines[0] == "invalid recipe (1 problem):"
+    assert len(lines) == 2 and ("levels deep" in lines[1] or "larger than" in lines[1]), lines[1][:300]
+
+
+def test_the_cli_refuses_a_deep_recipe_with_exit_2_and_one_line(tmp_path):
+    from tests.conftest import run_cli
+
+    path = tmp_path / "deep.yaml"
+    path.write_text("data:\n  source: " + "[" * 20000 + "]" * 20000 + "\n")
+    out = run_cli("lorakit.plan", str(path), "--gpus", "1", "--gpu-memory", "40GB")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "RecursionError" not in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) <= 2, out.stderr[-2000:]
+    assert "nested more than 64 levels deep" in out.stderr

@@ -27,6 +27,7 @@ from lorakit.model.families.tiny import resolve_model_source
 from lorakit.observe.metrics import JsonlSink
 from lorakit.observe.plot import plot_losses
 from lorakit.recipe import reference
+from lorakit.recipe.read_back import NotGranted
 from lorakit.report import plots
 from lorakit.report.plots import draw_all
 from lorakit.report.runs import RunRow
@@ -56,7 +57,7 @@ def test_a_run_writes_only_into_a_new_empty_or_lorakit_directory(tmp_path):
     older = tmp_path / "older"
     older.mkdir()
     (older / rundir.RECIPE).write_text("model: {}\n")
-    (older / rundir.EXIT).write_text("{}")
+    rundir.write_json(older / rundir.SUMMARY, {"steps": 3, "versions": {"python": "3.11", "lorakit": "0.1"}})
     lines = []
     with RunLock(older, claim=True, say=lines.append):
         assert (older / rundir.MARKER).is_file()
@@ -66,6 +67,81 @@ def test_a_run_writes_only_into_a_new_empty_or_lorakit_directory(tmp_path):
     (tmp_path / "notes" / rundir.RECIPE).write_text("x: 1\n")
     with pytest.raises(RunDirError):
         rundir.check_trusted(tmp_path / "notes")
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        {rundir.EXIT: "{}"},  # what the adoption heuristic took as proof before
+        {rundir.METRICS: '{"loss": 1}\n'},
+        {rundir.SUMMARY: '{"accuracy": 0.9}'},  # a summary.json of another tool
+        {"checkpoints/step-1/state.json": '{"step": 1}'},
+        {rundir.SUMMARY: '{"versions": {"lorakit": "0.1"}}', rundir.MARKER: "x"},  # a marker not lorakit's
+    ],
+    ids=["exit", "metrics", "foreign-summary", "foreign-checkpoint", "foreign-marker"],
+)
+def test_a_folder_is_adopted_only_on_proof_that_lorakit_wrote_it(tmp_path, names):
+    """A project folder with a recipe.yaml and files of the names lorakit uses is no run directory: a run
+    refuses it (exit 2) and writes and deletes nothing in it."""
+    project = tmp_path / "project"
+    (project / "model").mkdir(parents=True)
+    (project / "model" / "mine.py").write_text("x = 1\n")
+    (project / rundir.RECIPE).write_text("model: {name_or_path: tiny:t5}\n")
+    for name, text in names.items():
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(text)
+    if rundir.MARKER in names:
+        (project / rundir.SUMMARY).write_text('{"accuracy": 0.9}')
+    before = sorted(str(p.relative_to(project)) for p in project.rglob("*"))
+    with pytest.raises(RunDirError, match="is not a lorakit run directory") as e:
+        RunLock(project, claim=True).acquire()
+    assert e.value.exit_code == 2
+    assert sorted(str(p.relative_to(project)) for p in project.rglob("*")) == before
+
+
+def test_a_run_directory_of_an_earlier_lorakit_is_known_by_its_checkpoint(tmp_path):
+    older = tmp_path / "older"
+    (older / "checkpoints" / "step-4").mkdir(parents=True)
+    (older / rundir.RECIPE).write_text("model: {}\n")
+    state = {"step": 4, "recipe": {"model": {}}, "loop": {"epoch": 0}}
+    (older / "checkpoints" / "step-4" / "state.json").write_text(json.dumps(state))
+    assert rundir.check_trusted(older) == "older"
+
+
+@pytest.mark.parametrize("name", [rundir.MODEL, rundir.ADAPTER, rundir.MERGED, rundir.BEST, rundir.SUMMARY,
+                                  rundir.RECIPE, rundir.CHECKPOINTS, rundir.TENSORBOARD])  # fmt: skip
+def test_a_link_where_a_run_writes_is_refused_before_anything_is_written(tmp_path, name):
+    """A link in a run directory (model/ -> a folder elsewhere) is refused up front, naming it: never
+    followed for deletion or replacement, and never found at the end of a whole training run."""
+    run = tmp_path / "run"
+    with RunLock(run, claim=True):
+        (run / "notes.txt").write_text("a run wrote something")
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    (run / name).symlink_to(target, target_is_directory=True)
+    with pytest.raises(RunDirError, match=rf"{run / name} is a symbolic link") as e:
+        RunLock(run, claim=True).acquire()
+    assert e.value.exit_code == 2
+    assert (target / "keep.txt").read_text() == "mine" and (run / name).is_symlink()
+
+
+def test_earlier_outputs_are_moved_aside_never_deleted(tmp_path):
+    from lorakit.engine.job import retire_earlier_outputs
+    from tests.conftest import tiny_recipe
+
+    run = tmp_path / "run"
+    with RunLock(run, claim=True):
+        for name in (rundir.MODEL, rundir.MERGED):
+            (run / name).mkdir()
+            (run / name / "weights.safetensors").write_text(name)
+        recipe = tiny_recipe(tmp_path / "cache", run)  # a LoRA run: no model/, no merge
+        assert sorted(retire_earlier_outputs(recipe, run, None)) == [rundir.MERGED, rundir.MODEL]
+    assert not (run / rundir.MODEL).exists() and not (run / rundir.MERGED).exists()
+    moved = branches.moved_aside(run)
+    assert len(moved) == 1 and sorted(moved[0]["moved"]) == [rundir.MERGED, rundir.MODEL]
+    kept = Path(moved[0]["folder"])
+    assert (kept / rundir.MODEL / "weights.safetensors").read_text() == rundir.MODEL
 
 
 def test_a_claimed_directory_that_got_nothing_is_removed_again(tmp_path):
@@ -298,9 +374,11 @@ def test_trust_remote_code_and_allow_pickle_come_from_the_caller_not_the_run_dir
     (run / rundir.MODEL).mkdir(parents=True)
     (run / rundir.MODEL / "config.json").write_text("{}")
     (run / rundir.RECIPE).write_text(yaml.safe_dump(raw))
-    src = locate(run)
-    assert not src.trust_remote_code and not src.allow_pickle
-    assert not src.recipe.model.trust_remote_code and not src.recipe.model.allow_pickle
+    # Asked for by the directory, not granted by the caller: refused, naming the field and the flag.
+    with pytest.raises(NotGranted, match="model.trust_remote_code is true.*pass --trust-remote-code"):
+        locate(run)
+    with pytest.raises(NotGranted, match="model.allow_pickle is true.*pass --allow-pickle"):
+        locate(run, trust_remote_code=True)
     mine = locate(run, trust_remote_code=True, allow_pickle=True)
     assert mine.trust_remote_code and mine.allow_pickle and mine.recipe.model.trust_remote_code
 
@@ -358,3 +436,25 @@ def test_push_of_a_run_directory_takes_its_run_lock(tmp_path):
             RunLockedError, match=r"in use by another run: .*\(python -m lorakit.run x.yaml\)"
         ):
             push(run, "me/model")
+
+
+def test_the_recipe_file_given_is_never_written_to(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    given = run / rundir.RECIPE
+    given.write_text("resolved: 1\n")
+    inode = given.stat().st_ino
+    # The same resolved recipe (a relaunch by the run's own recipe.yaml): allowed, and the file not rewritten.
+    rundir.check_recipe_file(given, run, "resolved: 1\n")
+    rundir.write_recipe(run, "resolved: 1\n")
+    assert given.stat().st_ino == inode
+    # Another resolved recipe (an override): the run would write over the file it was given.
+    with pytest.raises(RunDirError, match="is the run's recipe.yaml in output.dir") as e:
+        rundir.check_recipe_file(given, run, "resolved: 2\n")
+    assert e.value.exit_code == 2 and given.read_text() == "resolved: 1\n"
+    # A recipe file elsewhere is the user's; the run directory's copy is lorakit's to replace.
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("resolved: 2\n")
+    rundir.check_recipe_file(mine, run, "resolved: 2\n")
+    rundir.write_recipe(run, "resolved: 2\n")
+    assert given.read_text() == "resolved: 2\n" and mine.read_text() == "resolved: 2\n"
