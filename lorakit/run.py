@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     # The deepspeed launcher passes --local_rank=N unless told --no_local_rank; LOCAL_RANK in the
     # environment says the same, and is what lorakit reads.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     def body() -> int:
         import lorakit
@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
         quiet_libraries()
         recipe = lorakit.load_recipe(args.recipe, args.overrides)
         result = lorakit.train(recipe)
-        if not args.worker and os.environ.get("RANK", "0") == "0":
+        if result.already_complete:
+            print(complete_line(result))
+        elif not args.worker and os.environ.get("RANK", "0") == "0":
             print("\n" + "\n".join(report_lines(result)))
         return 0
 
@@ -54,6 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def complete_line(result) -> str:
+    """The one line of a relaunch that found its run finished."""
+    s = result.summary
+    return (f"run already complete: {result.run_dir} ({s['steps']} steps, loss {s['loss']['last']:.4f}); "
+            "nothing to do (train.resume=never trains it again)")  # fmt: skip
 
 
 def report_lines(result) -> list[str]:
