@@ -86,10 +86,12 @@ def report_lines(result) -> list[str]:
     if s.get("merged_dir"):
         lines.append(f"merged:   {s['merged_dir']}")
     lines.append(f"metrics:  {result.run_dir / 'metrics.jsonl'}")
+    if (result.run_dir / "loss.png").is_file():
+        lines.append(f"plot:     {result.run_dir / 'loss.png'}")
     for name, where in (s.get("trackers") or {}).items():
         place = where.get("log_dir") or where.get("dir") or where.get("tracking_uri")
         failed = f"failed ({where['failed']})" if where.get("failed") else ""
-        lines.append(f"{name + ':':<10}{' '.join(str(x) for x in (place, failed) if x)}")
+        lines.append(f"{name + ':':<9} {' '.join(str(x) for x in (place, failed) if x)}")
     return [redact(line) for line in lines]
 
 

@@ -4,10 +4,13 @@ recipe, train.resume: never, a failed or newer launch) goes on as before."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import os
 import time
 
+import pytest
 import yaml
 
 from lorakit import rundir
@@ -16,29 +19,50 @@ from tests.conftest import tiny_recipe_dict
 run_main = importlib.import_module("lorakit.run").main
 
 
-def _recipe_file(cache_dir, tmp_path):
-    raw = tiny_recipe_dict(cache_dir, tmp_path / "run", train={"max_steps": 2}, eval={"enabled": False})
+@pytest.fixture(scope="module")
+def finished(cache_dir, tmp_path_factory):
+    """A tiny run trained to the end by `python -m lorakit.run`'s main: (recipe path, run dir, console)."""
+    tmp_path = tmp_path_factory.mktemp("finished")
+    raw = tiny_recipe_dict(
+        cache_dir,
+        tmp_path / "run",
+        train={"max_steps": 3},
+        eval={"every": 2, "generate": False},
+        checkpoint={"every": 1, "keep": 1},
+    )
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(raw))
-    return path
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert run_main([str(path)]) == 0
+    return path, tmp_path / "run", out.getvalue() + err.getvalue()
+
+
+def test_the_console_says_when_it_evaluates_lists_the_plot_and_keeps_checkpoint_pruning_quiet(finished):
+    path, run_dir, console = finished
+    lines = console.splitlines()
+    # The bar stands still while the model evaluates: a line says so (step 2, and the end's at step 3).
+    assert [line for line in lines if line.startswith("evaluating at step")] == [
+        "evaluating at step 2: 8 rows",
+        "evaluating at step 3: 8 rows",
+    ], console
+    assert f"plot:     {run_dir / 'loss.png'}" in lines and (run_dir / "loss.png").is_file()
+    assert not [line for line in lines if "removed checkpoint" in line], console
 
 
 def _state(run_dir):
     return {p.relative_to(run_dir): p.stat().st_mtime_ns for p in run_dir.rglob("*")}
 
 
-def test_a_finished_run_relaunched_says_it_is_complete_and_exits_at_once(cache_dir, tmp_path, capsys):
-    path = _recipe_file(cache_dir, tmp_path)
-    assert run_main([str(path)]) == 0
-    capsys.readouterr()
-    run_dir = tmp_path / "run"
+def test_a_finished_run_relaunched_says_it_is_complete_and_exits_at_once(finished, capsys):
+    path, run_dir, _ = finished
     before = _state(run_dir)
     start = time.monotonic()
     assert run_main([str(path)]) == 0
     took = time.monotonic() - start
     out = capsys.readouterr().out
     assert out.splitlines() == [
-        f"run already complete: {run_dir} (2 steps, loss {rundir.read_summary(run_dir)['loss']['last']:.4f}); "
+        f"run already complete: {run_dir} (3 steps, loss {rundir.read_summary(run_dir)['loss']['last']:.4f}); "
         "nothing to do (train.resume=never trains it again)"
     ], out
     assert _state(run_dir) == before  # nothing written, nothing evaluated again
