@@ -123,3 +123,23 @@ def test_lora_with_a_quant_type_says_to_remove_it():
 
     with pytest.raises(RecipeError, match=r"remove method.quant_type \(method.quant_type=null"):
         load_recipe(RECIPES / "qwen3_30b_a3b_qlora.yaml", ["method.kind=lora"])
+
+
+def test_a_hub_model_the_hub_cannot_serve_fails_at_once_naming_hf_hub_offline(monkeypatch, tmp_path):
+    import time
+
+    from huggingface_hub import constants
+
+    from lorakit.errors import RecipeError
+    from lorakit.model.source import load_config
+
+    # No network: the hub's name does not resolve (.invalid never does), and the model is not cached.
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")
+    recipe = load_recipe(
+        RECIPE, ["model.name_or_path=lorakit-tests/no-such-model", f"data.cache_dir={tmp_path}"]
+    )
+    start = time.monotonic()
+    with pytest.raises(RecipeError, match=r"the hub \(hub.invalid\) cannot be reached.*set HF_HUB_OFFLINE=1"):
+        load_config(recipe)
+    assert time.monotonic() - start < 10  # huggingface_hub's retries took ~30 s
