@@ -28,8 +28,11 @@ def _pattern(line: str) -> re.Pattern:
     return re.compile(regex)
 
 
-def mismatches(sample: list[str], printed: list[str]) -> list[str]:
-    """The sample's lines that the printed output does not have (in order), and printed lines it lacks."""
+def mismatches(sample: list[str], printed: list[str], paths: dict[str, str] | None = None) -> list[str]:
+    """The sample's lines that the printed output does not have (in order), and printed lines it lacks.
+    `paths`: {the run's real path: the path the sample shows for it} (a test's output.dir is not the doc's)."""
+    for real, shown in (paths or {}).items():
+        printed = [line.replace(real, shown) for line in printed]
     problems = []
     if len(sample) != len(printed):
         problems.append(f"the sample has {len(sample)} lines, the command printed {len(printed)}")

@@ -22,6 +22,12 @@ def test_a_matching_output_passes():
     assert mismatches(SAMPLE, PRINTED) == []
 
 
+def test_the_runs_own_folder_is_shown_as_the_samples():
+    printed = [line.replace("/tmp/x/runs/quickstart", "/tmp/t/run") for line in PRINTED]
+    assert mismatches(SAMPLE, printed)
+    assert mismatches(SAMPLE, printed, {"/tmp/t/run": "/path/to/runs/quickstart"}) == []
+
+
 def test_a_sample_that_no_longer_matches_is_caught():
     assert mismatches(SAMPLE, PRINTED[:2])  # the command prints a line the sample lacks
     assert mismatches(SAMPLE, [PRINTED[0], "loss:     8.1192 -> 5.5800 over 33 steps", PRINTED[2]])
