@@ -106,6 +106,10 @@ def train(recipe: Recipe, train_dataset=None, eval_dataset=None) -> TrainResult:
     # makes output.dir and before any worker starts; a directory another run holds, before any of that work.
     runlock.refuse_if_held_here(recipe.output.dir)
     _check_run_dir(recipe)
+    run_dir = Path(recipe.output.dir).expanduser().resolve()
+    # The same command again on a finished run: its summary is the answer (train.resume: never trains anew).
+    if recipe.train.resume == "auto" and rundir.completed_with(run_dir, dump_recipe(recipe)):
+        return TrainResult(run_dir, rundir.read_summary(run_dir), already_complete=True)
     prepared = prepare(recipe)
     if recipe.distributed.num_processes == 1 and not prepared.cache_hit:
         print(prepared.describe(), flush=True)  # the job says it reused this cache

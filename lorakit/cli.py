@@ -19,6 +19,21 @@ def recipe_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+def size_option(value: str | None, flag: str) -> int | None:
+    """A size given on the command line ("40GB", "80GiB") in bytes, or None. A number without a unit is
+    refused: read as bytes, `--gpu-memory 24` would plan for a GPU of 24 bytes."""
+    if value is None:
+        return None
+    from lorakit.errors import LorakitError
+    from lorakit.units import parse_bytes
+
+    number = value.strip()
+    if number.replace(".", "", 1).isdigit():
+        raise LorakitError(f"{flag}: {value!r} has no unit: give one, e.g. {number}GB (10^9 bytes) or "
+                           f"{number}GiB (2^30 bytes)")  # fmt: skip
+    return parse_bytes(value, flag)
+
+
 # LORAKIT_VERBOSE=1 keeps every library's own console output (what quiet_libraries would hide).
 VERBOSE_ENV = "LORAKIT_VERBOSE"
 

@@ -9,7 +9,7 @@ import json
 import sys
 
 from lorakit.callable_module import forward_calls
-from lorakit.cli import run_cli
+from lorakit.cli import run_cli, size_option
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,7 +48,8 @@ def _local_gpu_memory() -> int | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m lorakit.plan`: exit 0 when the recipe fits (or no verdict was asked
     for), 1 when it does not, 2 on bad input."""
-    return run_cli(_plan, parser().parse_args(argv))
+    # Options and overrides in any order, as every lorakit command takes them.
+    return run_cli(_plan, parser().parse_intermixed_args(argv))
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -56,8 +57,10 @@ def _plan(args: argparse.Namespace) -> int:
     from lorakit.planner import PlanError, plan
     from lorakit.recipe import load_recipe
 
+    given = size_option(args.gpu_memory, "--gpu-memory")
+    cpu_memory = size_option(args.cpu_memory, "--cpu-memory")
     recipe = load_recipe(args.recipe, args.overrides)
-    gpu_memory = args.gpu_memory if args.gpu_memory is not None else _local_gpu_memory()
+    gpu_memory = given if given is not None else _local_gpu_memory()
     if gpu_memory is None:
         raise PlanError(
             "--gpu-memory: no GPU on this machine to read it from; give the GPU's memory, e.g. 40GB"
@@ -67,7 +70,7 @@ def _plan(args: argparse.Namespace) -> int:
         gpus=args.gpus,
         gpu_memory=gpu_memory,
         nodes=args.nodes,
-        cpu_memory=args.cpu_memory,
+        cpu_memory=cpu_memory,
         seq_len=args.seq_len,
         target_len=args.target_len,
     )

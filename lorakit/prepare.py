@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--show", type=int, default=0, metavar="N", help="print N training rows with the loss tokens marked"
     )
-    return run_cli(_prepare, parser.parse_args(argv))
+    return run_cli(_prepare, parser.parse_intermixed_args(argv))
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     # The deepspeed launcher passes --local_rank=N unless told --no_local_rank; LOCAL_RANK in the
     # environment says the same, and is what lorakit reads.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     def body() -> int:
         import lorakit
@@ -30,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
 
             check_recipe_file(args.recipe, recipe.output.dir, dump_recipe(recipe))
         result = lorakit.train(recipe)
-        if not args.worker and os.environ.get("RANK", "0") == "0":
+        if result.already_complete:
+            print(complete_line(result))
+        elif not args.worker and os.environ.get("RANK", "0") == "0":
             print("\n" + "\n".join(report_lines(result)))
         return 0
 
@@ -65,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def complete_line(result) -> str:
+    """The one line of a relaunch that found its run finished."""
+    s = result.summary
+    return (f"run already complete: {result.run_dir} ({s['steps']} steps, loss {s['loss']['last']:.4f}); "
+            "nothing to do (train.resume=never trains it again)")  # fmt: skip
+
+
 def report_lines(result) -> list[str]:
     """What the launching process prints at the end of a run (a TrainResult): where everything went, the
     loss and evaluation; credentials (an MLFLOW_TRACKING_URI's user:password@) redacted."""
@@ -86,10 +95,12 @@ def report_lines(result) -> list[str]:
     if s.get("merged_dir"):
         lines.append(f"merged:   {s['merged_dir']}")
     lines.append(f"metrics:  {result.run_dir / 'metrics.jsonl'}")
+    if (result.run_dir / "loss.png").is_file():
+        lines.append(f"plot:     {result.run_dir / 'loss.png'}")
     for name, where in (s.get("trackers") or {}).items():
         place = where.get("log_dir") or where.get("dir") or where.get("tracking_uri")
         failed = f"failed ({where['failed']})" if where.get("failed") else ""
-        lines.append(f"{name + ':':<10}{' '.join(str(x) for x in (place, failed) if x)}")
+        lines.append(f"{name + ':':<9} {' '.join(str(x) for x in (place, failed) if x)}")
     return [redact(line) for line in lines]
 
 

@@ -255,6 +255,20 @@ def write_predictions(run_dir: Path, predictions: list[str], references: list[st
     write_text(run_dir / PREDICTIONS, "\n".join(lines) + "\n")
 
 
+def completed_with(run_dir: str | Path, resolved_recipe: str) -> bool:
+    """Whether `run_dir` holds a run that finished with this very recipe (`resolved_recipe`, as the run
+    wrote it to recipe.yaml): its summary.json written after its recipe.yaml (a later launch that stopped
+    early rewrote the recipe and left no newer summary) and no exit.json (a failure, a preemption)."""
+    run_dir = Path(run_dir)
+    summary, recipe = run_dir / SUMMARY, run_dir / RECIPE
+    try:
+        if (run_dir / EXIT).exists() or summary.stat().st_mtime_ns < recipe.stat().st_mtime_ns:
+            return False
+        return recipe.read_text() == resolved_recipe and bool(read_summary(run_dir).get("stop_reason"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
     """The summary.json of a finished run."""
     return json.loads((Path(run_dir) / SUMMARY).read_text())

@@ -193,6 +193,9 @@ class RowCollector:
         self.loose = set(self.columns.values()) - flags if chat_form else set()
         self.alpaca = data.format == "alpaca" and columns is None
         self.message_keys, self.roles = data.message_keys, data.roles or {}
+        # Set when the source's messages are ShareGPT's `conversations` (read as `messages`): a bad row is
+        # named by the column the user has.
+        self.sharegpt = False
         self.transform = load_transform(data.transform)
         # Class ids in these columns become labels[id]; with labels known, a text target must be one of them.
         self.label_columns, self.labels = (label_columns(data) if columns is None else set()), labels
@@ -231,6 +234,7 @@ class RowCollector:
         are replaced by their label words in `row`; messages are stored normalized, as JSON text."""
         if self.chat == MESSAGES and MESSAGES not in row and SHAREGPT in row:
             row[MESSAGES] = row.pop(SHAREGPT)
+            self.sharegpt = True
         for column in self.columns.values():
             if column not in row:
                 return f"column {column!r} is missing", column
@@ -251,7 +255,8 @@ class RowCollector:
                 issue = flag_problem(value)
                 row[column] = bool(value)  # 1/0 and true/false alike (one Arrow type)
             if issue:
-                return f"column {column!r} {issue}", None
+                shown = SHAREGPT if column == MESSAGES and column == self.chat and self.sharegpt else column
+                return f"column {shown!r} {issue}", None
         if self.alpaca:
             given = row.get("input")
             if given is not None and not isinstance(given, str):

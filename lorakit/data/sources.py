@@ -156,6 +156,7 @@ def _check_table(ds: datasets.Dataset, rows: RowCollector, whole: bool = True) -
     `whole`: the table is the whole split (else one shard of several: the caller finishes the rows)."""
     if rows.chat == MESSAGES and MESSAGES not in ds.column_names and SHAREGPT in ds.column_names:
         ds = ds.rename_column(SHAREGPT, MESSAGES)
+        rows.sharegpt = True
     if rows.transform is None:
         rows.check_columns(ds.column_names)
         wanted = set(rows.columns.values()) | ({"input"} if rows.alpaca else set())

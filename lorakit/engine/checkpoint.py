@@ -300,9 +300,9 @@ def _publish(recipe, run_dir: Path, loop: LoopState, reason: str, final: Path, t
 def prune(run_dir: Path, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints, and leftovers of interrupted saves."""
     found = _named(run_dir)
+    # Silent: checkpoint.keep is the recipe's own policy, and a line per save cluttered every short run.
     for _, old in found[: max(len(found) - keep, 0)]:
         shutil.rmtree(old, ignore_errors=True)
-        print(f"removed checkpoint {old.name} (checkpoint.keep: {keep})", flush=True)
     remove_partial_saves(run_dir)
 
 

@@ -17,3 +17,5 @@ class TrainResult:
 
     run_dir: Path
     summary: dict[str, Any]
+    # True when the run directory already held this recipe's finished run: nothing was trained again.
+    already_complete: bool = False

@@ -65,6 +65,8 @@ class Job:
     stops: StopRequests = field(default_factory=StopRequests)
     # Rank 0's watch on the run lock (lorakit.runlock.LockWatch): a lost lock stops the run like a SIGTERM.
     lock: LockWatch | None = None
+    # Rank 0's progress bar (trainer() makes it): an evaluation says so on it, since the bar stands still.
+    progress: Any = None
 
     def resume(self, ckpt: Checkpoint | None) -> None:
         """Restore engine, RNG states, loop state and this rank's counts from `ckpt` (collective)."""
@@ -94,6 +96,13 @@ class Job:
         Returns rank 0's metrics on every rank. `epoch_end` False (an eval.every evaluation) generates only
         with eval.generate_at every_eval."""
         ev = self.recipe.eval
+        generate = ev.generate and (epoch_end or ev.generate_at == "every_eval")
+        if self.progress is not None:
+            rows = len(self.eval_data().eval)
+            self.progress.write(
+                f"evaluating at step {step}: {rows} rows" + (", generating" if generate else "")
+            )
+            self.progress.set_description("evaluating")
         # The RNG streams are put back afterwards, so a run with evaluations trains exactly as one without.
         with preserved_rng():
             outcome = self.objective.evaluate(
@@ -105,8 +114,10 @@ class Job:
                 self.batching.eval_collator,
                 # A sharded engine's forwards are collective: ranks done generating keep stepping with the rest.
                 zero3=self.engine.sharded,
-                generate=ev.generate and (epoch_end or ev.generate_at == "every_eval"),
+                generate=generate,
             )
+        if self.progress is not None:
+            self.progress.set_description("training")
         # Only rank 0 scores generations: every rank must judge the best evaluation on the same numbers.
         return dist.on_main("eval write", self._write_eval, outcome, epoch, step, share=True, at=step)
 
@@ -165,6 +176,7 @@ class Job:
                 unit="step",
                 dynamic_ncols=True,
             )
+        self.progress = progress
         return Trainer(
             self.engine,
             self.built.inputs,

@@ -28,6 +28,7 @@ from lorakit.export.loading import (
     auto_model_class,
     check_architecture,
     load_pretrained,
+    peft_from_pretrained,
     save_tokenizer,
 )
 from lorakit.export.output import atomic_directory, check_output, parse_size
@@ -235,11 +236,9 @@ def _save_verified(
 
 def _merged_model(src: MergeSource, adapter: Adapter, auto_cls, torch_dtype, batch):
     """(merged model, reference logits of the adapter model, logits of the base alone), one model copy."""
-    from peft import PeftModel
-
     model = load_pretrained(auto_cls, src.base_source, torch_dtype, src)
     check_fits(adapter, model, src.base_name)
-    peft_model = PeftModel.from_pretrained(model, str(src.path), is_trainable=False)
+    peft_model = peft_from_pretrained(model, str(src.path), is_trainable=False)
     reference = probe_logits(peft_model, batch)
     with peft_model.disable_adapter():
         base_logits = probe_logits(peft_model, batch)

@@ -4,7 +4,10 @@ Shared by both merges (export/job.py, export/stream_job.py) and by lorakit.infer
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,6 +34,37 @@ def auto_model_class(src: MergeSource):
     return (AutoModelForSeq2SeqLM if enc_dec else AutoModelForCausalLM), config
 
 
+class _DropTieNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("The tied weights mapping")
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """transformers 5 (modeling_utils.tie_weights) warns when a checkpoint's config ties the head to the
+    embeddings but the checkpoint holds both, different: what lorakit trained and saved (model/untie.py
+    gives a head that ZeRO-3 loading tied its own weights back). It keeps them separate, as trained: nothing
+    for the user to act on. peft (PeftModel.__init__) reads transformers' deprecated `is_gradient_checkpointing`
+    (a FutureWarning on every adapter load)."""
+    tie = _DropTieNotice()
+    logger = logging.getLogger("transformers.modeling_utils")
+    logger.addFilter(tie)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            yield
+    finally:
+        logger.removeFilter(tie)
+
+
+def peft_from_pretrained(model, path: str, **kwargs):
+    """PeftModel.from_pretrained without peft's and transformers' notices (see _quiet_loading)."""
+    from peft import PeftModel
+
+    with _quiet_loading():
+        return PeftModel.from_pretrained(model, path, **kwargs)
+
+
 def load_pretrained(auto_cls, source: str, torch_dtype: torch.dtype | str, src: MergeSource | None, **kwargs):
     """The model in `torch_dtype` (or "auto": as saved), eval mode; on CPU unless kwargs place it. Only
     safetensors weights are read unless the caller allowed pickles (src.allow_pickle)."""
@@ -38,15 +72,16 @@ def load_pretrained(auto_cls, source: str, torch_dtype: torch.dtype | str, src: 
 
     pickles = src is not None and src.allow_pickle
     try:
-        model = auto_cls.from_pretrained(
-            source,
-            revision=src.revision if src is not None else None,
-            trust_remote_code=src.trust_remote_code if src is not None else False,
-            # True: only safetensors; None: transformers' default, safetensors else pytorch_model.bin.
-            use_safetensors=None if pickles else True,
-            dtype=torch_dtype,
-            **kwargs,
-        )
+        with _quiet_loading():
+            model = auto_cls.from_pretrained(
+                source,
+                revision=src.revision if src is not None else None,
+                trust_remote_code=src.trust_remote_code if src is not None else False,
+                # True: only safetensors; None: transformers' default, safetensors else pytorch_model.bin.
+                use_safetensors=None if pickles else True,
+                dtype=torch_dtype,
+                **kwargs,
+            )
     except OSError as e:
         if pickles or not no_safetensors_weights(e):
             raise
@@ -84,15 +119,13 @@ def check_architecture(src: MergeSource, config) -> None:
 
 def adapter_on_4bit(src: MergeSource, auto_cls, batch) -> torch.Tensor:
     """Logits of the adapter on the 4-bit base, as trained (the recipe's quantization and dtype)."""
-    from peft import PeftModel
-
     from lorakit.model.quantize import bnb_config, keep_standard_4bit_layout
 
     train_dtype = getattr(torch, src.recipe.model.dtype)
     quant = bnb_config(src.recipe.method.quantization(), train_dtype)
     model = load_pretrained(auto_cls, src.base_source, train_dtype, src, quantization_config=quant)
     keep_standard_4bit_layout(model)  # the layout it trained in (on AVX512-BF16 CPUs too)
-    logits = probe_logits(PeftModel.from_pretrained(model, str(src.path)), batch)
+    logits = probe_logits(peft_from_pretrained(model, str(src.path)), batch)
     del model
     gc.collect()
     return logits

@@ -17,7 +17,13 @@ import torch
 from lorakit.errors import MergeError, VerificationError
 from lorakit.export.adapter import Adapter
 from lorakit.export.card import CARD, QLORA_NOTE, model_card
-from lorakit.export.loading import adapter_on_4bit, check_architecture, load_pretrained, save_tokenizer
+from lorakit.export.loading import (
+    adapter_on_4bit,
+    check_architecture,
+    load_pretrained,
+    peft_from_pretrained,
+    save_tokenizer,
+)
 from lorakit.export.output import atomic_directory
 from lorakit.export.result import MergeOptions, MergeResult, TensorCheck, require, say
 from lorakit.export.shards import (
@@ -216,9 +222,7 @@ def _logits_check(src, adapter, auto_cls, config, dtype, tol, directory, compare
     if adapter is None:
         reference, against = probe_logits(model, batch), "the run's model"
     else:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(src.path), is_trainable=False)
+        model = peft_from_pretrained(model, str(src.path), is_trainable=False)
         reference = probe_logits(model, batch)
         with model.disable_adapter():
             base_logits = probe_logits(model, batch)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorakit.data.rows import messages_problem, text_problem
+from lorakit.data.rows import MESSAGES, SHAREGPT, messages_problem, text_problem
 from lorakit.data.templates import prompt_columns, render_prompt
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
@@ -130,6 +130,12 @@ class Prompter:
                     doc=INPUTS_DOC,
                 )
             value = {needed[0]: value}
+        shown = {}
+        if self.data is not None and self.data.format == "chat" and needed == [MESSAGES]:
+            # As training reads a source: ShareGPT's `conversations` when the row has no `messages`.
+            if MESSAGES not in value and SHAREGPT in value:
+                value = {MESSAGES: value[SHAREGPT], **{k: v for k, v in value.items() if k != SHAREGPT}}
+                shown[MESSAGES] = SHAREGPT
         for column in needed:
             if column not in value:
                 raise DataError(
@@ -142,7 +148,7 @@ class Prompter:
             )
             issue = problem(value[column])
             if issue:
-                raise DataError(f"{where}: column {column!r} {issue}", doc=INPUTS_DOC)
+                raise DataError(f"{where}: column {shown.get(column, column)!r} {issue}", doc=INPUTS_DOC)
         clash = [c for c in self.reserved if c in value]
         if clash:
             raise DataError(

@@ -3,7 +3,9 @@ launcher and `lorakit.prepare` need, so they import neither peft nor DeepSpeed (
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 from transformers import AutoConfig, AutoTokenizer
 
@@ -49,9 +51,37 @@ def _remote_code_hint(recipe: Recipe, error: Exception) -> str:
     return ""
 
 
+def _hub_unreachable(recipe: Recipe, source: str) -> RecipeError | None:
+    """A hub model that is not in the local cache while the hub's name does not resolve (no network): the
+    error now, naming HF_HUB_OFFLINE, rather than after huggingface_hub's retries (~30 s)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or Path(source).exists():
+        return None
+    host = urlparse(constants.ENDPOINT).hostname or ""
+    try:
+        socket.getaddrinfo(host, 443)
+        return None
+    except (OSError, UnicodeError):
+        pass
+    try:  # cached: loading goes on as it would (huggingface_hub falls back to the cache)
+        AutoConfig.from_pretrained(source, revision=recipe.model.revision, local_files_only=True,
+                                   trust_remote_code=recipe.model.trust_remote_code)  # fmt: skip
+        return None
+    except (OSError, ValueError):
+        return RecipeError(
+            f"model.name_or_path {recipe.model.name_or_path!r}: not in the local Hugging Face cache, and the hub "
+            f"({host}) cannot be reached: its name does not resolve (no network?). Download the model where "
+            "there is a network and set HF_HUB_OFFLINE=1 to load it from the cache, or give a local directory"
+        )
+
+
 def load_config(recipe: Recipe):
     """The base model's config and its local (or hub) source, without loading weights."""
     source = resolve_model_source(recipe.model.name_or_path, recipe.data.cache_dir)
+    unreachable = _hub_unreachable(recipe, source)
+    if unreachable is not None:
+        raise unreachable
     try:
         config = AutoConfig.from_pretrained(
             source, revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code

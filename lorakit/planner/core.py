@@ -19,7 +19,7 @@ from lorakit.planner.activations import Activations, Kernels, Shape, activations
 from lorakit.planner.arch import Arch, arch_from_config, resolve_config
 from lorakit.planner.byte_models import PlannedBytes
 from lorakit.planner.search import ROW_STEP, candidates, longest_row, overrides, recipe_setup, slowdown
-from lorakit.planner.shapes import micro_batch_shape, positive
+from lorakit.planner.shapes import attention_label, micro_batch_shape, positive
 from lorakit.planner.states import Item, Setup, counts
 from lorakit.planner.units import HEADROOM, PlanError, parse_bytes
 from lorakit.recipe.objective_spec import SFT
@@ -294,7 +294,7 @@ def plan(
         gpu_memory=gpu_cap,
         cpu_memory=cpu_cap,
         device=device,
-        attention=kernels.attention + (", packed rows" if kernels.packed else ""),
+        attention=attention_label(recipe.model.attention, kernels),
         total_params=c.total,
         trainable_params=c.trainable,
         estimate=own,

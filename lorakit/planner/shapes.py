@@ -31,6 +31,13 @@ def _length(
     return model_max
 
 
+def attention_label(requested: str, kernels: Kernels) -> str:
+    """The attention the plan assumes, as the report says it: for auto, what the machine that trains picks
+    (flash_attention_2 where it is installed, else SDPA), not what this machine has installed."""
+    label = "sdpa or flash_attention_2 (model.attention auto, chosen where it trains; they plan alike)"
+    return (label if requested == "auto" else kernels.attention) + (", packed rows" if kernels.packed else "")
+
+
 def micro_batch_shape(
     recipe, arch: Arch, seq_len, target_len, device: str, notes: list
 ) -> tuple[Shape, Kernels, int | None]:

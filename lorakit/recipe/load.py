@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from lorakit.errors import RecipeError
 from lorakit.recipe.schema import Recipe
+from lorakit.recipe.suggest import unknown_key_message
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -232,7 +233,7 @@ def _validation_lines(err: ValidationError) -> list[str]:
         path = _dotted(e["loc"]) or "recipe"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; see docs/recipes.md for every key)"
+            msg = unknown_key_message(path, Recipe)
         elif e["type"] == "missing":
             msg = "required key is missing"
         elif not isinstance(e.get("input"), dict):

@@ -93,8 +93,8 @@ class MethodSection(Section):
             )
         if self.quant_type is not None and self.kind == "lora":
             raise ValueError(
-                "method.quant_type: kind lora keeps the base in model.dtype; use method.kind: qlora for a "
-                "4-bit base"
+                "method.quant_type: kind lora keeps the base in model.dtype: remove method.quant_type "
+                "(method.quant_type=null on the command line), or use method.kind: qlora for a 4-bit base"
             )
         if not self.lora():
             for name in self._lora_options_set():

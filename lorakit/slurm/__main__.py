@@ -1,18 +1,20 @@
 """python -m lorakit.slurm RECIPE [KEY=VALUE ...] --nodes N --gpus-per-node G [--partition P] [--time T]
-[--account A] [--submit]: write a Slurm job for the recipe (`job.sbatch` in its output.dir), print its path,
+[--account A] [--cpus-per-task C] [--mem M | --exclusive] [--gres] [--submit]: write a Slurm job for the recipe (`job.sbatch` in its output.dir), print its path,
 and with --submit hand it to sbatch. Exit 0 when written (and submitted), 2 for bad input (nothing is
 written), sbatch's exit code when sbatch refuses it. See docs/multinode.md#slurm."""
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from lorakit.cli import quiet_libraries, run_cli
+from lorakit.cli import quiet_libraries, run_cli, size_option
 from lorakit.errors import LorakitError
 
 
@@ -27,6 +29,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--time", help="#SBATCH --time, e.g. 12:00:00")
     p.add_argument("--account", help="#SBATCH --account")
     p.add_argument("--cpus-per-task", type=int, help="#SBATCH --cpus-per-task: CPUs for a node's G processes")
+    p.add_argument("--mem", default=None,
+                   help="#SBATCH --mem, memory per node in Slurm's units, e.g. 500G, or 0 for all of it "
+                   "(default: the plan's CPU RAM per node and a quarter more; 0 with --exclusive)")  # fmt: skip
+    p.add_argument("--exclusive", action="store_true", help="#SBATCH --exclusive: whole nodes")
+    p.add_argument("--gres", action="store_true",
+                   help="ask for GPUs as --gres=gpu:G (clusters without select/cons_tres) instead of --gpus-per-node")  # fmt: skip
     p.add_argument(
         "--gpu-memory", default=None, help="memory of one GPU for the plan at the script's top, e.g. 80GB"
     )
@@ -54,6 +62,11 @@ def _write(args: argparse.Namespace, raw: list[str]) -> int:
     if args.submit and sbatch is None:
         raise LorakitError("--submit: sbatch is not on PATH (run this on a Slurm login node, or drop --submit and "
                            "submit the script later with sbatch)")  # fmt: skip
+    if args.mem is not None and not re.fullmatch(r"[0-9]+[KMGT]?", args.mem):
+        raise LorakitError(
+            f"--mem: expected Slurm's memory per node, e.g. 500G or 0 (all of it), got {args.mem!r}"
+        )
+    gpu_memory = size_option(args.gpu_memory, "--gpu-memory")
     quiet_libraries()
     from lorakit import rundir
     from lorakit.recipe import load_recipe
@@ -73,6 +86,8 @@ def _write(args: argparse.Namespace, raw: list[str]) -> int:
     # into (new, empty or lorakit's own), and it is marked as lorakit's before anything is written there.
     rundir.check_trusted(run_dir)
     overrides = [o for o in args.overrides if not o.startswith(("distributed.num_processes=", "output.dir="))]
+    plan_lines, per_node = _plan(recipe, args, gpu_memory)
+    memory, memory_note = _memory(args, per_node)
     job = JobSpec(
         recipe=str(Path(args.recipe).resolve()),
         overrides=[*overrides, procs, f"output.dir={run_dir}"],
@@ -89,14 +104,21 @@ def _write(args: argparse.Namespace, raw: list[str]) -> int:
         ),
         stop_before=args.stop_before,
         preflight_timeout=args.preflight_timeout,
-        plan=_plan_lines(recipe, args),
+        memory=memory,
+        memory_note=memory_note,
+        exclusive=args.exclusive,
+        gres=args.gres,
+        plan=plan_lines,
         command=shlex.join(["python", "-m", "lorakit.slurm", *raw]),
     )
     path = run_dir / SCRIPT
+    text = render(job)  # a value the script cannot carry is refused here, before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)  # the marker and the script only: the run writes the rest
     rundir.mark(run_dir)
-    rundir.write_text(path, render(job))
+    rundir.write_text(path, text)
     print(path)
+    for line in _warnings(args, per_node):
+        print(f"warning: {line}", file=sys.stderr)
     if sbatch is None:
         return 0
     done = subprocess.run([sbatch, str(path)], capture_output=True, text=True)
@@ -109,16 +131,51 @@ def _write(args: argparse.Namespace, raw: list[str]) -> int:
     return done.returncode
 
 
-def _plan_lines(recipe, args: argparse.Namespace) -> list[str]:
-    """lorakit.plan for the job's shape; a model the planner cannot read gives one line saying why."""
+def _plan(recipe, args: argparse.Namespace, gpu_memory: int | None) -> tuple[list[str], int | None]:
+    """lorakit.plan for the job's shape, and its CPU RAM per node; a model the planner cannot read gives
+    one line saying why (and no size)."""
     from lorakit.planner import plan
 
     try:
-        p = plan(recipe, gpus=args.gpus_per_node, nodes=args.nodes, gpu_memory=args.gpu_memory)
+        p = plan(recipe, gpus=args.gpus_per_node, nodes=args.nodes, gpu_memory=gpu_memory)
     except Exception as e:  # noqa: BLE001 - the plan is a comment; the job does not depend on it
         return [f"plan: not available ({type(e).__name__}: {e}); python -m lorakit.plan RECIPE --gpus "
-                f"{args.gpus_per_node} --nodes {args.nodes} --gpu-memory ... says more"]  # fmt: skip
-    return ["plan (python -m lorakit.plan) for this shape:", *p.describe().splitlines()]
+                f"{args.gpus_per_node} --nodes {args.nodes} --gpu-memory ... says more"], None  # fmt: skip
+    head = ("plan (python -m lorakit.plan) for this shape, from the recipe and the model's config: what the "
+            "nodes will run, not what this machine has installed:")  # fmt: skip
+    return [head, *p.describe().splitlines()], p.per_node_cpu_bytes
+
+
+# The memory asked for above the plan's CPU RAM per node: the plan's runtime figure is an estimate, and a
+# cgroup kill at load costs the whole queue wait.
+MEMORY_MARGIN = 1.25
+
+
+def _memory(args: argparse.Namespace, per_node: int | None) -> tuple[str, str]:
+    """#SBATCH --mem's value and the comment saying where it came from."""
+    if args.mem is not None:
+        return args.mem, ""
+    if args.exclusive:
+        return "0", "all of each node's memory (--exclusive; python -m lorakit.slurm ... --mem M to ask less)"
+    if per_node is None:
+        return "0", "all of each node's memory: no plan to size it from (python -m lorakit.slurm ... --mem M)"
+    gib = math.ceil(per_node * MEMORY_MARGIN / 2**30)
+    return f"{gib}G", (f"the plan's CPU RAM per node, {per_node / 2**30:.1f} GiB, and a quarter more "
+                       "(python -m lorakit.slurm ... --mem M, or --exclusive for whole nodes)")  # fmt: skip
+
+
+def _warnings(args: argparse.Namespace, per_node: int | None) -> list[str]:
+    """What the script leaves to the cluster's defaults, which often do not suit a training job."""
+    out = []
+    if not args.time:
+        out.append("no --time: the partition's default time limit applies (sinfo -o '%P %l' lists them), and "
+                   f"the run is asked to checkpoint {args.stop_before} s before it")  # fmt: skip
+    if args.cpus_per_task is None:
+        out.append(f"no --cpus-per-task: Slurm's default (often 1 CPU) runs the node's {args.gpus_per_node} "
+                   "processes and their data loading; give the CPUs of a node's share, e.g. --cpus-per-task 64")  # fmt: skip
+    if args.mem is None and not args.exclusive and per_node is None:
+        out.append("no plan to size --mem from: the script asks for all of each node's memory (--mem=0)")
+    return out
 
 
 if __name__ == "__main__":

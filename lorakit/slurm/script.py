@@ -7,14 +7,20 @@ writes the script and submits it. docs/multinode.md#slurm annotates what the scr
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass, field
+
+from lorakit.errors import LorakitError
 
 SCRIPT = "job.sbatch"
 # EX_TEMPFAIL: lorakit's exit code for "preempted, a checkpoint was saved" (engine/loop.Preempted).
 PREEMPTED = 75
 # What a failed preflight makes the job exit with: docs/resume.md's "a check failed on this machine".
 PREFLIGHT_FAILED = 3
+# The rendezvous port: PORT_BASE + job id % PORT_SPAN, all below Linux's ephemeral range (32768-60999 by
+# default, net.ipv4.ip_local_port_range), where an outgoing connection on the head node may hold it.
+PORT_BASE, PORT_SPAN = 10000, 22000
 
 
 @dataclass(frozen=True)
@@ -29,8 +35,13 @@ class JobSpec:
     name: str
     nodes: int
     gpus_per_node: int
-    # The optional #SBATCH directives given, as (name, value): partition, time, account.
+    # The optional #SBATCH directives given, as (name, value): partition, time, account, cpus-per-task.
     options: tuple[tuple[str, str], ...] = ()
+    # #SBATCH --mem: per node, in Slurm's units ("160G"), or "0" for all of each node's memory.
+    memory: str = "0"
+    memory_note: str = ""  # where the memory request came from, said next to it
+    exclusive: bool = False  # #SBATCH --exclusive: whole nodes, shared with no other job
+    gres: bool = False  # GPUs as --gres=gpu:G (clusters without select/cons_tres) instead of --gpus-per-node
     stop_before: int = 300  # seconds before the time limit at which Slurm asks the run to stop
     preflight_timeout: int = 30  # seconds each step of the preflight may take
     plan: list[str] = field(default_factory=list)  # the plan's lines, printed as comments
@@ -38,29 +49,85 @@ class JobSpec:
 
 
 def _q(value: str) -> str:
-    return shlex.quote(value)
+    """`value` as one bash word on one line: single quotes, or, for a value with a character that is not
+    printable (a newline, a tab, a Unicode line separator), ANSI-C quotes with that character as \\xHH bytes,
+    so that no value spreads over lines or ends the word."""
+    if value.isprintable():
+        return shlex.quote(value)
+    out = []
+    for c in value:
+        if c in "\\'":
+            out.append("\\" + c)
+        elif c.isprintable():
+            out.append(c)
+        else:
+            out.append("".join(f"\\x{b:02x}" for b in c.encode("utf-8", "surrogateescape")))
+    return "$'" + "".join(out) + "'"
+
+
+def comment(text: str) -> str:
+    """`text` for a `#` comment line: every character that is not printable written as its escape (\\n,
+    \\u2028), so that nothing in it ends the comment."""
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape", "backslashreplace").decode() for c in text
+    )
+
+
+# What an #SBATCH value may hold unquoted (sbatch splits at whitespace, reads quotes and a `#` comment).
+_PLAIN = re.compile(r"[A-Za-z0-9_.,:+/%@=-]+")
+
+
+def _word(field_name: str, value: str, output: bool = False) -> str:
+    """`value` as one argument of an #SBATCH line, which sbatch reads up to whitespace or an unquoted `#`:
+    in double quotes, `"` and `\\` escaped. A character that is not printable cannot be written there (a
+    newline ends the directive): exit 2 naming the field. In --output, `%%` is a literal `%`."""
+    bad = next((c for c in value if not c.isprintable()), None)
+    if bad is not None:
+        raise LorakitError(f"{field_name}: {value!r} has the character {bad!r}, which an #SBATCH line cannot "
+                           "carry: use a value without control characters or line breaks")  # fmt: skip
+    if output:
+        if "\\" in value:
+            raise LorakitError(f"{field_name}: {value!r} has a backslash, which turns off Slurm's %j in "
+                               "the job's log name (#SBATCH --output): use a path without one")  # fmt: skip
+        value = value.replace("%", "%%")
+    if _PLAIN.fullmatch(value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def sbatch_lines(job: JobSpec) -> list[str]:
-    """The #SBATCH directives."""
-    lines = [
-        f"--job-name={job.name}",
-        f"--nodes={job.nodes}",
-        "--ntasks-per-node=1",  # one launcher per node; it starts the node's processes
-        f"--gpus-per-node={job.gpus_per_node}",
+    """The #SBATCH directives (each value quoted for sbatch; one it cannot carry is exit 2 naming it)."""
+    g = job.gpus_per_node
+    # --gpus-per-node needs select/cons_tres (Slurm 19.05+); --gres=gpu:G works wherever GPUs are a GRES.
+    gpus = f"--gres=gpu:{g}" if job.gres else f"--gpus-per-node={g}"
+    other = f"# #SBATCH --gpus-per-node={g}  (with select/cons_tres: drop --gres)" if job.gres else (
+        f"# #SBATCH --gres=gpu:{g}  (instead of --gpus-per-node, on clusters without select/cons_tres: "
+        "python -m lorakit.slurm ... --gres)")  # fmt: skip
+    log = _word("output.dir", job.run_dir, output=True)
+    log = log[:-1] + '/slurm-%j.out"' if log.endswith('"') else log + "/slurm-%j.out"
+    out = [
+        f"#SBATCH --job-name={_word('output.dir (the job is named after its folder)', job.name)}",
+        f"#SBATCH --nodes={job.nodes}",
+        "#SBATCH --ntasks-per-node=1",  # one launcher per node; it starts the node's processes
+        f"#SBATCH {gpus}",
+        other,
+        # The node's memory for its one task (all G processes): without it Slurm gives DefMemPerCPU per CPU
+        # and the cgroup kills the job while the weights load.
+        f"#SBATCH --mem={_word('--mem', job.memory)}",
+        *(["# " + comment(job.memory_note)] if job.memory_note else []),
+        *(["#SBATCH --exclusive"] if job.exclusive else []),
         # The job's own log, appended to by every attempt (a requeued job keeps its id).
-        f"--output={job.run_dir}/slurm-%j.out",
-        "--open-mode=append",
+        f"#SBATCH --output={log}",
+        "#SBATCH --open-mode=append",
         # The notice before the time limit: SIGUSR1 to this script, which passes it to every process
         # (see the trap below); lorakit checkpoints at the next step boundary and exits 75.
-        f"--signal=B:USR1@{job.stop_before}",
-        "--requeue",
+        f"#SBATCH --signal=B:USR1@{job.stop_before}",
+        "#SBATCH --requeue",
     ]
-    lines += [f"--{k}={v}" for k, v in job.options]
-    out = ["#SBATCH " + line for line in lines]
+    out += [f"#SBATCH --{k}={_word('--' + k, str(v))}" for k, v in job.options]
     if "cpus-per-task" not in dict(job.options):
         # One task per node runs all G processes: without it, Slurm may give the task a single CPU.
-        out.append(f"# #SBATCH --cpus-per-task=...  (CPUs for the node's {job.gpus_per_node} processes: "
+        out.append(f"# #SBATCH --cpus-per-task=...  (CPUs for the node's {g} processes: "
                    "python -m lorakit.slurm ... --cpus-per-task N)")  # fmt: skip
     return out
 
@@ -70,12 +137,12 @@ def render(job: JobSpec) -> str:
     n, g = job.nodes, job.gpus_per_node
     head = [
         "#!/bin/bash",
-        f"# lorakit: {job.name} on {n} node(s) x {g} GPU(s) = {n * g} processes",
-        f"# written by: {job.command}" if job.command else "#",
-        "# submit with: sbatch " + _q(f"{job.run_dir}/{SCRIPT}"),
+        "# " + comment(f"lorakit: {job.name} on {n} node(s) x {g} GPU(s) = {n * g} processes"),
+        "# written by: " + comment(job.command) if job.command else "#",
+        "# submit with: sbatch " + comment(_q(f"{job.run_dir}/{SCRIPT}")),
         "# what each part does: docs/multinode.md#slurm",
         "#",
-        *("# " + line if line else "#" for line in job.plan),
+        *("# " + comment(line) if line else "#" for line in job.plan),
         "#",
         *sbatch_lines(job),
         "",
@@ -83,7 +150,9 @@ def render(job: JobSpec) -> str:
     overrides = "\n".join(f"  {_q(o)}" for o in job.overrides)
     body = f"""set -u
 cd {_q(job.workdir)}
-PYTHON=${{PYTHON:-{_q(job.python)}}}
+# sbatch passes the submitting shell's environment on (--export=ALL): LORAKIT_PYTHON set there chooses
+# another interpreter; a PYTHON variable of the user's is not read.
+PYTHON=${{LORAKIT_PYTHON:-{_q(job.python)}}}
 RECIPE={_q(job.recipe)}
 RUN_DIR={_q(job.run_dir)}
 OVERRIDES=(
@@ -99,10 +168,11 @@ if [ "$attempt" -gt 0 ]; then
 fi
 
 # The rendezvous: the allocation's first node, on a port derived from the job id (jobs sharing a node do
-# not collide); export MASTER_PORT before sbatch to choose it.
+# not collide), below Linux's ephemeral ports (32768-60999), which outgoing connections take; export
+# MASTER_PORT before sbatch to choose it.
 HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
 HEAD=$(echo "$HOSTS" | head -n 1)
-PORT=${{MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
+PORT=${{MASTER_PORT:-$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))}}
 echo "lorakit: job $SLURM_JOB_ID attempt $attempt on {n} node(s), rendezvous $HEAD:$PORT, logs $LOGS"
 # A stop request before training starts (the notice came early): no training now, back to the queue.
 stopped=0
@@ -137,7 +207,9 @@ stop() {{
 }}
 trap stop USR1 TERM
 # Passed explicitly: srun of some Slurm versions (from 22.05) does not give its step the job's --cpus-per-task.
-srun --ntasks-per-node=1 ${{SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}} --output="$LOGS/node-%N.log" \\
+# --kill-on-bad-exit: a node whose launcher dies ends the step on every node at once, rather than leaving the
+# others waiting in a collective until distributed.timeout_minutes.
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 ${{SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}} --output="$LOGS/node-%N.log" \\
   "$PYTHON" -m lorakit.slurm.node --nodes {n} --gpus-per-node {g} --rendezvous "$HEAD:$PORT" \\
   --logs "$LOGS" --stop-timeout {max(job.stop_before - 30, 30)} -- "$RECIPE" "${{OVERRIDES[@]}}" &
 TRAIN=$!

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lorakit import rundir
-from tests.conftest import RECIPES, run_cli
+from tests.conftest import RECIPES, ROOT, run_cli
+from tests.docs.samples import mismatches, sample_after
 
 SUMMARY_KEYS = {
     "method",
@@ -127,6 +128,11 @@ def test_quickstart_trains_evaluates_and_saves(quickstart):
     )
     assert [r for r in records if r["kind"] == "eval"]
     assert "run dir:" in proc.stdout and str(run_dir / "adapter") in proc.stdout
+    # docs/index.md's sample output of this command is what it printed (tests/docs/samples.py).
+    report = proc.stdout[proc.stdout.rindex("run dir:") :].rstrip("\n").splitlines()
+    sample = sample_after(ROOT / "docs" / "index.md", "python -m lorakit.run recipes/quickstart.yaml")
+    shown = {str(run_dir): "/path/to/runs/quickstart"}
+    assert not mismatches(sample, report, shown), mismatches(sample, report, shown)
 
 
 @pytest.mark.slow

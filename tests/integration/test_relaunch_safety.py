@@ -60,11 +60,12 @@ def test_a_failed_relaunch_keeps_the_results_and_a_lost_lock_stops_the_run_with_
     results = {name: _tree(run / name) for name in (rundir.ADAPTER, rundir.MERGED, rundir.BEST)}
     assert all(results.values()) and (run / rundir.MARKER).is_file()
 
-    # Relaunch the finished run (resume: auto, from its last checkpoint); it fails once the model is loaded.
+    # Relaunch the finished run (resume: auto, from its last checkpoint) with an evaluation setting changed
+    # (the same recipe again would be told the run is complete); it fails once the model is loaded.
     undo = inject("tracker start")
     try:
         with pytest.raises(RuntimeError, match="injected in tracker start"):
-            lorakit.train(_recipe(cache_dir, run))
+            lorakit.train(_recipe(cache_dir, run, eval_every=1))
     finally:
         undo()
     assert {name: _tree(run / name) for name in results} == results

@@ -176,7 +176,7 @@ def test_every_problem_is_reported_in_one_message():
         "  data.max_source_length: Input should be a valid integer or 'auto' (got 'big')",
         "  train.lr: Input should be a valid number, unable to parse string as a number (got 'fast')",
         "  distributed.zero_stage: Input should be 0, 1, 2 or 3 (got 5)",
-        "  trian: unknown key (check the spelling; see docs/recipes.md for every key)",
+        "  trian: unknown key (did you mean train? see docs/recipes.md for every key)",
     ]
 
 
