@@ -16,7 +16,7 @@ __all__, __getattr__ = lazy_names(
             "Seq2SeqCollator",
         ),
         "lorakit.data.prepared": ("PreparedData",),
-        "lorakit.data.pipeline": ("prepare_data",),
+        "lorakit.data.prepare": ("prepare_data",),
         "lorakit.data.balanced": ("BalancedRandomBatchSampler",),
         "lorakit.data.sampler": ("LengthGroupedBatchSampler",),
         "lorakit.data.token_budget": ("TokenBudgetBatchSampler",),

@@ -1,6 +1,6 @@
 """Batching: the record of how a recipe's training rows become micro-batches (sampler, collators, what to
-report), which every batching decision returns (lorakit.data.batching, preference_batching,
-preference_shared; sequence_split wraps one). Its own module, below them all, so that each may build one."""
+report), which every batching decision returns (lorakit.data.batching; sequence_split wraps
+one). Its own module, below them all, so that each may build one."""
 
 from __future__ import annotations
 

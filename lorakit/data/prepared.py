@@ -1,5 +1,5 @@
-"""PreparedData: the tokenized, cached splits the data step hands on (lorakit.data.pipeline for the SFT
-formats, lorakit.data.preference for DPO pairs), and the bad-rows record both write into it."""
+"""PreparedData: the tokenized, cached splits the data step hands on (lorakit.data.prepare, for every row
+layout), and the bad-rows record it writes into it."""
 
 from __future__ import annotations
 

@@ -182,10 +182,15 @@ class RowCollector:
         labels: list[str] | None = None,
         columns: dict[str, str] | None = None,
         flags: frozenset[str] = frozenset(),
+        aliases: dict[str, str] | None = None,
     ):
-        # {field: column}; `columns` replaces what data.format reads (preference pairs: data/preference.py).
+        # {field: column}; `columns` replaces what data.format reads (preference pairs: data/pairs.py).
         self.columns = columns if columns is not None else required_columns(data)
         self.chat = data.messages_column if data.format == "chat" and columns is None else None
+        # {column: the column read instead when a source has none}: by default ShareGPT's conversations
+        # for chat examples; a row layout may name others (TRL's `prompt` for preference pairs).
+        default = {MESSAGES: SHAREGPT} if self.chat == MESSAGES else {}
+        self.aliases = aliases if aliases is not None else default
         # Columns of those holding a yes/no label (true/false or 1/0: KTO's, data/unpaired.py), not text.
         self.flags = flags
         # Preference (and KTO) rows in chat form: the prompt and each response are text or a list of messages.
@@ -229,8 +234,9 @@ class RowCollector:
     def problem(self, row: dict) -> tuple[str, str | None] | None:
         """(reason, the missing column or None) of a bad row; None for a good one. Class ids in the target
         are replaced by their label words in `row`; messages are stored normalized, as JSON text."""
-        if self.chat == MESSAGES and MESSAGES not in row and SHAREGPT in row:
-            row[MESSAGES] = row.pop(SHAREGPT)
+        for column, other in self.aliases.items():
+            if column not in row and other in row:
+                row[column] = row.pop(other)
         for column in self.columns.values():
             if column not in row:
                 return f"column {column!r} is missing", column
@@ -329,8 +335,7 @@ class RowCollector:
     def check_columns(self, available: Iterable[str]) -> None:
         """DataError naming the recipe field of the first required column not in `available`."""
         available = list(available)
-        if self.chat == MESSAGES and SHAREGPT in available:
-            available.append(MESSAGES)
+        available += [column for column, other in self.aliases.items() if other in available]
         for name, column in self.columns.items():
             if column not in available:
                 raise DataError(
