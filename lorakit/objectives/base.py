@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from lorakit.data.batching import Batching
-    from lorakit.data.prepared import PreparedData
+    from lorakit.data.prepare import PreparedData
     from lorakit.evaluation.runner import EvalOutcome
 
 

@@ -58,7 +58,6 @@ WARM = (
     "lorakit.backends.deepspeed",
     "lorakit.data.prepare",
     "lorakit.data.examples",
-    "lorakit.data.prepared",
     "lorakit.data.balanced",
     "lorakit.data.causal",
     "lorakit.data.chat",

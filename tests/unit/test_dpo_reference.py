@@ -25,7 +25,7 @@ from lorakit.data.pair_collate import (
     WithReference,
     add_reference,
 )
-from lorakit.data.prepared import PreparedData
+from lorakit.data.prepare import PreparedData
 from lorakit.data.tokenize import Lengths
 from lorakit.errors import InferenceError
 from lorakit.model import build_model
