@@ -256,7 +256,12 @@ class Pairs(Layout):
         return trl_prompt(recipe)
 
     def key(self, recipe: Recipe, enc_dec: bool) -> dict[str, Any]:
-        return {"objective": recipe.train.objective}
+        # The response columns only (the prompt's are in the data section): the key pairs were cached under
+        # before the layouts shared one skeleton, so those caches stay valid.
+        return {
+            "objective": recipe.train.objective,
+            "columns": list(section_of(recipe).pair_columns().values()),
+        }
 
     def rows(self, raw, recipe: Recipe, tokenizer, model_max, enc_dec: bool):
         tokenize = _seq2seq_pairs if enc_dec else _causal_pairs
