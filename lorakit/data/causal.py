@@ -13,9 +13,10 @@ from typing import Any
 import datasets
 import numpy as np
 
+from lorakit.data.caps import apply_policy, record, require_rows
 from lorakit.data.chat import IGNORE_INDEX, ChatTurns, TemplateFailed, normalize_messages, read_messages
 from lorakit.data.rows import BAD_ROWS_DOC, MAX_QUOTED, SourceRows
-from lorakit.data.sources import OVERLONG_DOC, SOURCE
+from lorakit.data.sources import SOURCE
 from lorakit.data.templates import render_prompt, render_target, rows_of
 from lorakit.data.tokenize import Lengths, longest, map_processes
 from lorakit.errors import DataError
@@ -201,19 +202,20 @@ def apply_overlong(
 ) -> tuple[datasets.Dataset, int, int]:
     """Apply data.overlong to rows longer than `cap`; returns (rows, truncated count, dropped count)."""
     lengths = np.asarray(ds["length"], dtype=np.int64)
-    over = np.flatnonzero(lengths > cap)
-    if over.size == 0:
+    over = lengths > cap
+    if not over.any():
         return ds, 0, 0
-    if policy == "error":
-        i = int(over[0])
-        raise DataError(
+    kept, truncated, dropped = apply_policy(
+        policy,
+        over,
+        lambda i, n: (
             f"data.overlong is error: {where(i)} is {int(lengths[i])} tokens, longer than "
-            f"the cap of {cap} ({cap_field}); {over.size} row(s) are over it. Raise {cap_field}, or set "
-            "data.overlong: truncate or drop",
-            doc=OVERLONG_DOC,
-        )
-    if policy == "drop":
-        return ds.select(np.flatnonzero(lengths <= cap)), 0, int(over.size)
+            f"the cap of {cap} ({cap_field}); {n} row(s) are over it. Raise {cap_field}, or set "
+            "data.overlong: truncate or drop"
+        ),
+    )
+    if dropped:
+        return ds.select(kept), 0, dropped
 
     def cut(batch):
         ids = [x[:cap] for x in batch["input_ids"]]
@@ -223,7 +225,7 @@ def apply_overlong(
             "length": [len(x) for x in ids],
         }
 
-    return ds.map(cut, batched=True, desc="truncating", load_from_cache_file=False), int(over.size), 0
+    return ds.map(cut, batched=True, desc="truncating", load_from_cache_file=False), truncated, 0
 
 
 def prepare_causal(
@@ -246,23 +248,17 @@ def prepare_causal(
     splits = {}
     for k, ds in tokenized.items():
         splits[k], truncated, dropped = apply_overlong(ds, data.overlong, cap, cap_field, raw[k].where)
-        prefix = "" if k == "train" else f"{k}_"
-        overlong[f"{prefix}truncated"], overlong[f"{prefix}dropped"] = truncated, dropped
-        if len(splits[k]) == 0:
-            raise DataError(
-                f"data.overlong is drop: every row of {raw[k].where.origin} is longer than the cap of "
-                f"{cap} ({cap_field}), so none is left; raise {cap_field} or set data.overlong: truncate",
-                doc=OVERLONG_DOC,
-            )
+        record(overlong, k, truncated, dropped)
+        require_rows(
+            len(splits[k]),
+            f"data.overlong is drop: every row of {raw[k].where.origin} is longer than the cap of "
+            f"{cap} ({cap_field}), so none is left; raise {cap_field} or set data.overlong: truncate",
+        )
     labels = splits["train"]["labels"]
     stats = {
-        "format": data.format,
-        "train_rows": len(splits["train"]),
-        "eval_rows": len(splits["eval"]) if "eval" in splits else 0,
         "tokens_untruncated": {"mean": float(train_len.mean()), "max": int(train_len.max())},
         "loss_tokens": sum(sum(1 for t in row if t != IGNORE_INDEX) for row in labels),
         "rows_without_loss": sum(1 for row in labels if all(t == IGNORE_INDEX for t in row)),
         "overlong": overlong,
-        "model_max_length": model_max,
     }
     return splits, Lengths(max_length=cap), stats

@@ -182,10 +182,15 @@ class RowCollector:
         labels: list[str] | None = None,
         columns: dict[str, str] | None = None,
         flags: frozenset[str] = frozenset(),
+        aliases: dict[str, str] | None = None,
     ):
-        # {field: column}; `columns` replaces what data.format reads (preference pairs: data/preference.py).
+        # {field: column}; `columns` replaces what data.format reads (preference pairs: data/pairs.py).
         self.columns = columns if columns is not None else required_columns(data)
         self.chat = data.messages_column if data.format == "chat" and columns is None else None
+        # {column: the column read instead when a source has none}: by default ShareGPT's conversations
+        # for chat examples; a row layout may name others (TRL's `prompt` for preference pairs).
+        default = {MESSAGES: SHAREGPT} if self.chat == MESSAGES else {}
+        self.aliases = aliases if aliases is not None else default
         # Columns of those holding a yes/no label (true/false or 1/0: KTO's, data/unpaired.py), not text.
         self.flags = flags
         # Preference (and KTO) rows in chat form: the prompt and each response are text or a list of messages.
@@ -193,9 +198,9 @@ class RowCollector:
         self.loose = set(self.columns.values()) - flags if chat_form else set()
         self.alpaca = data.format == "alpaca" and columns is None
         self.message_keys, self.roles = data.message_keys, data.roles or {}
-        # Set when the source's messages are ShareGPT's `conversations` (read as `messages`): a bad row is
-        # named by the column the user has.
-        self.sharegpt = False
+        # {column: the alias the source has} for each column read under another name (ShareGPT's
+        # `conversations` as `messages`, TRL's `prompt`): a bad row is named by the column the user has.
+        self.read_from: dict[str, str] = {}
         self.transform = load_transform(data.transform)
         # Class ids in these columns become labels[id]; with labels known, a text target must be one of them.
         self.label_columns, self.labels = (label_columns(data) if columns is None else set()), labels
@@ -232,9 +237,10 @@ class RowCollector:
     def problem(self, row: dict) -> tuple[str, str | None] | None:
         """(reason, the missing column or None) of a bad row; None for a good one. Class ids in the target
         are replaced by their label words in `row`; messages are stored normalized, as JSON text."""
-        if self.chat == MESSAGES and MESSAGES not in row and SHAREGPT in row:
-            row[MESSAGES] = row.pop(SHAREGPT)
-            self.sharegpt = True
+        for column, other in self.aliases.items():
+            if column not in row and other in row:
+                row[column] = row.pop(other)
+                self.read_from[column] = other
         for column in self.columns.values():
             if column not in row:
                 return f"column {column!r} is missing", column
@@ -255,7 +261,7 @@ class RowCollector:
                 issue = flag_problem(value)
                 row[column] = bool(value)  # 1/0 and true/false alike (one Arrow type)
             if issue:
-                shown = SHAREGPT if column == MESSAGES and column == self.chat and self.sharegpt else column
+                shown = self.read_from.get(column, column)
                 return f"column {shown!r} {issue}", None
         if self.alpaca:
             given = row.get("input")
@@ -334,8 +340,7 @@ class RowCollector:
     def check_columns(self, available: Iterable[str]) -> None:
         """DataError naming the recipe field of the first required column not in `available`."""
         available = list(available)
-        if self.chat == MESSAGES and SHAREGPT in available:
-            available.append(MESSAGES)
+        available += [column for column, other in self.aliases.items() if other in available]
         for name, column in self.columns.items():
             if column not in available:
                 raise DataError(

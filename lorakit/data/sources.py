@@ -19,7 +19,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from lorakit.data.rows import COLUMNS_DOC, MESSAGES, SHAREGPT, RowCollector, RowLocator, SourceRows
+from lorakit.data.rows import COLUMNS_DOC, RowCollector, RowLocator, SourceRows
 from lorakit.data.source_files import SUFFIXES as _SUFFIXES
 from lorakit.data.source_files import (
     hub_revision,
@@ -154,9 +154,10 @@ def _iter_table(ds: datasets.Dataset, columns: list[str]) -> Iterator[tuple[int,
 def _check_table(ds: datasets.Dataset, rows: RowCollector, whole: bool = True) -> SourceRows | None:
     """Apply the row checks to a split already in Arrow form (parquet, hub); rows are named by index.
     `whole`: the table is the whole split (else one shard of several: the caller finishes the rows)."""
-    if rows.chat == MESSAGES and MESSAGES not in ds.column_names and SHAREGPT in ds.column_names:
-        ds = ds.rename_column(SHAREGPT, MESSAGES)
-        rows.sharegpt = True
+    for column, other in rows.aliases.items():
+        if column not in ds.column_names and other in ds.column_names:
+            ds = ds.rename_column(other, column)
+            rows.read_from[column] = other
     if rows.transform is None:
         rows.check_columns(ds.column_names)
         wanted = set(rows.columns.values()) | ({"input"} if rows.alpaca else set())
@@ -211,20 +212,23 @@ def load_split(
     limit: int | None = None,
     columns: dict[str, str] | None = None,
     flags: frozenset[str] = frozenset(),
+    aliases: dict[str, str] | None = None,
 ) -> SourceRows:
     """The usable rows of one split of the recipe's source (at most `limit`), checked under
     data.on_bad_rows; only the columns data.format reads (or `columns`, {field: column}) are kept; those in
-    `flags` hold yes/no labels (true/false or 1/0, read as bool), not text."""
+    `flags` hold yes/no labels (true/false or 1/0, read as bool), not text; `aliases` ({column: the column read
+    instead when a source has none}) replaces the default (ShareGPT's `conversations` for chat examples)."""
     files = split_files(data, split)
     instruction = data.format == "instruction"
     if files is None:
         origin = f"hub dataset {data.source!r}" + (f" (config {data.config!r})" if data.config else "")
-        rows = RowCollector(data, f"{origin} split {split!r}", "row", limit, None, columns, flags)
+        rows = RowCollector(data, f"{origin} split {split!r}", "row", limit, None, columns, flags, aliases)
         ds = _hub_split(data, split)
         rows.labels = table_label_names(data, ds.features)
         return _check_table(ds, rows)
     local = resolve_local_source(data.source)
-    rows = RowCollector(data, "", "line", limit, data.label_names if instruction else None, columns, flags)
+    labels = data.label_names if instruction else None
+    rows = RowCollector(data, "", "line", limit, labels, columns, flags, aliases)
     for file in files:
         rows.next_file(
             _display(data.source, local, file), "row" if file.suffix in (".parquet", ".json") else "line"

@@ -10,8 +10,9 @@ from typing import Any
 import datasets
 import numpy as np
 
+from lorakit.data.caps import apply_policy, record, require_rows
 from lorakit.data.rows import SourceRows
-from lorakit.data.sources import OVERLONG_DOC, SOURCE
+from lorakit.data.sources import SOURCE
 from lorakit.data.templates import fill, fit_prompts, prompt_columns, render_prompt, rows_of, target_columns
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
@@ -267,21 +268,19 @@ def apply_overlong(
     a DataError naming the first by file and line (error). Returns (rows, truncated count, dropped count)."""
     src, tgt = token_counts(ds, "input_ids"), token_counts(ds, "labels")
     over = (src > lengths.max_source_length) | (tgt > lengths.max_target_length)
-    n_over = int(over.sum())
-    if n_over == 0:
+    if not over.any():
         return ds, 0, 0
-    if policy == "error":
-        i = int(np.flatnonzero(over)[0])
-        raise DataError(
+    kept, truncated, dropped = apply_policy(
+        policy,
+        over,
+        lambda i, n: (
             f"data.overlong is error: {where(i)} has a {int(src[i])}-token source "
             f"(data.max_source_length={lengths.max_source_length}) and a {int(tgt[i])}-token target "
-            f"(data.max_target_length={lengths.max_target_length}); {n_over} row(s) are over a cap. Raise "
-            "data.max_source_length / data.max_target_length, or set data.overlong: truncate or drop",
-            doc=OVERLONG_DOC,
-        )
-    if policy == "drop":
-        return ds.select(np.flatnonzero(~over)), 0, n_over
-    return ds, n_over, 0
+            f"(data.max_target_length={lengths.max_target_length}); {n} row(s) are over a cap. Raise "
+            "data.max_source_length / data.max_target_length, or set data.overlong: truncate or drop"
+        ),
+    )
+    return (ds.select(kept) if dropped else ds), truncated, dropped
 
 
 def prepare_seq2seq(
@@ -296,27 +295,21 @@ def prepare_seq2seq(
     splits = {}
     for k, ds in tokenized.items():
         kept, truncated, dropped = apply_overlong(ds, data.overlong, lengths, raw[k].where)
-        prefix = "" if k == "train" else f"{k}_"
-        overlong[f"{prefix}truncated"], overlong[f"{prefix}dropped"] = truncated, dropped
-        if len(kept) == 0:
-            raise DataError(
-                f"data.overlong is drop: every row of {raw[k].where.origin} is over data.max_source_length="
-                f"{lengths.max_source_length} or data.max_target_length={lengths.max_target_length}, so "
-                "none is left; raise them or set data.overlong: truncate",
-                doc=OVERLONG_DOC,
-            )
+        record(overlong, k, truncated, dropped)
+        require_rows(
+            len(kept),
+            f"data.overlong is drop: every row of {raw[k].where.origin} is over data.max_source_length="
+            f"{lengths.max_source_length} or data.max_target_length={lengths.max_target_length}, so "
+            "none is left; raise them or set data.overlong: truncate",
+        )
         splits[k] = truncate_rows(kept, data, tokenizer, lengths, raw[k].rows)
     cut = data.overlong == "truncate"
     stats = {
-        "format": data.format,
-        "train_rows": len(splits["train"]),
-        "eval_rows": len(splits["eval"]) if "eval" in splits else 0,
         "source_tokens_untruncated": {"mean": float(src_len.mean()), "max": int(src_len.max())},
         "target_tokens_untruncated": {"mean": float(tgt_len.mean()), "max": int(tgt_len.max())},
         # Train rows actually cut (none when over-long rows are dropped).
         "truncated_sources": int((src_len > lengths.max_source_length).sum()) if cut else 0,
         "truncated_targets": int((tgt_len > lengths.max_target_length).sum()) if cut else 0,
         "overlong": overlong,
-        "model_max_length": model_max,
     }
     return splits, lengths, stats

@@ -1,6 +1,6 @@
-"""Unpaired rows for train.objective kto: (prompt, completion, label) -> token ids, capped and cached.
+"""The `unpaired` row layout (train.objective kto): (prompt, completion, label) rows -> token ids.
 
-Each row is laid out as a preference pair is (lorakit.data.preference), so the pair batching, the
+Each row is laid out as a preference pair is (lorakit.data.pairs), so the pair batching, the
 shared-prompt packed rows, the packed encoder-decoder rows and full fine-tuning's cached reference all take
 it unchanged: its own completion in the `chosen_ids` place and, in the `rejected_ids` place, a MISMATCHED
 completion, that of another row with another prompt, from which the objective estimates KTO's reference
@@ -13,7 +13,7 @@ a packed row's length is known to the sampler and the full fine-tuning reference
 The prompt is what SFT and DPO give the model: data.prompt_template over its columns (data.format
 instruction), or with data.format chat (causal LMs) data.messages_column's text or messages, rendered with
 the completion (text or assistant messages) by the chat template through the row builder DPO shares
-(lorakit.data.preference.chat_pair); a row the template refuses is a bad row (data.on_bad_rows), left out
+(lorakit.data.pairs.chat_pair); a row the template refuses is a bad row (data.on_bad_rows), left out
 before the mismatched completions are chosen, and those are keyed on the prompt's token ids.
 """
 
@@ -25,20 +25,19 @@ from typing import Any
 import datasets
 import numpy as np
 
-from lorakit.data import cache
+from lorakit.data.caps import apply_policy, auto_cap, cap_ids, record, require_rows
 from lorakit.data.causal import encode_prompts
 from lorakit.data.chat import ChatTurns, TemplateFailed, read_messages
-from lorakit.data.preference import auto_cap, cached_rows, chat_pair, last_text, pair_setup, with_eos
-from lorakit.data.prepared import PreparedData, bad_rows_stats
+from lorakit.data.layouts import Collators, Layout
+from lorakit.data.pairs import chat_pair, last_text, text_prompt, trl_prompt, with_eos
 from lorakit.data.rows import MAX_QUOTED, SourceRows
-from lorakit.data.sources import OVERLONG_DOC, load_split, source_fingerprint, split_holdout
 from lorakit.data.templates import prompt_columns, render_prompt, rows_of
 from lorakit.data.tokenize import Lengths
 from lorakit.errors import DataError
 
 # Bump when the prepared rows change for the same inputs, so stale caches are not reused.
 FORMAT_VERSION = 1
-# The completion's and the mismatched completion's columns in the pair layout (lorakit.data.preference).
+# The completion's and the mismatched completion's columns in the pair layout (lorakit.data.pairs).
 OWN, MISMATCHED = "chosen_ids", "rejected_ids"
 
 
@@ -114,12 +113,6 @@ def _encode_seq2seq(recipe, tokenizer, rows: list[dict]) -> tuple[list[list[int]
     return sources, [with_eos(x, tokenizer.eos_token_id) for x in ids]
 
 
-def _cap(ids: list[int], cap: int, keep_end: bool) -> list[int]:
-    if len(ids) <= cap:
-        return ids
-    return ids[len(ids) - cap :] if keep_end else [*ids[: cap - 1], ids[-1]]
-
-
 def _encode(recipe, src, tokenizer, enc_dec: bool) -> tuple[dict[str, list], SourceRows]:
     """Every kept row of the split as (prompt, completion, mismatched completion) ids, label and reference,
     and the split's rows less those the chat template refused."""
@@ -159,37 +152,33 @@ def _caps(recipe, encoded: list[dict], enc_dec: bool, model_max: int | None) -> 
     )
 
 
-def _capped(recipe, src, encoded: dict, enc_dec: bool, lengths: Lengths, counts: dict) -> dict[str, list]:
-    """The split's rows in the pair layout, each sequence within its cap (data.overlong)."""
-    first = "input_ids" if enc_dec else "prompt_ids"
-    out: dict[str, list] = {first: [], OWN: [], MISMATCHED: [], "label": [], "reference": [], "length": []}
-    for i, prompt in enumerate(encoded["prompt"]):
-        own, other = encoded[OWN][i], encoded[MISMATCHED][i]
+def _over(encoded: dict, enc_dec: bool, lengths: Lengths) -> np.ndarray:
+    """Whether each row's prompt and completion (or mismatched completion) are over their caps."""
+    over = []
+    for prompt, own, other in zip(encoded["prompt"], encoded[OWN], encoded[MISMATCHED], strict=True):
         longest = max(len(own), len(other))
         if enc_dec:
-            cap, response_cap = lengths.max_source_length, lengths.max_target_length
-            over = len(prompt) > cap or longest > response_cap
+            over.append(len(prompt) > lengths.max_source_length or longest > lengths.max_target_length)
         else:
-            cap = lengths.max_length
-            over = len(prompt) + longest > cap
-        if over:
-            if recipe.data.overlong == "error":
-                raise DataError(
-                    f"data.overlong is error: {src.where(i)}: its prompt and completion (or the mismatched "
-                    "completion it is scored with) are longer than the cap; raise data.max_length "
-                    "(data.max_source_length, max_target_length), or set data.overlong: truncate or drop",
-                    doc=OVERLONG_DOC,
-                )
-            if recipe.data.overlong == "drop":
-                counts["dropped"] += 1
-                continue
-            counts["truncated"] += 1
+            over.append(len(prompt) + longest > lengths.max_length)
+    return np.asarray(over, dtype=bool)
+
+
+def _capped(encoded: dict, kept, over: np.ndarray, enc_dec: bool, lengths: Lengths) -> dict[str, list]:
+    """The `kept` rows in the pair layout, each sequence within its cap (those `over` them cut)."""
+    first = "input_ids" if enc_dec else "prompt_ids"
+    out: dict[str, list] = {first: [], OWN: [], MISMATCHED: [], "label": [], "reference": [], "length": []}
+    for i in kept:
+        prompt, own, other = encoded["prompt"][i], encoded[OWN][i], encoded[MISMATCHED][i]
+        if over[i]:
             if enc_dec:
-                prompt = _cap(prompt, cap, keep_end=False)
+                prompt = cap_ids(prompt, lengths.max_source_length, keep_end=False)
+                response_cap = lengths.max_target_length
             else:
-                prompt = _cap(prompt, max(cap - longest, cap // 2), keep_end=True)
+                cap = lengths.max_length
+                prompt = cap_ids(prompt, max(cap - max(len(own), len(other)), cap // 2), keep_end=True)
                 response_cap = cap - len(prompt)
-            own, other = _cap(own, response_cap, False), _cap(other, response_cap, False)
+            own, other = cap_ids(own, response_cap, False), cap_ids(other, response_cap, False)
         for key, value in ((first, prompt), (OWN, own), (MISMATCHED, other)):
             out[key].append(value)
         out["label"].append(encoded["label"][i])
@@ -200,51 +189,58 @@ def _capped(recipe, src, encoded: dict, enc_dec: bool, lengths: Lengths, counts:
     return out
 
 
-def prepare_unpaired(recipe, tokenizer, model_config) -> PreparedData:
-    """Load, tokenize, cap and cache the recipe's KTO rows (train and eval), or reuse the cache."""
-    data = recipe.data
-    columns = unpaired_columns(recipe)  # refuses formats other than instruction and chat
-    enc_dec, tokenizer, split_names, eval_split, held_out, model_max = pair_setup(
-        recipe, tokenizer, model_config
-    )
-    # What the prepared rows depend on: a change to any of them prepares them again.
-    depends = {"unpaired": FORMAT_VERSION, "objective": recipe.train.objective, "causal": not enc_dec}
-    depends["sources"] = {k: source_fingerprint(data, s) for k, s in split_names.items()}
-    depends["data"] = data.model_dump(exclude={"cache_dir", "num_proc", "packing", "group_by_length"})
-    depends.update(columns=list(columns.values()), tokenizer=cache.tokenizer_fingerprint(tokenizer))
-    depends["model_max"] = model_max
-    if data.format == "chat":
-        depends["chat_template"] = getattr(tokenizer, "chat_template", None)
-    key = cache.fingerprint(depends)
-    path = cache.cache_path(data.cache_dir, key)
-    found = cached_rows(path)
-    if found is not None:
-        return found
-    flags = frozenset({recipe.kto.label_column})
-    if held_out:
-        train, held = split_holdout(data, load_split(data, data.split, None, columns, flags))
-        raw = {"train": train, "eval": held}
-    else:
-        limits = {"train": data.max_samples, "eval": data.max_eval_samples}
-        raw = {k: load_split(data, s, limits[k], columns, flags) for k, s in split_names.items()}
-    encoded = {}
-    for k, src in raw.items():
-        encoded[k], raw[k] = _encode(recipe, src, tokenizer, enc_dec)
-    lengths = _caps(recipe, list(encoded.values()), enc_dec, model_max)
-    splits, overlong = {}, {"policy": data.overlong}
-    for k, src in raw.items():
-        counts = {"truncated": 0, "dropped": 0}
-        rows = _capped(recipe, src, encoded[k], enc_dec, lengths, counts)
-        if not rows["length"]:
-            raise DataError(f"data.overlong is drop: no row of {src.where.origin} is left", doc=OVERLONG_DOC)
-        splits[k] = datasets.Dataset.from_dict(rows)
-        prefix = "" if k == "train" else f"{k}_"
-        overlong.update({f"{prefix}{name}": n for name, n in counts.items()})
-    stats: dict[str, Any] = {"format": data.format, "objective": recipe.train.objective, "eval_rows": 0}
-    stats.update({f"{k}_rows": len(ds) for k, ds in splits.items()})
-    stats.update(desirable_rows=sum(splits["train"]["label"]), overlong=overlong, model_max_length=model_max)
-    stats["bad_rows"] = bad_rows_stats(data.on_bad_rows, raw)
-    if eval_split:
-        stats["eval_source"] = {"split": eval_split, "held_out": held_out, "rows": len(raw["eval"].rows)}
-    cache.save_cached(path, splits, {"lengths": vars(lengths), "stats": stats, "key": key})
-    return PreparedData(splits["train"], splits.get("eval"), lengths, path, False, stats)
+def _refusal(where):
+    def message(i: int, n: int) -> str:
+        return (
+            f"data.overlong is error: {where(i)}: its prompt and completion (or the mismatched "
+            "completion it is scored with) are longer than the cap; raise data.max_length "
+            "(data.max_source_length, max_target_length), or set data.overlong: truncate or drop"
+        )
+
+    return message
+
+
+class Unpaired(Layout):
+    """KTO's rows: a prompt, a completion and a label, with a mismatched completion (module docstring)."""
+
+    name = "unpaired"
+
+    def check(self, recipe, enc_dec: bool, tokenizer) -> None:
+        unpaired_columns(recipe)  # refuses formats other than instruction and chat
+        text_prompt(recipe, enc_dec, tokenizer)
+
+    def columns(self, recipe) -> dict[str, str]:
+        return unpaired_columns(recipe)
+
+    def flags(self, recipe) -> frozenset[str]:
+        return frozenset({recipe.kto.label_column})
+
+    def aliases(self, recipe) -> dict[str, str]:
+        return trl_prompt(recipe)
+
+    def key(self, recipe, enc_dec: bool) -> dict[str, Any]:
+        return {"unpaired": FORMAT_VERSION, "objective": recipe.train.objective}
+
+    def rows(self, raw, recipe, tokenizer, model_max, enc_dec: bool):
+        encoded = {}
+        for k, src in raw.items():
+            encoded[k], raw[k] = _encode(recipe, src, tokenizer, enc_dec)
+        lengths = _caps(recipe, list(encoded.values()), enc_dec, model_max)
+        splits, overlong = {}, {"policy": recipe.data.overlong}
+        for k, src in raw.items():
+            over = _over(encoded[k], enc_dec, lengths)
+            kept, truncated, dropped = apply_policy(recipe.data.overlong, over, _refusal(src.where))
+            rows = _capped(encoded[k], kept, over, enc_dec, lengths)
+            require_rows(len(rows["length"]), f"data.overlong is drop: no row of {src.where.origin} is left")
+            splits[k] = datasets.Dataset.from_dict(rows)
+            record(overlong, k, truncated, dropped)
+        stats = {"objective": recipe.train.objective, "desirable_rows": sum(splits["train"]["label"])}
+        return splits, lengths, stats | {"overlong": overlong}
+
+    def collators(self, tokenizer, config) -> Collators:
+        from lorakit.data.pair_collate import pair_collators
+
+        return pair_collators(tokenizer, config, labels=True)
+
+
+LAYOUT = Unpaired()

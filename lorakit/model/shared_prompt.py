@@ -1,6 +1,6 @@
 """Shared-prompt attention for packed DPO rows: a pair's prompt is computed once for both of its responses.
 
-A packed row holds each pair as one segment [prompt][chosen][rejected] (lorakit.data.preference_shared).
+A packed row holds each pair as one segment [prompt][chosen][rejected] (lorakit.data.pair_collate).
 The chosen tokens attend causally to the prompt and to themselves, the rejected tokens to the prompt and to
 themselves but never to the chosen ones, and no token to another pair: a tree, not a block-diagonal mask.
 The rejected tokens' position ids continue from the prompt's end, so every response sees exactly what it
@@ -21,7 +21,7 @@ per-example path:
   mask, boolean for sdpa, additive for eager; one per layer type for models mixing sliding and full layers.
 - flash_attention_2 takes example boundaries from position ids that restart at 0 and cannot express the
   tree; sequence parallelism refuses DPO. `sharing_problem` says so and the pairs are packed as two
-  separate sequences instead (lorakit.data.preference_batching).
+  separate sequences instead (lorakit.data.pair_collate).
 
 Sliding windows count positions, so a rejected token's window over the prompt is the one it has alone.
 """
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from lorakit.data.preference_shared import PAIR_SPANS
+from lorakit.data.pair_collate import PAIR_SPANS
 from lorakit.model.fused_attention import (
     LOOP,
     VARLEN,

@@ -6,7 +6,8 @@ the summed loss of the micro-batch and metric sums over the same units (detached
 units are summed over ranks before the first backward, so every objective's gradient is that of one batch
 holding the whole window, as for token-weighted SFT.
 
-Around the loop, the objective says how its rows are prepared and batched (prepare_data, make_batching),
+Around the loop, the objective names the row layout it reads (`layout`: lorakit.data.layouts), from which
+its rows are prepared and batched (prepare_data, make_batching),
 what training needs before the first step (prepare_training: full fine-tuning DPO's reference
 log-probabilities), how a run is evaluated (evaluation_data, evaluate), how summary.json names it
 (method_options) and what the memory planner adds (plan_notes, describe_plan, and `passes`: the sequences and
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from lorakit.data.batching import Batching
-    from lorakit.data.pipeline import PreparedData
+    from lorakit.data.prepare import PreparedData
     from lorakit.evaluation.runner import EvalOutcome
 
 
@@ -57,6 +58,9 @@ class Objective(ABC):
     """A training objective: its loss and divisor, its rows, its reference pass, evaluation and metrics."""
 
     spec: ClassVar[ObjectiveSpec]
+    # The row layout it reads (lorakit.data.layouts): "examples" (SFT's), "pairs", "unpaired". Preparing
+    # and batching its rows follow from it (prepare_data, make_batching).
+    layout: ClassVar[str] = "examples"
 
     @property
     def name(self) -> str:
@@ -89,19 +93,20 @@ class Objective(ABC):
 
     @classmethod
     def prepare_data(cls, recipe, tokenizer, config) -> PreparedData:
-        """Load, tokenize and cache the recipe's rows for this objective (default: SFT's examples)."""
-        from lorakit.data.pipeline import prepare_data
+        """Load, tokenize and cache the recipe's rows in this objective's row layout (lorakit.data.prepare).
+        An objective names its layout (`layout`); it does not override this."""
+        from lorakit.data.prepare import prepare_data
 
-        return prepare_data(recipe, tokenizer, config)
+        return prepare_data(recipe, tokenizer, config, cls.layout)
 
     @classmethod
     def make_batching(cls, recipe, data, tokenizer, config, **how) -> Batching:
-        """Sampler and collators for this objective's rows (default: SFT's, lorakit.data.batching). `how`:
-        packing, world, rank, and share_prompt_problem (why the model cannot share a prompt among rows,
-        None when it can), as lorakit.data.batching.make_batching takes them."""
+        """Sampler and collators for this objective's rows, chosen from its layout's lengths and collators
+        (lorakit.data.batching.make_batching, which says what `how` holds: packing, world, rank,
+        share_prompt_problem)."""
         from lorakit.data.batching import make_batching
 
-        return make_batching(recipe, data, tokenizer, config, **how)
+        return make_batching(recipe, data, tokenizer, config, layout=cls.layout, **how)
 
     # Evaluation ----------------------------------------------------------------------------------------
 

@@ -12,8 +12,8 @@ difference h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected):
 Rewards are beta x (policy - reference) per response; accuracy counts a pair whose chosen reward is the
 larger one (a tie, as at the start when the adapter's B is zero, counts half: 50% before training). Every
 rank runs the same forwards in the same order for every micro-batch, as ZeRO-3's collective parameter
-gathers require. Encoder-decoders run the encoder once per pair and the decoder twice (lorakit.data.
-preference_batching); packed causal rows hold a pair's prompt once (lorakit.data.preference_shared).
+gathers require. Encoder-decoders run the encoder once per pair and the decoder twice; packed causal rows
+hold a pair's prompt once (lorakit.data.pair_collate).
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from lorakit import dist
-from lorakit.data.preference_batching import SIDES
-from lorakit.data.preference_shared import PAIR_SPANS
+from lorakit.data.pair_collate import BATCH_KEY, PAIR_SPANS, SIDES
 from lorakit.errors import InferenceError
 from lorakit.model.loss import sequence_log_probs
 from lorakit.objectives.base import Objective, Passes
@@ -100,7 +99,7 @@ def reference_model(engine):
 
 def shared_prompt_log_probs(engine, inputs, batch: dict[str, Any], device) -> torch.Tensor:
     """(2 x pairs,) summed response log-probabilities of a shared-prompt packed row (lorakit.data.
-    preference_shared): each response token scored from the logits at its batch's `target_index`."""
+    pair_collate): each response token scored from the logits at its batch's `target_index`."""
     from lorakit.model.shared_prompt import shared_prompt_kwargs
 
     logits = engine(**shared_prompt_kwargs(inputs, batch, device), use_cache=False).logits
@@ -110,8 +109,6 @@ def shared_prompt_log_probs(engine, inputs, batch: dict[str, Any], device) -> to
 
 def cached_reference(batch: dict[str, Any], device) -> torch.Tensor:
     """The batch's precomputed reference log-probabilities (full fine-tuning), as log_probs lays them out."""
-    from lorakit.data.preference_reference import BATCH_KEY
-
     if BATCH_KEY not in batch:
         raise InferenceError(
             "train.objective dpo with method.kind full scores pairs against the initial model's "
@@ -122,11 +119,12 @@ def cached_reference(batch: dict[str, Any], device) -> torch.Tensor:
 
 
 class DpoObjective(Objective):
-    """The DPO loss over a batch of pairs (lorakit.data.preference_batching's layout); divisor: pairs.
-    Its rows are preference pairs (lorakit.data.preference), a pair never leaves its micro-batch, and its
+    """The DPO loss over a batch of pairs (lorakit.data.pair_collate's batches); divisor: pairs.
+    Its rows are in the `pairs` layout (lorakit.data.pairs), a pair never leaves its micro-batch, and its
     evaluation scores the eval pairs (evaluate_preferences), never generations."""
 
     spec = DPO
+    layout = "pairs"
 
     def __init__(
         self,
@@ -149,35 +147,6 @@ class DpoObjective(Objective):
         d = recipe.dpo
         return cls(d.beta, d.loss, d.label_smoothing, simpo_gamma=d.simpo_gamma, **model_kind(recipe, config))
 
-    @classmethod
-    def prepare_data(cls, recipe, tokenizer, config):
-        from lorakit.data.preference import prepare_preference
-
-        return prepare_preference(recipe, tokenizer, config)
-
-    @classmethod
-    def make_batching(cls, recipe, data, tokenizer, config, **how):
-        """Pairs kept whole in their micro-batch, with their reference log-probabilities when they have
-        them (full fine-tuning): packed encoder-decoder pairs hold each prompt once in the encoder row and
-        their responses in two decoder rows; the rest as lorakit.data.preference_batching lays them out
-        (`how` as Objective.make_batching)."""
-        from lorakit.data.batching import seq2seq_packing
-        from lorakit.data.preference_batching import pair_collator, preference_batching
-        from lorakit.data.preference_reference import with_reference
-        from lorakit.data.preference_seq2seq import PackedSeq2SeqPairCollator, pair_lengths
-
-        if how["packing"] and getattr(config, "is_encoder_decoder", False):
-            padded, lengths, world, rank = (
-                pair_collator(tokenizer, config),
-                pair_lengths(data),
-                how.get("world", 1),
-                how.get("rank", 0),
-            )
-            b = seq2seq_packing(recipe, data, config, padded, world, rank, lengths, PackedSeq2SeqPairCollator)
-        else:
-            b = preference_batching(recipe, data, tokenizer, config, **how)
-        return with_reference(b)
-
     def prepare_training(self, recipe, engine, inputs, source: str, data, collator):
         """Full fine-tuning: `data` with the initial model's log-probabilities of every pair, before any
         step or checkpoint load (lorakit.objectives.dpo_reference); with an adapter, `data` itself."""
@@ -199,13 +168,13 @@ class DpoObjective(Objective):
     def evaluate(self, engine, inputs, recipe, data, tokenizer, collator, *, zero3: bool, generate=None):
         """The DPO loss, rewards, margin and accuracy of the eval pairs, no generation. Pairs are always
         scored padded (pair_collator), whatever collator the caller made for training rows."""
-        from lorakit.data.preference_batching import pair_collator
-        from lorakit.data.preference_reference import WithReference
+        from lorakit.data.pair_collate import pair_collators
         from lorakit.evaluation.runner import EvalOutcome
 
         config = _module(engine).config
         batch_size = recipe.eval.micro_batch_size or recipe.train.micro_batch_size
-        pairs = WithReference(pair_collator(tokenizer, config))
+        padded = pair_collators(tokenizer, config)
+        pairs = padded.wrap(padded.padded)
         return EvalOutcome(evaluate_preferences(engine, inputs, self, data.eval, pairs, batch_size))
 
     @classmethod

@@ -25,7 +25,7 @@ import torch
 
 from lorakit import dist, storage
 from lorakit.data import cache
-from lorakit.data.preference_reference import add_reference
+from lorakit.data.pair_collate import add_reference
 
 # Bump when the reference computation changes for the same inputs, so stale tables are not reused.
 FORMAT_VERSION = 1

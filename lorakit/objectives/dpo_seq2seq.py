@@ -1,4 +1,4 @@
-"""Summed response log-probabilities of packed encoder-decoder pairs (lorakit.data.preference_seq2seq).
+"""Summed response log-probabilities of packed encoder-decoder pairs (lorakit.data.pair_collate).
 
 The encoder row (each pair's prompt once) runs once; the chosen and the rejected decoder rows then run on
 its output, each with the attention lorakit.model.inputs builds for a packed seq2seq row pair: per-example
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lorakit.data.preference_batching import SIDES
+from lorakit.data.pair_collate import SIDES
 from lorakit.model.inputs import CROSS_MASK
 from lorakit.model.loss import sequence_log_probs
 from lorakit.model.varlen import attach_t5_position_bias

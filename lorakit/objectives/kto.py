@@ -13,7 +13,7 @@ detached. With beta kto.beta and the weights kto.desirable_weight (lambda_D), kt
 summed over rows; divisor: rows. Rewards are beta r. The mean is over the micro-batch's rows on its rank
 (TRL gathers it over ranks; a rank's own micro-batch keeps the loss free of collectives).
 
-A row rides in the preference-pair layout (lorakit.data.unpaired): its completion where DPO's chosen
+A row rides in the `unpaired` layout (lorakit.data.unpaired), shaped as a preference pair: its completion where DPO's chosen
 response is and its mismatched completion where the rejected one is, so one forward scores both, with
 DPO's layouts (packed, shared prompt, T5) and DPO's reference: the base with the adapter off, or for full
 fine-tuning the initial model's log-probabilities cached before training (lorakit.objectives.dpo_reference).
@@ -21,18 +21,15 @@ fine-tuning the initial model's log-probabilities cached before training (loraki
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from lorakit import dist
+from lorakit.data.pair_collate import LABELS
 from lorakit.objectives.alignment_settings import KTO, KTO_STEP_METRICS
 from lorakit.objectives.base import Passes
 from lorakit.objectives.dpo import DpoObjective, cached_reference, model_kind, reference_model, sides
-
-# Batch key of the rows' labels (True: desirable), in the order of the pairs.
-LABELS = "kto_desirable"
 
 
 def kto_loss(
@@ -63,23 +60,12 @@ def step_metric_sums(rewards: torch.Tensor, desirable: torch.Tensor, z0: torch.T
     return dict(zip(KTO_STEP_METRICS, values, strict=True))
 
 
-class WithLabels:
-    """A collator of KTO rows in the pair layout whose batches also carry the rows' labels (LABELS)."""
-
-    def __init__(self, collator):
-        self.collator = collator
-
-    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        batch = self.collator(rows)
-        batch[LABELS] = torch.tensor([bool(r["label"]) for r in rows], dtype=torch.bool)
-        return batch
-
-
 class KtoObjective(DpoObjective):
     """The KTO loss over a batch of rows (DPO's layouts, the mismatched completion as the second sequence);
     divisor: rows (`num_pairs` of the layout)."""
 
     spec = KTO
+    layout = "unpaired"
 
     def __init__(
         self,
@@ -97,22 +83,6 @@ class KtoObjective(DpoObjective):
     def from_recipe(cls, recipe, config) -> KtoObjective:
         k = recipe.kto
         return cls(k.beta, k.desirable_weight, k.undesirable_weight, **model_kind(recipe, config))
-
-    @classmethod
-    def prepare_data(cls, recipe, tokenizer, config):
-        from lorakit.data.unpaired import prepare_unpaired
-
-        return prepare_unpaired(recipe, tokenizer, config)
-
-    @classmethod
-    def make_batching(cls, recipe, data, tokenizer, config, **how):
-        """DPO's batching of the rows' pair layout, its batches carrying the rows' labels."""
-        import dataclasses
-
-        b = DpoObjective.make_batching(recipe, data, tokenizer, config, **how)
-        return dataclasses.replace(
-            b, collator=WithLabels(b.collator), eval_collator=WithLabels(b.eval_collator)
-        )
 
     @classmethod
     def method_options(cls, recipe) -> list[str]:
@@ -160,13 +130,13 @@ class KtoObjective(DpoObjective):
 
     def evaluate(self, engine, inputs, recipe, data, tokenizer, collator, *, zero3: bool, generate=None):
         """The KTO loss, rewards of both kinds, their margin and z0 on the eval rows, padded, no generation."""
-        from lorakit.data.preference_batching import pair_collator
-        from lorakit.data.preference_reference import WithReference
+        from lorakit.data.pair_collate import pair_collators
         from lorakit.evaluation.runner import EvalOutcome
 
         config = getattr(engine, "module", engine).config
         batch_size = recipe.eval.micro_batch_size or recipe.train.micro_batch_size
-        rows = WithLabels(WithReference(pair_collator(tokenizer, config)))
+        padded = pair_collators(tokenizer, config, labels=True)
+        rows = padded.wrap(padded.padded)
         return EvalOutcome(evaluate_unpaired(engine, inputs, self, data.eval, rows, batch_size))
 
 

@@ -1,6 +1,6 @@
 """SFT (train.objective sft): token-weighted cross-entropy on the target tokens (labels != -100).
 
-Its rows, batching and evaluation are the Objective defaults (lorakit.data.pipeline, lorakit.data.batching,
+Its rows, batching and evaluation are the Objective defaults (the examples layout: lorakit.data.examples, lorakit.data.batching,
 lorakit.evaluation.runner); its divisor is the window's target tokens on every rank.
 """
 

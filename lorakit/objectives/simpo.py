@@ -9,7 +9,7 @@ chosen reward to exceed the rejected one by a target margin gamma (dpo.simpo_gam
 
 No reference pass is run, so the adapter is never turned off; the per-step rewards, margin and accuracy are
 those of the averaged rewards. Response lengths are counted from the batch's own target tokens, whatever
-its layout (lorakit.data.preference_batching, lorakit.data.preference_shared).
+its layout (lorakit.data.pair_collate).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def response_tokens(batch: dict[str, Any], encoder_decoder: bool) -> torch.Tenso
     """(2 x pairs,) scored tokens of each response, chosen and rejected of each pair in turn (fp32)."""
     n = 2 * batch["num_pairs"]
     if encoder_decoder and "source_segments" in batch:
-        # Packed pairs (lorakit.data.preference_seq2seq): one decoder row a side, pair k in segment k + 1.
+        # Packed pairs (lorakit.data.pair_collate): one decoder row a side, pair k in segment k + 1.
         sides = []
         for s in ("chosen", "rejected"):
             scored = batch[f"{s}_labels"] != IGNORE_INDEX

@@ -92,7 +92,7 @@ def micro_batch_shape(
 
 def _sequences_shape(recipe, arch: Arch, seq_len, target_len, kernels: Kernels, notes: list, n: int):
     """A micro-batch of an objective whose examples are `n` sequences each (DPO's pairs: lorakit.data.
-    preference_batching, preference_seq2seq). Causal LMs: n x micro_batch_size rows (packed: a row of
+    pair_collate). Causal LMs: n x micro_batch_size rows (packed: a row of
     train.max_tokens, by default micro_batch_size x n x data.max_length); encoder-decoders: each prompt
     once, the decoder n times (DPO: chosen and rejected)."""
     d, t = recipe.data, recipe.train

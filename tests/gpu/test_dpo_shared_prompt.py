@@ -14,8 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorakit.data.preference_batching import CausalPairCollator
-from lorakit.data.preference_shared import SharedPromptCollator
+from lorakit.data.pair_collate import CausalPairCollator, SharedPromptCollator
 from lorakit.model import fused_attention as fa
 from lorakit.model.inputs import ModelInputs
 from lorakit.objectives.dpo import DpoObjective

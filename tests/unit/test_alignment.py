@@ -9,11 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lorakit.data.preference_batching import CausalPairCollator, Seq2SeqPairCollator
-from lorakit.data.preference_reference import BATCH_KEY
-from lorakit.data.preference_seq2seq import PackedSeq2SeqPairCollator
-from lorakit.data.preference_shared import SharedPromptCollator
-from lorakit.objectives.kto import LABELS, KtoObjective, WithLabels, kto_loss
+from lorakit.data.pair_collate import (
+    BATCH_KEY,
+    LABELS,
+    CausalPairCollator,
+    PackedSeq2SeqPairCollator,
+    Seq2SeqPairCollator,
+    SharedPromptCollator,
+    WithLabels,
+)
+from lorakit.objectives.kto import KtoObjective, kto_loss
 from lorakit.objectives.orpo import OrpoObjective, orpo_loss
 from tests.conftest import training_config_model
 from tests.unit.test_dpo import _assert_same, _logp_alone, _loss_and_grads, _pairs

@@ -16,7 +16,6 @@ import pytest
 
 import lorakit
 from lorakit.data import prepare_data
-from lorakit.data.preference import prepare_preference
 from lorakit.data.rows import alpaca_prompt
 from lorakit.data.source_files import with_datasets
 from lorakit.data.sources import source_fingerprint
@@ -245,7 +244,7 @@ def test_conversational_pairs_render_through_the_template(cache_dir, tmp_path):
     ]
     r = _with(recipe, source=_jsonl(tmp_path / "p.jsonl", rows))
     r = r.model_copy(update={"train": r.train.model_copy(update={"objective": "dpo"})})
-    data = prepare_preference(r, tok, config)
+    data = prepare_data(r, tok, config, "pairs")
     row = data.train[1]
     whole = tok.apply_chat_template(
         [*CONVERSATION[:4], {"role": "assistant", "content": "136 km/h."}], tokenize=False

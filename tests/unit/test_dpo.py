@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lorakit.data.preference_batching import CausalPairCollator, PackedCausalPairCollator, Seq2SeqPairCollator
+from lorakit.data.pair_collate import CausalPairCollator, PackedCausalPairCollator, Seq2SeqPairCollator
 from lorakit.model.loss import sequence_log_probs
 from lorakit.objectives.dpo import DpoObjective, metric_sums, preference_loss
 from tests.conftest import training_config_model

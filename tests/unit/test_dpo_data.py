@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from lorakit.data.preference import prepare_preference
-from lorakit.data.preference_batching import PackedCausalPairCollator, Seq2SeqPairCollator
+from lorakit.data import prepare_data
+from lorakit.data.pair_collate import PackedCausalPairCollator, Seq2SeqPairCollator
 from lorakit.errors import DataError, RecipeError
 from lorakit.testing import build_tiny_tokenizer, tiny_config
 from tests.conftest import tiny_recipe
@@ -64,9 +64,9 @@ def test_a_dpo_section_needs_the_dpo_objective(cache_dir, tmp_path):
 def test_instruction_pairs_and_bad_rows(cache_dir, tmp_path, tokenizer):
     source = _write(tmp_path / "pairs.jsonl", [GOOD, {**GOOD, "chosen": None}, "{not json", GOOD])
     with pytest.raises(DataError, match=r"pairs.jsonl line 2: column 'chosen' is null"):
-        prepare_preference(_recipe(cache_dir, tmp_path, source), tokenizer, tiny_config("llama"))
+        prepare_data(_recipe(cache_dir, tmp_path, source), tokenizer, tiny_config("llama"), "pairs")
     recipe = _recipe(cache_dir, tmp_path, source, data={"on_bad_rows": "skip"})
-    data = prepare_preference(recipe, tokenizer, tiny_config("llama"))
+    data = prepare_data(recipe, tokenizer, tiny_config("llama"), "pairs")
     assert len(data.train) == 2 and data.stats["bad_rows"]["skipped"] == 2
     row = data.train[0]
     eos = tokenizer.eos_token_id
@@ -80,7 +80,7 @@ def test_a_missing_response_column_names_the_field(cache_dir, tmp_path, tokenize
     source = _write(tmp_path / "pairs.jsonl", [GOOD, GOOD])
     recipe = _recipe(cache_dir, tmp_path, source, dpo={"rejected_column": "worse"})
     with pytest.raises(DataError, match="dpo.rejected_column: column 'worse' not found"):
-        prepare_preference(recipe, tokenizer, tiny_config("llama"))
+        prepare_data(recipe, tokenizer, tiny_config("llama"), "pairs")
 
 
 def test_chat_prompts_use_the_template_and_overlong_pairs_are_capped(cache_dir, tmp_path, tokenizer):
@@ -88,7 +88,7 @@ def test_chat_prompts_use_the_template_and_overlong_pairs_are_capped(cache_dir, 
     rows = [{"messages": messages, "chosen": "A man is reading a book at home today.", "rejected": "No."}]
     source = _write(tmp_path / "chat.jsonl", rows * 2)
     recipe = _recipe(cache_dir, tmp_path, source, data={"format": "chat", "max_length": 20})
-    data = prepare_preference(recipe, tokenizer, tiny_config("llama"))
+    data = prepare_data(recipe, tokenizer, tiny_config("llama"), "pairs")
     row = data.train[0]
     assert tokenizer.decode(row["prompt_ids"]).endswith("<|assistant|>\n")
     assert len(row["prompt_ids"]) + len(row["chosen_ids"]) <= 20
@@ -97,7 +97,7 @@ def test_chat_prompts_use_the_template_and_overlong_pairs_are_capped(cache_dir, 
         recipe = _recipe(
             cache_dir, tmp_path, source, data={"format": "chat", "max_length": 20, "overlong": "error"}
         )
-        prepare_preference(recipe, tokenizer, tiny_config("llama"))
+        prepare_data(recipe, tokenizer, tiny_config("llama"), "pairs")
 
 
 def test_packed_pairs_keep_sequences_apart():
@@ -137,3 +137,41 @@ def test_the_shipped_preference_pairs_are_the_generators_output():
             # The chosen answer describes the question's scene in its words (what makes it learnable).
             scene = r["chosen"].rstrip(".").replace(" is ", " ", 1).replace(" are ", " ", 1)
             assert scene.lower() in r["question"].lower() and r["rejected"] != r["chosen"], r
+
+
+TRL_PAIRS = [
+    {
+        "prompt": [{"role": "user", "content": f"Where did storm {i} hit?"}],
+        "chosen": [{"role": "assistant", "content": "Around Cairo."}],
+        "rejected": [{"role": "assistant", "content": "Nowhere."}],
+    }
+    for i in range(4)
+]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_trl_conversational_pairs_train_as_they_come(cache_dir, tmp_path, tokenizer, suffix):
+    # TRL's standard conversational preference columns (prompt, chosen, rejected: lists of messages) need no
+    # data.messages_column: the prompt is read from `prompt` when the source has no `messages` column.
+    from lorakit.objectives import prepare_data as prepare_rows
+
+    path = tmp_path / f"trl.{suffix}"
+    if suffix == "jsonl":
+        _write(path, TRL_PAIRS)
+    else:
+        import datasets
+
+        datasets.Dataset.from_list(TRL_PAIRS).to_parquet(str(path))
+
+    def rows(**data):
+        recipe = _recipe(cache_dir, tmp_path, path, data={"format": "chat", **data})
+        return prepare_rows(recipe, tokenizer, tiny_config("llama")).train.to_list()
+
+    as_they_come = rows()
+    assert len(as_they_come) == 4 and as_they_come == rows(messages_column="prompt")
+    assert tokenizer.decode(as_they_come[0]["chosen_ids"]).startswith("Around Cairo.")
+    # A source with neither column is still a wrong column name, named by its recipe field.
+    _write(path, [{k: v for k, v in r.items() if k != "prompt"} | {"question": "q"} for r in TRL_PAIRS])
+    if suffix == "jsonl":
+        with pytest.raises(DataError, match="data.messages_column: column 'messages' not found"):
+            rows()

@@ -16,9 +16,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lorakit.data.pipeline import PreparedData
-from lorakit.data.preference_batching import CausalPairCollator, PackedCausalPairCollator, Seq2SeqPairCollator
-from lorakit.data.preference_reference import BATCH_KEY, REFERENCE_COLUMNS, WithReference, add_reference
+from lorakit.data.pair_collate import (
+    BATCH_KEY,
+    REFERENCE_COLUMNS,
+    CausalPairCollator,
+    PackedCausalPairCollator,
+    Seq2SeqPairCollator,
+    WithReference,
+    add_reference,
+)
+from lorakit.data.prepare import PreparedData
 from lorakit.data.tokenize import Lengths
 from lorakit.errors import InferenceError
 from lorakit.model import build_model

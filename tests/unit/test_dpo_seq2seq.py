@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lorakit.data.preference_batching import Seq2SeqPairCollator
-from lorakit.data.preference_seq2seq import PackedSeq2SeqPairCollator
+from lorakit.data.pair_collate import PackedSeq2SeqPairCollator, Seq2SeqPairCollator
 from lorakit.objectives.dpo import DpoObjective
 from tests.conftest import training_config_model
 from tests.unit.test_dpo import BETA, _assert_same, _loss_and_grads, _pairs

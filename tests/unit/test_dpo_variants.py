@@ -1,4 +1,4 @@
-"""Shared-prompt packing of DPO pairs (lorakit.data.preference_shared, lorakit.model.shared_prompt) and
+"""Shared-prompt packing of DPO pairs (lorakit.data.pair_collate, lorakit.model.shared_prompt) and
 dpo.loss simpo (lorakit.objectives.simpo), on one tiny Llama where they can share it.
 
 A pair packed as [prompt][chosen][rejected] must give every response the log-probability it has after the
@@ -17,8 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lorakit.data.preference_batching import CausalPairCollator, Seq2SeqPairCollator, preference_batching
-from lorakit.data.preference_shared import SharedPromptCollator, shared_lengths
+from lorakit.data.batching import make_batching
+from lorakit.data.pair_collate import (
+    CausalPairCollator,
+    Seq2SeqPairCollator,
+    SharedPromptCollator,
+    shared_lengths,
+)
 from lorakit.errors import RecipeError
 from lorakit.model import fused_attention as fa
 from lorakit.model.inputs import ModelInputs
@@ -241,19 +246,25 @@ def test_the_sampler_counts_the_prompt_once(cache_dir, tmp_path, monkeypatch):
         )
         tokenizer = types.SimpleNamespace(pad_token_id=0)
         problem = sharing_problem(attention)  # what the model build's attention tells the data
-        return preference_batching(
-            recipe, data, tokenizer, tiny_config("llama"), packing=True, share_prompt_problem=problem
+        return make_batching(
+            recipe,
+            data,
+            tokenizer,
+            tiny_config("llama"),
+            packing=True,
+            share_prompt_problem=problem,
+            layout="pairs",
         )
 
     # 80 tokens hold two pairs of 30 + 5 + 5, not one of 2 x 30 + 5 + 5 = 70.
     shared = batching()
-    assert isinstance(shared.collator, SharedPromptCollator)
+    assert isinstance(shared.collator.collator, SharedPromptCollator)  # inside WithReference
     assert [len(b) for b in shared.sampler] == [2, 2, 2]
     assert [len(b) for b in batching(share_prompt=False).sampler] == [1] * 6
     # flash_attention_2 cannot run the tree: the pairs are packed as two sequences, and the console says so.
     said = []
-    monkeypatch.setattr("lorakit.data.preference_shared._say", said.append)
-    assert not isinstance(batching("flash_attention_2").collator, SharedPromptCollator)
+    monkeypatch.setattr("lorakit.data.batching._say", said.append)
+    assert not isinstance(batching("flash_attention_2").collator.collator, SharedPromptCollator)
     assert said and "flash_attention_2" in said[0] and sharing_problem("lorakit_varlen_sdpa") is None
 
 

@@ -9,8 +9,9 @@ import json
 
 import pytest
 
+from lorakit.data import prepare_data
 from lorakit.data.chat import use_template
-from lorakit.data.unpaired import mismatched, prepare_unpaired
+from lorakit.data.unpaired import mismatched
 from lorakit.errors import DataError, RecipeError
 from lorakit.objectives import objective_type
 from lorakit.planner import plan
@@ -47,7 +48,7 @@ def _recipe(cache_dir, tmp_path, rows, **kto):
 
 def test_rows_carry_their_label_and_a_mismatched_completion(cache_dir, tmp_path, tokenizer):
     recipe = _recipe(cache_dir, tmp_path, ROWS)
-    data = prepare_unpaired(recipe, tokenizer, tiny_config("llama"))
+    data = prepare_data(recipe, tokenizer, tiny_config("llama"), "unpaired")
     train = data.train
     assert train["label"] == [True, False, True, False]
     own = [tokenizer(r["completion"], add_special_tokens=False)["input_ids"] for r in ROWS]
@@ -64,10 +65,10 @@ def test_rows_carry_their_label_and_a_mismatched_completion(cache_dir, tmp_path,
 def test_a_bad_label_is_named_with_its_row(cache_dir, tmp_path, tokenizer):
     rows = [*ROWS[:2], {"prompt": "Describe a fox.", "completion": "A fox.", "label": "yes"}]
     with pytest.raises(DataError, match=r"line 3: column 'label' is string 'yes', not a label"):
-        prepare_unpaired(_recipe(cache_dir, tmp_path, rows), tokenizer, tiny_config("llama"))
+        prepare_data(_recipe(cache_dir, tmp_path, rows), tokenizer, tiny_config("llama"), "unpaired")
     with pytest.raises(DataError, match="kto.completion_column: column 'answer' not found"):
         recipe = _recipe(cache_dir, tmp_path, ROWS, completion_column="answer")
-        prepare_unpaired(recipe, tokenizer, tiny_config("llama"))
+        prepare_data(recipe, tokenizer, tiny_config("llama"), "unpaired")
 
 
 def test_recipe_checks_name_the_objective(cache_dir, tmp_path):
@@ -138,7 +139,7 @@ def _chat_recipe(cache_dir, tmp_path, rows, **data):
 
 def test_chat_rows_render_through_the_template_and_refused_rows_are_bad_rows(cache_dir, tmp_path, tokenizer):
     recipe = _chat_recipe(cache_dir, tmp_path, CHAT_ROWS)
-    data = prepare_unpaired(recipe, tokenizer, tiny_config("llama"))
+    data = prepare_data(recipe, tokenizer, tiny_config("llama"), "unpaired")
     tok = use_template(tokenizer, TEMPLATE)
     kept = [CHAT_ROWS[i] for i in (0, 1, 3)]
     train = data.train
@@ -163,18 +164,18 @@ def test_chat_rows_render_through_the_template_and_refused_rows_are_bad_rows(cac
     )
     with pytest.raises(DataError, match="system message comes first"):
         recipe_error = _chat_recipe(cache_dir, tmp_path, CHAT_ROWS, on_bad_rows="error")
-        prepare_unpaired(recipe_error, tokenizer, tiny_config("llama"))
+        prepare_data(recipe_error, tokenizer, tiny_config("llama"), "unpaired")
     # A text prompt is one user turn: rendered as its message list is, so the two are one prompt to pair by.
     fox = {"prompt": [{"role": "user", "content": "Describe a fox."}], "completion": "Foxes.", "label": True}
     lenient = TEMPLATE.split("{% endif %}", 1)[1]
     recipe_text = _chat_recipe(cache_dir, tmp_path, [CHAT_ROWS[2], CHAT_ROWS[3], fox], chat_template=lenient)
-    text = prepare_unpaired(recipe_text, tokenizer, tiny_config("llama")).train
+    text = prepare_data(recipe_text, tokenizer, tiny_config("llama"), "unpaired").train
     assert text["prompt_ids"][0] == text["prompt_ids"][2] and text["chosen_ids"][0] != text["chosen_ids"][2]
     assert tokenizer.decode(text["prompt_ids"][0]) == "<|user|>\nDescribe a fox.<|end|>\n<|assistant|>\n"
     own = text["chosen_ids"]
     assert text["rejected_ids"] == [own[1], own[2], own[1]]
     with pytest.raises(DataError, match="encoder-decoder models"):
-        prepare_unpaired(recipe, tok, tiny_config("t5"))
+        prepare_data(recipe, tok, tiny_config("t5"), "unpaired")
 
 
 def test_each_objective_is_made_from_its_section():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import lorakit
 import lorakit.api as api
 from lorakit import rundir
-from lorakit.data import pipeline
+from lorakit.data import prepare
 from tests.conftest import tiny_recipe
 
 
@@ -31,7 +31,7 @@ def test_the_launcher_prepares_the_data_before_it_starts_the_workers(
         # Stands in for torchrun: what each worker's prepare finds when it starts.
         seen["launched"] = "lorakit.run" in cmd and "--worker" in cmd
         with monkeypatch.context() as m:
-            m.setattr(pipeline, "load_rows", no_tokenizing)
+            m.setattr(prepare, "load_rows", no_tokenizing)
             seen["cache_hit"] = lorakit.prepare(recipe).cache_hit
         rundir.write_json(tmp_path / "run" / "summary.json", {"status": "faked"})
         return 0
