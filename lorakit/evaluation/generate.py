@@ -58,6 +58,33 @@ def auto_max_new_tokens(data) -> int:
 
 
 @torch.no_grad()
+def generate_ids(
+    module: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    synced_gpus: bool = False,
+    **sampling: Any,
+) -> torch.Tensor:
+    """transformers' generate on `module` in eval mode (its mode put back after) with the KV cache, from a
+    padded batch of prompts on its device: the ids it returns (causal LMs: prompt + continuation).
+    `sampling`: generate's own arguments (max_new_tokens, do_sample, temperature, top_p, num_beams,
+    pad_token_id, eos_token_id, ...). `synced_gpus`: the parameters are sharded over the ranks, so a rank whose
+    sequences are done keeps taking part in the others' forwards."""
+    was_training = module.training
+    module.eval()
+    try:
+        return module.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            use_cache=True,
+            synced_gpus=synced_gpus,
+            **sampling,
+        )
+    finally:
+        module.train(was_training)
+
+
 def generate_texts(
     model,
     tokenizer,
@@ -71,16 +98,16 @@ def generate_texts(
 ) -> list[str]:
     """Greedy (or beam) generation from a padded batch of prompts (`input_ids`, `attention_mask`), decoded
     without special tokens. Causal LMs take left-padded prompts and only the continuation is decoded."""
-    out = model.generate(
-        input_ids=prompt["input_ids"].to(device),
-        attention_mask=prompt["attention_mask"].to(device),
+    out = generate_ids(
+        model,
+        prompt["input_ids"].to(device),
+        prompt["attention_mask"].to(device),
+        synced_gpus=synced_gpus,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         max_new_tokens=max_new_tokens,
         num_beams=num_beams,
         do_sample=False,
-        use_cache=True,
-        synced_gpus=synced_gpus,
     )
     if causal:
         # A causal LM returns prompt + continuation; the prediction is the continuation.
