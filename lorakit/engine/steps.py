@@ -62,7 +62,8 @@ class StepSource(Protocol):
 
     def windows(self, epoch: int, position: dict[str, Any]) -> Iterator[Window]:
         """This rank's windows of `epoch` from `position` ({}: the epoch's start, else a Window's position),
-        as many on every rank; the epoch ends when the iterator does."""
+        as many on every rank; the epoch ends when the iterator does. Every rank asks for its next window at
+        the same point, so making one may be collective (generation on a sharded engine)."""
         ...
 
     def rank_state(self) -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Token-weighted loss: micro-batches, ranks with different token counts and the sharding backend (DeepSpeed
 ZeRO-3, FSDP2 full and hybrid) must not change the step; nor do two ZeRO-3 ranks for the dense families of
-issue 45 and the MoE families with skewed routing.
+issue 45 and the MoE families with skewed routing. The same engines generate as the whole model does
+(Engine.generate).
 
 The one-process steps run in this process; every two-rank step (token_weighting_worker.py,
 dense_families_worker.py, moe_worker.py) in one 2-process launch (two_ranks_worker.py), FSDP2 hybrid
