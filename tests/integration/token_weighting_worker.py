@@ -3,9 +3,10 @@ and the updated (gathered) LoRA weights of each.
 
     python token_weighting_worker.py CACHE OUT MODE
 
-Before the step of the one-process batch and of the two ranks' split rows, each engine generates from its
-rank's prompts (Engine.generate: greedy, and sampled from a seeded RNG; GENERATE), written as
-NAME-generate-rankR.json, which the test compares with the unsharded model's generate (`reference_generations`).
+Before the step of the one-process batch and of the two ranks' split rows (not hybrid's four), each engine
+generates from its rank's prompts (Engine.generate: greedy, and sampled from a seeded RNG; GENERATE), written
+as NAME-generate-rankR.json, which the test compares with the unsharded model's generate
+(`reference_generations`).
 
 MODE: single (one process: the 6 rows as one batch, and as 2 accumulated micro-batches) | two_ranks (2
 processes: DeepSpeed ZeRO-3, then FSDP2 full sharding, written as "fsdp"; then FSDP2 with 4 accumulated
@@ -214,7 +215,7 @@ def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
     else:
         start, end = SPLITS[mode][dist.rank()]
         window = [collate(rows[start:end])]
-    if layout in ("one_batch", "split"):
+    if layout in ("one_batch", "split") and mode != "hybrid":
         # Before the step, from the weights _same_start gave every backend: the engine's own generation.
         name = f"{kind}-{layout if mode == 'single' else mode}"
         ranks = range(len(GENERATE)) if mode == "single" else [dist.rank()]
