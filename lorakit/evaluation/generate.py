@@ -66,12 +66,15 @@ def generate_ids(
     synced_gpus: bool = False,
     **sampling: Any,
 ) -> torch.Tensor:
-    """transformers' generate on `module` in eval mode (its mode put back after) with the KV cache, from a
-    padded batch of prompts on its device: the ids it returns (causal LMs: prompt + continuation).
+    """transformers' generate on `module` in eval mode (every submodule's mode put back after) with the KV
+    cache, from a padded batch of prompts on its device: the ids it returns (causal LMs: prompt +
+    continuation).
     `sampling`: generate's own arguments (max_new_tokens, do_sample, temperature, top_p, num_beams,
     pad_token_id, eos_token_id, ...). `synced_gpus`: the parameters are sharded over the ranks, so a rank whose
     sequences are done keeps taking part in the others' forwards."""
-    was_training = module.training
+    # Each submodule's own mode is put back, not the root's on all: a peft model can be in train mode over
+    # a base left in eval mode (from_pretrained's), and train(True) would turn the base's dropout on.
+    modes = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
         return module.generate(
@@ -82,7 +85,8 @@ def generate_ids(
             **sampling,
         )
     finally:
-        module.train(was_training)
+        for m, training in modes:
+            m.training = training
 
 
 def generate_texts(
