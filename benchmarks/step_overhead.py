@@ -26,16 +26,16 @@ SPEC = load_spec("step_overhead")
 def phases_worker(spec: dict) -> dict:
     """The recipe trained in this process (under torchrun: this rank) with the loop's parts timed."""
     import lorakit
-    from lorakit.engine import loop
+    from lorakit.engine import steps
 
-    clock, windows = Clock(), loop.accumulation_windows
+    clock, windows = Clock(), steps.accumulation_windows
 
     def timed_windows(loader, accumulation):  # the loader's next: batch loading and collation
         it, loading = windows(loader, accumulation), clock.wrap("data", next)
         while (window := loading(it, None)) is not None:
             yield window
 
-    loop.accumulation_windows = timed_windows
+    steps.accumulation_windows = timed_windows
     clock.patch(SPEC["phases"])
     summary = lorakit.train(lorakit.load_recipe(spec["recipe"], spec["overrides"])).summary
     return {"wall": clock.wall, "cpu": clock.cpu, "calls": clock.calls, "steps": summary["steps"]}

@@ -64,6 +64,15 @@ class Engine(Protocol):
         """Evaluation mode (dropout off)."""
         ...
 
+    def generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **sampling: Any
+    ) -> torch.Tensor:
+        """transformers' generate with the weights this engine holds, in eval mode (the mode put back after):
+        the ids it returns (causal LMs: prompt + continuation). Collective when `sharded`: every rank calls
+        it as many times, each with its own prompts (ZeRO-3 gathers each layer's parameters for its forward,
+        FSDP2 unshards them; a rank done early keeps taking part). `sampling`: generate's arguments."""
+        ...
+
     def backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
         """Backpropagate `loss` as given (the loop weighted it); `boundary`: this is the accumulation
         window's last micro-batch, whose backward completes the window's gradients."""
@@ -103,10 +112,12 @@ class Engine(Protocol):
 
 
 class Forwarding:
-    """An engine's forward and train/eval mode, passed on to what it wraps (`self.inner`: DeepSpeed's engine,
-    or the sharded module)."""
+    """An engine's forward, train/eval mode and generate, passed on to what it wraps (`self.inner`:
+    DeepSpeed's engine, or the sharded module; `self.module`: the (peft) model)."""
 
     inner: Any
+    module: Any
+    sharded: bool
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.inner(*args, **kwargs)
@@ -118,6 +129,17 @@ class Forwarding:
     def eval(self) -> None:
         """Evaluation mode (dropout off)."""
         self.inner.eval()
+
+    def generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **sampling: Any
+    ) -> torch.Tensor:
+        """transformers' generate on the (peft) module, through evaluation's generate_ids; synced over the
+        ranks where the parameters are sharded."""
+        from lorakit import dist
+        from lorakit.evaluation.generate import generate_ids
+
+        synced = self.sharded and dist.world_size() > 1
+        return generate_ids(self.module, input_ids, attention_mask, synced_gpus=synced, **sampling)
 
 
 @runtime_checkable

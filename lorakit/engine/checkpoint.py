@@ -6,7 +6,9 @@ A checkpoint is a directory `run_dir/checkpoints/step-00000120/` holding
   out for adapters, since the base is reloaded from the model source on resume),
 - `rng/rank-N.json` + `rng/rank-N.safetensors`: each rank's Python, NumPy and torch RNG states and its own
   counters, so dropout draws the same masks after a resume (engine/rng.py),
-- `state.json`: the loop's position (epoch, micro-batches done in it, step), the counters summary.json is
+- `steps/rank-N.safetensors`: what the step source keeps per rank beyond its position (a rollout source's
+  generator, say; engine/steps.py), only where it keeps something,
+- `state.json`: the loop's position (step, epoch, the step source's position in it), the counters summary.json is
   built from, and what the run must share with the checkpoint (engine/compatibility.py). Written
   last: a checkpoint is complete when its directory has its final name, and that happens only after every
   rank finished writing into a temporary directory (`.tmp-step-...`) that is then renamed in one step, so a
@@ -24,13 +26,14 @@ from typing import Any
 
 from lorakit import dist, rundir, storage
 from lorakit.backends import Engine
-from lorakit.engine import branches, manifest
+from lorakit.engine import branches, manifest, steps
 from lorakit.engine.compatibility import DOC, FORMAT_VERSION, check_compatible, recipe_fingerprint
 from lorakit.engine.rng import read_rank_rng, write_rank_rng
 from lorakit.errors import RankFailedError, RecipeError
 
 ENGINE = "engine"
 STATE = "state.json"
+STEPS = "steps"
 _NAME = re.compile(r"^step-(\d{8})$")
 _TMP_PREFIX = ".tmp-"
 
@@ -41,8 +44,9 @@ class LoopState:
 
     step: int = 0
     epoch: int = 0
-    # Micro-batches of `epoch` already trained (every rank trains the same number).
-    micro_batches_done: int = 0
+    # The step source's position in `epoch` after the last window trained ({}: the epoch's start), the same
+    # on every rank (engine/steps.py).
+    position: dict[str, Any] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
     global_real_tokens: int = 0
     global_token_slots: int = 0
@@ -65,6 +69,16 @@ class LoopState:
     def tokens_per_second(self) -> float:
         """Useful (non-pad) tokens per second of training, over all ranks."""
         return self.global_real_tokens / self.train_seconds if self.train_seconds else 0.0
+
+    @classmethod
+    def from_saved(cls, saved: dict[str, Any]) -> LoopState:
+        """The state a checkpoint's state.json holds under "loop". A checkpoint from before step sources
+        has `micro_batches_done` instead of a position: the static source's position, which it names so."""
+        saved = dict(saved)
+        if "micro_batches_done" in saved:
+            done = saved.pop("micro_batches_done")
+            saved.setdefault("position", {steps.DONE: done} if done else {})
+        return cls(**saved)
 
 
 @dataclass(frozen=True)
@@ -229,8 +243,10 @@ def save_checkpoint(
     *,
     adapter: bool,
     reason: str,
+    rank_steps: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a complete checkpoint of the current step on every rank (collective); return its path."""
+    """Write a complete checkpoint of the current step on every rank (collective); return its path.
+    `rank_steps`: this rank's StepSource.rank_state() (tensors; nothing is written for none)."""
     root = checkpoints_dir(run_dir)
     name = f"step-{loop.step:08d}"
     final, tmp = root / name, root / f"{_TMP_PREFIX}{name}"
@@ -246,6 +262,7 @@ def save_checkpoint(
             engine,
             tmp,
             rank_counters,
+            rank_steps or {},
             adapter,
             what,
             final,
@@ -266,8 +283,11 @@ def _fresh_directory(tmp: Path) -> None:
     tmp.mkdir(parents=True)
 
 
-def _write_rank_part(engine: Engine, tmp: Path, rank_counters, adapter: bool, what: str, final: Path) -> None:
-    """This rank's share of a checkpoint: its engine partition, RNG states and counters."""
+def _write_rank_part(
+    engine: Engine, tmp: Path, rank_counters, rank_steps, adapter: bool, what: str, final: Path
+) -> None:
+    """This rank's share of a checkpoint: its engine partition, RNG states and counters, and the step
+    source's own state."""
     # The backend's save runs its own collectives (its barriers): a rank failing inside it leaves
     # the others there, not at the agreement, so they learn it through dist.foreign_collectives.
     with dist.foreign_collectives(), storage.writing(what, final):
@@ -275,6 +295,30 @@ def _write_rank_part(engine: Engine, tmp: Path, rank_counters, adapter: bool, wh
         engine.save_checkpoint(tmp, ENGINE, trainable_only=adapter)
     with storage.writing(what, final):
         write_rank_rng(tmp / "rng", rank_counters)
+        if rank_steps:
+            _write_rank_steps(tmp / STEPS, rank_steps)
+
+
+def _rank_steps_file(steps_dir: Path) -> Path:
+    return steps_dir / f"rank-{dist.rank()}.safetensors"
+
+
+def _write_rank_steps(steps_dir: Path, tensors: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    steps_dir.mkdir(exist_ok=True)
+    # safetensors refuses views that share memory; the source's state is small (a generator, a few rollouts).
+    save_file({k: v.contiguous().clone() for k, v in tensors.items()}, str(_rank_steps_file(steps_dir)))
+
+
+def _read_rank_steps(steps_dir: Path) -> dict[str, Any]:
+    """This rank's step-source state; {} where the checkpoint has none (a static source, an older one)."""
+    path = _rank_steps_file(steps_dir)
+    if not path.is_file():
+        return {}
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
 
 
 def _publish(recipe, run_dir: Path, loop: LoopState, reason: str, final: Path, tmp: Path, what: str) -> None:
@@ -312,10 +356,12 @@ def remove_partial_saves(run_dir: Path) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def load_checkpoint(engine: Engine, ckpt: Checkpoint, *, adapter: bool) -> tuple[LoopState, dict[str, Any]]:
+def load_checkpoint(
+    engine: Engine, ckpt: Checkpoint, *, adapter: bool
+) -> tuple[LoopState, dict[str, Any], dict[str, Any]]:
     """Restore the engine, this rank's RNG states and counters from `ckpt` (collective); return the loop
-    state and this rank's counters."""
+    state, this rank's counters and its step-source state (for StepSource.load_rank_state)."""
     # The frozen base is not in an adapter checkpoint; it came from the model source already.
     engine.load_checkpoint(ckpt.path, ENGINE, trainable_only=adapter)
     counters = read_rank_rng(ckpt.path / "rng")
-    return LoopState(**ckpt.state["loop"]), counters
+    return LoopState.from_saved(ckpt.state["loop"]), counters, _read_rank_steps(ckpt.path / STEPS)

@@ -1,7 +1,7 @@
 """One training job, run by every process of the group.
 
 `run_job` reads as the job runs: resume lookup -> model config and tokenizer -> data -> model -> run
-directory -> batching -> engine -> resume -> loop -> save -> summary. The steps after the engine share a
+directory -> batching and the step source -> engine -> resume -> loop -> save -> summary. The steps after the engine share a
 `Job` (engine/session.py), whose methods are the loop's evaluation and checkpoint callbacks. The backend
 (distributed.strategy) is a lorakit.backends.Backend; the job and the loop see only its Engine.
 """
@@ -24,12 +24,12 @@ from lorakit.data.sampler import ResumableBatchSampler
 from lorakit.data.sequence_split import split_sequences
 from lorakit.engine import branches, checkpoint
 from lorakit.engine.checkpoint import Checkpoint
-from lorakit.engine.loop import StepPlan, plan_steps
 from lorakit.engine.mesh import ParallelDims
 from lorakit.engine.result import EXIT, TrainResult
 from lorakit.engine.save import save_trained
 from lorakit.engine.schedule import lambda_lr_factory
 from lorakit.engine.session import Job, say
+from lorakit.engine.steps import StaticSteps, StepPlan
 from lorakit.engine.summary import MemoryProbe, summarize
 from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
 from lorakit.model.families import family_of
@@ -84,9 +84,9 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
         share_prompt_problem=sharing_problem(built.attention),
     )
     batching = split_sequences(batching, mesh.sp_rank, mesh.sp_world, tokenizer.pad_token_id)
-    loader = make_loader(data, batching, seed=recipe.train.seed)
     t = recipe.train
-    plan = plan_steps(len(loader.batch_sampler), t.gradient_accumulation_steps, t.epochs, t.max_steps)
+    steps = StaticSteps(make_loader(data, batching, seed=t.seed), t.gradient_accumulation_steps)
+    plan = steps.plan(t.epochs, t.max_steps)
     say(batching.describe(plan, dist.world_size()))
     if moe_line := describe_moe(family_of(config), recipe.method, config):
         say(moe_line)
@@ -102,7 +102,8 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
         recipe, engine, built.inputs, built.source, data, batching.eval_collator
     )
     if prepared is not data:
-        data, loader = prepared, make_loader(prepared, batching, seed=t.seed)
+        data = prepared
+        steps = StaticSteps(make_loader(prepared, batching, seed=t.seed), t.gradient_accumulation_steps)
     job = Job(
         recipe,
         run_dir,
@@ -112,6 +113,7 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
         built,
         params,
         batching,
+        steps,
         plan,
         engine,
         quantization,
@@ -121,7 +123,7 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
     job.resume(resume_from)
     if dist.is_main():
         job.lock = LockWatch(run_dir)
-    trainer = job.trainer(loader)
+    trainer = job.trainer()
     job.train(trainer)
     model_states = memory.model_states()
     with dist.phase("adapter save", job.state.step):

@@ -9,48 +9,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torch.utils.data import DataLoader
-
 from lorakit import dist
 from lorakit.backends import Engine
 from lorakit.engine.best import EARLY_STOPPING, BestPolicy, judge
 from lorakit.engine.checkpoint import LoopState
+from lorakit.engine.steps import StepPlan, StepSource
 from lorakit.errors import LorakitError
 from lorakit.meter import TokenMeter, peak_memory
 from lorakit.model.loss import micro_batch_loss
 from lorakit.objectives.base import Objective
 from lorakit.objectives.sft import SFT
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """How many micro-batches, optimizer steps and epochs a run takes."""
-
-    micro_batches_per_epoch: int
-    steps_per_epoch: int
-    total_steps: int
-    epochs: int
-
-
-def plan_steps(
-    micro_batches_per_epoch: int, accumulation: int, epochs: int, max_steps: int | None
-) -> StepPlan:
-    """Optimizer steps per epoch (a short last window still steps), total steps and epochs to run."""
-    per_epoch = math.ceil(micro_batches_per_epoch / accumulation)
-    total = max_steps if max_steps is not None else epochs * per_epoch
-    return StepPlan(micro_batches_per_epoch, per_epoch, total, math.ceil(total / per_epoch))
-
-
-def accumulation_windows(loader: DataLoader, accumulation: int):
-    """Group micro-batches into windows of `accumulation`; the epoch's last window may be shorter."""
-    window: list[dict[str, Any]] = []
-    for batch in loader:
-        window.append(batch)
-        if len(window) == accumulation:
-            yield window
-            window = []
-    if window:
-        yield window
 
 
 def train_window(
@@ -152,14 +120,29 @@ class NonFinitePolicy:
     max_skipped: int = 10
 
 
+@dataclass(frozen=True)
+class LoopPolicy:
+    """What the loop does besides training windows: the plan, how often it logs, evaluates (`eval_every`
+    steps, and after each epoch) and saves, what a non-finite step does, and the best-evaluation policy."""
+
+    plan: StepPlan
+    log_every: int = 1
+    eval_every: int | None = None
+    checkpointing: Checkpointing | None = None
+    nonfinite: NonFinitePolicy = NonFinitePolicy()
+    best: BestPolicy | None = None
+
+
 def _finite(x: float | None) -> bool:
     return x is None or math.isfinite(x)
 
 
 class Trainer:
-    """Runs the epochs: windows, logging, evaluation (after each epoch and every `eval_every` steps), the
-    best evaluation and early stopping, checkpoints, preemption and non-finite steps. Knows nothing of
-    files: evaluating, saving the best weights and checkpoints are callbacks.
+    """Runs the epochs of a StepSource's windows: logging, evaluation (after each epoch and every
+    `eval_every` steps), the best evaluation and early stopping, checkpoints, preemption and non-finite
+    steps. Knows nothing of files: logging, evaluating, saving the best weights and checkpoints are
+    callbacks. The source's position after each window is kept in the LoopState, so it is in every
+    checkpoint.
 
     `evaluate(epoch, step, epoch_end=...)` returns the evaluation's metrics, the same on every rank; every
     rank calls it at the same steps (a sharded engine's forwards are collective)."""
@@ -168,35 +151,25 @@ class Trainer:
         self,
         engine: Engine,
         inputs,
-        loader: DataLoader,
-        sampler,
-        plan: StepPlan,
-        accumulation: int,
-        log,
+        steps: StepSource,
+        policy: LoopPolicy,
+        log: Callable[[dict[str, Any]], None],
+        *,
         evaluate=None,
         progress=None,
-        log_every: int = 1,
-        *,
         state: LoopState | None = None,
-        checkpointing: Checkpointing | None = None,
-        nonfinite: NonFinitePolicy = NonFinitePolicy(),
         # Whether this rank was asked to stop (local); train_window shares it with every rank.
         stop_requested: Callable[[], bool] | None = None,
         meter: TokenMeter | None = None,
-        eval_every: int | None = None,
-        best: BestPolicy | None = None,
         objective: Objective = SFT,
     ):
-        self.engine, self.inputs, self.loader, self.sampler, self.plan = engine, inputs, loader, sampler, plan
-        self.accumulation, self.log, self.evaluate, self.progress = accumulation, log, evaluate, progress
-        self.log_every = log_every
+        self.engine, self.inputs, self.steps, self.policy = engine, inputs, steps, policy
+        self.plan, self.log, self.evaluate, self.progress = policy.plan, log, evaluate, progress
         self.state = state or LoopState()
-        self.checkpointing, self.nonfinite = checkpointing, nonfinite
         self.stop_requested = stop_requested or (lambda: False)
         # This rank's token counts; a resumed run passes the meter it continues.
         self.meter = meter if meter is not None else TokenMeter()
         self.last_checkpoint = None
-        self.eval_every, self.best = eval_every, best
         self.objective = objective
         # Rank 0's failed write of a metric record (a full disk), until every rank has learned of it.
         self.failure: Exception | None = None
@@ -209,23 +182,21 @@ class Trainer:
 
     def _run(self) -> None:
         self.engine.train()
-        st = self.state
-        if st.step >= self.plan.total_steps or st.stop_reason is not None:
+        st, plan, policy = self.state, self.plan, self.policy
+        if st.step >= plan.total_steps or st.stop_reason is not None:
             return
-        for epoch in range(st.epoch, self.plan.epochs):
-            self.sampler.set_epoch(epoch)
-            if st.micro_batches_done:
-                # A resumed epoch: the sampler's order is fixed by (seed, epoch), so skipping what was
-                # trained continues with exactly the batches the interrupted run had next.
-                self.sampler.skip_next(st.micro_batches_done)
-            # The clock runs from the end of one step's bookkeeping to the end of the next step, so batch
-            # loading and collation count towards train_seconds; logging does not.
+        for epoch in range(st.epoch, plan.epochs):
+            # The clock runs from the end of one step's bookkeeping to the end of the next step, so making
+            # the window (batch loading and collation, a rollout's generation) counts towards
+            # train_seconds; logging does not.
             start = time.perf_counter()
-            for window in accumulation_windows(self.loader, self.accumulation):
+            # A resumed epoch continues from the saved position: the source yields exactly the windows the
+            # interrupted run had next.
+            for window in self.steps.windows(epoch, st.position):
                 stats = train_window(
                     self.engine,
                     self.inputs,
-                    window,
+                    window.batches,
                     self.meter,
                     self.objective,
                     self.stop_requested,
@@ -234,16 +205,12 @@ class Trainer:
                 if stats["rank_failed"]:
                     self._raise_failure()
                 seconds = time.perf_counter() - start
-                st.micro_batches_done += len(window)
+                st.position = window.position
                 self._account(epoch, stats, seconds)
-                if self.evaluate is not None and self.eval_every and st.step % self.eval_every == 0:
+                if self.evaluate is not None and policy.eval_every and st.step % policy.eval_every == 0:
                     # An eval.every step that ends the epoch or the run is that epoch's evaluation.
-                    last = (
-                        st.step >= self.plan.total_steps
-                        or st.micro_batches_done >= self.plan.micro_batches_per_epoch
-                    )
-                    self._evaluate(epoch, epoch_end=last)
-                if st.step >= self.plan.total_steps or st.stop_reason is not None:
+                    self._evaluate(epoch, epoch_end=st.step >= plan.total_steps or window.last)
+                if st.step >= plan.total_steps or st.stop_reason is not None:
                     break
                 if stats["stop_requested"]:
                     self._save("preempted")
@@ -251,7 +218,7 @@ class Trainer:
                         f"stopped at step {st.step} on request (SIGTERM/SIGUSR1); checkpoint saved to "
                         f"{self.last_checkpoint}. Relaunch the same command to resume."
                     )
-                ck = self.checkpointing
+                ck = policy.checkpointing
                 if ck is not None and ck.every and st.step % ck.every == 0:
                     self._save("every")
                 start = time.perf_counter()
@@ -263,10 +230,10 @@ class Trainer:
                 if st.stop_reason is not None:
                     self._save(st.stop_reason)
                     break
-            st.epoch, st.micro_batches_done = epoch + 1, 0
-            if self.checkpointing is not None and self.checkpointing.at_epoch_end:
+            st.epoch, st.position = epoch + 1, {}
+            if policy.checkpointing is not None and policy.checkpointing.at_epoch_end:
                 self._save("epoch")
-            if st.step >= self.plan.total_steps:
+            if st.step >= plan.total_steps:
                 break
 
     def _evaluate(self, epoch: int, *, epoch_end: bool) -> None:
@@ -277,11 +244,11 @@ class Trainer:
             st.eval = dict(self.evaluate(epoch, st.step, epoch_end=epoch_end) or {})
         self.engine.train()
         st.last_eval_step = st.step
-        if self.best is None:
+        if self.policy.best is None:
             return
-        verdict = judge(st, self.best, st.eval, st.step, epoch)
-        if verdict.improved and self.best.save is not None:
-            self.best.save()
+        verdict = judge(st, self.policy.best, st.eval, st.step, epoch)
+        if verdict.improved and self.policy.best.save is not None:
+            self.policy.best.save()
         if verdict.stop:
             st.stop_reason = EARLY_STOPPING
 
@@ -312,14 +279,14 @@ class Trainer:
         if memory["gpu"] is not None:
             record["peak_gpu_bytes"] = memory["gpu"]
         if not finite:
-            record["skipped"] = self.nonfinite.action == "skip"
+            record["skipped"] = self.policy.nonfinite.action == "skip"
             # A non-finite step is always on record, whatever log_every says.
             self._log(record)
             self._nonfinite(stats)
             return
         st.losses.append(stats["loss"])
         # Every log_every-th step, and always the last, so the run's final loss is on record.
-        if st.step % self.log_every == 0 or st.step >= self.plan.total_steps:
+        if st.step % self.policy.log_every == 0 or st.step >= self.plan.total_steps:
             self._log(record)
         if self.progress is not None:
             self.progress.update(1)
@@ -347,14 +314,14 @@ class Trainer:
         st = self.state
         what = f"step {st.step}: loss {stats['loss']}, gradient norm {stats['grad_norm']}"
         last = f"the last checkpoint is {self.last_checkpoint}" if self.last_checkpoint else "no checkpoint"
-        if self.nonfinite.action == "skip":
+        if self.policy.nonfinite.action == "skip":
             st.skipped_steps.append(st.step)
             if self.progress is not None:
                 self.progress.update(1)
-            if len(st.skipped_steps) <= self.nonfinite.max_skipped:
+            if len(st.skipped_steps) <= self.policy.nonfinite.max_skipped:
                 return
             raise TrainingDiverged(
-                f"{what}: more than train.max_skipped_steps={self.nonfinite.max_skipped} steps were not "
+                f"{what}: more than train.max_skipped_steps={self.policy.nonfinite.max_skipped} steps were not "
                 f"finite (steps {st.skipped_steps}); stopped, {last}. Lower train.lr or check the data"
             )
         raise TrainingDiverged(
@@ -363,5 +330,5 @@ class Trainer:
         )
 
     def _save(self, reason: str) -> None:
-        if self.checkpointing is not None:
-            self.last_checkpoint = self.checkpointing.save(reason)
+        if self.policy.checkpointing is not None:
+            self.last_checkpoint = self.policy.checkpointing.save(reason)

@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import DataLoader
-
 from lorakit import dist, rundir
 from lorakit.backends import Engine
 from lorakit.data import PreparedData
@@ -17,11 +15,19 @@ from lorakit.data.batching import Batching
 from lorakit.engine import checkpoint
 from lorakit.engine.best import BestPolicy
 from lorakit.engine.checkpoint import Checkpoint, LoopState
-from lorakit.engine.loop import Checkpointing, NonFinitePolicy, Preempted, StepPlan, Trainer, TrainingDiverged
+from lorakit.engine.loop import (
+    Checkpointing,
+    LoopPolicy,
+    NonFinitePolicy,
+    Preempted,
+    Trainer,
+    TrainingDiverged,
+)
 from lorakit.engine.result import EXIT
 from lorakit.engine.rng import preserved_rng
 from lorakit.engine.save import save_trained
 from lorakit.engine.signals import StopRequests
+from lorakit.engine.steps import StepPlan, StepSource
 from lorakit.evaluation.classify import save_classification
 from lorakit.meter import TokenMeter
 from lorakit.model import BuiltModel
@@ -40,8 +46,8 @@ def say(line: str) -> None:
 
 @dataclass
 class Job:
-    """What the steps after the engine starts share (every rank): the engine, the data and the metrics, the
-    loop's state and this rank's token counts."""
+    """What the steps after the engine starts share (every rank): the engine, the data, the step source and
+    the metrics, the loop's state and this rank's token counts."""
 
     recipe: Recipe
     run_dir: Path
@@ -52,6 +58,8 @@ class Job:
     # (trainable, total) parameters as built.
     params: tuple[int, int]
     batching: Batching
+    # What the loop trains on (engine/steps.py), and the run's plan of steps from it.
+    steps: StepSource
     plan: StepPlan
     engine: Engine
     # QLoRA's quantization summary (start_engine); None for other methods.
@@ -69,18 +77,20 @@ class Job:
     progress: Any = None
 
     def resume(self, ckpt: Checkpoint | None) -> None:
-        """Restore engine, RNG states, loop state and this rank's counts from `ckpt` (collective)."""
+        """Restore engine, RNG states, loop state, the step source's state and this rank's counts from `ckpt`
+        (collective)."""
         if ckpt is None:
             return
         self.resumed_from = ckpt
-        self.state, counters = checkpoint.load_checkpoint(
+        self.state, counters, steps = checkpoint.load_checkpoint(
             self.engine, ckpt, adapter=self.recipe.method.adapter()
         )
+        self.steps.load_rank_state(steps)
         self.meter = TokenMeter.from_counters(counters)
         st = self.state
+        where = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in st.position.items()) or "at its start"
         say(
-            f"resuming from {ckpt.path} (step {st.step} of {self.plan.total_steps}, epoch {st.epoch + 1}, "
-            f"{st.micro_batches_done} micro-batches into it)"
+            f"resuming from {ckpt.path} (step {st.step} of {self.plan.total_steps}, epoch {st.epoch + 1}: {where})"
         )
 
     def eval_data(self) -> PreparedData:
@@ -159,10 +169,11 @@ class Job:
             self.meter.counters(),
             adapter=self.recipe.method.adapter(),
             reason=reason,
+            rank_steps=self.steps.rank_state(),
         )
 
-    def trainer(self, loader: DataLoader) -> Trainer:
-        """The loop over `loader`, with this job's callbacks, policies and (on rank 0) a progress bar."""
+    def trainer(self) -> Trainer:
+        """The loop over this job's step source, with its callbacks, policies and (on rank 0) a progress bar."""
         t, ck = self.recipe.train, self.recipe.checkpoint
         evaluates = self.recipe.eval_active() and self.data.eval is not None
         progress = None
@@ -177,24 +188,25 @@ class Job:
                 dynamic_ncols=True,
             )
         self.progress = progress
+        policy = LoopPolicy(
+            self.plan,
+            log_every=t.log_every,
+            eval_every=self.recipe.eval.every,
+            checkpointing=Checkpointing(self.save_checkpoint, ck.every, ck.at_epoch_end),
+            nonfinite=NonFinitePolicy(t.on_nonfinite, t.max_skipped_steps),
+            best=self.best_policy() if evaluates else None,
+        )
         return Trainer(
             self.engine,
             self.built.inputs,
-            loader,
-            loader.batch_sampler,
-            self.plan,
-            t.gradient_accumulation_steps,
+            self.steps,
+            policy,
             self.log,
-            self.evaluate if evaluates else None,
-            progress,
-            log_every=t.log_every,
+            evaluate=self.evaluate if evaluates else None,
+            progress=progress,
             state=self.state,
-            checkpointing=Checkpointing(self.save_checkpoint, ck.every, ck.at_epoch_end),
-            nonfinite=NonFinitePolicy(t.on_nonfinite, t.max_skipped_steps),
             stop_requested=self._stop_requested,
             meter=self.meter,
-            eval_every=self.recipe.eval.every,
-            best=self.best_policy() if evaluates else None,
             objective=self.objective,
         )
 

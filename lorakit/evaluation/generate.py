@@ -59,6 +59,43 @@ def auto_max_new_tokens(data) -> int:
 
 
 @torch.no_grad()
+def generate_ids(
+    module: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    synced_gpus: bool = False,
+    **sampling: Any,
+) -> torch.Tensor:
+    """transformers' generate on `module` in eval mode (every submodule's mode put back after) with the KV
+    cache, from a padded batch of prompts on its device: the ids it returns (causal LMs: prompt +
+    continuation).
+    `sampling`: generate's own arguments (max_new_tokens, do_sample, temperature, top_p, num_beams,
+    pad_token_id, eos_token_id, ...); an encoder-decoder starts on its family's decoder start token unless
+    `sampling` names one. `synced_gpus`: the parameters are sharded over the ranks, so a rank whose
+    sequences are done keeps taking part in the others' forwards."""
+    # Each submodule's own mode is put back, not the root's on all: a peft model can be in train mode over
+    # a base left in eval mode (from_pretrained's), and train(True) would turn the base's dropout on.
+    config = getattr(module, "config", None)
+    if getattr(config, "is_encoder_decoder", False) and "decoder_start_token_id" not in sampling:
+        # The token the family reads from the checkpoint (T5Gemma: decoder.bos_token_id), not whatever
+        # generation_config says (lorakit.model.families.start).
+        sampling["decoder_start_token_id"] = decoder_start_token_id(config)
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        return module.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            use_cache=True,
+            synced_gpus=synced_gpus,
+            **sampling,
+        )
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 def generate_texts(
     model,
     tokenizer,
@@ -72,20 +109,17 @@ def generate_texts(
 ) -> list[str]:
     """Greedy (or beam) generation from a padded batch of prompts (`input_ids`, `attention_mask`), decoded
     without special tokens. Causal LMs take left-padded prompts and only the continuation is decoded.
-    Encoder-decoders start their decoder on the token their family reads from the checkpoint
-    (lorakit.model.families.start), not on whatever generation_config says."""
-    start = {} if causal else {"decoder_start_token_id": decoder_start_token_id(model.config)}
-    out = model.generate(
-        input_ids=prompt["input_ids"].to(device),
-        attention_mask=prompt["attention_mask"].to(device),
+    Encoder-decoders start their decoder on the token their family reads from the checkpoint (generate_ids)."""
+    out = generate_ids(
+        model,
+        prompt["input_ids"].to(device),
+        prompt["attention_mask"].to(device),
+        synced_gpus=synced_gpus,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         max_new_tokens=max_new_tokens,
         num_beams=num_beams,
         do_sample=False,
-        use_cache=True,
-        synced_gpus=synced_gpus,
-        **start,
     )
     if causal:
         # A causal LM returns prompt + continuation; the prediction is the continuation.

@@ -1,6 +1,7 @@
 """Token-weighted loss: micro-batches, ranks with different token counts and the sharding backend (DeepSpeed
 ZeRO-3, FSDP2 full and hybrid) must not change the step; nor do two ZeRO-3 ranks for the dense families of
-issue 45 and the MoE families with skewed routing.
+issue 45 and the MoE families with skewed routing. The same engines generate as the whole model does
+(Engine.generate).
 
 The one-process steps run in this process; every two-rank step (token_weighting_worker.py,
 dense_families_worker.py, moe_worker.py) in one 2-process launch (two_ranks_worker.py), FSDP2 hybrid
@@ -103,6 +104,25 @@ def test_one_step_is_the_same_for_one_batch_accumulation_zero3_fsdp_and_hybrid(s
         counts = {m: json.loads((out / f"{kind}-{m}.json").read_text())["reduce_scatters"] for m in MODES}
         assert counts["fsdp-each4"] == 4 * counts["fsdp-window4"]
         assert counts["fsdp-window4"] == counts["fsdp"] > 0
+
+
+@pytest.mark.slow
+def test_engine_generate_equals_the_unsharded_models_generate_on_zero3_and_fsdp(steps, cache_dir, tmp_path):
+    """Engine.generate with the weights each engine holds (ZeRO-3 on one process and on two, FSDP2 on two;
+    the two ranks with different prompts and lengths) gives what transformers' generate gives on the whole
+    model, greedy and sampled from the same seed, for the tiny Llama and the tiny T5."""
+    out = steps["weighting"]
+    for kind in ("t5", "llama"):
+        want = token_weighting_worker.reference_generations(str(cache_dir), str(tmp_path), kind)
+        for rank, (rows, new) in enumerate(token_weighting_worker.GENERATE):
+            ref = want[rank]
+            prompt = 0 if kind == "t5" else len(ref["greedy"][0]) - new
+            # Every row made exactly its new tokens (T5: after the decoder's start token).
+            assert [len(r) for r in ref["greedy"]] == [prompt + new + (kind == "t5")] * len(rows)
+            assert ref["sampled"] != ref["greedy"], kind
+            for mode in ("one_batch", "two_ranks", "fsdp"):
+                got = json.loads((out / f"{kind}-{mode}-generate-rank{rank}.json").read_text())
+                assert got == ref, f"{kind} {mode} rank {rank}"
 
 
 @pytest.mark.slow

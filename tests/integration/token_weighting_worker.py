@@ -3,6 +3,11 @@ and the updated (gathered) LoRA weights of each.
 
     python token_weighting_worker.py CACHE OUT MODE
 
+Before the step of the one-process batch and of the two ranks' split rows (not hybrid's four), each engine
+generates from its rank's prompts (Engine.generate: greedy, and sampled from a seeded RNG; GENERATE), written
+as NAME-generate-rankR.json, which the test compares with the unsharded model's generate
+(`reference_generations`).
+
 MODE: single (one process: the 6 rows as one batch, and as 2 accumulated micro-batches) | two_ranks (2
 processes: DeepSpeed ZeRO-3, then FSDP2 full sharding, written as "fsdp"; then FSDP2 with 4 accumulated
 micro-batches of 8 rows, reduced once at the window's boundary ("fsdp-window4") and, as before, after
@@ -27,6 +32,10 @@ MODELS = {
 }
 # Each rank's rows of the 6 (the single process holds them all).
 SPLITS = {"two_ranks": [(0, 1), (1, 6)], "fsdp": [(0, 1), (1, 6)], "hybrid": [(0, 1), (1, 3), (3, 4), (4, 6)]}
+
+# Engine.generate's check: each rank's prompts (train rows) and new tokens, different on each rank, so under
+# sharding the rank done first keeps taking part in the other's forwards; one process generates both.
+GENERATE = [((0,), 3), ((1, 2), 6)]
 
 # What each launch runs, as (mode, layout): one launch of 2 processes takes both 2-process backends.
 LAUNCHES = {
@@ -71,6 +80,48 @@ def _same_start(model) -> None:
     with gathered, torch.no_grad():
         for p in trainable:
             p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _prompts(data, tok, kind: str, rank: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s prompts as generation takes them: left-padded prompts (causal), sources (T5)."""
+    from lorakit.data.collate import left_pad_prompts, right_pad_sources
+
+    rows = [data.train[i] for i in GENERATE[rank][0]]
+    if kind == "llama":
+        return left_pad_prompts([r["prompt_ids"] for r in rows], tok.pad_token_id)
+    return right_pad_sources([r["input_ids"] for r in rows], tok.pad_token_id)
+
+
+def generations(generate, data, tok, kind: str, rank: int) -> dict[str, list]:
+    """`generate(input_ids, attention_mask, **sampling)` on rank `rank`'s prompts: greedy, and sampled with
+    the torch RNG seeded per rank; exactly GENERATE's new tokens (no early end)."""
+    prompt, new = _prompts(data, tok, kind, rank), GENERATE[rank][1]
+    fixed = {"max_new_tokens": new, "min_new_tokens": new, "pad_token_id": tok.pad_token_id}
+    greedy = generate(prompt["input_ids"], prompt["attention_mask"], do_sample=False, **fixed)
+    torch.manual_seed(100 + rank)
+    sampled = generate(prompt["input_ids"], prompt["attention_mask"], do_sample=True, top_p=0.9, **fixed)
+    return {"greedy": greedy.tolist(), "sampled": sampled.tolist()}
+
+
+def reference_generations(cache: str, out: str, kind: str) -> list[dict[str, list]]:
+    """Per rank of GENERATE, the generations of the unsharded model (loaded whole, with _same_start's
+    adapter) through transformers' own generate."""
+    from lorakit.data import prepare_data
+    from lorakit.model import build_model, load_config, load_tokenizer
+
+    recipe = _recipe(cache, out, kind, "single", 1)
+    source, config = load_config(recipe)
+    tok = load_tokenizer(recipe, source)
+    data = prepare_data(recipe, tok, config)
+    model = build_model(recipe, None).model
+    _same_start(model)
+    model.eval()
+
+    def plain(input_ids, attention_mask, **sampling):
+        with torch.no_grad():
+            return model.generate(input_ids=input_ids, attention_mask=attention_mask, **sampling)
+
+    return [generations(plain, data, tok, kind, r) for r in range(len(GENERATE))]
 
 
 def _engine(recipe, built, ds_config):
@@ -168,6 +219,13 @@ def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
     else:
         start, end = SPLITS[mode][dist.rank()]
         window = [collate(rows[start:end])]
+    if layout in ("one_batch", "split") and mode != "hybrid":
+        # Before the step, from the weights _same_start gave every backend: the engine's own generation.
+        name = f"{kind}-{layout if mode == 'single' else mode}"
+        ranks = range(len(GENERATE)) if mode == "single" else [dist.rank()]
+        for r in ranks:
+            made = generations(engine.generate, data, tok, kind, r)
+            (Path(out) / f"{name}-generate-rank{r}.json").write_text(json.dumps(made))
     if mode == "fsdp":
         with _counting_reduce_scatters() as comms:  # FSDP2's gradient reductions
             stats = train_window(engine, built.inputs, window, TokenMeter())

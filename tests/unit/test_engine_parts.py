@@ -3,8 +3,8 @@ import math
 import pytest
 
 from lorakit.backends.deepspeed_config import build_ds_config
-from lorakit.engine.loop import plan_steps
 from lorakit.engine.schedule import lr_multiplier, warmup_steps
+from lorakit.engine.steps import plan_steps
 from tests.conftest import tiny_recipe
 
 

@@ -51,3 +51,28 @@ def test_the_eval_loss_is_computed_without_a_graph():
         zero3=False,
     )
     assert out["loss"] > 0 and grad_enabled == [(False, False)] * 2
+
+
+def test_generate_ids_runs_in_eval_mode_and_puts_every_submodules_mode_back():
+    """A peft model is in train mode over a base that from_pretrained left in eval mode: generating must not
+    turn the base's dropout on for the steps after it (putting the root's mode back on all would)."""
+    import torch
+
+    from lorakit.evaluation.generate import generate_ids
+
+    class _Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base = torch.nn.Dropout(0.5)
+            self.seen: list[bool] = []
+
+        def generate(self, input_ids, attention_mask, **kwargs):
+            self.seen = [m.training for m in self.modules()]
+            return input_ids
+
+    model = _Model()
+    model.base.eval()
+    ids = torch.ones(1, 3, dtype=torch.long)
+    assert generate_ids(model, ids, ids).equal(ids)
+    assert model.seen == [False, False]
+    assert model.training and not model.base.training
