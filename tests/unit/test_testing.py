@@ -282,6 +282,7 @@ def test_resolve_concurrent_builds_from_two_processes(tmp_path):
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_resolve_on_a_rank_other_than_0_builds_a_whole_model(tmp_path, monkeypatch):
     """Under torch.distributed, transformers' save_pretrained writes only on global rank 0, so a rank-1 build
     once left a directory without config.json or weights (a user's own torchrun on a fresh cache)."""
