@@ -270,6 +270,7 @@ def test_resolve_loser_of_a_race_discards_its_build(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "models").iterdir()] == [target.name]  # no temporary left
 
 
+@pytest.mark.slow  # two processes (multiprocessing: no subprocess.Popen for the audit hook to see)
 def test_resolve_concurrent_builds_from_two_processes(tmp_path):
     # spawn, not fork: forking a process that already ran torch's thread pools can hang.
     ctx = multiprocessing.get_context("spawn")
