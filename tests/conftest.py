@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,53 @@ def pytest_xdist_make_scheduler(config, log):
             return SHARED_UNITS.get(path, path)
 
     return SharedFixtureScheduling(config, log)
+
+
+# The fast lane (`-m "not slow"`, docs/contributing.md#tests) runs no process launch: a test that starts a
+# Python interpreter, torchrun or DeepSpeed's launcher is marked `slow` (a launch costs 5-60 s), as is
+# everything under SLOW_DIRS. Whether a
+# test did is seen by an audit hook (subprocess.Popen's event), so a mark that is missing fails that lane.
+LAUNCHERS = ("python", "torchrun", "deepspeed", "accelerate")
+_launches: list[str] = []
+
+
+def _record_launch(event: str, args: tuple) -> None:
+    if event == "subprocess.Popen":
+        argv = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
+        program = os.path.basename(str(args[0] or argv[0]).split()[0])
+        if program.startswith(LAUNCHERS) or program == os.path.basename(sys.executable):
+            _launches.append(" ".join(map(str, argv))[:200])
+
+
+# Directories whose every test trains a model end to end or runs a command: the full lane only.
+SLOW_DIRS = ("tests/integration/", "tests/e2e/")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(SLOW_DIRS):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config):
+    if "not slow" in (config.getoption("markexpr", "") or ""):
+        sys.addaudithook(_record_launch)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    del _launches[:]  # before any fixture: a module or session fixture's launch counts for its first test
+
+
+@pytest.fixture(autouse=True)
+def _unmarked_launches_fail_the_fast_lane(request):
+    """In the fast lane, a test not marked `slow` that launched a process fails, naming the command."""
+    yield
+    if _launches and request.node.get_closest_marker("slow") is None:
+        launched, _launches[:] = list(_launches), []
+        pytest.fail(
+            f"launched {launched[0]!r} (and {len(launched) - 1} more): mark the test slow", pytrace=False
+        )
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
+import weakref
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from benchmarks.harness.provenance import ROOT
 
 # What every worker imports (seconds of CPU each): a smoke run's workers are forked from a server that has
 # imported them once (Runner's `forked`).
-PRELOAD = [
+PRELOAD = (
     "torch",
     "transformers",
     "datasets",
@@ -30,7 +31,7 @@ PRELOAD = [
     "torch.utils.tensorboard",  # a run's tracker
     "matplotlib.figure",  # a run's loss.png
     "matplotlib.backends.backend_agg",
-]
+)
 
 
 def worker_env() -> dict[str, str]:
@@ -40,20 +41,6 @@ def worker_env() -> dict[str, str]:
     env.update({k: env.get(k, "1") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
-
-
-def forked_worker(script: str, argv: list[str], log_path: str) -> None:
-    """In a process forked from the server: what `python SCRIPT ARGV...` does, output to the log, in its own
-    session (killed as a group, as a started worker is)."""
-    import runpy
-
-    os.setsid()
-    os.chdir(ROOT)
-    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    sys.argv = [script, *argv]
-    runpy.run_path(script, run_name="__main__")
 
 
 def cuda_available() -> bool:
@@ -80,16 +67,18 @@ class Runner:
         log_path: Path,
         budget: float = math.inf,
         forked: bool = False,
-        preload: list[str] = PRELOAD,
+        preload: tuple[str, ...] = PRELOAD,
     ):
         self.script, self.tmp, self.log_path = Path(script).resolve(), tmp, log_path
         self.deadline = time.monotonic() + budget
-        self.forks = None
+        self.zygote = None
         if forked and not cuda_available():
-            import multiprocessing
+            # The doc tests' fork server (a smoke run is a test of the script): `python` there is a shim that
+            # has a child of the warm server run the command, with this process's stdio, exit code and signals.
+            from tests.docs.zygote import Zygote
 
-            self.forks = multiprocessing.get_context("forkserver")
-            self.forks.set_forkserver_preload(preload)
+            self.zygote = Zygote(worker_env(), tmp, log=tmp / "zygote.log", warm=tuple(preload))
+            weakref.finalize(self, self.zygote.close)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -107,7 +96,7 @@ class Runner:
             log.write(f"\n===== {name} ({kind}) {datetime.now(timezone.utc).isoformat(timespec='seconds')}\n")
             log.flush()
             offset, start = log.tell(), time.perf_counter()
-            code = self._fork(argv, timeout) if self.forks else self._start(argv, log, timeout)
+            code = self._start(argv, log, timeout)
         seconds = time.perf_counter() - start
         if code != 0 or not result_path.is_file():
             with open(self.log_path) as f:
@@ -118,38 +107,22 @@ class Runner:
         return dict(json.loads(result_path.read_text()), process_seconds=seconds, load_avg_1min_before=load)
 
     def _start(self, argv: list[str], log, timeout: float | None) -> int | None:
-        """`python SCRIPT ARGV` in a new interpreter: its exit code, None when it outlived `timeout`."""
+        """`python SCRIPT ARGV` (a new interpreter, or a child of the warm server): its exit code, None when it
+        outlived `timeout`."""
+        python, env = sys.executable, worker_env()
+        if self.zygote is not None:
+            self.zygote.wait_ready(
+                timeout=120
+            )  # until then (or if it died) `python` starts a new interpreter
+            python, env = self.zygote.python, self.zygote.env
         own = {"stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}  # killed as a group
-        proc = subprocess.Popen([sys.executable, str(self.script), *argv], cwd=ROOT, env=worker_env(), **own)
+        proc = subprocess.Popen([python, str(self.script), *argv], cwd=ROOT, env=env, **own)
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # its own session: the worker and anything it started
+            os.killpg(proc.pid, 9)  # its own session: the worker (or the shim, whose child the server kills)
             proc.wait()
             return None
-
-    def _fork(self, argv: list[str], timeout: float | None) -> int | None:
-        """forked_worker in a process forked from the server: its exit code, None when it outlived `timeout`."""
-        from multiprocessing import forkserver
-
-        saved = os.environ.copy()
-        os.environ.update(worker_env())  # what the server (started on first use) and its forks run under
-        try:
-            forkserver.ensure_running()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        proc = self.forks.Process(target=forked_worker, args=(str(self.script), argv, str(self.log_path)))
-        proc.start()
-        proc.join(timeout)
-        if proc.exitcode is None:
-            try:
-                os.killpg(proc.pid, 9)  # its own session (os.setsid): the worker and anything it started
-            except ProcessLookupError:  # not yet in its own session
-                proc.kill()
-            proc.join()
-            return None
-        return proc.exitcode
 
 
 def worker_main(workers: dict, argv: list[str]) -> int:

@@ -90,6 +90,7 @@ def test_pipefail_and_unset_variables_fail(site):
     assert run(site, '```bash\necho "$NOT_SET_ANYWHERE"\n```\n').failed is not None
 
 
+@pytest.mark.slow
 def test_a_skipped_block_is_not_run_and_needs_a_reason(site):
     result = run(
         site,
@@ -112,6 +113,7 @@ def test_a_skipped_block_is_not_run_and_needs_a_reason(site):
         parse_page(page(site, "<!-- doc-test: skip -->\n```bash\ntrue\n```\n"))
 
 
+@pytest.mark.slow
 def test_later_blocks_see_what_earlier_ones_wrote_and_recipes_are_there(site):
     result = run(
         site,

@@ -48,6 +48,7 @@ def test_parse_args_serves_only_plain_command_lines():
     assert parse_args([]) is None and parse_args(["-u", "x.py"]) is None and parse_args(["-m"]) is None
 
 
+@pytest.mark.slow
 def test_served_commands_behave_like_a_fresh_interpreter(zygote, tmp_path):
     (tmp_path / "s.py").write_text(SERVED + "\nprint(__name__, sys.argv, sys.path[0])\n")
     (tmp_path / "mod.py").write_text(SERVED + "\nprint(__name__, sys.argv[1:], sys.path[0])\n")
@@ -149,6 +150,7 @@ def test_an_event_of_a_command_already_reaped_is_ignored():
     _from_client(12345, running={})
 
 
+@pytest.mark.slow
 def test_a_page_served_by_it_still_fails_at_its_failing_block(zygote, tmp_path):
     # The wiring test_docs.py uses: python blocks and bash's `python` through the server's shims.
     page = tmp_path / "page.md"

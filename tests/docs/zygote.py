@@ -1,6 +1,7 @@
-"""A fork server for the doc-test blocks: one interpreter imports torch, transformers, lorakit and the rest
-once, then forks a child per `python ...` command of a block, so the ~8 s of imports is paid once per
-session instead of by each of the ~65 commands in the documentation.
+"""The suite's one fork server, for the doc-test blocks and the benchmarks' smoke runs
+(benchmarks/harness/runner.py): one interpreter imports torch, transformers, lorakit and the rest once, then
+forks a child per `python ...` command, so the ~8 s of imports is paid once per session instead of by each
+of the ~65 commands in the documentation.
 
 The blocks reach it through `python` (and `python3`) shims first on their PATH: a tiny stdlib-only client
 (this file, run with `python -S -E`) sends its arguments, working directory and environment to the server

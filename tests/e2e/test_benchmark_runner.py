@@ -1,5 +1,6 @@
 """benchmarks/harness/runner.py's Runner: a worker's result, its failure and its time limit, with the worker
-started as a new interpreter (measured runs) and forked from the preloaded server (--smoke runs)."""
+started as a new interpreter (measured runs) and forked from the preloaded server, tests/docs/zygote.py
+(--smoke runs)."""
 
 import json
 import os
@@ -50,7 +51,7 @@ def test_runner_returns_results_reports_failures_and_kills_what_outlives_its_bud
     log = tmp_path / "workers.log"
     # Nothing to preload: the harness's own imports are what this script needs.
     runner = Runner(script, tmp_path, log, budget=60, forked=forked, preload=[])
-    assert (runner.forks is not None) == forked
+    assert (runner.zygote is not None) == forked
 
     result = runner.run("answer", {"n": 21}, "first")
     assert result["double"] == 42 and result["process_seconds"] > 0
@@ -72,3 +73,6 @@ def test_runner_returns_results_reports_failures_and_kills_what_outlives_its_bud
     assert gone(int(pid_file.read_text()))
     assert json.loads((tmp_path / "first.result.json").read_text()) == {"double": 42}
     assert os.environ.get("PYTHONWARNINGS") != "ignore"  # the workers' variables stayed theirs
+    if forked:  # the three ran in children of the server, none in a new interpreter
+        runner.zygote.close()
+        assert "fresh interpreter" not in (tmp_path / "zygote.log").read_text()

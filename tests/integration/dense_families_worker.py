@@ -10,6 +10,7 @@ token_weighting_worker's (fp32, SGD at lr 1, every LoRA weight drawn from one ge
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -66,10 +67,10 @@ def _save(stem: Path, stats: dict, weights: dict, main_rank: bool) -> None:
 
 def main(cache: str, out: str, mode: str) -> None:
     from lorakit.engine.launch import process_group
+    from tests.integration.worker_checks import run_checks
 
     with process_group():
-        for kind in KINDS:
-            _step(cache, out, kind, mode)
+        run_checks(out, {f"{kind}-{mode}": partial(_step, cache, out, kind, mode) for kind in KINDS})
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 deliberately skewed routing: one rank's row repeats a single token (on Mixtral every position of it is routed
 to the same two experts in every layer, the other experts get none of that rank's tokens:
 tests/unit/test_moe.py), the other rank holds ordinary rows. LoRA on attention, the experts and the router (method.train_router), the load-balancing loss
-on; writes loss, grad norm, the aux-loss metric and the gathered adapter of each.
+on; writes loss, grad norm, the aux-loss metric and the gathered adapter of each, before (KIND-MODE-start.pt)
+and after the step. Each family is a check of its own (worker_checks.py): one failing does not stop the next.
 
     python -m tests.integration.moe_worker CACHE OUT MODE
 
@@ -13,6 +14,7 @@ two_ranks_worker.py).
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -52,27 +54,32 @@ def main(cache: str, out: str, mode: str) -> None:
     from lorakit.model import build_model
     from lorakit.objectives.sft import SftObjective
     from tests.integration.token_weighting_worker import _same_start
+    from tests.integration.worker_checks import run_checks
+
+    def step(kind: str) -> None:
+        recipe = _recipe(cache, out, 2 if mode == "two_ranks" else 1, kind)
+        ds_config = build_ds_config(recipe, dist.world_size(), accelerator="cpu")
+        built = build_model(recipe, DeepSpeedBackend(recipe).load_plan(ds_config))
+        _same_start(built.model)
+        ds_config["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
+        trainable = [p for p in built.model.parameters() if p.requires_grad]
+        engine, *_ = deepspeed.initialize(model=built.model, config=ds_config, model_parameters=trainable)
+        engine = DeepSpeedEngine(engine, built)
+        start = gather_adapter_state(engine)
+        collate = CausalCollator(pad_token_id=0)
+        batches = [collate([{"input_ids": r, "labels": r} for r in rows]) for rows in (SKEWED, ORDINARY)]
+        window = [batches[dist.rank()]] if mode == "two_ranks" else batches
+        objective = SftObjective.from_recipe(recipe, built.model.config)
+        stats = train_window(engine, built.inputs, window, TokenMeter(), objective)
+        weights = gather_adapter_state(engine)
+        if dist.is_main():
+            torch.save(start, Path(out) / f"{kind}-{mode}-start.pt")
+            torch.save(weights, Path(out) / f"{kind}-{mode}.pt")
+            (Path(out) / f"{kind}-{mode}.json").write_text(json.dumps(stats))
+        engine.close()
 
     with process_group():
-        for kind in KINDS:
-            recipe = _recipe(cache, out, 2 if mode == "two_ranks" else 1, kind)
-            ds_config = build_ds_config(recipe, dist.world_size(), accelerator="cpu")
-            built = build_model(recipe, DeepSpeedBackend(recipe).load_plan(ds_config))
-            _same_start(built.model)
-            ds_config["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
-            trainable = [p for p in built.model.parameters() if p.requires_grad]
-            engine, *_ = deepspeed.initialize(model=built.model, config=ds_config, model_parameters=trainable)
-            engine = DeepSpeedEngine(engine, built)
-            collate = CausalCollator(pad_token_id=0)
-            batches = [collate([{"input_ids": r, "labels": r} for r in rows]) for rows in (SKEWED, ORDINARY)]
-            window = [batches[dist.rank()]] if mode == "two_ranks" else batches
-            objective = SftObjective.from_recipe(recipe, built.model.config)
-            stats = train_window(engine, built.inputs, window, TokenMeter(), objective)
-            weights = gather_adapter_state(engine)
-            if dist.is_main():
-                torch.save(weights, Path(out) / f"{kind}-{mode}.pt")
-                (Path(out) / f"{kind}-{mode}.json").write_text(json.dumps(stats))
-            engine.close()
+        run_checks(out, {f"{kind}-{mode}": partial(step, kind) for kind in KINDS})
 
 
 if __name__ == "__main__":

@@ -263,3 +263,40 @@ def test_a_run_refused_killed_crashed_out_of_space_and_preempted_resumes_like_un
     for backend in ("mlflow", "wandb"):
         assert summary["trackers"][backend]["failed"], summary["trackers"]
         assert resumed.stderr.count(f"tracker {backend} ") == 1
+
+
+def _fsdp_recipe(cache_dir: Path, out: Path, path: Path) -> Path:
+    """_recipe's run on FSDP2 (the tiny Llama: FSDP2 shards decoder layers), dropout on."""
+    raw = yaml.safe_load(_recipe(cache_dir, out, path).read_text())
+    raw["model"]["name_or_path"] = "tiny:llama"
+    raw["data"].update({"format": "instruction", "max_length": "auto"})
+    raw["train"]["max_steps"] = FSDP_STEPS
+    raw["distributed"]["strategy"] = "fsdp"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+FSDP_STEPS = 6
+
+
+@pytest.mark.slow
+def test_fsdp2_preempted_with_dropout_on_resumes_in_a_fresh_process_like_uninterrupted(cache_dir, tmp_path):
+    """FSDP2 (docs/backends.md) preempted: SIGTERM to the launcher after step 2 stops the ranks at a step
+    boundary with a preempted checkpoint (exit 75); a relaunch, a fresh process that restores the sharded
+    state, the optimizer and each rank's RNG from the checkpoint (dropout on: the masks after the resume
+    must be those of the uninterrupted run), ends as the uninterrupted run: every step's loss, the adapter."""
+    reference = tmp_path / "reference"
+    proc = launch(_fsdp_recipe(cache_dir, reference, tmp_path / "reference.yaml"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    run = tmp_path / "run"
+    recipe = _fsdp_recipe(cache_dir, run, tmp_path / "recipe.yaml")
+    stopped = launch(recipe, fault="term:2")
+    assert stopped.returncode == 75, stopped.stderr[-5000:]
+    ckpts = complete_checkpoints(run)
+    stopped_at = ckpts[-1].step
+    assert 2 <= stopped_at < FSDP_STEPS and ckpts[-1].state["reason"] == "preempted"
+    resumed = launch(recipe)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert _resumed_from(resumed, run, stopped_at)
+    assert rundir.read_summary(run)["strategy"] == "fsdp"
+    assert_same_run(run, reference, FSDP_STEPS)

@@ -19,6 +19,7 @@ two_ranks_worker.py).
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -113,7 +114,7 @@ def reference_generations(cache: str, out: str, kind: str) -> list[dict[str, lis
     source, config = load_config(recipe)
     tok = load_tokenizer(recipe, source)
     data = prepare_data(recipe, tok, config)
-    model = build_model(recipe, None).model
+    model = build_model(recipe).model
     _same_start(model)
     model.eval()
 
@@ -182,6 +183,12 @@ def _counting_reduce_scatters():
     return Count()
 
 
+def step_name(kind: str, mode: str, layout: str) -> str:
+    """The stem of a step's outputs (and of its check): KIND-MODE, KIND-LAYOUT on one process."""
+    name = f"{kind}-{layout if mode == 'single' else mode}"
+    return name + (f"-{layout}" if layout in ("window4", "each4") else "")
+
+
 def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
     from lorakit import dist
     from lorakit.backends.deepspeed import DeepSpeedBackend
@@ -234,8 +241,7 @@ def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
         stats = train_window(engine, built.inputs, window, TokenMeter())
     weights = gather_adapter_state(engine)
     if dist.is_main():
-        name = f"{kind}-{layout if mode == 'single' else mode}"
-        name += f"-{layout}" if layout in ("window4", "each4") else ""
+        name = step_name(kind, mode, layout)
         torch.save(weights, Path(out) / f"{name}.pt")
         (Path(out) / f"{name}.json").write_text(json.dumps(stats))
     engine.close()
@@ -243,11 +249,11 @@ def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
 
 def main(cache: str, out: str, mode: str) -> None:
     from lorakit.engine.launch import process_group
+    from tests.integration.worker_checks import run_checks
 
     with process_group():
-        for kind in MODELS:
-            for step_mode, layout in LAUNCHES[mode]:
-                _step(cache, out, kind, step_mode, layout)
+        steps = [(kind, *step) for kind in MODELS for step in LAUNCHES[mode]]
+        run_checks(out, {step_name(*s): partial(_step, cache, out, *s) for s in steps})
 
 
 if __name__ == "__main__":

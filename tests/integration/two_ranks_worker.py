@@ -3,7 +3,8 @@
 
     python -m torch.distributed.run --nproc_per_node=2 -m tests.integration.two_ranks_worker CACHE OUT_WEIGHTING OUT_DENSE OUT_MOE
 
-Launched by test_token_weighting.py; each worker writes into its own OUT, as its own launch did.
+Launched by test_token_weighting.py; each worker writes into its own OUT, as its own launch did, and runs
+each of its steps as a check of its own (worker_checks.py): a step that raises is recorded, and the rest run.
 """
 
 import sys

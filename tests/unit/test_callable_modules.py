@@ -12,6 +12,7 @@ import pytest
 SHARED = ("compare", "evaluate", "generate", "merge", "plan", "prepare", "push")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SHARED)
 def test_the_function_is_callable_after_its_cli_module_is_imported(name):
     # A fresh interpreter: in this one another test may already have imported the module.

@@ -153,6 +153,7 @@ for revision in (None, "v2", None):
 """
 
 
+@pytest.mark.slow
 def test_a_new_hub_revision_is_prepared_again(cache_dir, monkeypatch, tmp_path):
     data = {
         "source": "alice/qa",

@@ -235,6 +235,7 @@ def test_an_unknown_architecture_is_a_recipe_error_naming_the_config_class_and_t
     assert loadable_class(config, trust_remote_code=True)[1] is None
 
 
+@pytest.mark.slow
 def test_the_plan_cli_exits_2_on_an_unknown_architecture_without_a_traceback(tmp_path):
     import os
     import subprocess

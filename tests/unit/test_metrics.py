@@ -194,6 +194,7 @@ _WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_fresh_cache_offline_and_concurrent(tmp_path):
     """Two processes load all metrics at once into one empty HF cache, with and without HF_HUB_OFFLINE."""
     cache = tmp_path / "hf"

@@ -53,8 +53,19 @@ def _hand_gradient(logits: list[torch.Tensor], mask: torch.Tensor, experts: int,
     return out
 
 
-def test_the_load_balancing_loss_is_transformers_and_its_gradient_the_formula():
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+# Each family's modeling module, for transformers' own load_balancing_loss_func of that family.
+MODELING = {
+    "mixtral": "transformers.models.mixtral.modeling_mixtral",
+    "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "olmoe": "transformers.models.olmoe.modeling_olmoe",
+}
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_the_load_balancing_loss_is_transformers_and_its_gradient_the_formula(kind):
+    import importlib
+
+    load_balancing_loss_func = importlib.import_module(MODELING[kind]).load_balancing_loss_func
 
     torch.manual_seed(0)
     experts, top_k, tokens = 6, 2, 10
@@ -71,15 +82,19 @@ def test_the_load_balancing_loss_is_transformers_and_its_gradient_the_formula():
         assert not z.grad[mask.reshape(-1) == 0].any()
 
 
-def test_sft_adds_the_aux_loss_weighted_by_target_tokens_and_it_moves_the_router_as_the_formula_says():
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_sft_adds_the_aux_loss_weighted_by_target_tokens_and_it_moves_the_router_as_the_formula_says(kind):
+    """Against each family's own `aux_loss` (transformers computes it in the model's forward)."""
     from lorakit.model.inputs import ModelInputs
     from lorakit.model.loss import token_loss_sum
     from lorakit.objectives.sft import SftObjective
 
-    config, model = _tiny("mixtral", router_aux_loss_coef=0.5)
+    config, model = _tiny(kind, router_aux_loss_coef=0.5)
     model.train()
     objective = SftObjective.from_recipe(None, config)
-    assert objective.router.coef == 0.5 and objective.router.top_k == 2
+    top_k = config.num_experts_per_tok
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    assert objective.router.coef == 0.5 and objective.router.top_k == top_k
     ids = torch.randint(4, TINY_VOCAB_SIZE, (2, 9))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
@@ -109,7 +124,7 @@ def test_sft_adds_the_aux_loss_weighted_by_target_tokens_and_it_moves_the_router
     SftObjective().loss(model, inputs, batch, "cpu")[0].backward()
     every_layer = [z.detach() for z in out.router_logits]
     torch.testing.assert_close(every_layer[-1], seen["z"])
-    dz = _hand_gradient(every_layer, mask.reshape(-1).float(), config.num_local_experts, 2)[-1]
+    dz = _hand_gradient(every_layer, mask.reshape(-1).float(), experts, top_k)[-1]
     torch.testing.assert_close(with_aux - last.weight.grad, 0.5 * units * dz.T @ seen["h"], rtol=1e-4,
                                atol=1e-7)  # fmt: skip
 
@@ -134,17 +149,37 @@ def test_lora_reaches_the_experts_the_router_stays_frozen_and_the_planner_counts
     assert "the router frozen" in line and "load-balancing loss" in line
 
 
-def test_train_router_adapts_the_router_and_the_planner_counts_it(tmp_path):
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_train_router_adapts_the_router_its_adapter_moves_and_the_planner_counts_it(tmp_path, kind):
     from lorakit.model import build_model, count_parameters
+    from lorakit.model.inputs import ModelInputs
+    from lorakit.objectives.sft import SftObjective
     from lorakit.planner import plan
 
-    recipe = _recipe(tmp_path, train_router=True, target_modules=["q_proj", "experts"])
+    recipe = _recipe(tmp_path, kind, train_router=True, target_modules=["q_proj", "experts"])
     built = build_model(recipe)
-    trainable = {n for n, p in built.model.named_parameters() if p.requires_grad}
-    assert any(".mlp.gate.lora_A" in n for n in trainable) and any(".mlp.experts." in n for n in trainable)
+    trainable = {n: p for n, p in built.model.named_parameters() if p.requires_grad}
+    router = {n: p.detach().clone() for n, p in trainable.items() if ".mlp.gate.lora_" in n}
+    assert any(".mlp.gate.lora_A" in n for n in router) and any(".mlp.experts." in n for n in trainable)
     assert not any("k_proj" in n for n in trainable)
     planned = plan(recipe, gpus=1, gpu_memory="16GB", device="cpu")
     assert planned.trainable_params == count_parameters(built.model)[0]
+
+    # Two SGD steps of the SFT objective (token loss and load-balancing loss): every router adapter weight
+    # moves (lora_B starts at zero, so lora_A moves from the second step on).
+    optimizer = torch.optim.SGD(trainable.values(), lr=0.1)
+    objective = SftObjective.from_recipe(recipe, built.model.config)
+    inputs = ModelInputs(built.model.config, "sdpa", torch.float32)
+    ids = torch.randint(4, TINY_VOCAB_SIZE, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids, "num_target_tokens": 24}
+    built.model.train()
+    for _ in range(2):
+        optimizer.zero_grad()
+        objective.loss(built.model, inputs, batch, "cpu")[0].backward()
+        optimizer.step()
+    after = dict(built.model.named_parameters())
+    for name, before in router.items():
+        assert not torch.equal(after[name].detach(), before), name
 
 
 def test_mixtral_8x7b_is_planned_with_its_expert_adapters(tmp_path):

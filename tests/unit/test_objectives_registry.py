@@ -134,6 +134,7 @@ def test_another_objectives_section_is_refused(doubled, cache_dir, tmp_path):
         tiny_recipe(cache_dir, tmp_path / "run", train={"objective": DOUBLED}, dpo={"beta": 0.5})
 
 
+@pytest.mark.slow
 def test_a_plugin_module_registers_its_objective_in_every_process_that_reads_the_recipe(cache_dir, tmp_path):
     """train.objective_module is imported before train.objective is read: a fresh process (as each worker
     the launcher starts is) that loads the recipe file knows the plugin's objective."""

@@ -75,6 +75,7 @@ def test_a_held_lock_is_refused_naming_its_holder(tmp_path):
     assert e.value.exit_code == 2 and e.value.doc_link() == "docs/resume.md#the-run-lock"
 
 
+@pytest.mark.slow
 def test_a_lock_whose_process_is_gone_is_taken_over_with_a_message(tmp_path):
     pid = _dead_pid()
     _lock_file(tmp_path / "run", pid=pid)
@@ -100,6 +101,7 @@ def test_a_reused_pid_does_not_keep_a_lock(tmp_path):
     assert not (tmp_path / "run" / LOCK).exists()
 
 
+@pytest.mark.slow
 def test_a_live_child_keeps_the_lock_of_a_dead_launcher(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -157,6 +159,7 @@ def test_another_hosts_lock_is_judged_by_its_heartbeat_count_never_by_comparing_
     assert "taking over" in lines[-1] and "its heartbeat count stayed at 7" in lines[-1]
 
 
+@pytest.mark.slow
 def test_same_host_name_in_another_pid_namespace_counts_as_another_host(tmp_path):
     # A container with the same host name: its pids mean nothing here, only its heartbeat does.
     if runlock.pid_namespace() in (None, "pid:[1]"):
@@ -241,6 +244,7 @@ def _race(run_dir, stale: bool, start, results):
     lock.release()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stale", [False, True], ids=["free", "stale"])
 def test_of_racing_processes_exactly_one_takes_the_lock(tmp_path, stale):
     if stale:
@@ -284,6 +288,7 @@ def test_a_lost_lock_is_seen_by_the_training_runs_watch(tmp_path):
     assert not runlock.LockWatch(tmp_path / "other", every=0.0).lost()
 
 
+@pytest.mark.slow
 def test_a_takeover_that_read_a_stale_holder_late_never_lets_a_third_process_in(tmp_path, monkeypatch):
     # The interleaving behind two winners of a race for a stale lock: B reads the stale holder; A takes it
     # over and holds the lock; B, acting on what it read, must not move A's lock aside, because a third
@@ -315,6 +320,7 @@ def test_a_takeover_that_read_a_stale_holder_late_never_lets_a_third_process_in(
     a.release()
 
 
+@pytest.mark.slow
 def test_where_the_filesystem_cannot_flock_a_stale_lock_is_still_taken_over(tmp_path, monkeypatch):
     import fcntl
 

@@ -270,6 +270,7 @@ def test_resolve_loser_of_a_race_discards_its_build(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "models").iterdir()] == [target.name]  # no temporary left
 
 
+@pytest.mark.slow  # two processes (multiprocessing: no subprocess.Popen for the audit hook to see)
 def test_resolve_concurrent_builds_from_two_processes(tmp_path):
     # spawn, not fork: forking a process that already ran torch's thread pools can hang.
     ctx = multiprocessing.get_context("spawn")
@@ -282,6 +283,7 @@ def test_resolve_concurrent_builds_from_two_processes(tmp_path):
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_resolve_on_a_rank_other_than_0_builds_a_whole_model(tmp_path, monkeypatch):
     """Under torch.distributed, transformers' save_pretrained writes only on global rank 0, so a rank-1 build
     once left a directory without config.json or weights (a user's own torchrun on a fresh cache)."""
