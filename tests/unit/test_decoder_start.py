@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from lorakit.data.collate import padded_collator
-from lorakit.data.preference_batching import pair_collator
+from lorakit.data.pair_collate import pair_collator
 from lorakit.errors import RecipeError
 from lorakit.model.families.start import (
     decoder_start,
