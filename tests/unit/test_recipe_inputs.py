@@ -129,6 +129,7 @@ def test_overrides_are_bounded_with_one_problem_line(override):
     assert len(lines) == 2 and ("levels deep" in lines[1] or "larger than" in lines[1]), lines[1][:300]
 
 
+@pytest.mark.slow  # runs the CLI in a fresh interpreter
 def test_the_cli_refuses_a_deep_recipe_with_exit_2_and_one_line(tmp_path):
     from tests.conftest import run_cli
 

@@ -142,6 +142,7 @@ def test_push_reads_a_run_recipe_as_data(evil, cache_dir, tmp_path):
     assert not evil.exists()
 
 
+@pytest.mark.slow  # runs each CLI in a fresh interpreter
 @pytest.mark.parametrize("module", ["lorakit.merge", "lorakit.generate", "lorakit.evaluate"])
 def test_the_clis_refuse_with_exit_2_naming_the_field_and_the_flag(module, cache_dir, tmp_path):
     """`python -m` puts the working directory on the import path: a run directory's recipe naming a module
