@@ -125,8 +125,8 @@ class CardFacts:
 
 
 def read_card(directory: Path) -> CardFacts:
-    """The run's recipe (YAML text) and label words from the model card model_card wrote into `directory`;
-    None for what the card does not hold (or when there is no card, or another tool wrote it)."""
+    """The run's recipe (YAML text) and label words from model_card's card in `directory`; None for what it
+    lacks (no card, or another tool's)."""
     path = Path(directory) / CARD
     text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
     recipe = _RECIPE.search(text)
