@@ -125,8 +125,7 @@ class CardFacts:
 
 
 def read_card(directory: Path) -> CardFacts:
-    """The run's recipe (YAML text) and label words from model_card's card in `directory`; None for what it
-    lacks (no card, or another tool's)."""
+    """The recipe (YAML) and label words of model_card's card in `directory`; None for what it lacks."""
     path = Path(directory) / CARD
     text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
     recipe = _RECIPE.search(text)
