@@ -1,6 +1,7 @@
 """Mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE): LoRA on the fused experts with the router frozen
 unless asked, the load-balancing loss (as transformers defines it, token-weighted, its router gradient the
-formula's), the planner's expert counts, packing, ZeRO-3 leaves and the dropout refusal."""
+formula's), the planner's expert counts, packing, ZeRO-3 leaves and dropout (on the linear
+layers' adapters only)."""
 
 from __future__ import annotations
 
@@ -166,15 +167,48 @@ def test_mixtral_8x7b_is_planned_with_its_expert_adapters(tmp_path):
     assert result.trainable_params == attention + experts
 
 
-def test_dropout_on_fused_experts_is_an_exit_2_before_loading(tmp_path):
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_dropout_applies_to_every_adapted_linear_and_not_to_the_fused_experts(tmp_path, kind):
+    """method.dropout 0.05 (every shipped recipe): the linear layers' adapters drop, the fused experts'
+    (peft's parameter LoRA, which cannot) do not; the run's one MoE line says so, and the planner plans it."""
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    from lorakit.model import build_model
+    from lorakit.model.families.moe import describe
+    from lorakit.planner import plan
+
+    recipe = _recipe(tmp_path, kind, dropout=0.05)
+    built = build_model(recipe)
+    layers = [(n, m) for n, m in built.model.named_modules() if isinstance(m, LoraLayer)]
+    fused = [m for _, m in layers if isinstance(m, ParamWrapper)]
+    linear = [(n, m) for n, m in layers if not isinstance(m, ParamWrapper)]
+    assert fused and linear
+    for name, m in linear:
+        drop = m.lora_dropout["default"]
+        assert isinstance(drop, torch.nn.Dropout) and drop.p == 0.05, name
+    assert all(isinstance(m.lora_dropout["default"], torch.nn.Identity) for m in fused)
+    # A training forward draws the linear adapters' dropout: two forwards differ, eval ones agree.
+    with torch.no_grad():
+        for m in linear:
+            torch.nn.init.normal_(m[1].lora_B["default"].weight)
+    ids = torch.randint(4, TINY_VOCAB_SIZE, (1, 8))
+    built.model.train()
+    a, b = (built.model(input_ids=ids).logits for _ in range(2))
+    assert not torch.equal(a, b)
+    built.model.eval()
+    torch.testing.assert_close(built.model(input_ids=ids).logits, built.model(input_ids=ids).logits)
+    line = describe(family_named(kind), recipe.method, built.model.config)
+    assert "LoRA dropout 0.05 on the linear layers' adapters, none on the fused experts" in line
+    planned = plan(recipe, gpus=1, gpu_memory="16GB", device="cpu")
+    assert "none on the fused experts" in planned.describe()
+
+
+def test_dora_on_fused_experts_and_a_router_without_moe_are_exit_2_before_loading(tmp_path):
     from lorakit.model import build_model
 
-    with pytest.raises(RecipeError, match=r"method.dropout: 0.05.*set method.dropout: 0") as err:
-        build_model(_recipe(tmp_path, dropout=0.05))
+    with pytest.raises(RecipeError, match=r"method.use_dora.*no DoRA") as err:
+        build_model(_recipe(tmp_path, use_dora=True))
     assert err.value.exit_code == 2
-    # Without the experts, dropout is peft's ordinary LoRA dropout.
-    built = build_model(_recipe(tmp_path, dropout=0.05, target_modules=["q_proj", "v_proj"]))
-    assert not any(".experts." in n for n, p in built.model.named_parameters() if p.requires_grad)
     with pytest.raises(RecipeError, match="no MoE router"):
         build_model(tiny_recipe(tmp_path, tmp_path / "run", method={"dropout": 0.0, "train_router": True}))
 
@@ -225,3 +259,28 @@ def test_a_row_of_one_repeated_token_is_routed_to_two_experts_only():
     for z in logits:
         chosen = {tuple(sorted(t)) for t in torch.topk(z, 2, -1).indices.tolist()}
         assert len(chosen) == 1
+
+
+def test_an_error_with_a_doc_link_is_written_whole_with_its_newline(monkeypatch):
+    """Each rank prints a recipe error; written in pieces, one rank's `see docs/recipes.md#method` was
+    followed on the same line by another rank's `error: ...`."""
+    import sys
+
+    from lorakit.cli import run_cli
+
+    writes: list[str] = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+
+    def body():
+        raise RecipeError("method.use_dora: no DoRA here")
+
+    assert run_cli(body) == 2
+    assert writes == ["error: method.use_dora: no DoRA here\nsee docs/recipes.md#method\n"]
