@@ -33,6 +33,7 @@ from lorakit.engine.schedule import lambda_lr_factory
 from lorakit.engine.session import Job, say
 from lorakit.engine.summary import MemoryProbe, summarize
 from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
+from lorakit.model.expert_gradients import ExpertGradientProbe
 from lorakit.model.families import family_of
 from lorakit.model.families.moe import describe as describe_moe
 from lorakit.model.quantize import describe_quantization, quantization_summary
@@ -117,6 +118,9 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
     if dist.is_main():
         job.lock = LockWatch(run_dir)
     trainer = job.trainer(loader)
+    # LoRA on fused experts: how many expert adapters the first step reached; none is an error.
+    if probe := ExpertGradientProbe(built.model):
+        trainer.after_first_step = lambda: probe.check(say)
     job.train(trainer)
     model_states = memory.model_states()
     with dist.phase("adapter save", job.state.step):

@@ -284,3 +284,36 @@ def test_an_error_with_a_doc_link_is_written_whole_with_its_newline(monkeypatch)
 
     assert run_cli(body) == 2
     assert writes == ["error: method.use_dora: no DoRA here\nsee docs/recipes.md#method\n"]
+
+
+def test_the_first_step_counts_the_expert_adapters_that_got_gradients_and_none_is_an_error(tmp_path):
+    from lorakit.model import build_model
+    from lorakit.model.expert_gradients import ExpertGradientProbe, ExpertsNotTrainingError
+
+    built = build_model(_recipe(tmp_path))
+    config = built.model.config
+    ids = torch.randint(4, TINY_VOCAB_SIZE, (2, 12))
+    probe = ExpertGradientProbe(built.model)
+    assert len(probe.stacks) == 2 * config.num_hidden_layers  # gate_up_proj and down_proj per layer
+    built.model(input_ids=ids, labels=ids).loss.backward()
+    said: list[str] = []
+    got, total = probe.check(said.append)
+    assert total == 2 * config.num_hidden_layers * config.num_local_experts
+    assert 0 < got <= total and said and f"{got:,} of {total:,} expert adapters" in said[0]
+    # Experts that no token reached get no gradient: the count is per expert, not per stack.
+    built.model.zero_grad()
+    probe = ExpertGradientProbe(built.model)
+    built.model(input_ids=torch.full((1, 4), 7), labels=torch.full((1, 4), 7)).loss.backward()
+    assert probe.finish()[0] < total
+
+    # The experts' LoRA out of the computation (here: the adapters disabled for the forward): exit 2.
+    built.model.zero_grad()
+    probe = ExpertGradientProbe(built.model)
+    with built.model.disable_adapter():
+        out = built.model(input_ids=ids, labels=ids)
+    (
+        out.loss + sum(p.sum() * 0 for n, p in built.model.named_parameters() if "q_proj.lora_B" in n)
+    ).backward()
+    with pytest.raises(ExpertsNotTrainingError, match="0 of .* expert adapters") as err:
+        probe.check(said.append)
+    assert err.value.exit_code == 2
