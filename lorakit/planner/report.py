@@ -119,7 +119,8 @@ def describe(plan) -> str:
     elif rec is not None:
         lines.append(f"the recipe's setup is also the fastest that fits (step time x{rec.slowdown:.2f})")
     elif fits is False:
-        lines.append("no setup tried fits: more GPUs, larger GPUs, QLoRA, or a shorter sequence length")
+        qlora = "" if plan.method == "qlora" else "QLoRA, "
+        lines.append(f"no setup tried fits: more GPUs, larger GPUs, {qlora}or a shorter sequence length")
     lines += ["", "assumptions:"] + [f"  - {n}" for n in plan.assumptions]
     lines.append("  - framework overhead and speed costs are stated estimates; see docs/planning.md")
     return "\n".join(lines)

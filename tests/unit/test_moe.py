@@ -317,3 +317,17 @@ def test_the_first_step_counts_the_expert_adapters_that_got_gradients_and_none_i
     with pytest.raises(ExpertsNotTrainingError, match="0 of .* expert adapters") as err:
         probe.check(said.append)
     assert err.value.exit_code == 2
+
+
+def test_a_qlora_moe_plan_says_which_weights_are_4_bit_and_does_not_advise_qlora(tmp_path):
+    """bitsandbytes quantizes nn.Linear only: Qwen3-30B-A3B's fused experts stay in bf16, and the plan's line
+    for the frozen base says so instead of "4-bit linear layers" on a figure that is mostly bf16."""
+    from lorakit.planner import plan
+    from lorakit.recipe import load_recipe
+
+    recipe = load_recipe("recipes/qwen3_30b_a3b_qlora.yaml")
+    text = plan(recipe, gpus=1, gpu_memory="24GB").describe()
+    frozen = next(line for line in text.splitlines() if "frozen base weights" in line)
+    assert "4-bit: 0.91B linear weights; 16-bit: 28.99B fused expert weights" in frozen
+    if "no setup tried fits" in text:
+        assert "QLoRA" not in text.split("no setup tried fits")[1].splitlines()[0]
