@@ -40,6 +40,11 @@ class ExpertGradientProbe:
                 weight = linear.weight
                 if not weight.requires_grad:
                     continue
+                if hasattr(weight, "to_local"):
+                    # FSDP2: the sharded parameter's gradient is assigned by its reduce-scatter, not computed
+                    # by autograd, so a hook on it would never fire: no probe (docs/moe.md says so).
+                    self.remove()
+                    return
                 i = len(self.stacks)
                 self.stacks.append((f"{name}.{module.parameter_name}.{adapter}", module.num_experts))
                 self.seen.append(torch.zeros(module.num_experts, dtype=torch.bool))
@@ -47,7 +52,6 @@ class ExpertGradientProbe:
 
     def _hook(self, i: int, experts: int):
         def record(grad: torch.Tensor) -> None:
-            grad = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2: this rank's shard
             if grad.numel() % experts:
                 # Not the stack's whole gradient (a partition): any non-zero element counts for every expert.
                 hit = (grad != 0).any().expand(experts)
@@ -56,6 +60,12 @@ class ExpertGradientProbe:
             self.seen[i] = self.seen[i] | hit.cpu()
 
         return record
+
+    def remove(self) -> None:
+        """Remove the hooks and forget the stacks (a probe that cannot count)."""
+        for h in self.handles:
+            h.remove()
+        self.handles, self.stacks, self.seen = [], [], []
 
     def __bool__(self) -> bool:
         return bool(self.stacks)

@@ -331,3 +331,29 @@ def test_a_qlora_moe_plan_says_which_weights_are_4_bit_and_does_not_advise_qlora
     assert "4-bit: 0.91B linear weights; 16-bit: 28.99B fused expert weights" in frozen
     if "no setup tried fits" in text:
         assert "QLoRA" not in text.split("no setup tried fits")[1].splitlines()[0]
+
+
+def test_the_expert_gradient_probe_stands_down_on_sharded_dtensor_parameters(tmp_path):
+    """FSDP2 assigns a sharded parameter's gradient by reduce-scatter (no autograd hook fires): a probe there
+    would count zero and stop a healthy run, so it is empty (the engine then skips the check)."""
+    import torch.distributed as tdist
+    from torch.distributed.tensor import DeviceMesh, distribute_tensor
+
+    from lorakit.model import build_model
+    from lorakit.model.expert_gradients import ExpertGradientProbe
+
+    built = build_model(_recipe(tmp_path))
+    assert ExpertGradientProbe(built.model)
+    if not tdist.is_initialized():
+        tdist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        for name, module in built.model.named_modules():
+            if name.endswith("experts.lora_B"):
+                module.default.weight = torch.nn.Parameter(
+                    distribute_tensor(module.default.weight.data, mesh)
+                )
+        probe = ExpertGradientProbe(built.model)
+        assert not probe and not probe.handles
+    finally:
+        tdist.destroy_process_group()
