@@ -100,7 +100,10 @@ def run_cli(body: Callable[..., int | None], *args) -> int:
     try:
         return body(*args) or 0
     except LorakitError as e:
-        print(error_message(e), file=sys.stderr)
+        # One write, newline included: several ranks print the same error, and print's separate write of the
+        # newline let another rank's line start after "see docs/...#method" on the same line.
+        sys.stderr.write(error_message(e) + "\n")
+        sys.stderr.flush()
         return e.exit_code
     except Exception as e:
         print(format_exception(e), file=sys.stderr, end="", flush=True)

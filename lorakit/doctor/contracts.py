@@ -222,23 +222,30 @@ def chunked_ce(
     )
 
 
-def merge(built, device="cpu", tolerance: float | None = None) -> CheckResult:
+def _peft_merge(model):
+    return model.merge_and_unload(safe_merge=True)
+
+
+def merge(built, device="cpu", tolerance: float | None = None, merge_fn=_peft_merge) -> CheckResult:
     """LoRA merged == adapter: the probe logits of a copy of `built` with the adapter merged into its
-    weights (peft's merge_and_unload, as lorakit.merge does) against the adapter model's."""
+    weights (`merge_fn`: peft's merge_and_unload, as lorakit.merge does) against the adapter model's. A
+    routed model is probed with the adapter model's routing forced on the others (export/verify.py)."""
     from lorakit.export.verify import compare, probe_batch, probe_logits
+    from lorakit.model.router import fixed_routing_for
 
     dtype = dtype_name(built.inputs.dtype)
     tol = TOLERANCE[dtype] if tolerance is None else tolerance
     config = built.model.config
     batch = {k: v.to(device) for k, v in probe_batch(config, config.vocab_size).items()}
     model = copy.deepcopy(built.model)
-    reference = probe_logits(model, batch)
+    routing = fixed_routing_for(config)
+    reference = probe_logits(model, batch, routing)
     with model.disable_adapter():
-        base = probe_logits(model, batch)
-    merged = probe_logits(model.merge_and_unload(safe_merge=True), batch)
+        base = probe_logits(model, batch, routing)
+    merged = probe_logits(merge_fn(model), batch, routing)
     check = compare("merged == adapter", merged, reference, tol, base)
-    data = {k: v for k, v in check.to_dict().items() if k != "name"}
-    detail = check.describe()
+    data = {k: v for k, v in check.to_dict().items() if k != "name"} | {"routing_fixed": routing is not None}
+    detail = check.describe() + (f"; {routing.describe()}" if routing is not None else "")
     if check.passed and check.effect_visible:
         return passed(SECTION, "LoRA merged == adapter", detail, **data)
     why = "the merged weights do not reproduce the adapter model" if not check.passed else (

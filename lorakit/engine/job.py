@@ -32,6 +32,7 @@ from lorakit.engine.session import Job, say
 from lorakit.engine.steps import StaticSteps, StepPlan
 from lorakit.engine.summary import MemoryProbe, summarize
 from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
+from lorakit.model.expert_gradients import ExpertGradientProbe
 from lorakit.model.families import family_of
 from lorakit.model.families.moe import describe as describe_moe
 from lorakit.model.families.multimodal import describe as describe_towers
@@ -124,6 +125,9 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
     if dist.is_main():
         job.lock = LockWatch(run_dir)
     trainer = job.trainer()
+    # LoRA on fused experts: how many expert adapters the first step reached; none is an error.
+    if probe := ExpertGradientProbe(built.model):
+        trainer.after_first_step = lambda: probe.check(say)
     job.train(trainer)
     model_states = memory.model_states()
     with dist.phase("adapter save", job.state.step):

@@ -173,6 +173,8 @@ class Trainer:
         self.objective = objective
         # Rank 0's failed write of a metric record (a full disk), until every rank has learned of it.
         self.failure: Exception | None = None
+        # Called once, on every rank, after this process's first step (the MoE expert-gradient check).
+        self.after_first_step: Callable[[], Any] | None = None
 
     def run(self) -> None:
         """Train for the planned steps (from where the state says), evaluating after each epoch and every
@@ -207,6 +209,9 @@ class Trainer:
                 seconds = time.perf_counter() - start
                 st.position = window.position
                 self._account(epoch, stats, seconds)
+                if self.after_first_step is not None:
+                    check, self.after_first_step = self.after_first_step, None
+                    check()
                 if self.evaluate is not None and policy.eval_every and st.step % policy.eval_every == 0:
                     # An eval.every step that ends the epoch or the run is that epoch's evaluation.
                     self._evaluate(epoch, epoch_end=st.step >= plan.total_steps or window.last)

@@ -35,6 +35,7 @@ from lorakit.export.output import atomic_directory, check_output, parse_size
 from lorakit.export.result import MergeOptions, MergeResult, require, say
 from lorakit.export.sources import MergeSource, locate
 from lorakit.export.verify import RELATIVE_TOLERANCE, Check, compare, probe_batch, probe_logits
+from lorakit.model.router import fixed_routing_for
 from lorakit.runlock import holding_run_lock
 
 INDEX = "model.safetensors.index.json"
@@ -97,11 +98,13 @@ def merge(
             options = MergeOptions(force, dtype, tol, shard_bytes, verify, compare_quantized)
             return merge_streamed(streamed, src, adapter, out, auto_cls, config, options)
     batch = probe_batch(config, config.get_text_config().vocab_size)  # Gemma 3: its text_config holds it
+    # Routed models: every probe after the reference's is forced to its routing (export/verify.py).
+    routing = fixed_routing_for(config)
     if adapter is None:
-        done = _full_model(src, auto_cls, dtype, batch)
+        done = _full_model(src, auto_cls, dtype, batch, routing)
     else:
-        done = _merge_adapter(src, adapter, auto_cls, config, dtype, batch, tol, compare_quantized)
-    shards = _save_verified(done, src, out, force, auto_cls, config, dtype, batch, tol, shard_bytes)
+        done = _merge_adapter(src, adapter, auto_cls, config, dtype, batch, tol, compare_quantized, routing)
+    shards = _save_verified(done, src, out, force, auto_cls, config, dtype, batch, tol, shard_bytes, routing)
     plural = "s" if shards != 1 else ""
     say(
         f"saved:    {out} ({shards} safetensors shard{plural}, {dtype}) + tokenizer, generation config, README.md"
@@ -142,11 +145,11 @@ class _Exported:
     quantized: Check | None = None
 
 
-def _full_model(src: MergeSource, auto_cls, dtype: str, batch) -> _Exported:
+def _full_model(src: MergeSource, auto_cls, dtype: str, batch, routing=None) -> _Exported:
     """A full fine-tuning run: its model as it is, in `dtype`."""
     say(f"exporting: the fully fine-tuned model {src.path} in {dtype}")
     model = load_pretrained(auto_cls, src.base_source, getattr(torch, dtype), src)
-    return _Exported(model, probe_logits(model, batch), "the run's model")
+    return _Exported(model, probe_logits(model, batch, routing), "the run's model")
 
 
 def _merge_adapter(
@@ -158,6 +161,7 @@ def _merge_adapter(
     batch,
     tol: float,
     compare_quantized: bool,
+    routing=None,
 ) -> _Exported:
     """The adapter merged into its base, checked against the adapter model (and, with compare_quantized,
     reported against the adapter on the 4-bit base)."""
@@ -168,8 +172,10 @@ def _merge_adapter(
         notes.append(QLORA_NOTE.format(dtype=dtype))
         say(notes[-1])
     quantized_ref = adapter_on_4bit(src, auto_cls, batch) if compare_quantized else None
-    model, reference, base_logits = _merged_model(src, adapter, auto_cls, getattr(torch, dtype), batch)
-    merged = probe_logits(model, batch)
+    model, reference, base_logits = _merged_model(
+        src, adapter, auto_cls, getattr(torch, dtype), batch, routing
+    )
+    merged = probe_logits(model, batch, routing)
     against = "the adapter model" + (" (on the unquantized base)" if src.method == "qlora" else "")
     check = require(compare(f"merged vs {against}", merged, reference, tol, base_logits))
     if not check.effect_visible:
@@ -201,6 +207,7 @@ def _save_verified(
     batch,
     tol,
     shard_bytes,
+    routing=None,
 ) -> int:
     """Save the model, tokenizer and card into a temporary sibling of `out`, reload it and check it again,
     then move it into place; returns the number of shards."""
@@ -215,7 +222,7 @@ def _save_verified(
         gc.collect()
         # What a user will load: the directory just written, read back by transformers.
         reloaded = load_pretrained(auto_cls, str(tmp), getattr(torch, dtype), None)
-        reloaded_logits = probe_logits(reloaded, batch)
+        reloaded_logits = probe_logits(reloaded, batch, routing)
         del reloaded
         done.checks.append(
             require(compare(f"saved copy, reloaded, vs {done.against}", reloaded_logits, done.reference, tol))
@@ -234,14 +241,14 @@ def _save_verified(
     return shards
 
 
-def _merged_model(src: MergeSource, adapter: Adapter, auto_cls, torch_dtype, batch):
+def _merged_model(src: MergeSource, adapter: Adapter, auto_cls, torch_dtype, batch, routing=None):
     """(merged model, reference logits of the adapter model, logits of the base alone), one model copy."""
     model = load_pretrained(auto_cls, src.base_source, torch_dtype, src)
     check_fits(adapter, model, src.base_name)
     peft_model = peft_from_pretrained(model, str(src.path), is_trainable=False)
-    reference = probe_logits(peft_model, batch)
+    reference = probe_logits(peft_model, batch, routing)
     with peft_model.disable_adapter():
-        base_logits = probe_logits(peft_model, batch)
+        base_logits = probe_logits(peft_model, batch, routing)
     return _merge_weights(peft_model), reference, base_logits
 
 

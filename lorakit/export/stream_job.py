@@ -38,6 +38,7 @@ from lorakit.export.sources import MergeSource
 from lorakit.export.stream import CannotStream, Probe, StreamPlan, merge_tensor, plan
 from lorakit.export.verify import compare, probe_batch, probe_logits
 from lorakit.model.families.start import start_generation_on_it
+from lorakit.model.router import fixed_routing_for
 
 VERIFY = ("auto", "always", "never")
 # The logits check loads the base (then the export) once: room means that much memory, plus working space.
@@ -219,18 +220,19 @@ def _logits_check(src, adapter, auto_cls, config, dtype, tol, directory, compare
     quantized_ref = adapter_on_4bit(src, auto_cls, batch) if compare_quantized else None
     model = load_pretrained(auto_cls, src.base_source, torch_dtype, src)
     base_logits = None
+    routing = fixed_routing_for(config)  # routed models: the reference's routing forced (export/verify.py)
     if adapter is None:
-        reference, against = probe_logits(model, batch), "the run's model"
+        reference, against = probe_logits(model, batch, routing), "the run's model"
     else:
         model = peft_from_pretrained(model, str(src.path), is_trainable=False)
-        reference = probe_logits(model, batch)
+        reference = probe_logits(model, batch, routing)
         with model.disable_adapter():
-            base_logits = probe_logits(model, batch)
+            base_logits = probe_logits(model, batch, routing)
         against = "the adapter model" + (" (on the unquantized base)" if src.method == "qlora" else "")
     del model
     gc.collect()
     reloaded = load_pretrained(auto_cls, str(directory), torch_dtype, None)
-    got = probe_logits(reloaded, batch)
+    got = probe_logits(reloaded, batch, routing)
     del reloaded
     gc.collect()
     check = require(

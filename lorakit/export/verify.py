@@ -20,10 +20,17 @@ merge that did not apply the delta) differs by the whole effect and fails in eve
 differs by rounding noise: in bf16 a tenth of a trained adapter's effect, and up to about a third for a
 short CPU run's small adapter (docs/flan-t5.md's merge: 0.055 of 0.188), so the bound is half: a merge must
 bring the model at least twice as close to the adapter model as the base is.
+
+Routed models (Mixtral, Qwen3-MoE, OLMoE) are probed with the routing fixed: the adapter model's top-k
+choices of experts are forced on the merged model's (and the base's) forward. Without that, bf16 rounding of
+the merged weights flips routing at near-ties and a correct merge differs by a whole expert's output (12% of
+the largest logit on a tiny Mixtral); with it, the difference is rounding again, and a wrong merge (a scaled
+delta) still differs by its share of the adapter's effect.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -51,10 +58,13 @@ def probe_batch(config, vocab_size: int) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def probe_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The model's logits on the probe batch, in float32 (eval mode, no KV cache)."""
+def probe_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], routing=None) -> torch.Tensor:
+    """The model's logits on the probe batch, in float32 (eval mode, no KV cache). `routing`
+    (lorakit.model.router.FixedRouting, for routed families): its first probe records the top-k experts of
+    every router call, later probes are forced to them (module docstring)."""
     model.eval()
-    return model(**batch, use_cache=False).logits.float()
+    with routing.applied(model) if routing is not None else nullcontext():
+        return model(**batch, use_cache=False).logits.float()
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

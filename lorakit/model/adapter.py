@@ -49,7 +49,9 @@ def peft_config(method: MethodSection, is_encoder_decoder: bool, family=None, mo
     return LoraConfig(
         r=method.r,
         lora_alpha=method.alpha,
-        lora_dropout=method.dropout,
+        # peft's parameter LoRA refuses any dropout, and one config is all it takes: with fused targets the
+        # linear layers' dropout is set after peft builds them (apply_linear_dropout).
+        lora_dropout=0.0 if target_parameters else method.dropout,
         target_modules=target_modules,
         target_parameters=target_parameters,
         exclude_modules=exclude,
@@ -90,6 +92,29 @@ def _moe_targets(method: MethodSection, family, model) -> tuple[Any, list[str] |
     else:
         modules = [t for t in method.target_modules if t != EXPERTS and t not in fused]
     return modules, list(parameter_targets(moe, method)) or None
+
+
+def apply_linear_dropout(model, method: MethodSection) -> int:
+    """method.dropout on the adapters of a model whose LoraConfig had to say 0 (fused MoE parameters among
+    its targets: peft's ParamWrapper cannot drop its input): each LoRA layer that is not a parameter wrapper
+    gets the nn.Dropout peft's own update_layer would have given it. Returns how many layers got it.
+
+    The entry replaced is peft's per-adapter dropout module, which peft reads at every forward: configuration
+    of the layer, not a patch of its code. The saved adapter_config.json keeps lora_dropout 0, which is what
+    peft needs to load it back (dropout does not act at inference)."""
+    if not getattr(method, "dropout", 0) or method.kind not in ("lora", "qlora"):
+        return 0
+    import torch
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and not isinstance(module, ParamWrapper):
+            for name, drop in module.lora_dropout.items():
+                if isinstance(drop, torch.nn.Identity):
+                    module.lora_dropout[name] = torch.nn.Dropout(p=method.dropout)
+                    changed += 1
+    return changed
 
 
 def optimizer_groups(model, method: MethodSection, lr: float, weight_decay: float) -> list[Any]:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from lorakit.errors import RecipeError
-from lorakit.model.adapter import peft_config
+from lorakit.model.adapter import apply_linear_dropout, peft_config
 from lorakit.model.attention import choose_attention, packing_enabled, set_attention_dropout
 from lorakit.model.families import Family, family_of
 from lorakit.model.families.moe import check_method
@@ -140,7 +140,10 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
             # peft 0.21 (peft_model.py, PeftModel.__init__) reads transformers' deprecated
             # `is_gradient_checkpointing`, which warns on every rank.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            model = get_peft_model(model, peft_config(recipe.method, is_enc_dec, family, model))
+            adapter_config = peft_config(recipe.method, is_enc_dec, family, model)
+            model = get_peft_model(model, adapter_config)
+        if getattr(adapter_config, "target_parameters", None):
+            apply_linear_dropout(model, recipe.method)
         # peft may create LoRA weights in fp32; one dtype across the module is what DeepSpeed expects.
         for p in model.parameters():
             if p.requires_grad and p.dtype != dtype:

@@ -104,3 +104,64 @@ def router_loss_of(config) -> RouterLoss | None:
         return None
     experts = int(read(config, "num_local_experts", "num_experts"))
     return RouterLoss(moe.router_classes, experts, int(read(config, "num_experts_per_tok")), coef)
+
+
+class FixedRouting:
+    """The top-k choices of every router call of one forward, recorded on the first forward run inside
+    `applied` and forced on every later one (hooks on the router modules, removed on exit).
+
+    What a check compares across two models of a routed family: bf16 rounding of merged weights moves router
+    logits by a few ulps, which flips top-k choices at near-ties and sends a token through other experts,
+    a difference of routing rather than of the weights checked. A forced call keeps the forward's own router
+    logits and probabilities (softmax in fp32, gathered at the forced experts, renormalised as the router does:
+    `norm_topk_prob`, Mixtral always), so the weights under test still decide every value."""
+
+    def __init__(self, router_classes: tuple[str, ...]):
+        self.router_classes = router_classes
+        self.choices: list[torch.Tensor] | None = None
+
+    @contextmanager
+    def applied(self, model: torch.nn.Module) -> Iterator[None]:
+        """Record (first use) or force (every later use) the routing of the forwards run inside the block."""
+        recording = self.choices is None
+        choices: list[torch.Tensor] = [] if recording else self.choices
+        calls = [0]
+
+        def hook(module, _args, output):
+            logits, scores, indices = output
+            if recording:
+                choices.append(indices.detach().clone())
+                return None
+            if calls[0] >= len(choices):
+                raise RuntimeError(f"FixedRouting: more router calls than the {len(choices)} recorded")
+            forced = choices[calls[0]].to(indices.device)
+            calls[0] += 1
+            top = torch.softmax(logits.float(), dim=-1).gather(-1, forced)
+            if getattr(module, "norm_topk_prob", True):
+                top = top / top.sum(dim=-1, keepdim=True)
+            return logits, top.to(scores.dtype), forced
+
+        handles = [
+            m.register_forward_hook(hook) for m in model.modules() if type(m).__name__ in self.router_classes
+        ]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+        if recording:
+            self.choices = choices
+        elif calls[0] != len(choices):
+            raise RuntimeError(f"FixedRouting: {calls[0]} router calls, {len(choices)} recorded")
+
+    def describe(self) -> str:
+        """Words for a check's line."""
+        return "routing fixed (the adapter model's top-k experts forced on every forward)"
+
+
+def fixed_routing_for(config) -> FixedRouting | None:
+    """A FixedRouting for a model of `config` when its family routes tokens to experts, else None."""
+    from lorakit.model.families import family_of
+
+    moe = family_of(config).moe
+    return None if moe is None else FixedRouting(moe.router_classes)

@@ -18,6 +18,7 @@ from lorakit.objectives import objective_type
 from lorakit.planner.activations import Activations, Kernels, Shape, activations
 from lorakit.planner.arch import Arch, arch_from_config, resolve_config
 from lorakit.planner.byte_models import PlannedBytes
+from lorakit.planner.moe import moe_notes
 from lorakit.planner.search import ROW_STEP, candidates, longest_row, overrides, recipe_setup, slowdown
 from lorakit.planner.shapes import attention_label, micro_batch_shape, positive
 from lorakit.planner.states import Item, Setup, counts
@@ -255,6 +256,7 @@ def plan(
     )
     a = _DTYPE_BYTES[recipe.model.dtype]
     notes: list[str] = [arch.caveat()] if arch.unproven else []  # the generic family's "not proven"
+    notes += moe_notes(arch, recipe.method)
     shape, kernels, min_tokens = micro_batch_shape(recipe, arch, seq_len, target_len, device, notes)
     world = gpus * nodes
     backend = backend_for(recipe)

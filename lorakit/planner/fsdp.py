@@ -93,7 +93,7 @@ def fsdp_states(arch: Arch, recipe, c: Counts, setup: Setup, *, world: int, dtyp
     where = "gpu" if setup.offload_params == "none" else setup.offload_params
     items = []
     if c.frozen_bytes:
-        note = "4-bit linear layers" if c.quant_constants else ""
+        note = c.frozen_note(a)
         items.append(Item("frozen base weights", c.frozen_bytes // world, where, "resident", note))
     if c.quant_constants:
         items.append(Item("4-bit quantization constants", c.quant_constants, "gpu", "resident",

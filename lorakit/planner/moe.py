@@ -5,13 +5,20 @@ the expert weights peft's parameter LoRA materialises per forward (W + scale * B
 from __future__ import annotations
 
 from lorakit.model.families import family_for_type
-from lorakit.model.families.moe import parameter_targets
+from lorakit.model.families.moe import dropout_note, parameter_targets
 
 
 def _targeted(arch, method) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of the fused parameters the method adapts (lorakit.model.adapter's targets)."""
     targets = parameter_targets(family_for_type(arch.model_type).moe, method)
     return [(n, s) for n, s in arch.fused_params if any(n.endswith(t) for t in targets)]
+
+
+def moe_notes(arch, method) -> list[str]:
+    """What the plan says of an MoE method, as the run says it (lorakit.model.families.moe.describe): where
+    method.dropout applies (the linear layers' adapters, and so their dropout masks are planned) and not."""
+    note = dropout_note(family_for_type(arch.model_type).moe, method)
+    return [note] if note else []
 
 
 def parameter_lora(arch, method) -> list[int]:

@@ -96,6 +96,25 @@ class Counts:
     persistent_trainable: int
     largest_module: int
     largest_trainable_module: int
+    # QLoRA: the weights stored in 4 bits, and the fused expert weights left in the compute dtype
+    # (bitsandbytes quantizes nn.Linear only; transformers 5 keeps MoE experts as fused 3-D parameters).
+    quantized_params: int = 0
+    unquantized_experts: int = 0
+
+    def frozen_note(self, dtype_bytes: int) -> str:
+        """What the frozen base's bytes are made of, for the plan's line: which weights are 4-bit."""
+        if not self.quant_constants:
+            return ""
+        if not self.unquantized_experts:
+            return "4-bit linear layers"
+        return (
+            f"4-bit: {_billions(self.quantized_params)} linear weights; {8 * dtype_bytes}-bit: "
+            f"{_billions(self.unquantized_experts)} fused expert weights, which bitsandbytes leaves unquantized (it quantizes nn.Linear only)"
+        )
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
 
 
 def lora_matrices(arch: Arch, r: int, target_modules) -> list[int]:
@@ -145,6 +164,9 @@ def counts(arch: Arch, method, dtype_bytes: int, persistence_threshold: int | No
         n = sum(lin.in_features * lin.out_features for lin in quantized)
         frozen_bytes -= int(n * (dtype_bytes - QUANT_BYTES_PER_WEIGHT))
         constants = int(n * QUANT_CONSTANT_BYTES_PER_WEIGHT) + QUANT_CODE_BYTES * len(quantized)
+        extra = {"quantized_params": n, "unquantized_experts": _expert_numel(arch)}
+    else:
+        extra = {}
     return Counts(
         total=arch.total_params + sum(lora),
         trainable=sum(lora),
@@ -154,7 +176,20 @@ def counts(arch: Arch, method, dtype_bytes: int, persistence_threshold: int | No
         persistent_trainable=small(lora),
         largest_module=arch.largest_module_params,
         largest_trainable_module=max(lora, default=0),
+        **extra,
     )
+
+
+def _expert_numel(arch: Arch) -> int:
+    """Elements of the fused expert parameters (not the router's)."""
+    total = 0
+    for name, shape in arch.fused_params:
+        if ".experts." in f".{name}":
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+    return total
 
 
 def model_states(
@@ -172,7 +207,7 @@ def model_states(
     extra_trainable = c.persistent_trainable * a if s == 3 else 0
     items = []
     if c.frozen_bytes:
-        note = "4-bit linear layers" if c.quant_constants else ""
+        note = c.frozen_note(a)
         items.append(Item("frozen base weights", int(c.frozen_bytes / shard_w) + extra_frozen, par_where,
                           "resident", note))  # fmt: skip
     if c.quant_constants:
@@ -248,7 +283,8 @@ def loading(c: Counts, *, dtype_bytes: int, partitioned_init: bool) -> list[Item
     if c.quant_constants:
         # transformers quantizes while loading, each rank onto its own GPU, whole; deepspeed.initialize
         # partitions it afterwards (ZeRO-3).
-        return [Item("whole 4-bit model on each GPU while loading", whole, "gpu", "load", kind="load")]
+        note = "the fused experts in the compute dtype" if c.unquantized_experts else ""
+        return [Item("whole 4-bit model on each GPU while loading", whole, "gpu", "load", note, kind="load")]
     if partitioned_init:
         # zero.Init: every rank materialises one layer at a time and keeps only its partition.
         return [Item("one layer in fp32 while loading (zero.Init)", c.largest_module * 4, "cpu", "load",

@@ -1,6 +1,7 @@
 """Mixture-of-experts families (Mixtral, Qwen3-MoE, OLMoE): LoRA on the fused experts with the router frozen
 unless asked, the load-balancing loss (as transformers defines it, token-weighted, its router gradient the
-formula's), the planner's expert counts, packing, ZeRO-3 leaves and the dropout refusal."""
+formula's), the planner's expert counts, packing, ZeRO-3 leaves and dropout (on the linear
+layers' adapters only)."""
 
 from __future__ import annotations
 
@@ -201,15 +202,48 @@ def test_mixtral_8x7b_is_planned_with_its_expert_adapters(tmp_path):
     assert result.trainable_params == attention + experts
 
 
-def test_dropout_on_fused_experts_is_an_exit_2_before_loading(tmp_path):
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_dropout_applies_to_every_adapted_linear_and_not_to_the_fused_experts(tmp_path, kind):
+    """method.dropout 0.05 (every shipped recipe): the linear layers' adapters drop, the fused experts'
+    (peft's parameter LoRA, which cannot) do not; the run's one MoE line says so, and the planner plans it."""
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    from lorakit.model import build_model
+    from lorakit.model.families.moe import describe
+    from lorakit.planner import plan
+
+    recipe = _recipe(tmp_path, kind, dropout=0.05)
+    built = build_model(recipe)
+    layers = [(n, m) for n, m in built.model.named_modules() if isinstance(m, LoraLayer)]
+    fused = [m for _, m in layers if isinstance(m, ParamWrapper)]
+    linear = [(n, m) for n, m in layers if not isinstance(m, ParamWrapper)]
+    assert fused and linear
+    for name, m in linear:
+        drop = m.lora_dropout["default"]
+        assert isinstance(drop, torch.nn.Dropout) and drop.p == 0.05, name
+    assert all(isinstance(m.lora_dropout["default"], torch.nn.Identity) for m in fused)
+    # A training forward draws the linear adapters' dropout: two forwards differ, eval ones agree.
+    with torch.no_grad():
+        for m in linear:
+            torch.nn.init.normal_(m[1].lora_B["default"].weight)
+    ids = torch.randint(4, TINY_VOCAB_SIZE, (1, 8))
+    built.model.train()
+    a, b = (built.model(input_ids=ids).logits for _ in range(2))
+    assert not torch.equal(a, b)
+    built.model.eval()
+    torch.testing.assert_close(built.model(input_ids=ids).logits, built.model(input_ids=ids).logits)
+    line = describe(family_named(kind), recipe.method, built.model.config)
+    assert "LoRA dropout 0.05 on the linear layers' adapters, none on the fused experts" in line
+    planned = plan(recipe, gpus=1, gpu_memory="16GB", device="cpu")
+    assert "none on the fused experts" in planned.describe()
+
+
+def test_dora_on_fused_experts_and_a_router_without_moe_are_exit_2_before_loading(tmp_path):
     from lorakit.model import build_model
 
-    with pytest.raises(RecipeError, match=r"method.dropout: 0.05.*set method.dropout: 0") as err:
-        build_model(_recipe(tmp_path, dropout=0.05))
+    with pytest.raises(RecipeError, match=r"method.use_dora.*no DoRA") as err:
+        build_model(_recipe(tmp_path, use_dora=True))
     assert err.value.exit_code == 2
-    # Without the experts, dropout is peft's ordinary LoRA dropout.
-    built = build_model(_recipe(tmp_path, dropout=0.05, target_modules=["q_proj", "v_proj"]))
-    assert not any(".experts." in n for n, p in built.model.named_parameters() if p.requires_grad)
     with pytest.raises(RecipeError, match="no MoE router"):
         build_model(tiny_recipe(tmp_path, tmp_path / "run", method={"dropout": 0.0, "train_router": True}))
 
@@ -260,3 +294,101 @@ def test_a_row_of_one_repeated_token_is_routed_to_two_experts_only():
     for z in logits:
         chosen = {tuple(sorted(t)) for t in torch.topk(z, 2, -1).indices.tolist()}
         assert len(chosen) == 1
+
+
+def test_an_error_with_a_doc_link_is_written_whole_with_its_newline(monkeypatch):
+    """Each rank prints a recipe error; written in pieces, one rank's `see docs/recipes.md#method` was
+    followed on the same line by another rank's `error: ...`."""
+    import sys
+
+    from lorakit.cli import run_cli
+
+    writes: list[str] = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+
+    def body():
+        raise RecipeError("method.use_dora: no DoRA here")
+
+    assert run_cli(body) == 2
+    assert writes == ["error: method.use_dora: no DoRA here\nsee docs/recipes.md#method\n"]
+
+
+def test_the_first_step_counts_the_expert_adapters_that_got_gradients_and_none_is_an_error(tmp_path):
+    from lorakit.model import build_model
+    from lorakit.model.expert_gradients import ExpertGradientProbe, ExpertsNotTrainingError
+
+    built = build_model(_recipe(tmp_path))
+    config = built.model.config
+    ids = torch.randint(4, TINY_VOCAB_SIZE, (2, 12))
+    probe = ExpertGradientProbe(built.model)
+    assert len(probe.stacks) == 2 * config.num_hidden_layers  # gate_up_proj and down_proj per layer
+    built.model(input_ids=ids, labels=ids).loss.backward()
+    said: list[str] = []
+    got, total = probe.check(said.append)
+    assert total == 2 * config.num_hidden_layers * config.num_local_experts
+    assert 0 < got <= total and said and f"{got:,} of {total:,} expert adapters" in said[0]
+    # Experts that no token reached get no gradient: the count is per expert, not per stack.
+    built.model.zero_grad()
+    probe = ExpertGradientProbe(built.model)
+    built.model(input_ids=torch.full((1, 4), 7), labels=torch.full((1, 4), 7)).loss.backward()
+    assert probe.finish()[0] < total
+
+    # The experts' LoRA out of the computation (here: the adapters disabled for the forward): exit 2.
+    built.model.zero_grad()
+    probe = ExpertGradientProbe(built.model)
+    with built.model.disable_adapter():
+        out = built.model(input_ids=ids, labels=ids)
+    (
+        out.loss + sum(p.sum() * 0 for n, p in built.model.named_parameters() if "q_proj.lora_B" in n)
+    ).backward()
+    with pytest.raises(ExpertsNotTrainingError, match="0 of .* expert adapters") as err:
+        probe.check(said.append)
+    assert err.value.exit_code == 2
+
+
+def test_a_qlora_moe_plan_says_which_weights_are_4_bit_and_does_not_advise_qlora(tmp_path):
+    """bitsandbytes quantizes nn.Linear only: Qwen3-30B-A3B's fused experts stay in bf16, and the plan's line
+    for the frozen base says so instead of "4-bit linear layers" on a figure that is mostly bf16."""
+    from lorakit.planner import plan
+    from lorakit.recipe import load_recipe
+
+    recipe = load_recipe("recipes/qwen3_30b_a3b_qlora.yaml")
+    text = plan(recipe, gpus=1, gpu_memory="24GB").describe()
+    frozen = next(line for line in text.splitlines() if "frozen base weights" in line)
+    assert "4-bit: 0.91B linear weights; 16-bit: 28.99B fused expert weights" in frozen
+    if "no setup tried fits" in text:
+        assert "QLoRA" not in text.split("no setup tried fits")[1].splitlines()[0]
+
+
+def test_the_expert_gradient_probe_stands_down_on_sharded_dtensor_parameters(tmp_path):
+    """FSDP2 assigns a sharded parameter's gradient by reduce-scatter (no autograd hook fires): a probe there
+    would count zero and stop a healthy run, so it is empty (the engine then skips the check)."""
+    import torch.distributed as tdist
+    from torch.distributed.tensor import DeviceMesh, distribute_tensor
+
+    from lorakit.model import build_model
+    from lorakit.model.expert_gradients import ExpertGradientProbe
+
+    built = build_model(_recipe(tmp_path))
+    assert ExpertGradientProbe(built.model)
+    if not tdist.is_initialized():
+        tdist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        for name, module in built.model.named_modules():
+            if name.endswith("experts.lora_B"):
+                module.default.weight = torch.nn.Parameter(
+                    distribute_tensor(module.default.weight.data, mesh)
+                )
+        probe = ExpertGradientProbe(built.model)
+        assert not probe and not probe.handles
+    finally:
+        tdist.destroy_process_group()

@@ -4,7 +4,8 @@ In transformers 5 each of them has one layout: a decoder layer's `mlp` is a spar
 (`mlp.gate`, a module with a (experts, hidden) `weight`, not an nn.Linear) and the experts fused into two 3-D
 parameters (`mlp.experts.gate_up_proj`: experts x 2*ffn x hidden, `mlp.experts.down_proj`: experts x hidden
 x ffn). LoRA reaches the fused experts through peft's parameter targeting (`target_parameters`, peft's
-ParamWrapper: rank r per expert on each fused tensor), which cannot apply dropout. The router stays frozen
+ParamWrapper: rank r per expert on each fused tensor), which cannot apply dropout: method.dropout applies to
+the linear layers' adapters only (lorakit.model.adapter.apply_linear_dropout). The router stays frozen
 unless the recipe sets `method.train_router` (then peft's LoRA adapts its weight too). ZeRO-3 gathers each MoE
 block whole (a leaf module): which experts a rank's tokens reach differs between ranks, and per-expert
 gathers would leave ranks waiting on collectives the others never enter.
@@ -71,7 +72,8 @@ def parameter_targets(moe: MoeLayout | None, method) -> tuple[str, ...]:
 
 def check_method(family: Family, method) -> None:
     """Exit 2 before any weight loads when the method cannot adapt this MoE family's fused parameters:
-    peft's parameter LoRA has no dropout (nor DoRA), and one LoraConfig gives every adapter the same."""
+    peft's parameter LoRA has no DoRA, and one LoraConfig gives every adapter the same. (It has no dropout
+    either: method.dropout applies to the linear layers' adapters only, and `describe` says so.)"""
     targets = parameter_targets(family.moe, method)
     if not targets:
         if getattr(method, "train_router", False) and family.moe is None and method.kind != "full":
@@ -82,12 +84,6 @@ def check_method(family: Family, method) -> None:
     from lorakit.errors import RecipeError
 
     where = f"{family.name} trains LoRA on its fused {', '.join(t.rsplit('.', 1)[-1] for t in targets)}"
-    if method.dropout:
-        raise RecipeError(
-            f"method.dropout: {method.dropout}, but {where} through peft's parameter targeting, which cannot "
-            "apply dropout; set method.dropout: 0, or leave the experts out (method.target_modules: "
-            "[q_proj, k_proj, v_proj, o_proj])"
-        )
     if method.use_dora:
         raise RecipeError(f"method.use_dora: {where} through peft's parameter targeting, which has no DoRA")
 
@@ -104,7 +100,20 @@ def describe(family: Family, method, config) -> str | None:
     experts = [t.rsplit(".", 1)[-1] for t in targets if t != family.moe.router]
     what = f"LoRA on the fused experts ({', '.join(experts)}, no dropout)" if experts else "experts frozen"
     router = "LoRA on the router" if family.moe.router in targets else "the router frozen"
-    return f"{family.name} (MoE): {what}, {router} (method.train_router); {aux}"
+    line = f"{family.name} (MoE): {what}, {router} (method.train_router); {aux}"
+    drop = dropout_note(family.moe, method)
+    return f"{line}; {drop}" if drop else line
+
+
+def dropout_note(moe: MoeLayout | None, method) -> str | None:
+    """What method.dropout does when the method adapts fused parameters (peft's parameter LoRA cannot drop
+    its input): None when there is no dropout or nothing fused is adapted."""
+    if not getattr(method, "dropout", 0) or not parameter_targets(moe, method):
+        return None
+    return (
+        f"LoRA dropout {method.dropout:g} on the linear layers' adapters, none on the fused experts "
+        "(peft's parameter LoRA cannot apply it)"
+    )
 
 
 def tiny_moe(config_cls: str, model_cls: str, **moe: Any) -> Tiny:
