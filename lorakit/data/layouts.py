@@ -34,6 +34,7 @@ LAYOUTS = {
     "examples": "lorakit.data.examples",  # SFT: one sequence (or source and target) per row
     "pairs": "lorakit.data.pairs",  # preference pairs: a prompt, a chosen and a rejected response
     "unpaired": "lorakit.data.unpaired",  # KTO: a prompt, a completion, a label
+    "prompts": "lorakit.data.prompts",  # GRPO: a prompt to sample from, an optional reference answer
 }
 
 

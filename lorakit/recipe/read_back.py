@@ -4,7 +4,7 @@ snapshot's. Whoever wrote that directory decides nothing about what runs here:
 - trust (model.trust_remote_code, model.allow_pickle) comes from the caller (--trust-remote-code,
   --allow-pickle; trust_remote_code=, allow_pickle= in Python); a recipe read back that asks for trust the
   caller did not grant is refused, naming the field and the flag;
-- code a recipe names (CODE_FIELDS: train.objective_module, data.transform) is imported only when the
+- code a recipe names (CODE_FIELDS: train.objective_module, data.transform, grpo.rewards) is imported only when the
   caller names its module (--allow-code MODULE; allow_code=[MODULE] in Python); where the command needs
   that code and it is not named, the recipe is refused, naming the field and the flag.
 
@@ -25,7 +25,7 @@ from lorakit.recipe.load import _apply, _validate, load_yaml
 from lorakit.recipe.schema import Recipe
 
 # The recipe fields that name Python code to import, (section, key). GRPO's reward functions join here.
-CODE_FIELDS = (("train", "objective_module"), ("data", "transform"))
+CODE_FIELDS = (("train", "objective_module"), ("data", "transform"), ("grpo", "rewards"))
 # Trust fields of model: and the flag that grants each.
 TRUST_FLAGS = {"trust_remote_code": "--trust-remote-code", "allow_pickle": "--allow-pickle"}
 
@@ -47,6 +47,11 @@ def named_code(raw: Any) -> dict[str, str]:
         value = raw.get(section, {}).get(key) if isinstance(raw.get(section), dict) else None
         if isinstance(value, str) and value.strip():
             found[f"{section}.{key}"] = value
+        # grpo.rewards: a list of entries, those named `module:function` user code.
+        for i, entry in enumerate(value if isinstance(value, list) else []):
+            name = entry.get("name") if isinstance(entry, dict) else None
+            if isinstance(name, str) and ":" in name:
+                found[f"{section}.{key}[{i}].name"] = name
     return found
 
 
@@ -100,8 +105,8 @@ def read_back_recipe(
                 _import(field, module)
             continue  # data.transform: imported where the data is read, as for any recipe
         needed = (
-            reads_data
-            if field == "data.transform"
+            reads_data  # data.transform, grpo.rewards: run where rows are read
+            if field != "train.objective_module"
             else raw["train"].get("objective", "sft") not in known_names()
         )
         if needed:

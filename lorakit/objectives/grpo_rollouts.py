@@ -1,0 +1,183 @@
+"""GRPO's step source (a lorakit.engine.steps.StepSource): rollouts made from the weights being trained.
+
+Each window of `accumulation` prompt micro-batches (the `prompts` layout, left-padded) becomes rollouts when
+the loop asks for it: every prompt repeated grpo.num_generations times, completions sampled by
+Engine.generate from the current weights with this source's own generator (so sampling does not depend on,
+or disturb, anything else's random state), scored by the rewards, normalised within each group into
+advantages, and scored by the sampling policy (the old log-probabilities; with grpo.beta > 0 the reference's
+too, the adapter switched off). The same rollouts are trained grpo.passes times, one optimiser step each.
+
+Position: {DONE: prompt micro-batches whose rollouts are fully trained, PASS: passes of the next window's
+rollouts already trained}. rank_state holds the generator and, mid-window, the rollouts not trained on their
+last pass yet, so a resumed run trains exactly what the interrupted one would have. Causal LMs only so far.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from lorakit.engine.steps import DONE, StepPlan, Window, accumulation_windows
+from lorakit.objectives.grpo_loss import adapter_off, completion_log_probs, group_advantages
+from lorakit.objectives.rewards import score
+
+PASS = "passes_done"
+# Rollout tensors a checkpoint keeps of a window trained on some but not all of its passes.
+KEPT = (
+    "input_ids",
+    "attention_mask",
+    "completion_mask",
+    "old_logp",
+    "ref_logp",
+    "advantages",
+    "rewards",
+    "prompt_width",
+)
+
+
+def completion_mask(completions: torch.Tensor, eos: int) -> torch.Tensor:
+    """1 on each completion's tokens up to and including its first EOS, 0 after (generate's padding)."""
+    is_eos = completions == eos
+    before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS seen strictly before each token
+    return (before == 0).long()
+
+
+class RolloutSteps:
+    """GRPO's windows, made from the current weights (see the module docstring)."""
+
+    def __init__(
+        self, loader, engine, settings, rewards, tokenizer, *, accumulation: int, seed: int, rank: int = 0
+    ):
+        self.loader, self.engine, self.settings = loader, engine, settings
+        self.rewards, self.tokenizer, self.accumulation = rewards, tokenizer, accumulation
+        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        self.pending: list[dict[str, Any]] | None = None  # rollouts of a window mid-passes
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        """Prompt micro-batches of one epoch, repeated once per pass."""
+        return len(self.loader.batch_sampler) * self.settings.passes
+
+    def plan(self, epochs: int, max_steps: int | None) -> StepPlan:
+        """Every window of prompts is passes steps."""
+        windows = math.ceil(len(self.loader.batch_sampler) / self.accumulation)
+        per_epoch = windows * self.settings.passes
+        total = max_steps if max_steps is not None else epochs * per_epoch
+        return StepPlan(self.micro_batches_per_epoch, per_epoch, total, math.ceil(total / per_epoch))
+
+    def windows(self, epoch: int, position: dict[str, Any]) -> Iterator[Window]:
+        """The epoch's windows from `position`: each window's rollouts, trained grpo.passes times."""
+        sampler = self.loader.batch_sampler
+        sampler.set_epoch(epoch)
+        done, first = int(position.get(DONE, 0)), int(position.get(PASS, 0))
+        if done:
+            sampler.skip_next(done)
+        total, passes = len(sampler), self.settings.passes
+        for prompts in accumulation_windows(self.loader, self.accumulation):
+            if first and self.pending is not None:
+                rollouts = self.pending
+            else:
+                first, rollouts = 0, [self.rollout(b) for b in prompts]
+            for k in range(first, passes):
+                self.pending = rollouts if k + 1 < passes else None
+                end = k + 1 == passes
+                at = {DONE: done + len(prompts), PASS: 0} if end else {DONE: done, PASS: k + 1}
+                yield Window(rollouts, at, last=end and done + len(prompts) >= total)
+            first, done = 0, done + len(prompts)
+
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        """The sampling generator, and the rollouts of a window some of whose passes remain."""
+        state = {"generator": self.generator.get_state()}
+        for i, batch in enumerate(self.pending or []):
+            state |= {f"pending.{i}.{k}": batch[k] for k in KEPT if k in batch}
+        return state
+
+    def load_rank_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what rank_state saved."""
+        if "generator" in state:
+            self.generator.set_state(state["generator"])
+        pending: dict[int, dict[str, Any]] = {}
+        for key, value in state.items():
+            if key.startswith("pending."):
+                _, i, name = key.split(".", 2)
+                pending.setdefault(int(i), {})[name] = value
+        self.pending = [_finish(pending[i]) for i in sorted(pending)] or None
+
+    # One micro-batch of rollouts ------------------------------------------------------------------------
+
+    def _sample(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        s, tok = self.settings, self.tokenizer
+        device = self.engine.device
+        # generate draws from the global generators: run it on a fork seeded from this source's own.
+        seed = int(torch.randint(0, 2**62, (), generator=self.generator))
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return self.engine.generate(
+                ids.to(device),
+                mask.to(device),
+                do_sample=True,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=0,
+                max_new_tokens=s.max_new_tokens,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+
+    def rollout(self, prompts: dict[str, Any]) -> dict[str, Any]:
+        """G completions of every prompt of one micro-batch, scored: the batch the loss trains on."""
+        s, g = self.settings, self.settings.num_generations
+        ids = prompts["input_ids"].repeat_interleave(g, dim=0)
+        mask = prompts["attention_mask"].repeat_interleave(g, dim=0)
+        width = ids.shape[1]
+        out = self._sample(ids, mask).cpu()
+        completions = out[:, width:]
+        cmask = completion_mask(completions, self.tokenizer.eos_token_id)
+        texts = self.tokenizer.batch_decode(
+            [c[: int(n)] for c, n in zip(completions, cmask.sum(1), strict=True)], skip_special_tokens=True
+        )
+        rows = [
+            {
+                "prompt": prompts["prompt"][i // g],
+                "answer": prompts["answer"][i // g],
+                "completion_tokens": int(n),
+            }
+            for i, n in enumerate(cmask.sum(1).tolist())
+        ]
+        wheres = [f"prompt {i // g} of the batch, completion {i % g}" for i in range(len(rows))]
+        total, per = score(self.rewards, texts, rows, wheres)
+        rewards = torch.tensor(total, dtype=torch.float32)
+        advantages, flat = group_advantages(rewards, g, s.scale_rewards)
+        batch = {
+            "input_ids": torch.cat([ids, completions], dim=1),
+            "attention_mask": torch.cat([mask, cmask], dim=1),
+            "completion_mask": cmask,
+            "advantages": advantages,
+            "rewards": rewards,
+            "prompt_width": torch.tensor(width),
+            "reward_parts": {k: torch.tensor(v) for k, v in per.items()},
+            "zero_variance_groups": flat,
+        }
+        device = self.engine.device
+        args = (batch["input_ids"].to(device), batch["attention_mask"].to(device), width)
+        with torch.no_grad():
+            batch["old_logp"] = completion_log_probs(self.engine, *args).cpu()
+        if s.beta:
+            with adapter_off(self.engine):
+                batch["ref_logp"] = completion_log_probs(self.engine, *args).cpu()
+        return _finish(batch)
+
+
+def _finish(batch: dict[str, Any]) -> dict[str, Any]:
+    """The loop's counts of a rollout batch (what its meters read)."""
+    cmask, mask = batch["completion_mask"], batch["attention_mask"]
+    return batch | {
+        "num_target_tokens": int(cmask.sum()),
+        "num_real_tokens": int(mask.sum()),
+        "num_token_slots": mask.numel(),
+        "num_examples": mask.shape[0],
+    }

@@ -1,0 +1,176 @@
+"""GRPO's rollout step source (lorakit.objectives.grpo_rollouts) on a tiny causal LM with a LoRA adapter:
+completions sampled from the current weights with the source's own generator, masked after their EOS,
+advantages within each group, old and reference log-probabilities; several passes per rollout batch; resumed
+from a mid-run position and rank_state (in-process) it makes exactly the windows of the uninterrupted run,
+the policy trained between windows by the GRPO loss."""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, get_peft_model
+from torch.utils.data import DataLoader
+
+from lorakit.data.prompts import PromptCollator
+from lorakit.data.sampler import ResumableBatchSampler
+from lorakit.evaluation.generate import generate_ids
+from lorakit.objectives.grpo_loss import completion_log_probs, policy_loss
+from lorakit.objectives.grpo_rollouts import DONE, PASS, RolloutSteps, completion_mask
+from lorakit.objectives.grpo_settings import GrpoSection
+from lorakit.objectives.rewards import build_rewards
+from lorakit.testing import build_tiny_model, build_tiny_tokenizer
+
+
+class _Batches:
+    """Prompt micro-batches in an order fixed by (seed, epoch), as the run's samplers are."""
+
+    def __init__(self, n: int, size: int):
+        self.n, self.size, self.epoch = n, size, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return -(-self.n // self.size)
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(100 + self.epoch)).tolist()
+        return iter([order[i : i + self.size] for i in range(0, self.n, self.size)])
+
+
+class _Engine:
+    """What the source asks of an Engine: its device, forward and generate (Engine.generate's body)."""
+
+    def __init__(self, module):
+        self.module, self.device = module, torch.device("cpu")
+
+    def __call__(self, **kw):
+        return self.module(**kw)
+
+    def generate(self, input_ids, attention_mask, **sampling):
+        return generate_ids(self.module, input_ids, attention_mask, **sampling)
+
+    def disable_adapter(self):
+        return self.module.disable_adapter()
+
+
+def _setup(tmp_path, **grpo):
+    tok = build_tiny_tokenizer(tmp_path / "tok", kind="llama")
+    torch.manual_seed(0)
+    base = build_tiny_model("llama", tmp_path / "model")
+    config = LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False
+    )
+    model = get_peft_model(base, config)
+    texts = [f"Count to {n}:" for n in range(8)]
+    rows = [{"prompt_ids": tok(t)["input_ids"], "prompt": t, "answer": str(i)} for i, t in enumerate(texts)]
+    loader = DataLoader(
+        rows,
+        batch_sampler=ResumableBatchSampler(_Batches(len(rows), 2)),
+        collate_fn=PromptCollator(tok.pad_token_id, True),
+    )
+    section = {"num_generations": 4, "max_new_tokens": 6, "rewards": [{"name": "length", "target": 2}]} | grpo
+    settings = GrpoSection(**section)
+    engine = _Engine(model)
+    source = RolloutSteps(
+        loader, engine, settings, build_rewards(settings.rewards), tok, accumulation=2, seed=7
+    )
+    return model, engine, source, settings
+
+
+def _train_on(model, engine, window, settings, optimizer) -> None:
+    """One optimiser step of the GRPO loss over a window (dapo: token-weighted over the window)."""
+    tokens = sum(int(b["completion_mask"].sum()) for b in window)
+    optimizer.zero_grad()
+    for b in window:
+        logp = completion_log_probs(engine, b["input_ids"], b["attention_mask"], int(b["prompt_width"]))
+        parts = policy_loss(
+            logp,
+            b["old_logp"],
+            b["advantages"],
+            b["completion_mask"],
+            aggregation=settings.loss,
+            epsilon=settings.epsilon,
+            beta=settings.beta,
+            ref_logp=b.get("ref_logp"),
+            max_new_tokens=settings.max_new_tokens,
+            num_tokens=tokens,
+        )
+        parts.loss.backward()
+    optimizer.step()
+
+
+def _optimizer(model):
+    return torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+
+
+def test_completion_mask_ends_at_the_first_eos():
+    c = torch.tensor([[5, 6, 2, 0, 0], [5, 2, 2, 7, 2], [5, 6, 7, 8, 9]])
+    assert completion_mask(c, 2).tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def test_windows_hold_scored_groups_and_repeat_for_each_pass(tmp_path):
+    model, engine, source, settings = _setup(tmp_path, passes=2, beta=0.1)
+    assert source.plan(1, None).steps_per_epoch == 4  # 4 prompt batches / accumulation 2, x 2 passes
+    windows = list(source.windows(0, {}))
+    assert [w.position for w in windows] == [
+        {DONE: 0, PASS: 1},
+        {DONE: 2, PASS: 0},
+        {DONE: 2, PASS: 1},
+        {DONE: 4, PASS: 0},
+    ]
+    assert [w.last for w in windows] == [False, False, False, True]
+    assert windows[0].batches is windows[1].batches  # the second pass trains the same rollouts
+    b = windows[0].batches[0]
+    assert b["input_ids"].shape[0] == 8 and b["advantages"].view(2, 4).sum(1).abs().max() < 1e-4
+    lengths = b["completion_mask"].sum(1).float()
+    assert torch.allclose(b["rewards"], (1 - (lengths - 2).abs() / 2).clamp(min=0))
+    assert torch.allclose(b["reward_parts"]["length"], b["rewards"])
+    with torch.no_grad():
+        now = completion_log_probs(engine, b["input_ids"], b["attention_mask"], int(b["prompt_width"]))
+    assert torch.allclose(now, b["old_logp"], atol=1e-5)  # nothing trained yet: old = current
+    assert not torch.allclose(b["ref_logp"], b["old_logp"], atol=1e-3)  # the adapter was off
+
+
+def _run(tmp_path, stop_after=None, resume=None):
+    model, engine, source, settings = _setup(tmp_path, passes=2)
+    optimizer = _optimizer(model)
+    epoch, position = 0, {}
+    if resume is not None:
+        state, rank_state, weights, opt, epoch, position = resume
+        model.load_state_dict(weights, strict=False)
+        optimizer.load_state_dict(opt)
+        source.load_rank_state(rank_state)
+    seen, step = [], 0
+    for e in range(epoch, 2):
+        for w in source.windows(e, position if e == epoch else {}):
+            seen.append(torch.cat([b["input_ids"].flatten() for b in w.batches]))
+            _train_on(model, engine, w.batches, settings, optimizer)
+            step += 1
+            if stop_after is not None and step == stop_after:
+                trainable = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+                import copy
+
+                return seen, (
+                    None,
+                    source.rank_state(),
+                    trainable,
+                    copy.deepcopy(optimizer.state_dict()),
+                    e,
+                    w.position,
+                )
+    return seen, None
+
+
+def test_a_run_resumed_mid_window_makes_the_uninterrupted_runs_windows(tmp_path):
+    whole, _ = _run(tmp_path / "whole")
+    # Step 5 ends the first pass of epoch 1's first window: the rollouts' second pass comes from rank_state.
+    first, saved = _run(tmp_path / "a", stop_after=5)
+    assert saved[-1] == {DONE: 0, PASS: 1} and any(k.startswith("pending.") for k in saved[1])
+    rest, _ = _run(tmp_path / "b", resume=saved)
+    assert len(first) + len(rest) == len(whole) == 8
+    for got, want in zip(first + rest, whole, strict=True):
+        assert torch.equal(got, want)
+    # Without the rank_state the source samples other completions: the check above can fail.
+    model_state = (saved[0], {}, *saved[2:])
+    other, _ = _run(tmp_path / "c", resume=model_state)
+    assert not all(torch.equal(g, w) for g, w in zip(other, whole[5:], strict=True))
