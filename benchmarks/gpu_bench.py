@@ -226,7 +226,7 @@ class Session:
         if side.startswith("lorakit"):
             r["plan"] = gpu_result.against_plan(spec["recipe"], r, self.probe.get("gpu_memory_bytes"))
         r.update(status="measured", description=SPEC["sides"][side])
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        mfu = f"{gpu_result.share(r['mfu'])} (NeMo's LoRA count {gpu_result.share(r['mfu_nemo'])})"
         mem = (r["peak_gpu_memory_bytes"] or 0) / 2**30
         rate, eff = f"{r['useful_tokens_per_second']:,.0f} useful tok/s", r["padding_efficiency_timed"]
         matmul, step = r["mfu_vs_measured_matmul"], r["step_seconds_median"]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from lorakit import dist, rundir
 from lorakit.backends import Engine, backend_for
-from lorakit.meter import live_tensor_bytes, peak_memory
+from lorakit.meter import flops_summary, live_tensor_bytes, matmul_params, peak_memory
 from lorakit.model.families.start import decoder_start_summary
 from lorakit.objectives import objective_type
 from lorakit.observe import trackers
@@ -96,6 +96,9 @@ class RunSummary:
     packing_efficiency: float
     batching: dict[str, Any]
     tokens_per_second: float
+    # Linear-layer training FLOPs per token as lorakit and NeMo AutoModel count LoRA, and the MFU of each
+    # against the device's bf16 datasheet peak (lorakit.meter.flops_summary; None where no peak is known).
+    flops: dict[str, Any]
     train_seconds: float
     peak_memory_bytes: PeakMemory
     # The memory planner's answer for this recipe and launch, next to what was measured.
@@ -215,6 +218,13 @@ def summarize(
         packing_efficiency=st.global_real_tokens / max(st.global_token_slots, 1),
         batching=job.batching.summary(job.plan),
         tokens_per_second=st.tokens_per_second(),
+        flops=flops_summary(
+            matmul_params(job.built.model),
+            full=recipe.method.kind == "full",
+            seq2seq=job.built.is_encoder_decoder,
+            tokens_per_second=st.tokens_per_second(),
+            world_size=world,
+        ),
         train_seconds=st.train_seconds,
         peak_memory_bytes=memory,
         plan=plan,
