@@ -213,6 +213,7 @@ class Session:
         if side.startswith("lorakit"):
             spec.update(recipe=self.recipe(w, side, data_file, work, budget), fields=SPEC["worker_fields"])
             spec["profile"] = bool(w.get("profile"))  # one warm-up step under torch.profiler
+            spec["env"] = {k: str(v) for k, v in w.get("env", {}).items()}
             lorakit.prepare(recipe_from_dict(spec["recipe"]))  # tokenize and cache here: no timed run pays
         else:
             spec.update(extra, group_by_length=side == "hf_grouped", master_port=free_port(), lora=LORA)

@@ -187,11 +187,14 @@ class StepRecorder:
 def lorakit_worker(spec: dict) -> dict:
     """lorakit.train on `spec['recipe']` (workers.lorakit_worker), with a timer at the end of every optimizer
     step; the recorder's result with the worker's fields."""
+    import os
+
     import torch
 
     from benchmarks.harness import workers
     from lorakit.engine import loop
 
+    os.environ.update(spec.get("env", {}))  # an A/B workload's switch (specs/gpu_bench.yaml `env`)
     rec, inner = StepRecorder(spec["family"], torch.cuda.is_available()), loop.train_window
     # The last warm-up step runs under torch.profiler (it is not timed; the profiler stops inside it).
     profile_at, profiled = (spec["warmup_steps"] - 1 if spec.get("profile") else None), {}

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from lorakit import dist, rundir
 from lorakit.backends import Engine, backend_for
 from lorakit.meter import flops_summary, live_tensor_bytes, matmul_params, peak_memory
+from lorakit.model import bias_attention
 from lorakit.model.families.start import decoder_start_summary
 from lorakit.objectives import objective_type
 from lorakit.observe import trackers
@@ -68,6 +69,9 @@ class RunSummary:
     # Packed rows: {attention kind: {kernel: calls}} (causal, encoder, decoder, cross -> varlen, flex, loop;
     # lorakit.model.fused_attention), training and evaluation on rank 0; {} without packed rows.
     attention_kernels: dict[str, dict[str, int]]
+    # T5's position bias: the SDPA backend calls per (device, dtype, head_dim), as the probe of
+    # lorakit.model.bias_attention chose it (cudnn, efficient, flash; math only where none took the bias).
+    attention_bias: list[dict[str, Any]]
     # Encoder-decoders: the token the decoder started on in training, evaluation and generation, and the
     # checkpoint config attribute it was read from ({token_id, token, field}; families/start.py); else None.
     decoder_start: dict[str, Any] | None
@@ -200,6 +204,7 @@ def summarize(
         model_source=job.built.source,
         attention=job.built.attention,
         attention_kernels=job.built.inputs.kernels.counts(),
+        attention_bias=bias_attention.chosen(),
         decoder_start=decoder_start_summary(job.config, job.tokenizer),
         dtype=recipe.model.dtype,
         world_size=world,
