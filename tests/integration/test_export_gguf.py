@@ -2,6 +2,7 @@
 checkout named by $LORAKIT_LLAMA_CPP (skipped without one: docs/export.md#install says how to get it), and
 checked by llama-cpp-python where it is installed (skipped otherwise)."""
 
+import json
 import os
 from pathlib import Path
 
@@ -60,6 +61,30 @@ def test_adapter_converts_to_a_gguf_lora(adapter, tmp_path):
     reader, _ = _reader(tmp_path / "a" / "adapter-f16.gguf")
     names = [t.name for t in reader.tensors]
     assert len(names) == 2 * 2 * 2 and all(n.endswith((".lora_a", ".lora_b")) for n in names)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        pytest.skip("llama-cpp-python is not installed: converted, not checked by the engine")
+    # llama.cpp applies the GGUF adapter to the f32 base GGUF: it generates what the merged model generates.
+    import subprocess
+    import sys
+
+    from lorakit.export.gguf import check_gguf
+    from lorakit.export.greedy import reference
+    from lorakit.export.job import merge
+
+    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    script = Path(LLAMA_CPP) / "convert_hf_to_gguf.py"
+    subprocess.run([sys.executable, str(script), base, "--outfile", str(tmp_path / "base.gguf"), "--outtype", "f32"],
+                   check=True, capture_output=True)  # fmt: skip
+    merge(adapter, tmp_path / "merged", dtype="float32")
+    check = check_gguf(
+        tmp_path / "base.gguf",
+        reference(tmp_path / "merged"),
+        "f32",
+        lora=tmp_path / "a" / "adapter-f16.gguf",
+    )
+    assert check.sequences_equal == check.sequences and check.max_logprob_diff < 0.05
 
 
 def test_a_tokenizer_llama_cpp_does_not_know_is_refused_in_one_line(cache_dir, tmp_path):
