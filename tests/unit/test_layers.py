@@ -60,6 +60,8 @@ FLOORS = {
     # The doctor's own command line sits with the other CLIs.
     "lorakit.doctor.cli": 11,
     "lorakit.doctor.__main__": 11,
+    # python -m lorakit.export (docs/export.md), a CLI like lorakit.merge.
+    "lorakit.export.__main__": 11,
     # The Slurm job writer and its per-node launcher (docs/multinode.md#slurm).
     "lorakit.slurm": 11,
 }

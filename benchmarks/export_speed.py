@@ -1,0 +1,145 @@
+"""Generation speed of each export against transformers' generate, on the same prompts, CPU.
+
+    PYTHONPATH=$PWD python benchmarks/export_speed.py --out benchmarks/results/export_speed.md
+
+Exports a tiny T5 and a tiny Llama adapter (tests/export_fixtures.py) with `lorakit.export` (CTranslate2
+float32 and int8; GGUF f16 and q8_0 when $LORAKIT_LLAMA_CPP is set and llama-cpp-python is installed), then
+times greedy generation of NEW tokens per prompt (EOS ignored where the engine allows) and reports
+tokens/s. The models are tiny (hidden 32-64): the numbers measure per-token overhead of each engine, not
+what a real model would get.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+NEW = 64
+PROMPTS = [
+    "The city council met on Tuesday to discuss the new park.",
+    "A storm closed schools",
+    "Prices rose",
+] * 4
+
+
+def _hf(model_dir: Path, seq2seq: bool) -> float:
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(model_dir).eval()
+    n, t0 = 0, time.perf_counter()
+    for p in PROMPTS:
+        ids = tok(p, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        n += out.shape[1] - (1 if seq2seq else ids.shape[1])
+    return n / (time.perf_counter() - t0)
+
+
+def _ct2(directory: Path, model_dir: Path, seq2seq: bool) -> float:
+    import ctranslate2
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    batches = [tok.convert_ids_to_tokens(tok(p)["input_ids"]) for p in PROMPTS]
+    n, t0 = 0, time.perf_counter()
+    if seq2seq:
+        tr = ctranslate2.Translator(str(directory), device="cpu", inter_threads=1, intra_threads=2)
+        for b in batches:
+            r = tr.translate_batch([b], beam_size=1, max_decoding_length=NEW, min_decoding_length=NEW)
+            n += len(r[0].hypotheses[0])
+    else:
+        gen = ctranslate2.Generator(str(directory), device="cpu", inter_threads=1, intra_threads=2)
+        for b in batches:
+            r = gen.generate_batch(
+                [b], max_length=NEW, min_length=NEW, sampling_topk=1, include_prompt_in_result=False
+            )
+            n += len(r[0].sequences[0])
+    return n / (time.perf_counter() - t0)
+
+
+def _gguf(path: Path, model_dir: Path) -> float:
+    from llama_cpp import Llama
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    llm = Llama(str(path), n_ctx=256, verbose=False, n_threads=2)
+    n, t0 = 0, time.perf_counter()
+    for p in PROMPTS:
+        for i, _ in enumerate(llm.generate(tok(p)["input_ids"], top_k=1, temp=0.0, reset=True)):
+            if i + 1 == NEW:
+                break
+        n += NEW
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    """Export, time and write the result table."""
+    import ctranslate2
+    import transformers
+
+    from lorakit.export.exporting import export
+    from tests.export_fixtures import llama_with_sentencepiece, random_adapter
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="benchmarks/results/export_speed.md")
+    args = p.parse_args()
+    torch.set_num_threads(2)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cache = tmp / "cache"
+        base = llama_with_sentencepiece(cache, tmp / "llama-sp")
+        adapters = {
+            "t5": random_adapter("t5", cache, tmp / "a-t5"),
+            "llama": random_adapter("llama", cache, tmp / "a-llama", base=str(base)),
+        }
+        for kind, adapter in adapters.items():
+            seq2seq = kind == "t5"
+            from lorakit.export.job import merge
+
+            merge(adapter, tmp / f"m-{kind}", dtype="float32")
+            rows.append((kind, "transformers generate (float32)", _hf(tmp / f"m-{kind}", seq2seq)))
+            for q in ("float32", "int8"):
+                out = tmp / f"ct2-{kind}-{q}"
+                export(adapter, out, format="ct2", quantization=q)
+                rows.append((kind, f"CTranslate2 {q}", _ct2(out, tmp / f"m-{kind}", seq2seq)))
+            if not seq2seq and os.environ.get("LORAKIT_LLAMA_CPP"):
+                try:
+                    import llama_cpp  # noqa: F401
+                except ImportError:
+                    continue
+                for q in ("f16", "q8_0"):
+                    out = tmp / f"gguf-{q}"
+                    export(
+                        adapter, out, format="gguf", quantization=q, llama_cpp=os.environ["LORAKIT_LLAMA_CPP"]
+                    )
+                    rows.append(
+                        (kind, f"llama.cpp GGUF {q}", _gguf(out / f"model-{q}.gguf", tmp / f"m-{kind}"))
+                    )
+    lines = [
+        "# Export generation speed (CPU, tiny models)",
+        "",
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs visible, 2 threads used; "
+        f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"ctranslate2 {ctranslate2.__version__}. {len(PROMPTS)} prompts, {NEW} greedy tokens each, batch 1.",
+        "Command: `PYTHONPATH=$PWD python benchmarks/export_speed.py`. Tiny random models (hidden 32-64): the "
+        "numbers show each engine's per-token overhead, not real-model throughput.",
+        "",
+        "| model | engine | tokens/s |",
+        "|---|---|---|",
+        *[f"| tiny {k} | {e} | {v:.0f} |" for k, e, v in rows],
+        "",
+    ]
+    Path(args.out).write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""python -m lorakit.export --format gguf / gguf-lora: converted by llama.cpp's own scripts, from a llama.cpp
+checkout named by $LORAKIT_LLAMA_CPP (skipped without one: docs/export.md#install says how to get it), and
+checked by llama-cpp-python where it is installed (skipped otherwise)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from lorakit.errors import MergeError
+from tests.export_fixtures import llama_with_sentencepiece, random_adapter
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("sentencepiece")
+LLAMA_CPP = os.environ.get("LORAKIT_LLAMA_CPP")
+pytestmark = pytest.mark.skipif(
+    not (LLAMA_CPP and (Path(LLAMA_CPP) / "convert_hf_to_gguf.py").is_file()),
+    reason="set LORAKIT_LLAMA_CPP to a llama.cpp checkout (docs/export.md#install)",
+)
+
+from lorakit.export.exporting import export  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory, cache_dir):
+    base = tmp_path_factory.mktemp("gguf")
+    model = llama_with_sentencepiece(cache_dir, base / "llama-sp")
+    return random_adapter("llama", cache_dir, base / "adapter", base=str(model))
+
+
+def _reader(path: Path):
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"]
+    return reader, bytes(arch.parts[arch.data[0]]).decode()
+
+
+@pytest.mark.parametrize("quantization", ["f16", "q8_0"])
+def test_merged_model_converts_and_the_engine_agrees(adapter, tmp_path, quantization):
+    result = export(adapter, tmp_path / "g", format="gguf", quantization=quantization)
+    reader, arch = _reader(tmp_path / "g" / f"model-{quantization}.gguf")
+    assert arch == "llama" and len(reader.tensors) >= 2 + 9 * 2  # embeddings, norm, 9 tensors per layer
+    kinds = {t.tensor_type.name for t in reader.tensors}
+    assert ("Q8_0" if quantization == "q8_0" else "F16") in kinds
+    assert (
+        f"llama-server -m {tmp_path / 'g'}/model-{quantization}.gguf"
+        in (tmp_path / "g" / "README.md").read_text()
+    )
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        assert result.check is None
+        pytest.skip("llama-cpp-python is not installed: converted, not checked by the engine")
+    assert result.check.passed
+    if quantization == "f16":
+        assert result.check.sequences_equal == result.check.sequences
+
+
+def test_adapter_converts_to_a_gguf_lora(adapter, tmp_path):
+    export(adapter, tmp_path / "a", format="gguf-lora", quantization="f16")
+    reader, _ = _reader(tmp_path / "a" / "adapter-f16.gguf")
+    names = [t.name for t in reader.tensors]
+    assert len(names) == 2 * 2 * 2 and all(n.endswith((".lora_a", ".lora_b")) for n in names)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        pytest.skip("llama-cpp-python is not installed: converted, not checked by the engine")
+    # llama.cpp applies the GGUF adapter to the f32 base GGUF: it generates what the merged model generates.
+    import subprocess
+    import sys
+
+    from lorakit.export.gguf import check_gguf
+    from lorakit.export.greedy import reference
+    from lorakit.export.job import merge
+
+    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    script = Path(LLAMA_CPP) / "convert_hf_to_gguf.py"
+    subprocess.run([sys.executable, str(script), base, "--outfile", str(tmp_path / "base.gguf"), "--outtype", "f32"],
+                   check=True, capture_output=True)  # fmt: skip
+    merge(adapter, tmp_path / "merged", dtype="float32")
+    check = check_gguf(
+        tmp_path / "base.gguf",
+        reference(tmp_path / "merged"),
+        "f32",
+        lora=tmp_path / "a" / "adapter-f16.gguf",
+    )
+    assert check.sequences_equal == check.sequences and check.max_logprob_diff < 0.05
+
+
+def test_a_tokenizer_llama_cpp_does_not_know_is_refused_in_one_line(cache_dir, tmp_path):
+    # The tiny Llama's own BPE tokenizer, trained locally: llama.cpp knows no hash for its pre-tokenizer.
+    plain = random_adapter("llama", cache_dir, tmp_path / "plain")
+    with pytest.raises(MergeError, match="BPE pre-tokenizer was not recognized"):
+        export(plain, tmp_path / "x", format="gguf")
+    assert not (tmp_path / "x").exists()
