@@ -2,8 +2,8 @@
 adapter), the model types it is for, how it is written and checked, and how it is served.
 
 To add a format: a module in lorakit/export/ with `write(job) -> EngineCheck`, an entry in FORMATS naming it,
-its optional dependency in lorakit/export/engines.py, a row in docs/export.md, and a test in
-tests/integration/test_export_formats.py. See docs/architecture.md#export-formats.
+its optional dependency in lorakit/export/engines.py, a row in docs/export.md, and a test beside
+tests/integration/test_export_ct2.py. See docs/export.md.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class GrpoSection(Section):
     """Group relative policy optimisation (train.objective: grpo; Shao et al. 2024): for every prompt the
     policy samples num_generations completions, rewards score them, each completion's advantage is its reward
     less the group's mean (over the group's spread unless scale_rewards is false), and the clipped
-    policy-ratio loss raises the likelihood of the better ones. See docs/grpo.md."""
+    policy-ratio loss raises the likelihood of the better ones."""
 
     answer_column: str | None = Field(
         None, description="Column with the row's reference answer (exact_match and math read it); None: none."
