@@ -258,14 +258,20 @@ def write_predictions(run_dir: Path, predictions: list[str], references: list[st
 def completed_with(run_dir: str | Path, resolved_recipe: str) -> bool:
     """Whether `run_dir` holds a run that finished with this very recipe (`resolved_recipe`, as the run
     wrote it to recipe.yaml): its summary.json written after its recipe.yaml (a later launch that stopped
-    early rewrote the recipe and left no newer summary) and no exit.json (a failure, a preemption)."""
+    early rewrote the recipe and left no newer summary), no exit.json (a failure, a preemption), and, when it
+    saved checkpoints, its last one still there (removed since: the relaunch resumes from the rest)."""
     run_dir = Path(run_dir)
     summary, recipe = run_dir / SUMMARY, run_dir / RECIPE
     try:
         if (run_dir / EXIT).exists() or summary.stat().st_mtime_ns < recipe.stat().st_mtime_ns:
             return False
-        return recipe.read_text() == resolved_recipe and bool(read_summary(run_dir).get("stop_reason"))
-    except (OSError, ValueError, AttributeError):
+        finished = read_summary(run_dir)
+        if recipe.read_text() != resolved_recipe or not finished.get("stop_reason"):
+            return False
+        # The run's last checkpoint (summary.json's last_checkpoint, by name: the folder may have moved).
+        last = finished.get("last_checkpoint")
+        return last is None or (run_dir / CHECKPOINTS / Path(last).name / "state.json").is_file()
+    except (OSError, ValueError, AttributeError, TypeError):
         return False
 
 

@@ -8,6 +8,7 @@ import contextlib
 import importlib
 import io
 import os
+import shutil
 import time
 
 import pytest
@@ -85,3 +86,28 @@ def test_only_a_run_finished_with_this_recipe_is_complete(tmp_path):
     later = time.time_ns() + 10**9
     os.utime(run_dir / rundir.RECIPE, ns=(later, later))
     assert not rundir.completed_with(run_dir, resolved)
+
+
+def test_a_run_whose_final_checkpoint_is_gone_is_not_complete(tmp_path):
+    """A finished run whose last checkpoint (summary.json's last_checkpoint) was removed, as test_dpo's full
+    fine-tuning resume check does to stop the run "after step 2", resumes from what is left: the relaunch
+    trains the missing steps again instead of calling the run complete."""
+    run_dir = tmp_path / "run"
+    resolved = "train:\n  epochs: 2\n"
+    for step in (2, 4):
+        ckpt = run_dir / rundir.CHECKPOINTS / f"step-{step:08d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "state.json").write_text("{}")
+    (run_dir / rundir.RECIPE).write_text(resolved)
+    last = str(run_dir / rundir.CHECKPOINTS / "step-00000004")
+    rundir.write_json(
+        run_dir / rundir.SUMMARY, {"stop_reason": "epochs", "steps": 4, "last_checkpoint": last}
+    )
+    assert rundir.completed_with(run_dir, resolved)
+    shutil.rmtree(last)
+    assert not rundir.completed_with(run_dir, resolved)
+    # A run that saved no checkpoint: its summary decides.
+    rundir.write_json(
+        run_dir / rundir.SUMMARY, {"stop_reason": "epochs", "steps": 4, "last_checkpoint": None}
+    )
+    assert rundir.completed_with(run_dir, resolved)
