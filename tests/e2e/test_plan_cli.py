@@ -38,7 +38,11 @@ def test_table_for_a_setup_that_does_not_fit_exits_1_with_a_recommendation():
 
 def test_bad_input_exits_2_with_a_message():
     proc = run_cli("lorakit.plan", RECIPES / "flan_t5_xxl_lora.yaml", "--gpu-memory", "lots", timeout=300)
-    assert proc.returncode == 2 and "error: gpu_memory" in proc.stderr and "Traceback" not in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "error: --gpu-memory: expected a size" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )
     proc = run_cli(
         "lorakit.plan", RECIPES / "flan_t5_xxl_lora.yaml", "model.name_or_path=org/not-a-known-model",
         "--gpu-memory", "40GB", timeout=300,

@@ -42,7 +42,7 @@ def test_qlora_defaults_to_nf4_and_round_trips(tmp_path):
     "kind, message",
     [
         ("full", r"method\.quant_type: full fine-tuning cannot train a 4-bit base.*use method\.kind: qlora"),
-        ("lora", r"method\.quant_type: kind lora keeps the base in model\.dtype; use method\.kind: qlora"),
+        ("lora", r"method\.quant_type: kind lora keeps the base in model\.dtype: remove method\.quant_type"),
     ],
 )
 def test_4bit_without_kind_qlora_is_rejected(tmp_path, kind, message):
