@@ -27,7 +27,7 @@ from lorakit.data.causal import chat_prompt, encode_prompts
 from lorakit.data.chat import TemplateFailed, read_messages
 from lorakit.data.layouts import Collators, Layout
 from lorakit.data.pairs import last_text, text_prompt, trl_prompt
-from lorakit.data.rows import MAX_QUOTED, SourceRows
+from lorakit.data.rows import SourceRows
 from lorakit.data.templates import prompt_columns, render_prompt, rows_of
 from lorakit.data.tokenize import Lengths
 from lorakit.errors import DataError
@@ -92,11 +92,7 @@ def encode_prompts_of(
         kept.append(i)
         for key, value in (("prompt", text), ("ids", ids), ("answer", answers[i])):
             out[key].append(value)
-    if refused:
-        where = src.where.take(np.asarray(kept, dtype=np.int64))
-        quoted = (src.quoted + refused)[:MAX_QUOTED]
-        src = SourceRows(src.rows.select(kept), where, src.skipped + len(refused), quoted)
-    return out, src
+    return out, src.keeping(kept, refused)
 
 
 class Prompts(Layout):

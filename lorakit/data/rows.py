@@ -109,6 +109,15 @@ class SourceRows:
     # The label words of a classification target (class ids became these), else None.
     labels: list[str] | None = None
 
+    def keeping(self, kept: list[int], refused: list[str]) -> SourceRows:
+        """These rows with only the indices `kept`, the `refused` ones ("where: reason" each, as a chat
+        template refused them) counted and quoted as skipped."""
+        if not refused:
+            return self
+        where = self.where.take(np.asarray(kept, dtype=np.int64))
+        quoted = (self.quoted + refused)[:MAX_QUOTED]
+        return SourceRows(self.rows.select(kept), where, self.skipped + len(refused), quoted, self.labels)
+
 
 _JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
 

@@ -30,7 +30,7 @@ from lorakit.data.causal import encode_prompts
 from lorakit.data.chat import ChatTurns, TemplateFailed, read_messages
 from lorakit.data.layouts import Collators, Layout
 from lorakit.data.pairs import chat_pair, last_text, text_prompt, trl_prompt, with_eos
-from lorakit.data.rows import MAX_QUOTED, SourceRows
+from lorakit.data.rows import SourceRows
 from lorakit.data.templates import prompt_columns, render_prompt, rows_of
 from lorakit.data.tokenize import Lengths
 from lorakit.errors import DataError
@@ -98,11 +98,7 @@ def _encode_chat(recipe, src: SourceRows, tokenizer) -> tuple[dict[str, list], S
         for key, value in (("prompt", prompt), (OWN, ids), ("label", bool(r[kto.label_column]))):
             out[key].append(value)
         out["reference"].append(last_text(completion))
-    if refused:
-        where = src.where.take(np.asarray(kept, dtype=np.int64))
-        quoted = (src.quoted + refused)[:MAX_QUOTED]
-        src = SourceRows(src.rows.select(kept), where, src.skipped + len(refused), quoted)
-    return out, src
+    return out, src.keeping(kept, refused)
 
 
 def _encode_seq2seq(recipe, tokenizer, rows: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
