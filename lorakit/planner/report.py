@@ -16,6 +16,7 @@ _WHEN = {
     "gradients": "backward and step",
     "step": "optimizer step",
     "load": "loading",
+    "start": "at the forward's start",
 }
 
 

@@ -86,3 +86,13 @@ def test_accumulation_holds_every_unsharded_gradient_in_fp32_on_fsdp2_only(steps
     zero3 = plan(load_recipe(RECIPES / "flan_t5_xl_lora.yaml", [*FSDP[1:], "method.kind=full",
                                                                    f"train.gradient_accumulation_steps={steps}"]))  # fmt: skip
     assert not any("accumulation window" in i.name for i in zero3.estimate.items)
+
+
+def test_the_fsdp2_plan_prints_its_start_item():
+    # lorakit.plan with distributed.strategy=fsdp raised KeyError 'start' in planner/report.py: the table
+    # had no words for the items FSDP2 keeps at the forward's start (the root's all-gather output).
+    f, p = items()
+    starts = [i for i in p.estimate.items if i.when == "start" and i.bytes]
+    assert starts, "no FSDP2 start item to describe"
+    text = p.describe()
+    assert any(i.name in text and "at the forward's start" in text for i in starts)
