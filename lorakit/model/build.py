@@ -173,7 +173,12 @@ def _moe_4bit_on_cpu(quantization, family: Family) -> dict[str, Any]:
     """An MoE's 4-bit base loads in CPU RAM: transformers would load it onto the GPU (bitsandbytes' default
     device_map) with its fused experts in model.dtype (29B weights of Qwen3-30B-A3B) before lorakit quantizes
     them (model/quant_experts.py); the backend moves the 4-bit model to the GPU. Not measured on GPUs."""
-    return {"device_map": {"": "cpu"}} if quantization is not None and family.moe is not None else {}
+    if quantization is None or family.moe is None or not torch.cuda.is_available():
+        return {}  # without a GPU transformers loads on the CPU already
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    # Under ZeRO-3 transformers refuses any device_map (and does not place the model itself).
+    return {} if is_deepspeed_zero3_enabled() else {"device_map": {"": "cpu"}}
 
 
 class UnprovenFamilyWarning(UserWarning):

@@ -42,7 +42,12 @@ class QuantizedExperts(nn.Module):
         functional = require_bitsandbytes().functional
         for flag in ("is_transposed", "has_bias"):
             if getattr(experts, flag, False):
-                raise NotImplementedError(f"4-bit experts: {type(experts).__name__}.{flag} is not supported")
+                from lorakit.errors import RecipeError
+
+                raise RecipeError(
+                    f"method.kind qlora: {type(experts).__name__} has {flag}, which lorakit's 4-bit experts do not "
+                    "support; use method.kind: lora"
+                )
         self.num_experts = int(experts.num_experts)
         self.act_fn = experts.act_fn
         self.quant_type = quant_type

@@ -54,17 +54,20 @@ def expert_weights(arch, method, a: int) -> int:
     return a * numel // arch.layers
 
 
-def quantized_experts(arch) -> tuple[int, int]:
-    """(weights, stacks) QLoRA stores in 4 bits among the fused parameters: every expert stack (the router's
-    weight stays in model.dtype), as lorakit.model.quant_experts quantizes them."""
-    weights = stacks = 0
+def expert_stacks(arch) -> list[tuple[str, int]]:
+    """(parameter name, weights) of every fused expert stack (not the router's weight): what QLoRA stores in 4
+    bits among the fused parameters, as lorakit.model.quant_experts quantizes them."""
+    out = []
     for name, shape in arch.fused_params:
         if ".experts." in f".{name}" and len(shape) == 3:
-            n = 1
-            for d in shape:
-                n *= d
-            weights, stacks = weights + n, stacks + 1
-    return weights, stacks
+            out.append((name, shape[0] * shape[1] * shape[2]))
+    return out
+
+
+def quantized_experts(arch) -> tuple[int, int]:
+    """(weights, stacks) of the fused experts QLoRA stores in 4 bits (expert_stacks)."""
+    stacks = expert_stacks(arch)
+    return sum(n for _, n in stacks), len(stacks)
 
 
 def moe_frozen_note(quantized: int, experts: int, unquantized: int, dtype_bytes: int) -> str:
