@@ -370,6 +370,11 @@ def test_a_qlora_moe_plan_fits_one_24gb_gpu_and_says_which_weights_are_4_bit(tmp
     per_gpu = float(next(line for line in text.splitlines() if "= per GPU" in line).split()[3])
     assert 15 < per_gpu < 22.35  # GiB: more than the 4-bit base, within one 24 GB GPU
     assert recipe.data.max_length == recipe.train.max_tokens == 4096
+    # FSDP2's byte model counts the 4-bit experts too (its units hold packed weights).
+    fsdp = plan(load_recipe("recipes/qwen3_30b_a3b_qlora.yaml", ["distributed.strategy=fsdp",
+                "distributed.offload_optimizer=none", "distributed.zero_stage=3"]), gpus=1, gpu_memory="24GB")  # fmt: skip
+    frozen_fsdp = next(i.bytes for i in fsdp.estimate.items if i.name == "frozen base weights")
+    assert 15 * 2**30 < frozen_fsdp < 16 * 2**30
     # The same recipe with the experts left in bf16 would not: the 4-bit experts are what make it fit.
     lora = plan(load_recipe("recipes/qwen3_30b_a3b_qlora.yaml", ["method.kind=lora", "method.quant_type=null"]),
                 gpus=1, gpu_memory="24GB").describe()  # fmt: skip
