@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 import yaml
 
 from tests.bnb_layout import ENV as AVX512BF16_ENV
@@ -49,3 +50,32 @@ def test_the_causal_quickstart_as_qlora_on_a_tiny_mixtral_trains_on_two_ranks_an
     result = lorakit.merge(run_dir, tmp_path / "merged", compare_quantized=True)
     assert result.strategy == "memory" and all(c.passed for c in result.checks), result
     assert result.checks[0].effect_visible
+
+
+@pytest.mark.slow
+def test_a_qlora_moe_run_resumed_from_its_checkpoint_ends_with_the_uninterrupted_runs_adapter(
+    cache_dir, tmp_path
+):
+    """One process, ZeRO-2 (the 4-bit base and its expert stacks reloaded from the model source, the adapter and
+    optimizer from the checkpoint), dropout 0.05 drawing the same masks after the resume."""
+    from safetensors.torch import load_file
+
+    import lorakit
+    from tests.conftest import tiny_recipe
+
+    def recipe(out, **train):
+        return tiny_recipe(
+            cache_dir, out, model={"name_or_path": "tiny:mixtral", "dtype": "bfloat16"},
+            data={"format": "instruction", "max_length": "auto", "max_samples": 32, "max_eval_samples": 4},
+            method={"kind": "qlora", "dropout": 0.05, "r": 4, "alpha": 8},
+            train={"max_steps": 4, "lr": 1e-2, **train}, eval={"generate": False}, checkpoint={"every": 2},
+            distributed={"num_processes": 1, "zero_stage": 2},
+        )  # fmt: skip
+
+    full = lorakit.train(recipe(tmp_path / "full")).run_dir
+    resumed = lorakit.train(recipe(tmp_path / "resumed", resume=str(full / "checkpoints" / "step-00000002")))
+    a = load_file(str(full / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(resumed.run_dir / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and any(".experts.base_layer.lora_B" in k for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(a[k].abs().sum() > 0 for k in a if ".experts.lora_B" in k)  # the experts trained
