@@ -125,6 +125,9 @@ def adapter_on_4bit(src: MergeSource, auto_cls, batch) -> torch.Tensor:
     quant = bnb_config(src.recipe.method.quantization(), train_dtype)
     model = load_pretrained(auto_cls, src.base_source, train_dtype, src, quantization_config=quant)
     keep_standard_4bit_layout(model)  # the layout it trained in (on AVX512-BF16 CPUs too)
+    from lorakit.model.quant_experts import quantize_experts
+
+    quantize_experts(model, src.recipe.method.quantization())  # an MoE's fused experts trained in 4 bits too
     logits = probe_logits(peft_from_pretrained(model, str(src.path)), batch)
     del model
     gc.collect()

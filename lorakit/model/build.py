@@ -112,6 +112,7 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
             quantization_config=quantization,
             # The structure only (FSDP2's sharded loading, backends/fsdp_load.py): each rank reads its shards.
             **({"device_map": "meta"} if load.kind == "meta" else {}),
+            **_moe_4bit_on_cpu(quantization, family),
         )
     except OSError as e:
         if recipe.model.allow_pickle or not no_safetensors_weights(e):
@@ -119,6 +120,11 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
         raise _pickle_refused(recipe.model.name_or_path, f"no safetensors weights found ({e})") from e
     if quantization is not None:
         keep_standard_4bit_layout(model)
+        if family.moe is not None:
+            from lorakit.model.quant_experts import quantize_experts
+
+            # bitsandbytes quantized the linear layers; the fused experts are 3-D parameters it leaves alone.
+            quantize_experts(model, quant_type)
     if hf_ds_config is not None:
         from lorakit.model.untie import restore_untied_head
 
@@ -144,6 +150,10 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
             model = get_peft_model(model, adapter_config)
         if getattr(adapter_config, "target_parameters", None):
             apply_linear_dropout(model, recipe.method)
+        if quantization is not None and family.moe is not None:
+            from lorakit.model.quant_experts import experts_as_buffers
+
+            experts_as_buffers(model)
         # peft may create LoRA weights in fp32; one dtype across the module is what DeepSpeed expects.
         for p in model.parameters():
             if p.requires_grad and p.dtype != dtype:
@@ -157,6 +167,18 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
     tokenizer = load_tokenizer(recipe, source)
     inputs = ModelInputs(config, attention, dtype, sp_group=sp_group, sp_world=sp, loss_head=loss_head)
     return BuiltModel(model, tokenizer, source, attention, is_enc_dec, inputs, packing, hf_ds_config, initial)
+
+
+def _moe_4bit_on_cpu(quantization, family: Family) -> dict[str, Any]:
+    """An MoE's 4-bit base loads in CPU RAM: transformers would load it onto the GPU (bitsandbytes' default
+    device_map) with its fused experts in model.dtype (29B weights of Qwen3-30B-A3B) before lorakit quantizes
+    them (model/quant_experts.py); the backend moves the 4-bit model to the GPU. Not measured on GPUs."""
+    if quantization is None or family.moe is None or not torch.cuda.is_available():
+        return {}  # without a GPU transformers loads on the CPU already
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    # Under ZeRO-3 transformers refuses any device_map (and does not place the model itself).
+    return {} if is_deepspeed_zero3_enabled() else {"device_map": {"": "cpu"}}
 
 
 class UnprovenFamilyWarning(UserWarning):

@@ -121,10 +121,16 @@ def _module_quant_states(model: torch.nn.Module) -> dict[int, Any]:
     weight by a DTensor (pin_quant_states)."""
     states = {}
     for m in model.modules():
-        w = m._parameters.get("weight") if hasattr(m, "_parameters") else None
-        qs = getattr(w, "quant_state", None) or getattr(m, "quant_state", None)
-        if w is not None and qs is not None and hasattr(qs, "shape"):
-            states[id(w)] = qs
+        for name, w in getattr(m, "_parameters", {}).items():
+            # A 4-bit expert stack (model/quant_experts.py) carries its state on the parameter, as bnb's weights do.
+            # FSDP2's DTensors drop the attribute: the module keeps the states too (pin_quant_states, quant_states).
+            qs = (
+                getattr(w, "quant_state", None)
+                or getattr(m, "quant_states", {}).get(name)
+                or (getattr(m, "quant_state", None) if name == "weight" else None)
+            )
+            if w is not None and qs is not None and hasattr(qs, "shape"):
+                states[id(w)] = qs
     return states
 
 
@@ -175,7 +181,7 @@ def quantization_summary(model: torch.nn.Module, recipe) -> dict[str, Any]:
     """
     quant_type, dtype = recipe.method.quantization(), getattr(torch, recipe.model.dtype)
     before = after = constants = on_rank = 0
-    quantized_params = 0
+    quantized_params = experts = 0
     seen: set[int] = set()
     states = _module_quant_states(model)
     for p in model.parameters():
@@ -186,6 +192,7 @@ def quantization_summary(model: torch.nn.Module, recipe) -> dict[str, Any]:
         if qs is not None:
             n = int(qs.shape.numel())
             quantized_params += n
+            experts += n if len(qs.shape) == 3 else 0
             before += n * dtype.itemsize
             after += _storage_bytes(p)
             for t in _quant_state_tensors(qs):
@@ -211,6 +218,8 @@ def quantization_summary(model: torch.nn.Module, recipe) -> dict[str, Any]:
         "compute_dtype": str(dtype).removeprefix("torch."),
         "storage_dtype": str(dtype).removeprefix("torch."),
         "quantized_params": quantized_params,
+        # Of those, the fused MoE expert stacks (lorakit.model.quant_experts); the rest are linear layers.
+        "quantized_expert_params": experts,
         "unquantized_linear": unquantized,
         "base_bytes": {
             "before": before,
@@ -230,6 +239,8 @@ def describe_quantization(q: dict[str, Any]) -> str:
         f"{_size(b['before'])} -> {_size(b['after'])} ({b['saved'] / max(b['before'], 1):.0%} saved), "
         f"{_size(q['base_bytes_per_rank'])} on this rank"
     )
+    if q.get("quantized_expert_params"):
+        line += f"; fused experts in 4 bits too ({q['quantized_expert_params']:,} weights)"
     if q["unquantized_linear"]:
         line += "; left unquantized: " + ", ".join(q["unquantized_linear"])
     return line

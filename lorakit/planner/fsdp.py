@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lorakit.planner.arch import Arch
+from lorakit.planner.moe import expert_stacks
 from lorakit.planner.states import QUANT_BYTES_PER_WEIGHT, Counts, Item, Setup, loading
 
 
@@ -69,6 +70,9 @@ def units(arch: Arch, method, c: Counts, dtype_bytes: int) -> tuple[Unit, list[U
         for lin in arch.quantized_linears():
             if (b := owner(lin.name)) is not None:
                 frozen[b] -= int(lin.in_features * lin.out_features * (a - QUANT_BYTES_PER_WEIGHT))
+        for name, n in expert_stacks(arch):  # an MoE's fused experts are 4-bit too
+            if (b := owner(name)) is not None:
+                frozen[b] -= int(n * (a - QUANT_BYTES_PER_WEIGHT))
     if method.kind == "ia3":
         for lin, ff in arch.ia3_targets(method.target_modules, method.feedforward_modules):
             if (b := owner(lin.name)) is not None:

@@ -52,3 +52,31 @@ def expert_weights(arch, method, a: int) -> int:
             n *= d
         numel += n
     return a * numel // arch.layers
+
+
+def expert_stacks(arch) -> list[tuple[str, int]]:
+    """(parameter name, weights) of every fused expert stack (not the router's weight): what QLoRA stores in 4
+    bits among the fused parameters, as lorakit.model.quant_experts quantizes them."""
+    out = []
+    for name, shape in arch.fused_params:
+        if ".experts." in f".{name}" and len(shape) == 3:
+            out.append((name, shape[0] * shape[1] * shape[2]))
+    return out
+
+
+def quantized_experts(arch) -> tuple[int, int]:
+    """(weights, stacks) of the fused experts QLoRA stores in 4 bits (expert_stacks)."""
+    stacks = expert_stacks(arch)
+    return sum(n for _, n in stacks), len(stacks)
+
+
+def moe_frozen_note(quantized: int, experts: int, unquantized: int, dtype_bytes: int) -> str:
+    """The plan's words for an MoE QLoRA base: which weights are 4-bit and which stay in model.dtype."""
+    return (
+        f"4-bit: {_billions(experts)} fused expert and {_billions(quantized - experts)} linear weights; "
+        f"{8 * dtype_bytes}-bit: {_billions(unquantized)} (embeddings, norms, routers, output head)"
+    )
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from lorakit.backends.facts import Layout
 from lorakit.planner.arch import Arch
-from lorakit.planner.moe import parameter_lora
+from lorakit.planner.moe import moe_frozen_note, parameter_lora, quantized_experts
 
 # bitsandbytes 4-bit, blocksize 64 with double quantization: 0.5 byte per weight, one uint8 absmax per
 # block of 64, one fp32 scale per 256 blocks, and a 256-entry fp32 code table per weight matrix.
@@ -96,25 +96,21 @@ class Counts:
     persistent_trainable: int
     largest_module: int
     largest_trainable_module: int
-    # QLoRA: the weights stored in 4 bits, and the fused expert weights left in the compute dtype
-    # (bitsandbytes quantizes nn.Linear only; transformers 5 keeps MoE experts as fused 3-D parameters).
+    # QLoRA: the weights stored in 4 bits, of them the fused MoE experts' (lorakit.model.quant_experts), and
+    # the weights left in the compute dtype (embeddings, norms, routers, the output head).
     quantized_params: int = 0
-    unquantized_experts: int = 0
+    quantized_experts: int = 0
+    unquantized_params: int = 0
 
     def frozen_note(self, dtype_bytes: int) -> str:
         """What the frozen base's bytes are made of, for the plan's line: which weights are 4-bit."""
         if not self.quant_constants:
             return ""
-        if not self.unquantized_experts:
+        if not self.quantized_experts:
             return "4-bit linear layers"
-        return (
-            f"4-bit: {_billions(self.quantized_params)} linear weights; {8 * dtype_bytes}-bit: "
-            f"{_billions(self.unquantized_experts)} fused expert weights, which bitsandbytes leaves unquantized (it quantizes nn.Linear only)"
+        return moe_frozen_note(
+            self.quantized_params, self.quantized_experts, self.unquantized_params, dtype_bytes
         )
-
-
-def _billions(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.1f}M"
 
 
 def lora_matrices(arch: Arch, r: int, target_modules) -> list[int]:
@@ -161,10 +157,13 @@ def counts(arch: Arch, method, dtype_bytes: int, persistence_threshold: int | No
     constants = 0
     if method.kind == "qlora":
         quantized = arch.quantized_linears()
-        n = sum(lin.in_features * lin.out_features for lin in quantized)
+        # The fused experts too (lorakit.model.quant_experts): one code table per stack of experts.
+        experts, stacks = quantized_experts(arch)
+        n = sum(lin.in_features * lin.out_features for lin in quantized) + experts
         frozen_bytes -= int(n * (dtype_bytes - QUANT_BYTES_PER_WEIGHT))
-        constants = int(n * QUANT_CONSTANT_BYTES_PER_WEIGHT) + QUANT_CODE_BYTES * len(quantized)
-        extra = {"quantized_params": n, "unquantized_experts": _expert_numel(arch)}
+        constants = int(n * QUANT_CONSTANT_BYTES_PER_WEIGHT) + QUANT_CODE_BYTES * (len(quantized) + stacks)
+        extra = {"quantized_params": n, "quantized_experts": experts,
+                 "unquantized_params": arch.total_params - n}  # fmt: skip
     else:
         extra = {}
     return Counts(
@@ -178,18 +177,6 @@ def counts(arch: Arch, method, dtype_bytes: int, persistence_threshold: int | No
         largest_trainable_module=max(lora, default=0),
         **extra,
     )
-
-
-def _expert_numel(arch: Arch) -> int:
-    """Elements of the fused expert parameters (not the router's)."""
-    total = 0
-    for name, shape in arch.fused_params:
-        if ".experts." in f".{name}":
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
-    return total
 
 
 def model_states(
@@ -283,8 +270,13 @@ def loading(c: Counts, *, dtype_bytes: int, partitioned_init: bool) -> list[Item
     if c.quant_constants:
         # transformers quantizes while loading, each rank onto its own GPU, whole; deepspeed.initialize
         # partitions it afterwards (ZeRO-3).
-        note = "the fused experts in the compute dtype" if c.unquantized_experts else ""
-        return [Item("whole 4-bit model on each GPU while loading", whole, "gpu", "load", note, kind="load")]
+        if c.quantized_experts:
+            # An MoE's 4-bit base loads in CPU RAM (model/build.py): its fused experts come in model.dtype and are
+            # quantized there, and the backend moves the 4-bit model to the GPU.
+            peak = whole + int(c.quantized_experts * (dtype_bytes - QUANT_BYTES_PER_WEIGHT))
+            return [Item("whole model in each process's CPU RAM while loading", peak, "cpu", "load",
+                         "the fused experts in model.dtype until quantized, then moved to its GPU", kind="load")]  # fmt: skip
+        return [Item("whole 4-bit model on each GPU while loading", whole, "gpu", "load", kind="load")]
     if partitioned_init:
         # zero.Init: every rank materialises one layer at a time and keeps only its partition.
         return [Item("one layer in fp32 while loading (zero.Init)", c.largest_module * 4, "cpu", "load",

@@ -354,18 +354,31 @@ def test_the_first_step_counts_the_expert_adapters_that_got_gradients_and_none_i
     assert err.value.exit_code == 2
 
 
-def test_a_qlora_moe_plan_says_which_weights_are_4_bit_and_does_not_advise_qlora(tmp_path):
-    """bitsandbytes quantizes nn.Linear only: Qwen3-30B-A3B's fused experts stay in bf16, and the plan's line
-    for the frozen base says so instead of "4-bit linear layers" on a figure that is mostly bf16."""
+def test_a_qlora_moe_plan_fits_one_24gb_gpu_and_says_which_weights_are_4_bit(tmp_path):
+    """QLoRA quantizes Qwen3-30B-A3B's fused experts too (lorakit.model.quant_experts): the recipe fits one
+    24 GB GPU at its sequence length (public reference: ~17.5 GB, Unsloth), and the plan's line for the frozen
+    base says which weights are 4-bit and which are not; never advising QLoRA to a QLoRA recipe."""
     from lorakit.planner import plan
     from lorakit.recipe import load_recipe
 
     recipe = load_recipe("recipes/qwen3_30b_a3b_qlora.yaml")
-    text = plan(recipe, gpus=1, gpu_memory="24GB").describe()
+    planned = plan(recipe, gpus=1, gpu_memory="24GB")
+    text = planned.describe()
     frozen = next(line for line in text.splitlines() if "frozen base weights" in line)
-    assert "4-bit: 0.91B linear weights; 16-bit: 28.99B fused expert weights" in frozen
-    if "no setup tried fits" in text:
-        assert "QLoRA" not in text.split("no setup tried fits")[1].splitlines()[0]
+    assert "4-bit: 28.99B fused expert and 0.91B linear weights; 16-bit: 0.64B" in frozen
+    assert "the recipe as written fits" in text and "DOES NOT FIT" not in text
+    per_gpu = float(next(line for line in text.splitlines() if "= per GPU" in line).split()[3])
+    assert 15 < per_gpu < 22.35  # GiB: more than the 4-bit base, within one 24 GB GPU
+    assert recipe.data.max_length == recipe.train.max_tokens == 4096
+    # FSDP2's byte model counts the 4-bit experts too (its units hold packed weights).
+    fsdp = plan(load_recipe("recipes/qwen3_30b_a3b_qlora.yaml", ["distributed.strategy=fsdp",
+                "distributed.offload_optimizer=none", "distributed.zero_stage=3"]), gpus=1, gpu_memory="24GB")  # fmt: skip
+    frozen_fsdp = next(i.bytes for i in fsdp.estimate.items if i.name == "frozen base weights")
+    assert 15 * 2**30 < frozen_fsdp < 16 * 2**30
+    # The same recipe with the experts left in bf16 would not: the 4-bit experts are what make it fit.
+    lora = plan(load_recipe("recipes/qwen3_30b_a3b_qlora.yaml", ["method.kind=lora", "method.quant_type=null"]),
+                gpus=1, gpu_memory="24GB").describe()  # fmt: skip
+    assert "the recipe as written DOES NOT FIT" in lora
 
 
 def test_the_expert_gradient_probe_stands_down_on_sharded_dtensor_parameters(tmp_path):
