@@ -144,8 +144,9 @@ def use_grouped_experts(model: torch.nn.Module, factored: bool | None = None) ->
     own choice stays, unsaid).
 
     `factored` None chooses by device: with CUDA, lorakit's grouped experts (grouped GEMM kernels make the
-    rank-r factors cheap, and no W + B A stack is kept for the backward: for Qwen3-30B-A3B in bf16 1.2 GB
-    per layer); on CPU, transformers' own experts path, measured faster there than the factored one
+    rank-r factors cheap, no weight gradient of the stack is formed, and no W + B A stack is kept for the
+    backward: for Qwen3-30B-A3B in bf16 1.2 GB per layer); on CPU, transformers' own experts path, which the
+    planner's CPU measurements model and which measured alike within noise
     (benchmarks/results/moe_experts.json: torch's CPU grouped matmul loops over the groups, and peft forms
     W + B A for its parametrization check either way)."""
     from peft.tuners.lora.layer import ParamWrapper
@@ -164,7 +165,7 @@ def use_grouped_experts(model: torch.nn.Module, factored: bool | None = None) ->
         how = "the loop over the experts" if own == "eager" else "torch's grouped matmul"
         return (
             f"experts: transformers' {own!r} path ({how}) through peft's W + B A per expert stack; lorakit's "
-            f"factored grouped experts ({NAME!r}) are chosen with CUDA only (slower on CPU: docs/moe.md)"
+            f"factored grouped experts ({NAME!r}) are chosen with CUDA only (docs/moe.md)"
         )
     base.set_experts_implementation(register())
     return (
