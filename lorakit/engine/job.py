@@ -91,6 +91,8 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
     say(batching.describe(plan, dist.world_size()))
     if moe_line := describe_moe(family_of(config), recipe.method, config):
         say(moe_line)
+    if built.experts:
+        say(built.experts)
     if built.is_encoder_decoder:
         say(decoder_start(config).describe(tokenizer))
     if recipe.method.adapter() and (towers_line := describe_towers(config, recipe.method.target_modules)):

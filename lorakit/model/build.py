@@ -17,6 +17,7 @@ from lorakit.model.families import Family, family_of
 from lorakit.model.families.moe import check_method
 from lorakit.model.families.start import start_generation_on_it
 from lorakit.model.families.unknown import loadable_class
+from lorakit.model.grouped_experts import use_grouped_experts
 from lorakit.model.inputs import ModelInputs
 from lorakit.model.load_plan import WHOLE, LoadPlan
 from lorakit.model.quantize import bnb_config, check_keep_in_fp32, keep_standard_4bit_layout, logical_numel
@@ -46,6 +47,8 @@ class BuiltModel:
     # method.init pissa / olora: the adapter as initialised (whole, on CPU), which save.py subtracts to
     # save an adapter for the original base (the init rewrote the base weights in place).
     initial_adapter: dict[str, torch.Tensor] | None = None
+    # LoRA on fused MoE experts: the run's line on the experts' path (lorakit.model.grouped_experts).
+    experts: str | None = None
 
 
 def no_safetensors_weights(error: OSError) -> bool:
@@ -137,6 +140,7 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
     set_attention_dropout(model, recipe.model.attention_dropout)
     if recipe.model.gradient_checkpointing:
         enable_checkpointing(model)
+    experts = None
     if recipe.method.adapter():
         # peft freezes the base (4-bit weights included). No prepare_model_for_kbit_training for qlora:
         # see quantize.py for what it would do and why it is not needed here.
@@ -150,6 +154,8 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
             model = get_peft_model(model, adapter_config)
         if getattr(adapter_config, "target_parameters", None):
             apply_linear_dropout(model, recipe.method)
+            # The one place the experts' path is chosen: grouped, with the LoRA factored per group.
+            experts = use_grouped_experts(model)
         if quantization is not None and family.moe is not None:
             from lorakit.model.quant_experts import experts_as_buffers
 
@@ -166,7 +172,9 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
         initial = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
     tokenizer = load_tokenizer(recipe, source)
     inputs = ModelInputs(config, attention, dtype, sp_group=sp_group, sp_world=sp, loss_head=loss_head)
-    return BuiltModel(model, tokenizer, source, attention, is_enc_dec, inputs, packing, hf_ds_config, initial)
+    return BuiltModel(
+        model, tokenizer, source, attention, is_enc_dec, inputs, packing, hf_ds_config, initial, experts
+    )
 
 
 def _moe_4bit_on_cpu(quantization, family: Family) -> dict[str, Any]:

@@ -41,3 +41,43 @@ def test_a_tiny_mixtral_run_logs_its_aux_loss_merges_verified_and_passes_the_doc
     assert result.checks[0].effect_visible
     report = run_doctor(recipe, quick=True, sections=("contracts",))
     assert report.ok, report.table()
+
+
+@pytest.mark.parametrize("kind", ("mixtral", "qwen3_moe", "olmoe"))
+@pytest.mark.slow
+def test_the_causal_quickstart_with_each_moe_model_trains_on_two_zero3_processes_and_merges_verified(
+    kind, cache_dir, tmp_path, monkeypatch
+):
+    """recipes/quickstart_causal.yaml with only the model changed (bf16, LoRA with dropout 0.05, 2 processes,
+    ZeRO-3; fewer examples and no generation to keep it short): it trains, says where dropout applies, which
+    experts path it took and that the experts received gradients; its adapter merges verified in bf16 (the
+    routing fixed), and a wrong merge (the delta twice) is refused. (The quick doctor in bf16 passes for each
+    family in test_doctor.py, and fails a wrong merge in tests/unit/test_moe_contracts.py.)"""
+    import lorakit
+    import lorakit.export.job as job
+    from lorakit.errors import VerificationError
+    from tests.conftest import RECIPES, run_cli
+    from tests.unit.test_moe_contracts import _scaled_merge
+
+    run_dir = tmp_path / "run"
+    proc = run_cli(
+        "lorakit.run",
+        RECIPES / "quickstart_causal.yaml",
+        f"model.name_or_path=tiny:{kind}",
+        "data.max_samples=48",
+        "eval.generate=false",
+        f"data.cache_dir={cache_dir}",
+        f"output.dir={run_dir}",
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert out.count("LoRA dropout 0.05 on the linear layers' adapters, none on the fused experts") == 1
+    assert out.count("experts: transformers' 'grouped_mm' path") == 1  # CPU: transformers' own experts path
+    assert out.count("received gradients in the first step") == 1
+    result = lorakit.merge(run_dir, tmp_path / "merged")
+    assert result.strategy == "memory" and all(c.passed for c in result.checks), result.checks
+    assert result.checks[0].effect_visible
+    monkeypatch.setattr(job, "_merge_weights", _scaled_merge)
+    with pytest.raises(VerificationError):
+        lorakit.merge(run_dir, tmp_path / "scaled")
+    assert not (tmp_path / "scaled").exists()

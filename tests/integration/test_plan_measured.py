@@ -26,7 +26,12 @@ SETUPS = {
     "t5-lora-zero3-ckpt": ("t5", "lora", 3, True),
     "t5-full-zero3": ("t5", "full", 3, False),
     "llama-qlora-zero2-packed-ckpt": ("llama", "qlora", 2, True),
+    # A small MoE shape (issue 57): LoRA on attention and the fused experts, router loss on.
+    "mixtral-lora-zero3-packed-ckpt": ("mixtral", "lora", 3, True),
 }
+# The MoE setup is held to 10% of its measured peak (issue 57; measured on its own 2026-11-28: plan 12.93 MB,
+# peak 12.96 MB, of which the tiled head is most: the tiny vocabulary), the others to PEAK_TOLERANCE.
+MOE_PEAK_TOLERANCE = 0.10
 # Measured from the CPU allocator (plan_fsdp_worker.py): FSDP2 resizes storages in place.
 FSDP_SETUPS = {"t5-lora-fsdp": ("t5", "lora", 3, False), "t5-full-fsdp-accum2": ("t5", "full", 3, False)}
 
@@ -38,7 +43,10 @@ def setup_recipe(cache: Path, out: Path, model: str, method: str, stage: int, ch
         # 14% under the measured peak of t5-full-zero3: the planner's CPU kernel model for packed T5 without
         # dropout is a known gap (on CUDA those rows run the fused kernels).
         attention = {"attention_dropout": 0.1}
-    if model == "llama":
+    if model == "mixtral":
+        # The tiled loss: untiled, the tiny vocabulary's logits are most of the peak, not the MoE layers.
+        attention = {"tiled_loss": True}
+    if model in ("llama", "mixtral"):
         data = {"format": "instruction", "packing": True, "max_length": 128}
         train["max_tokens"] = 512
     return tiny_recipe_dict(
@@ -114,7 +122,8 @@ def test_plan_is_within_tolerance_of_measured_memory(measured, name):
         (planned["gpu_allocated_bytes"], ours["peak"]),
         (planned["gpu_allocated_bytes"] - buffers, ours["peak"] - buffers),
     ):
-        assert abs(planned_peak - peak) <= PEAK_TOLERANCE * peak, (name, planned_peak, peak)
+        tolerance = MOE_PEAK_TOLERANCE if name.startswith("mixtral") else PEAK_TOLERANCE
+        assert abs(planned_peak - peak) <= tolerance * peak, (name, planned_peak, peak)
         assert planned_peak >= 0.95 * peak, (name, planned_peak, peak)
     # The plan was made for the micro-batch that was measured.
     shape = ours["shape"]
