@@ -6,22 +6,12 @@ kernels, so the base here is a wider tiny Llama (head_dim 64), as in test_vllm_e
 
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
 import torch
 
 from lorakit.evaluation.generate import generate_ids
 from lorakit.objectives.grpo_rollouts import completion_mask
 from lorakit.testing import build_tiny_model
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM"),
-]
-PROMPTS = ["The city council met on Tuesday", "A storm closed schools", "Prices rose again"]
-NEW = 12
+from tests.gpu.test_vllm_export import NEW, PROMPTS, pytestmark  # noqa: F401 (the same skips)
 
 
 class _Engine:

@@ -60,16 +60,23 @@ def _setup(tmp_path, **grpo):
     config = LoraConfig(
         r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False
     )
-    model = get_peft_model(base, config)
+    return _source(get_peft_model(base, config), tok, target=2, **grpo)
+
+
+def _source(model, tok, *, target: int, **grpo):
+    """(model, engine, source, settings): 8 prompts in micro-batches of 2, windows of 2, G = 4, up to 6 new
+    tokens, the length reward at `target`; prompts left-padded for a causal LM, right-padded for an
+    encoder-decoder."""
     texts = [f"Count to {n}:" for n in range(8)]
     rows = [{"prompt_ids": tok(t)["input_ids"], "prompt": t, "answer": str(i)} for i, t in enumerate(texts)]
+    left = not model.config.is_encoder_decoder
     loader = DataLoader(
         rows,
         batch_sampler=ResumableBatchSampler(_Batches(len(rows), 2)),
-        collate_fn=PromptCollator(tok.pad_token_id, True),
+        collate_fn=PromptCollator(tok.pad_token_id, left),
     )
-    section = {"num_generations": 4, "max_new_tokens": 6, "rewards": [{"name": "length", "target": 2}]} | grpo
-    settings = GrpoSection(**section)
+    length = {"name": "length", "target": target}
+    settings = GrpoSection(**({"num_generations": 4, "max_new_tokens": 6, "rewards": [length]} | grpo))
     engine = _Engine(model)
     source = RolloutSteps(
         loader, engine, settings, build_rewards(settings.rewards), tok, accumulation=2, seed=7

@@ -11,19 +11,14 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from torch.utils.data import DataLoader
 
-from lorakit.data.prompts import PromptCollator
-from lorakit.data.sampler import ResumableBatchSampler
 from lorakit.evaluation.generate import generate_ids
 from lorakit.model.families.start import decoder_start_token_id
 from lorakit.objectives.grpo_loss import policy_loss, rollout_log_probs
-from lorakit.objectives.grpo_rollouts import DONE, PASS, RolloutSteps
-from lorakit.objectives.grpo_settings import GrpoSection
-from lorakit.objectives.rewards import build_rewards
+from lorakit.objectives.grpo_rollouts import DONE, PASS
 from lorakit.testing import resolve_model_source
 from tests.unit.test_grpo_loss import _hand
-from tests.unit.test_grpo_rollouts import _Batches, _Engine, _optimizer
+from tests.unit.test_grpo_rollouts import _optimizer, _source
 
 TARGETS = {"t5": ["q", "v", "o"], "t5gemma": ["q_proj", "v_proj", "o_proj"]}
 
@@ -37,21 +32,7 @@ def _setup(cache_dir, kind="t5", **grpo):
     torch.manual_seed(0)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS[kind], init_lora_weights=False)
     # Dropout off (as GRPO trains): the first pass's ratio is then exactly 1.
-    model = get_peft_model(base, config).eval()
-    texts = [f"Count to {n}:" for n in range(8)]
-    rows = [{"prompt_ids": tok(t)["input_ids"], "prompt": t, "answer": str(i)} for i, t in enumerate(texts)]
-    loader = DataLoader(
-        rows,
-        batch_sampler=ResumableBatchSampler(_Batches(len(rows), 2)),
-        collate_fn=PromptCollator(tok.pad_token_id, left=False),
-    )
-    section = {"num_generations": 4, "max_new_tokens": 6, "rewards": [{"name": "length", "target": 3}]} | grpo
-    settings = GrpoSection(**section)
-    engine = _Engine(model)
-    source = RolloutSteps(
-        loader, engine, settings, build_rewards(settings.rewards), tok, accumulation=2, seed=7
-    )
-    return model, engine, source, settings
+    return _source(get_peft_model(base, config).eval(), tok, target=3, **grpo)
 
 
 def _label_log_probs(model, b) -> torch.Tensor:
@@ -67,9 +48,9 @@ def _label_log_probs(model, b) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["t5", "t5gemma"])
 def test_rollouts_are_the_decoders_rows_and_score_what_was_sampled(cache_dir, kind):
     model, engine, source, settings = _setup(cache_dir, kind, beta=0.1)
-    windows = list(source.windows(0, {}))
-    assert [w.position for w in windows] == [{DONE: 2, PASS: 0}, {DONE: 4, PASS: 0}]
-    b = windows[0].batches[0]
+    window = next(iter(source.windows(0, {})))  # made lazily: the second window is never sampled
+    assert window.position == {DONE: 2, PASS: 0} and not window.last
+    b = window.batches[0]
     start = decoder_start_token_id(model.config)
     assert b["input_ids"].shape[0] == b["completions"].shape[0] == 8
     assert (b["decoder_input_ids"][:, 0] == start).all()
