@@ -6,8 +6,6 @@ the source makes exactly the uninterrupted run's rollouts."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -18,7 +16,7 @@ from lorakit.objectives.grpo_loss import policy_loss, rollout_log_probs
 from lorakit.objectives.grpo_rollouts import DONE, PASS
 from lorakit.testing import resolve_model_source
 from tests.unit.test_grpo_loss import _hand
-from tests.unit.test_grpo_rollouts import _optimizer, _source
+from tests.unit.test_grpo_rollouts import _run, _source
 
 TARGETS = {"t5": ["q", "v", "o"], "t5gemma": ["q_proj", "v_proj", "o_proj"]}
 
@@ -110,49 +108,20 @@ def test_loss_and_lora_gradients_equal_the_hand_formula(cache_dir, kind):
     assert not wrong
 
 
-def _run(cache_dir, stop_after=None, resume=None, windows=None):
-    model, engine, source, settings = _setup(cache_dir, passes=2)
-    optimizer = _optimizer(model)
-    epoch, position = 0, {}
-    if resume is not None:
-        rank_state, weights, opt, epoch, position = resume
-        model.load_state_dict(weights, strict=False)
-        optimizer.load_state_dict(opt)
-        source.load_rank_state(rank_state)
-    seen, step = [], 0
-    for e in range(epoch, 1):
-        for w in source.windows(e, position if e == epoch else {}):
-            seen.append(torch.cat([b["completions"].flatten() for b in w.batches]))
-            tokens = sum(int(b["completion_mask"].sum()) for b in w.batches)
-            optimizer.zero_grad()
-            for b in w.batches:
-                logp = rollout_log_probs(engine, b)
-                policy_loss(
-                    logp, b["old_logp"], b["advantages"], b["completion_mask"], aggregation="dapo",
-                    epsilon=0.2, num_tokens=tokens,
-                ).loss.backward()  # fmt: skip
-            optimizer.step()
-            step += 1
-            if len(seen) == windows:
-                return seen, None
-            if step == stop_after:
-                weights = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
-                state = copy.deepcopy(optimizer.state_dict())
-                return seen, (source.rank_state(), weights, state, e, w.position)
-    return seen, None
-
-
 @pytest.mark.slow  # trains: 4 + 3 + 1 + 1 optimiser steps of rollouts
 def test_a_t5_run_resumed_mid_window_makes_the_uninterrupted_runs_rollouts(cache_dir):
-    whole, _ = _run(cache_dir)
+    def setup():
+        return _setup(cache_dir, passes=2)
+
+    whole, _ = _run(setup, epochs=1)
     # Step 3 ends the first pass of the second window: its second pass comes from rank_state.
-    first, saved = _run(cache_dir, stop_after=3)
+    first, saved = _run(setup, epochs=1, stop_after=3)
     assert saved[-1] == {DONE: 2, PASS: 1}
     assert {"pending.0.decoder_input_ids", "pending.0.completions"} <= set(saved[0])
-    rest, _ = _run(cache_dir, resume=saved)
+    rest, _ = _run(setup, epochs=1, resume=saved)
     assert len(first) + len(rest) == len(whole) == 4
     for got, want in zip(first + rest, whole, strict=True):
         assert torch.equal(got, want)
     # Without the rank_state the source samples other completions: the check above can fail.
-    other, _ = _run(cache_dir, resume=({}, *saved[1:]), windows=1)
+    other, _ = _run(setup, epochs=1, resume=({}, *saved[1:]), windows=1)
     assert not torch.equal(other[0], whole[3])
