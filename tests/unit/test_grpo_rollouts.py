@@ -6,6 +6,8 @@ the policy trained between windows by the GRPO loss."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader
@@ -13,7 +15,7 @@ from torch.utils.data import DataLoader
 from lorakit.data.prompts import PromptCollator
 from lorakit.data.sampler import ResumableBatchSampler
 from lorakit.evaluation.generate import generate_ids
-from lorakit.objectives.grpo_loss import completion_log_probs, policy_loss
+from lorakit.objectives.grpo_loss import completion_log_probs, policy_loss, rollout_log_probs
 from lorakit.objectives.grpo_rollouts import DONE, PASS, RolloutSteps, completion_mask
 from lorakit.objectives.grpo_settings import GrpoSection
 from lorakit.objectives.rewards import build_rewards
@@ -60,16 +62,23 @@ def _setup(tmp_path, **grpo):
     config = LoraConfig(
         r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False
     )
-    model = get_peft_model(base, config)
+    return _source(get_peft_model(base, config), tok, target=2, **grpo)
+
+
+def _source(model, tok, *, target: int, **grpo):
+    """(model, engine, source, settings): 8 prompts in micro-batches of 2, windows of 2, G = 4, up to 6 new
+    tokens, the length reward at `target`; prompts left-padded for a causal LM, right-padded for an
+    encoder-decoder."""
     texts = [f"Count to {n}:" for n in range(8)]
     rows = [{"prompt_ids": tok(t)["input_ids"], "prompt": t, "answer": str(i)} for i, t in enumerate(texts)]
+    left = not model.config.is_encoder_decoder
     loader = DataLoader(
         rows,
         batch_sampler=ResumableBatchSampler(_Batches(len(rows), 2)),
-        collate_fn=PromptCollator(tok.pad_token_id, True),
+        collate_fn=PromptCollator(tok.pad_token_id, left),
     )
-    section = {"num_generations": 4, "max_new_tokens": 6, "rewards": [{"name": "length", "target": 2}]} | grpo
-    settings = GrpoSection(**section)
+    length = {"name": "length", "target": target}
+    settings = GrpoSection(**({"num_generations": 4, "max_new_tokens": 6, "rewards": [length]} | grpo))
     engine = _Engine(model)
     source = RolloutSteps(
         loader, engine, settings, build_rewards(settings.rewards), tok, accumulation=2, seed=7
@@ -82,7 +91,7 @@ def _train_on(model, engine, window, settings, optimizer) -> None:
     tokens = sum(int(b["completion_mask"].sum()) for b in window)
     optimizer.zero_grad()
     for b in window:
-        logp = completion_log_probs(engine, b["input_ids"], b["attention_mask"], int(b["prompt_width"]))
+        logp = rollout_log_probs(engine, b)
         parts = policy_loss(
             logp,
             b["old_logp"],
@@ -131,27 +140,30 @@ def test_windows_hold_scored_groups_and_repeat_for_each_pass(tmp_path):
     assert not torch.allclose(b["ref_logp"], b["old_logp"], atol=1e-3)  # the adapter was off
 
 
-def _run(tmp_path, stop_after=None, resume=None):
-    model, engine, source, settings = _setup(tmp_path, passes=2)
+def _run(setup, epochs=2, stop_after=None, resume=None, windows=None):
+    """Train the source `setup()` makes for `epochs`, one optimiser step a window: the rollouts of every
+    window (their tokens), and after `stop_after` steps what a checkpoint keeps (rank_state, LoRA weights,
+    optimiser state, epoch, position), which `resume` hands back; `windows`: stop after that many."""
+    model, engine, source, settings = setup()
     optimizer = _optimizer(model)
     epoch, position = 0, {}
     if resume is not None:
-        state, rank_state, weights, opt, epoch, position = resume
+        rank_state, weights, opt, epoch, position = resume
         model.load_state_dict(weights, strict=False)
         optimizer.load_state_dict(opt)
         source.load_rank_state(rank_state)
     seen, step = [], 0
-    for e in range(epoch, 2):
+    for e in range(epoch, epochs):
         for w in source.windows(e, position if e == epoch else {}):
-            seen.append(torch.cat([b["input_ids"].flatten() for b in w.batches]))
+            seen.append(torch.cat([b["input_ids"].flatten() for b in w.batches] + [
+                b["completions"].flatten() for b in w.batches if "completions" in b]))  # fmt: skip
             _train_on(model, engine, w.batches, settings, optimizer)
             step += 1
-            if stop_after is not None and step == stop_after:
+            if len(seen) == windows:
+                return seen, None
+            if step == stop_after:
                 trainable = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
-                import copy
-
                 return seen, (
-                    None,
                     source.rank_state(),
                     trainable,
                     copy.deepcopy(optimizer.state_dict()),
@@ -162,15 +174,14 @@ def _run(tmp_path, stop_after=None, resume=None):
 
 
 def test_a_run_resumed_mid_window_makes_the_uninterrupted_runs_windows(tmp_path):
-    whole, _ = _run(tmp_path / "whole")
+    whole, _ = _run(lambda: _setup(tmp_path / "whole", passes=2))
     # Step 5 ends the first pass of epoch 1's first window: the rollouts' second pass comes from rank_state.
-    first, saved = _run(tmp_path / "a", stop_after=5)
-    assert saved[-1] == {DONE: 0, PASS: 1} and any(k.startswith("pending.") for k in saved[1])
-    rest, _ = _run(tmp_path / "b", resume=saved)
+    first, saved = _run(lambda: _setup(tmp_path / "a", passes=2), stop_after=5)
+    assert saved[-1] == {DONE: 0, PASS: 1} and any(k.startswith("pending.") for k in saved[0])
+    rest, _ = _run(lambda: _setup(tmp_path / "b", passes=2), resume=saved)
     assert len(first) + len(rest) == len(whole) == 8
     for got, want in zip(first + rest, whole, strict=True):
         assert torch.equal(got, want)
     # Without the rank_state the source samples other completions: the check above can fail.
-    model_state = (saved[0], {}, *saved[2:])
-    other, _ = _run(tmp_path / "c", resume=model_state)
-    assert not all(torch.equal(g, w) for g, w in zip(other, whole[5:], strict=True))
+    other, _ = _run(lambda: _setup(tmp_path / "c", passes=2), resume=({}, *saved[1:]), windows=1)
+    assert not torch.equal(other[0], whole[5])
