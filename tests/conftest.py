@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -134,6 +135,24 @@ def tiny_recipe(cache_dir: Path, out_dir: Path, **sections):
     from lorakit.recipe import recipe_from_dict
 
     return recipe_from_dict(tiny_recipe_dict(cache_dir, out_dir, **sections))
+
+
+def rows_recipe(
+    cache_dir: Path, tmp_path: Path, rows: list[dict], objective: str, model: str = "tiny:llama", **sections
+):
+    """tiny_recipe training `objective` on `rows` (written to tmp_path/rows.jsonl: data.source) without eval;
+    `sections` override keys (data's on top of the source)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sections["data"] = {"source": str(path), **sections.get("data", {})}
+    return tiny_recipe(
+        cache_dir,
+        tmp_path / "run",
+        model={"name_or_path": model},
+        train={"objective": objective},
+        eval={"enabled": False},
+        **sections,
+    )
 
 
 # How packed rows are isolated: per-example SDPA (what packed recipes load for sdpa), or explicit 4-D masks
