@@ -13,6 +13,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 
+# One OpenMP thread per process (the test processes and every process they start): tests run on 2 cores with
+# 2 xdist workers beside 2-process launches, where torch's default (a thread per core) oversubscribes the
+# cores and the tiny models' ops spend their time waiting for threads (one DPO unit test: 0.6 CPU-seconds
+# with 1 thread, 17-22 with 2, on a loaded machine). Before torch is imported; a value already set wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def run_cli(module: str, *args, timeout: float = 900, **options) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS...` from the repository root, output captured as text; `options` go to
@@ -80,6 +86,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     if "not slow" in (config.getoption("markexpr", "") or ""):
         sys.addaudithook(_record_launch)
+    if "torch" in sys.modules:  # imported before this file (by a plugin): OMP_NUM_THREADS came too late
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.hookimpl(tryfirst=True)
