@@ -21,7 +21,7 @@ import numpy as np
 
 from lorakit.data.caps import apply_policy, auto_cap, cap_ids, record, require_rows
 from lorakit.data.causal import check_tokenizer, encode_prompts
-from lorakit.data.chat import IGNORE_INDEX, ChatTurns, TemplateFailed, read_messages
+from lorakit.data.chat import IGNORE_INDEX, ChatTurns, TemplateFailed, encode_each, read_messages
 from lorakit.data.layouts import Collators, Layout
 from lorakit.data.rows import MESSAGES, SourceRows, required_columns
 from lorakit.data.templates import prompt_columns, render_prompt, rows_of
@@ -76,7 +76,7 @@ def _causal_pairs(src: SourceRows, recipe: Recipe, tokenizer) -> tuple[dict[str,
         return prompt, chosen, rejected, last_text(responses[0])
 
     names = ("prompt_ids", "chosen_ids", "rejected_ids", "reference")
-    return src.encode_each(rows, names, data.on_bad_rows, encode)
+    return encode_each(src, rows, names, data.on_bad_rows, encode)
 
 
 def _as_messages(value: str | list[dict], role: str) -> list[dict]:

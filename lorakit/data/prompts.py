@@ -24,7 +24,7 @@ import numpy as np
 
 from lorakit.data.caps import apply_policy, auto_cap, cap_ids, record, require_rows
 from lorakit.data.causal import chat_prompt, encode_prompts
-from lorakit.data.chat import read_messages
+from lorakit.data.chat import encode_each, read_messages
 from lorakit.data.layouts import Collators, Layout
 from lorakit.data.pairs import last_text, text_prompt, trl_prompt
 from lorakit.data.rows import SourceRows
@@ -83,7 +83,7 @@ def encode_prompts_of(
     def encode(i: int, r: dict) -> tuple:
         return (*chat_prompt(tokenizer, read_messages(r[data.messages_column]), src.where(i)), answers[i])
 
-    return src.encode_each(rows, ("prompt", "ids", "answer"), data.on_bad_rows, encode)
+    return encode_each(src, rows, ("prompt", "ids", "answer"), data.on_bad_rows, encode)
 
 
 class Prompts(Layout):

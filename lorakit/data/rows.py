@@ -15,7 +15,7 @@ from typing import Any
 import datasets
 import numpy as np
 
-from lorakit.data.chat import TemplateFailed, normalize_messages
+from lorakit.data.chat import normalize_messages
 from lorakit.data.templates import prompt_columns, target_columns
 from lorakit.errors import DataError
 from lorakit.recipe.schema import DataSection
@@ -117,31 +117,6 @@ class SourceRows:
         where = self.where.take(np.asarray(kept, dtype=np.int64))
         quoted = (self.quoted + refused)[:MAX_QUOTED]
         return SourceRows(self.rows.select(kept), where, self.skipped + len(refused), quoted, self.labels)
-
-    def encode_each(
-        self,
-        rows: list[dict],
-        columns: tuple[str, ...],
-        on_bad_rows: str,
-        encode: Callable[[int, dict], tuple],
-    ) -> tuple[dict[str, list], SourceRows]:
-        """`columns` of each row (`rows`: these rows as dicts) from `encode(i, row)`, one value per column, and
-        these rows less those whose chat template failed: each such TemplateFailed is raised under
-        data.on_bad_rows error, else the row is left out, counted and quoted (keeping)."""
-        out: dict[str, list] = {c: [] for c in columns}
-        kept, refused = [], []
-        for i, row in enumerate(rows):
-            try:
-                values = encode(i, row)
-            except TemplateFailed as e:
-                if on_bad_rows == "error":
-                    raise
-                refused.append(str(e))
-                continue
-            kept.append(i)
-            for column, value in zip(columns, values, strict=True):
-                out[column].append(value)
-        return out, self.keeping(kept, refused)
 
 
 _JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}

@@ -27,7 +27,7 @@ import numpy as np
 
 from lorakit.data.caps import apply_policy, auto_cap, cap_ids, record, require_rows
 from lorakit.data.causal import encode_prompts
-from lorakit.data.chat import ChatTurns, read_messages
+from lorakit.data.chat import ChatTurns, encode_each, read_messages
 from lorakit.data.layouts import Collators, Layout
 from lorakit.data.pairs import chat_pair, last_text, text_prompt, trl_prompt, with_eos
 from lorakit.data.rows import SourceRows
@@ -90,7 +90,7 @@ def _encode_chat(recipe, src: SourceRows, tokenizer) -> tuple[dict[str, list], S
         return prompt, ids, bool(r[kto.label_column]), last_text(completion)
 
     columns = ("prompt", OWN, "label", "reference")
-    return src.encode_each(rows_of(src.rows.to_dict()), columns, data.on_bad_rows, encode)
+    return encode_each(src, rows_of(src.rows.to_dict()), columns, data.on_bad_rows, encode)
 
 
 def _encode_seq2seq(recipe, tokenizer, rows: list[dict]) -> tuple[list[list[int]], list[list[int]]]:
