@@ -35,9 +35,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 PIPED = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}  # output read as text
 
 SPEC = load_spec("rehearsal")
-SHAPES = {
-    name: (s["family"], s.get("config", {})) for name, s in SPEC["shapes"].items()
-}  # name -> (family, config)
+SHAPES = {name: (s["family"], s.get("config", {})) for name, s in SPEC["shapes"].items()}  # (family, config)
 
 
 def model_config(family: str, tokenizer, **over):
