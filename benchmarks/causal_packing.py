@@ -1,7 +1,7 @@
 """Packed vs dynamically padded causal-LM training in lorakit: useful tokens per second over one epoch.
 
     python benchmarks/causal_packing.py [--repeats K] [--budgets 512,1024,2048,4096] [--sweep-repeats K]
-                                        [--max-tokens N] [--zero3-pair] [--smoke] [--output PATH] ...
+                                        [--max-tokens N] [--smoke] [--output PATH] ...
     python benchmarks/causal_packing.py --plot-only benchmarks/results/causal_packing.json
 
 The sides (specs/causal_packing.yaml) train the same tiny Llama on the same rows and differ only in how rows
@@ -35,9 +35,7 @@ def measure(bench) -> int:
     from lorakit.recipe import recipe_from_dict
 
     args, spec, log = bench.args, bench.spec, bench.log
-    sides = ["padded_random", "padded_grouped", "packed"]
-    sides += ["padded_random_zero3", "packed_zero3"] if args.zero3_pair else []
-    comparisons = spec["comparisons"] + (spec["zero3_comparisons"] if args.zero3_pair else [])
+    sides, comparisons = ["padded_random", "padded_grouped", "packed"], spec["comparisons"]
 
     def run(side: str, budget: int | None, label: str | None = None) -> dict:
         budget = budget if bench.packing(side) else None

@@ -4,7 +4,7 @@ with every process's private memory sampled and set against the planner's number
 
     python benchmarks/rehearsal.py --shape flan-t5-xl-2l --steps 20    # XL width, 2+2 layers
     python benchmarks/rehearsal.py --shape flan-t5-xl --steps 3         # the 2.85B FLAN-T5-XL shape
-    python benchmarks/rehearsal.py --shape llama3-8b-2l --merge-only    # Llama-3-8B width, 2 layers
+    python benchmarks/rehearsal.py --shape llama3-8b-2l --steps 20      # Llama-3-8B width, 2 layers
 
 Private memory is RssAnon (/proc/PID/status: no mmapped files). The phases (load, first step, steady state,
 save) come from the run's own records; the merge runs as its own process (benchmarks/README.md).
@@ -35,9 +35,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 PIPED = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}  # output read as text
 
 SPEC = load_spec("rehearsal")
-SHAPES = {
-    name: (s["family"], s.get("config", {})) for name, s in SPEC["shapes"].items()
-}  # name -> (family, config)
+SHAPES = {name: (s["family"], s.get("config", {})) for name, s in SPEC["shapes"].items()}  # (family, config)
 
 
 def model_config(family: str, tokenizer, **over):
@@ -261,7 +259,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default=None, help="what this run tried, for the plot's titles")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--work", type=Path, default=Path("/tmp/lorakit-rehearsal"))
-    p.add_argument("--merge-only", action="store_true", help="no training: merge a random adapter")
     p.add_argument("--merge-compare", action="store_true",
                    help="no training: a random adapter merged streaming and in memory in float32, compared "
                         "tensor for tensor, and streaming in bfloat16 with the logits check (the in-memory merge holds the model in float32: ~12 GiB at the full XL shape, 1.4 GiB at flan-t5-xl-2l)")  # fmt: skip
@@ -283,9 +280,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(built), flush=True)
     if args.merge_compare:
         result["merge_compare"] = merge_compare(model, args.work / args.shape / "compare", env)
-    elif args.merge_only:
-        adapter = _random_adapter(model, args.work / args.shape / "adapter")
-        result["merge"] = merge(adapter, args.work / args.shape / "merged", env, base=model)
     else:
         run = args.work / args.shape / "run"
         result["train"] = train(model, run, args.steps, args.override, env, SHAPES[args.shape][0])

@@ -49,16 +49,6 @@ _NOISE = {
 }
 
 
-class _DropMessages(logging.Filter):
-    def __init__(self, needles: tuple[str, ...]):
-        super().__init__()
-        self.needles = needles
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not any(n in message for n in self.needles)
-
-
 def verbose() -> bool:
     """Whether LORAKIT_VERBOSE asks for every library's own output."""
     return os.environ.get(VERBOSE_ENV, "").strip().lower() not in ("", "0", "false", "no")
@@ -72,10 +62,9 @@ def quiet_libraries() -> None:
         return
     for name in ("DeepSpeed", "deepspeed", "datasets", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    for name, needles in _NOISE.items():
-        # A filter on the named logger outlives the library's own setup of it (DeepSpeed sets its level and
-        # handler when it is imported, after this).
-        logging.getLogger(name).addFilter(_DropMessages(needles))
+    from lorakit.engine.agent import drop_messages
+
+    drop_messages(_NOISE)
     try:
         import datasets
 
@@ -150,6 +139,12 @@ def add_trust_options(p: argparse.ArgumentParser) -> None:
         help="let the run's recipe import MODULE (or a module inside that package), named by its "
         "train.objective_module or data.transform; repeatable. A recipe read back imports nothing else",
     )
+
+
+def grants(args) -> dict:
+    """What add_trust_options' flags grant, as keyword arguments (trust_remote_code, allow_pickle,
+    allow_code)."""
+    return options(args, "trust_remote_code", "allow_pickle", "allow_code")
 
 
 def options(args, *names: str, **renamed: str) -> dict:

@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from lorakit.callable_module import forward_calls
-from lorakit.cli import add_trust_options, options, quiet_libraries, run_cli
+from lorakit.cli import add_trust_options, grants, options, quiet_libraries, run_cli
 
 
 def parser() -> argparse.ArgumentParser:
@@ -33,8 +33,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     from lorakit.inference import evaluate
 
     quiet_libraries()
-    trust = options(args, "output", "device", "trust_remote_code", "allow_pickle", "allow_code")
-    result = evaluate(args.source, args.split, args.overrides, **trust)
+    result = evaluate(
+        args.source, args.split, args.overrides, **options(args, "output", "device"), **grants(args)
+    )
     where = f"{result.split} (held out of training)" if result.held_out else result.split
     print(f"split:    {where}, {result.rows} rows")
     print("eval:     " + ", ".join(f"{k}={v:.4f}" for k, v in result.metrics.items()))

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from lorakit.callable_module import forward_calls
-from lorakit.cli import add_dtype_option, add_trust_options, options, quiet_libraries, run_cli
+from lorakit.cli import add_dtype_option, add_trust_options, grants, options, quiet_libraries, run_cli
 
 
 def parser() -> argparse.ArgumentParser:
@@ -50,9 +50,8 @@ def _generate(args: argparse.Namespace) -> int:
     from lorakit.inference.generation import to_jsonl
 
     quiet_libraries()
-    names = ("output", "max_new_tokens", "num_beams", "batch_size", "device", "dtype", "trust_remote_code")
-    names += ("allow_pickle", "allow_code")
-    result = generate(args.source, args.input, **options(args, *names))
+    names = ("output", "max_new_tokens", "num_beams", "batch_size", "device", "dtype")
+    result = generate(args.source, args.input, **options(args, *names), **grants(args))
     if args.output is None:
         sys.stdout.write(to_jsonl(result.records))
     return 0

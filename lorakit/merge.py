@@ -8,7 +8,14 @@ import argparse
 import sys
 
 from lorakit.callable_module import forward_calls
-from lorakit.cli import add_dtype_option, add_trust_options, options, quiet_libraries, run_interruptible
+from lorakit.cli import (
+    add_dtype_option,
+    add_trust_options,
+    grants,
+    options,
+    quiet_libraries,
+    run_interruptible,
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -63,8 +70,7 @@ def _merge(args: argparse.Namespace) -> int:
 
     quiet_libraries()
     names = ("dtype", "max_shard_size", "base", "force", "tolerance", "compare_quantized", "strategy")
-    names += ("trust_remote_code", "allow_pickle", "allow_code")
-    merge(args.source, args.output, **options(args, *names, verify="verify_logits"))
+    merge(args.source, args.output, **options(args, *names, verify="verify_logits"), **grants(args))
     return 0
 
 

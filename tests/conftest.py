@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
+
+# One OpenMP thread per process (the test processes and every process they start): tests run on 2 cores with
+# 2 xdist workers beside 2-process launches, where torch's default (a thread per core) oversubscribes the
+# cores and the tiny models' ops spend their time waiting for threads (one DPO unit test: 0.6 CPU-seconds
+# with 1 thread, 17-22 with 2, on a loaded machine). Before torch is imported; a value already set wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def run_cli(module: str, *args, timeout: float = 900, **options) -> subprocess.CompletedProcess:
@@ -79,6 +86,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     if "not slow" in (config.getoption("markexpr", "") or ""):
         sys.addaudithook(_record_launch)
+    if "torch" in sys.modules:  # imported before this file (by a plugin): OMP_NUM_THREADS came too late
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -134,6 +143,24 @@ def tiny_recipe(cache_dir: Path, out_dir: Path, **sections):
     from lorakit.recipe import recipe_from_dict
 
     return recipe_from_dict(tiny_recipe_dict(cache_dir, out_dir, **sections))
+
+
+def rows_recipe(
+    cache_dir: Path, tmp_path: Path, rows: list[dict], objective: str, model: str = "tiny:llama", **sections
+):
+    """tiny_recipe training `objective` on `rows` (written to tmp_path/rows.jsonl: data.source) without eval;
+    `sections` override keys (data's on top of the source)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sections["data"] = {"source": str(path), **sections.get("data", {})}
+    return tiny_recipe(
+        cache_dir,
+        tmp_path / "run",
+        model={"name_or_path": model},
+        train={"objective": objective},
+        eval={"enabled": False},
+        **sections,
+    )
 
 
 # How packed rows are isolated: per-example SDPA (what packed recipes load for sdpa), or explicit 4-D masks

@@ -13,7 +13,7 @@ TARGETS = {"t5": ["q", "v"], "default": ["q_proj", "v_proj"]}
 
 
 def random_adapter(
-    kind: str, cache_dir: Path, out: Path, seed: int = 1, base: str | None = None, **lora
+    kind: str, cache_dir: Path, out: Path, seed: int = 1, base: str | None = None, scale: float = 0.3, **lora
 ) -> Path:
     """A LoRA adapter for tiny:`kind` (or the model directory `base`) in `out`; its base_model_name_or_path
     is that directory."""
@@ -24,12 +24,12 @@ def random_adapter(
     seq2seq = AutoConfig.from_pretrained(base).is_encoder_decoder
     model = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(base)
     lora.setdefault("target_modules", TARGETS.get(kind, TARGETS["default"]))
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, **lora))
+    peft_model = get_peft_model(model, LoraConfig(**{"r": 4, "lora_alpha": 8, **lora}))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
     peft_model.save_pretrained(str(out))
     return out
 

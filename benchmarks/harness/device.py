@@ -83,17 +83,9 @@ def t5_sdpa_backends(dtype) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import T5Config, T5ForConditionalGeneration
 
-    config = T5Config(
-        vocab_size=256,
-        d_model=256,
-        d_kv=64,
-        d_ff=512,
-        num_layers=1,
-        num_decoder_layers=1,
-        num_heads=4,
-        feed_forward_proj="gated-gelu",
-        decoder_start_token_id=0,
-    )
+    sizes = {"vocab_size": 256, "d_model": 256, "d_kv": 64, "d_ff": 512, "num_heads": 4}
+    layers = {"num_layers": 1, "num_decoder_layers": 1, "feed_forward_proj": "gated-gelu"}
+    config = T5Config(**sizes, **layers, decoder_start_token_id=0)
     model = T5ForConditionalGeneration._from_config(config, attn_implementation="sdpa", dtype=dtype).cuda()
     ids, labels = (
         torch.randint(1, 256, (4, 200), device="cuda"),
@@ -142,10 +134,8 @@ def build_weights(model_dir: str, dtype: str) -> dict:
     start = time.perf_counter()
     config = AutoConfig.from_pretrained(model_dir)
     # A second command on a still-warm machine finds the weights of the same config and dtype there.
-    marker, identity = (
-        Path(model_dir) / "built.json",
-        {"config": json.loads(config.to_json_string()), "dtype": dtype},
-    )
+    marker = Path(model_dir) / "built.json"
+    identity = {"config": json.loads(config.to_json_string()), "dtype": dtype}
     earlier = json.loads(marker.read_text()) if marker.is_file() else {}
     if earlier.get("identity") == identity:
         return dict(earlier["build"], reused=True, seconds=time.perf_counter() - start)

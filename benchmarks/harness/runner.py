@@ -43,14 +43,6 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def cuda_available() -> bool:
-    """Whether a CUDA device is here: its workers are not forked (DeepSpeed's import, in the server, initialises
-    CUDA, which a forked process cannot use)."""
-    import torch
-
-    return torch.cuda.is_available()
-
-
 class Runner:
     """Runs workers (`SCRIPT --worker KIND SPEC RESULT`) in fresh processes, one at a time, under one
     time budget, appending their output to one log.
@@ -72,7 +64,10 @@ class Runner:
         self.script, self.tmp, self.log_path = Path(script).resolve(), tmp, log_path
         self.deadline = time.monotonic() + budget
         self.zygote = None
-        if forked and not cuda_available():
+        import torch
+
+        # Not on CUDA: DeepSpeed's import, in the server, initialises CUDA, which a forked process cannot use.
+        if forked and not torch.cuda.is_available():
             # The doc tests' fork server (a smoke run is a test of the script): `python` there is a shim that
             # has a child of the warm server run the command, with this process's stdio, exit code and signals.
             from tests.docs.zygote import Zygote
@@ -111,9 +106,7 @@ class Runner:
         outlived `timeout`."""
         python, env = sys.executable, worker_env()
         if self.zygote is not None:
-            self.zygote.wait_ready(
-                timeout=120
-            )  # until then (or if it died) `python` starts a new interpreter
+            self.zygote.wait_ready(timeout=120)  # until then (or if it died) `python` is a new interpreter
             python, env = self.zygote.python, self.zygote.env
         own = {"stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}  # killed as a group
         proc = subprocess.Popen([python, str(self.script), *argv], cwd=ROOT, env=env, **own)
@@ -194,22 +187,16 @@ def ratios(runs: list[dict], meds: dict, comparisons, key_format: str = "{side}/
         r["useful_tokens_per_second"] = m["useful_tokens_per_second"] / b["useful_tokens_per_second"]
         r.update(paired_useful_tokens_per_second=paired, paired_median=statistics.median(paired))
         r["epoch_time_speedup"] = b["epoch_seconds"] / m["epoch_seconds"]
-        r.update(
-            {
-                k: m[k] / b[k]
-                for k in ("step_useful_tokens_per_second", "useful_tokens_per_cpu_second")
-                if k in m
-            }
-        )
+        for k in ("step_useful_tokens_per_second", "useful_tokens_per_cpu_second"):
+            r.update({k: m[k] / b[k]} if k in m else {})
         if "useful_tokens_per_cpu_second" in m:
             cpu = paired_ratios(runs, side, base, "useful_tokens_per_cpu_second")
             r["paired_useful_tokens_per_cpu_second"] = cpu
         r["padding_efficiency_ratio"] = m["padding_efficiency"] / b["padding_efficiency"]
         if "eval_loss" in m:
             r["eval_loss_difference"] = m["eval_loss"] - b["eval_loss"]
-            r["paired_eval_loss_differences"] = [
-                s["eval_loss"] - v["eval_loss"] for v, s in pairs(runs, side, base)
-            ]
+            diffs = [s["eval_loss"] - v["eval_loss"] for v, s in pairs(runs, side, base)]
+            r["paired_eval_loss_differences"] = diffs
         out[key_format.format(side=side, versus=base)] = r
     return out
 

@@ -46,6 +46,15 @@ def apply_policy(
     return np.arange(over.size), int(flagged.size), 0
 
 
+def policy_rows(ds, policy: str, over: np.ndarray, refusal: Callable[[int, int], str]):
+    """(rows, truncated count, dropped count) of the dataset `ds` under data.overlong `policy` (apply_policy):
+    `ds` itself when nothing is dropped (the truncated rows still to be cut by the layout)."""
+    if not np.any(over):
+        return ds, 0, 0
+    kept, truncated, dropped = apply_policy(policy, over, refusal)
+    return (ds.select(kept) if dropped else ds), truncated, dropped
+
+
 def require_rows(kept: int, message: str) -> None:
     """The DataError of a split that data.overlong drop left empty."""
     if kept == 0:

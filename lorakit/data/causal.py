@@ -13,7 +13,7 @@ from typing import Any
 import datasets
 import numpy as np
 
-from lorakit.data.caps import apply_policy, record, require_rows
+from lorakit.data.caps import policy_rows, record, require_rows
 from lorakit.data.chat import IGNORE_INDEX, ChatTurns, TemplateFailed, normalize_messages, read_messages
 from lorakit.data.rows import BAD_ROWS_DOC, MAX_QUOTED, SourceRows
 from lorakit.data.sources import SOURCE
@@ -202,20 +202,18 @@ def apply_overlong(
 ) -> tuple[datasets.Dataset, int, int]:
     """Apply data.overlong to rows longer than `cap`; returns (rows, truncated count, dropped count)."""
     lengths = np.asarray(ds["length"], dtype=np.int64)
-    over = lengths > cap
-    if not over.any():
-        return ds, 0, 0
-    kept, truncated, dropped = apply_policy(
+    ds, truncated, dropped = policy_rows(
+        ds,
         policy,
-        over,
+        lengths > cap,
         lambda i, n: (
             f"data.overlong is error: {where(i)} is {int(lengths[i])} tokens, longer than "
             f"the cap of {cap} ({cap_field}); {n} row(s) are over it. Raise {cap_field}, or set "
             "data.overlong: truncate or drop"
         ),
     )
-    if dropped:
-        return ds.select(kept), 0, dropped
+    if not truncated:
+        return ds, 0, dropped
 
     def cut(batch):
         ids = [x[:cap] for x in batch["input_ids"]]

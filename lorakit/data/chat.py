@@ -17,6 +17,7 @@ import bisect
 import copy
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -344,3 +345,26 @@ def _locate(full: str, m: dict, cursor: int, header: str, turn_end: str) -> tupl
             close = full.find(turn_end, start) if turn_end else -1
             return start, close + len(turn_end) if close >= 0 else start
     return None
+
+
+def encode_each(
+    src, rows: list[dict], columns: tuple[str, ...], on_bad_rows: str, encode: Callable[[int, dict], tuple]
+):
+    """`columns` of each row of `src` (a data.rows.SourceRows; `rows`: its rows as dicts) from
+    `encode(i, row)`, one value per column, and `src` less the rows whose chat template failed: each such
+    TemplateFailed is raised under data.on_bad_rows error, else the row is left out, counted and quoted
+    (SourceRows.keeping)."""
+    out: dict[str, list] = {c: [] for c in columns}
+    kept, refused = [], []
+    for i, row in enumerate(rows):
+        try:
+            values = encode(i, row)
+        except TemplateFailed as e:
+            if on_bad_rows == "error":
+                raise
+            refused.append(str(e))
+            continue
+        kept.append(i)
+        for column, value in zip(columns, values, strict=True):
+            out[column].append(value)
+    return out, src.keeping(kept, refused)

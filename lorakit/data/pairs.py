@@ -21,9 +21,9 @@ import numpy as np
 
 from lorakit.data.caps import apply_policy, auto_cap, cap_ids, record, require_rows
 from lorakit.data.causal import check_tokenizer, encode_prompts
-from lorakit.data.chat import IGNORE_INDEX, ChatTurns, TemplateFailed, read_messages
+from lorakit.data.chat import IGNORE_INDEX, ChatTurns, TemplateFailed, encode_each, read_messages
 from lorakit.data.layouts import Collators, Layout
-from lorakit.data.rows import MAX_QUOTED, MESSAGES, SourceRows, required_columns
+from lorakit.data.rows import MESSAGES, SourceRows, required_columns
 from lorakit.data.templates import prompt_columns, render_prompt, rows_of
 from lorakit.data.tokenize import Lengths
 from lorakit.errors import DataError
@@ -52,40 +52,31 @@ def with_eos(ids: list[int], eos: int) -> list[int]:
     return ids if ids[-1:] == [eos] else [*ids, eos]
 
 
-def _causal_pairs(src: SourceRows, recipe: Recipe, tokenizer) -> tuple[dict[str, list], list[str]]:
-    """Token ids of every pair of `src`; with data.on_bad_rows skip, pairs the chat template refuses are
-    left out and their reasons returned."""
+def _causal_pairs(src: SourceRows, recipe: Recipe, tokenizer) -> tuple[dict[str, list], SourceRows]:
+    """Token ids of every pair of `src`, and `src` less the pairs the chat template refuses (left out and
+    quoted under data.on_bad_rows skip)."""
     data, dpo = recipe.data, section_of(recipe)  # the dpo section, or orpo's (the same columns)
     eos = tokenizer.eos_token_id
     rows = rows_of(src.rows.to_dict())
-    out: dict[str, list] = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "reference": []}
-    refused: list[str] = []
     columns = (dpo.chosen_column, dpo.rejected_column)
     if data.format != "chat":
-        prompts = encode_prompts(tokenizer, [render_prompt(data, r) for r in rows])
+        out = {"prompt_ids": encode_prompts(tokenizer, [render_prompt(data, r) for r in rows])}
         for column, key in ((dpo.chosen_column, "chosen_ids"), (dpo.rejected_column, "rejected_ids")):
             texts = [r[column] for r in rows]
             ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
             out[key] = [with_eos(x, eos) for x in ids]
-        out["prompt_ids"], out["reference"] = prompts, [r[dpo.chosen_column] for r in rows]
-        return out, refused
+        out["reference"] = [r[dpo.chosen_column] for r in rows]
+        return out, src
     chat = ChatTurns(tokenizer)
-    for i, r in enumerate(rows):
+
+    def encode(i: int, r: dict) -> tuple:
         chat.where = src.where(i)
-        try:
-            prompt, responses = chat_pair(
-                chat, read_messages(r[data.messages_column]), [read_messages(r[c]) for c in columns]
-            )
-        except TemplateFailed as e:
-            if data.on_bad_rows == "error":
-                raise
-            refused.append(str(e))
-            continue
-        out["prompt_ids"].append(prompt)
-        out["chosen_ids"].append(responses[0])
-        out["rejected_ids"].append(responses[1])
-        out["reference"].append(last_text(read_messages(r[dpo.chosen_column])))
-    return out, refused
+        responses = [read_messages(r[c]) for c in columns]
+        prompt, (chosen, rejected) = chat_pair(chat, read_messages(r[data.messages_column]), responses)
+        return prompt, chosen, rejected, last_text(responses[0])
+
+    names = ("prompt_ids", "chosen_ids", "rejected_ids", "reference")
+    return encode_each(src, rows, names, data.on_bad_rows, encode)
 
 
 def _as_messages(value: str | list[dict], role: str) -> list[dict]:
@@ -129,7 +120,7 @@ def chat_pair(
     return prompt_ids or [], out
 
 
-def _seq2seq_pairs(src: SourceRows, recipe: Recipe, tokenizer) -> tuple[dict[str, list], list[str]]:
+def _seq2seq_pairs(src: SourceRows, recipe: Recipe, tokenizer) -> tuple[dict[str, list], SourceRows]:
     """Source and target ids of every pair of `src` (the tokenizer appends EOS, as T5's does)."""
     data, dpo = recipe.data, section_of(recipe)  # the dpo section, or orpo's (the same columns)
     rows = rows_of(src.rows.to_dict())
@@ -142,7 +133,7 @@ def _seq2seq_pairs(src: SourceRows, recipe: Recipe, tokenizer) -> tuple[dict[str
             with_eos(x, eos) for x in tokenizer([r[column] for r in rows], verbose=False)["input_ids"]
         ]
     out["reference"] = [r[dpo.chosen_column] for r in rows]
-    return out, []
+    return out, src
 
 
 def _over_causal(pairs: dict[str, list], cap: int) -> list[tuple[str, int, int, str] | None]:
@@ -267,11 +258,7 @@ class Pairs(Layout):
         tokenize = _seq2seq_pairs if enc_dec else _causal_pairs
         pairs = {}
         for k, src in raw.items():
-            pairs[k], refused = tokenize(src, recipe, tokenizer)
-            if refused:
-                raw[k] = SourceRows(
-                    src.rows, src.where, src.skipped + len(refused), (src.quoted + refused)[:MAX_QUOTED]
-                )
+            pairs[k], raw[k] = tokenize(src, recipe, tokenizer)
         lengths = _lengths(recipe, pairs, enc_dec, model_max)
         splits, overlong = {}, {"policy": recipe.data.overlong}
         for k, split in pairs.items():

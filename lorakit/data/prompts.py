@@ -24,7 +24,7 @@ import numpy as np
 
 from lorakit.data.caps import apply_policy, auto_cap, cap_ids, record, require_rows
 from lorakit.data.causal import chat_prompt, encode_prompts
-from lorakit.data.chat import TemplateFailed, read_messages
+from lorakit.data.chat import encode_each, read_messages
 from lorakit.data.layouts import Collators, Layout
 from lorakit.data.pairs import last_text, text_prompt, trl_prompt
 from lorakit.data.rows import SourceRows
@@ -79,20 +79,11 @@ def encode_prompts_of(
         texts = [render_prompt(data, r) for r in rows]
         ids = tokenizer(texts, verbose=False)["input_ids"] if enc_dec else encode_prompts(tokenizer, texts)
         return {"prompt": texts, "ids": ids, "answer": answers}, src
-    out: dict[str, list] = {"prompt": [], "ids": [], "answer": []}
-    kept, refused = [], []
-    for i, r in enumerate(rows):
-        try:
-            text, ids = chat_prompt(tokenizer, read_messages(r[data.messages_column]), src.where(i))
-        except TemplateFailed as e:
-            if data.on_bad_rows == "error":
-                raise
-            refused.append(str(e))
-            continue
-        kept.append(i)
-        for key, value in (("prompt", text), ("ids", ids), ("answer", answers[i])):
-            out[key].append(value)
-    return out, src.keeping(kept, refused)
+
+    def encode(i: int, r: dict) -> tuple:
+        return (*chat_prompt(tokenizer, read_messages(r[data.messages_column]), src.where(i)), answers[i])
+
+    return encode_each(src, rows, ("prompt", "ids", "answer"), data.on_bad_rows, encode)
 
 
 class Prompts(Layout):

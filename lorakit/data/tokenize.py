@@ -10,7 +10,7 @@ from typing import Any
 import datasets
 import numpy as np
 
-from lorakit.data.caps import apply_policy, record, require_rows
+from lorakit.data.caps import policy_rows, record, require_rows
 from lorakit.data.rows import SourceRows
 from lorakit.data.sources import SOURCE
 from lorakit.data.templates import fill, fit_prompts, prompt_columns, render_prompt, rows_of, target_columns
@@ -267,12 +267,10 @@ def apply_overlong(
     """Rows whose source or target is over its cap: kept for truncate_rows (truncate), removed (drop), or
     a DataError naming the first by file and line (error). Returns (rows, truncated count, dropped count)."""
     src, tgt = token_counts(ds, "input_ids"), token_counts(ds, "labels")
-    over = (src > lengths.max_source_length) | (tgt > lengths.max_target_length)
-    if not over.any():
-        return ds, 0, 0
-    kept, truncated, dropped = apply_policy(
+    return policy_rows(
+        ds,
         policy,
-        over,
+        (src > lengths.max_source_length) | (tgt > lengths.max_target_length),
         lambda i, n: (
             f"data.overlong is error: {where(i)} has a {int(src[i])}-token source "
             f"(data.max_source_length={lengths.max_source_length}) and a {int(tgt[i])}-token target "
@@ -280,7 +278,6 @@ def apply_overlong(
             "data.max_source_length / data.max_target_length, or set data.overlong: truncate or drop"
         ),
     )
-    return (ds.select(kept) if dropped else ds), truncated, dropped
 
 
 def prepare_seq2seq(

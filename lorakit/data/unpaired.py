@@ -27,7 +27,7 @@ import numpy as np
 
 from lorakit.data.caps import apply_policy, auto_cap, cap_ids, record, require_rows
 from lorakit.data.causal import encode_prompts
-from lorakit.data.chat import ChatTurns, TemplateFailed, read_messages
+from lorakit.data.chat import ChatTurns, encode_each, read_messages
 from lorakit.data.layouts import Collators, Layout
 from lorakit.data.pairs import chat_pair, last_text, text_prompt, trl_prompt, with_eos
 from lorakit.data.rows import SourceRows
@@ -82,23 +82,15 @@ def _encode_chat(recipe, src: SourceRows, tokenizer) -> tuple[dict[str, list], S
     the rows the chat template refuses (bad rows: skipped and counted, or the error under on_bad_rows error)."""
     data, kto = recipe.data, recipe.kto
     chat = ChatTurns(tokenizer)
-    out: dict[str, list] = {"prompt": [], OWN: [], "label": [], "reference": []}
-    kept, refused = [], []
-    for i, r in enumerate(rows_of(src.rows.to_dict())):
+
+    def encode(i: int, r: dict) -> tuple:
         chat.where = src.where(i)
         completion = read_messages(r[kto.completion_column])
-        try:
-            prompt, (ids,) = chat_pair(chat, read_messages(r[data.messages_column]), [completion])
-        except TemplateFailed as e:
-            if data.on_bad_rows == "error":
-                raise
-            refused.append(str(e))
-            continue
-        kept.append(i)
-        for key, value in (("prompt", prompt), (OWN, ids), ("label", bool(r[kto.label_column]))):
-            out[key].append(value)
-        out["reference"].append(last_text(completion))
-    return out, src.keeping(kept, refused)
+        prompt, (ids,) = chat_pair(chat, read_messages(r[data.messages_column]), [completion])
+        return prompt, ids, bool(r[kto.label_column]), last_text(completion)
+
+    columns = ("prompt", OWN, "label", "reference")
+    return encode_each(src, rows_of(src.rows.to_dict()), columns, data.on_bad_rows, encode)
 
 
 def _encode_seq2seq(recipe, tokenizer, rows: list[dict]) -> tuple[list[list[int]], list[list[int]]]:

@@ -29,7 +29,9 @@ _STOP_CHATTER = {
 }
 
 
-class _DropStopChatter(logging.Filter):
+class DropMessages(logging.Filter):
+    """Drops a logger's records whose message contains one of `needles`."""
+
     def __init__(self, needles: tuple[str, ...]):
         super().__init__()
         self.needles = needles
@@ -38,11 +40,17 @@ class _DropStopChatter(logging.Filter):
         return not any(n in record.getMessage() for n in self.needles)
 
 
+def drop_messages(table: dict[str, tuple[str, ...]]) -> None:
+    """Filter each named logger's messages that contain one of its needles; a filter on the logger outlives
+    the library's own setup of it (DeepSpeed sets its level and handler when it is imported, later)."""
+    for name, needles in table.items():
+        logging.getLogger(name).addFilter(DropMessages(needles))
+
+
 def quiet_stop_requests() -> None:
     """Keep torchrun's agent from logging a stop request it is handing on (the workers' checkpoint and the
     launcher's line say what happened); every other warning and error of the agent still shows."""
-    for name, needles in _STOP_CHATTER.items():
-        logging.getLogger(name).addFilter(_DropStopChatter(needles))
+    drop_messages(_STOP_CHATTER)
 
 
 def main(argv: list[str]) -> int:

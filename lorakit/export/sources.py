@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,24 +63,30 @@ class MergeSource:
         return str(self.path) if (self.path / TOKENIZER_FILE).is_file() else self.base_source
 
 
-def _read_recipe(
-    run_dir: Path, trust_remote_code: bool, allow_pickle: bool, allow_code: Collection[str]
-) -> tuple[Recipe, str]:
-    """The run's recipe.yaml as data (recipe/read_back.py): trust and code only as the caller grants."""
-    where = run_dir / rundir.RECIPE
-    text = where.read_text()
+def read_recipe_text(
+    text: str, where: Path, grants: dict[str, Any], fail: Callable[[LorakitError], LorakitError]
+) -> Recipe:
+    """A recipe.yaml's text as data (recipe/read_back.py) with only the caller's `grants` (trust_remote_code,
+    allow_pickle, allow_code): a recipe asking for more is refused (NotGranted); any other problem is raised
+    as `fail(the error)`."""
     try:
-        recipe = read_back_recipe(
-            text,
-            str(where),
-            trust_remote_code=trust_remote_code,
-            allow_pickle=allow_pickle,
-            allow_code=allow_code,
-        )
+        return read_back_recipe(text, str(where), **grants)
     except NotGranted:
         raise
     except LorakitError as e:
-        raise MergeError(f"{where}: cannot read the run's recipe: {e}") from e
+        raise fail(e) from e
+
+
+def _read_recipe(
+    run_dir: Path, trust_remote_code: bool, allow_pickle: bool, allow_code: Collection[str]
+) -> tuple[Recipe, str]:
+    """The run's recipe.yaml and its text: trust and code only as the caller grants."""
+    where = run_dir / rundir.RECIPE
+    text = where.read_text()
+    grants = {"trust_remote_code": trust_remote_code, "allow_pickle": allow_pickle, "allow_code": allow_code}
+    recipe = read_recipe_text(
+        text, where, grants, lambda e: MergeError(f"{where}: cannot read the run's recipe: {e}")
+    )
     return recipe, text
 
 

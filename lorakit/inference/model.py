@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorakit.errors import InferenceError, LorakitError, MergeError
-from lorakit.export.sources import MergeSource, locate
+from lorakit.errors import InferenceError, MergeError
+from lorakit.export.sources import MergeSource, locate, read_recipe_text
 from lorakit.recipe import Recipe
-from lorakit.recipe.read_back import NotGranted, read_back_recipe
 
 SOURCES_DOC = "docs/inference.md#sources"
 OPTIONS_DOC = "docs/inference.md#generate"
@@ -56,10 +55,9 @@ def find_trained(
     is no run directory, adapter directory or model directory. trust_remote_code, allow_pickle: the caller's;
     the recipe found there never grants them (refused when it asks for them), and imports only the modules
     of `allow_code` (recipe/read_back.py)."""
+    grants = {"trust_remote_code": trust_remote_code, "allow_pickle": allow_pickle, "allow_code": allow_code}
     try:
-        src = locate(
-            path, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, allow_code=allow_code
-        )
+        src = locate(path, **grants)
     except MergeError as e:
         raise InferenceError(str(e), doc=SOURCES_DOC) from e
     labels = ((src.summary or {}).get("data") or {}).get("labels")
@@ -71,20 +69,15 @@ def find_trained(
     card = read_card(src.path)
     if card.recipe_text is None:
         return Trained(src, None, None, card.labels, None)
-    try:
-        recipe = read_back_recipe(
-            card.recipe_text,
-            str(src.path / CARD),
-            trust_remote_code=trust_remote_code,
-            allow_pickle=allow_pickle,
-            allow_code=allow_code,
-        )
-    except NotGranted:
-        raise
-    except LorakitError as e:
-        raise InferenceError(
-            f"{src.path / CARD}: the recipe in the model card cannot be read: {e}", doc=SOURCES_DOC
-        ) from e
+    where = src.path / CARD
+    recipe = read_recipe_text(
+        card.recipe_text,
+        where,
+        grants,
+        lambda e: InferenceError(
+            f"{where}: the recipe in the model card cannot be read: {e}", doc=SOURCES_DOC
+        ),
+    )
     return Trained(src, recipe, f"the model card {src.path / CARD}", card.labels, None)
 
 

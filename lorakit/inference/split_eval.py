@@ -62,15 +62,9 @@ def evaluation_recipe(
             raw.setdefault("data", {}).update(eval_split=split, val_size=None)
 
     where = trained.run_dir / rundir.RECIPE
+    grants = {"trust_remote_code": trust_remote_code, "allow_pickle": allow_pickle, "allow_code": allow_code}
     recipe = read_back_recipe(
-        where.read_text(),
-        str(where),
-        overrides=overrides,
-        trust_remote_code=trust_remote_code,
-        allow_pickle=allow_pickle,
-        allow_code=allow_code,
-        reads_data=True,
-        adjust=adjust,
+        where.read_text(), str(where), overrides=overrides, reads_data=True, adjust=adjust, **grants
     )
     if recipe.data.eval_split is None:
         raise RecipeError(

@@ -79,29 +79,17 @@ def heads_to_sequence(x: torch.Tensor, group, world: int) -> torch.Tensor:
     return got.permute(1, 2, 0, 3, 4).reshape(b, t // world, world * h, d)
 
 
-def sequence_parallel_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs,
-):
-    """transformers attention function: (B, H, T/N, D) inputs of a split row -> ((B, T/N, H, D), None)."""
+def sequence_parallel_attention(module: torch.nn.Module, query, key, value, attention_mask, **kwargs):
+    """transformers attention function: (B, H, T/N, D) inputs of a split row -> ((B, T/N, H, D), None);
+    dropout, scaling and the rest go to varlen_sdpa_attention as transformers passes them."""
     from lorakit.model.varlen import varlen_sdpa_attention
 
     shard: SequenceShard | None = kwargs.pop(SEQUENCE_PARALLEL, None)
     if shard is None:
-        return varlen_sdpa_attention(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return varlen_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
     g, n = shard.group, shard.world
     q, k, v = (sequence_to_heads(t, g, n) for t in (query, key, value))
-    out, _ = varlen_sdpa_attention(
-        module, q, k, v, None, dropout=dropout, scaling=scaling, lorakit_segments=shard.bounds, **kwargs
-    )
+    out, _ = varlen_sdpa_attention(module, q, k, v, None, lorakit_segments=shard.bounds, **kwargs)
     return heads_to_sequence(out, g, n), None
 
 

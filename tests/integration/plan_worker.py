@@ -92,15 +92,23 @@ def write_result(out: Path, path: str, recipe, config, built, batching, batch, r
 
 def main(out: str, paths: list[str]) -> None:
     """Measure each recipe in order in one process group: FSDP2 recipes (distributed.strategy fsdp) with
-    plan_fsdp_worker.py's allocator profile, the others here (one launch for both saves its start-up)."""
+    plan_fsdp_worker.py's allocator profile, the others here (one launch for both saves its start-up). A
+    setup that raises is written as {"error": traceback}, so one failure hides no other setup."""
     import lorakit
+    from lorakit import dist
     from lorakit.engine.launch import process_group
     from tests.integration import plan_fsdp_worker
+    from tests.integration.worker_checks import failure
 
     with process_group("gloo"):
         for path in paths:
             fsdp = lorakit.load_recipe(path).distributed.strategy == "fsdp"
-            (plan_fsdp_worker.measure if fsdp else measure)(path, Path(out))
+            # A setup that raises (on every rank) is recorded, and the next one is measured all the same.
+            if error := failure(
+                lambda p=path, f=fsdp: (plan_fsdp_worker.measure if f else measure)(p, Path(out))
+            ):
+                error = {"error": error[-3000:]}
+                (Path(out) / f"{Path(path).stem}.rank{dist.rank()}.json").write_text(json.dumps(error))
 
 
 if __name__ == "__main__":

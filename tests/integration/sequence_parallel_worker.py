@@ -24,6 +24,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from tests.integration.worker_checks import failure
+
 # Examples of a packed row: the total is odd (one filler token pads it to a multiple of 2) and the second
 # example straddles the split. tiny:mistral's second example is longer than its 64-token sliding window.
 LENGTHS = {"mistral": (23, 81, 17)}
@@ -216,6 +218,14 @@ def check_engine(name: str, zero_stage: int, cache_dir: str, mesh) -> dict:
     return {"grad_rel_diff": worst, "grad_count": len(want)}
 
 
+def _recorded(fn, *args) -> dict:
+    """fn(*args), or {"error": its traceback} when it raises (on every rank, as these checks do), so that
+    the launch goes on to the next check and one failure hides no other."""
+    out = {}
+    error = failure(lambda: out.update(fn(*args) or {}))
+    return {"error": error[-3000:]} if error else out
+
+
 def main(cache_dir: str, out: str, kinds: list[str], recipes: list[str] = ()) -> None:
     """The checks of `kinds`, then lorakit.train of each recipe in order, in one process group (as
     qlora_worker.py trains them: one launch for both saves its start-up)."""
@@ -232,12 +242,12 @@ def main(cache_dir: str, out: str, kinds: list[str], recipes: list[str] = ()) ->
                 resolve_model_source(f"tiny:{kind}", cache_dir)
         dist.barrier()
         mesh = ParallelDims.build(2)
-        results = {kind: check(kind, cache_dir, mesh) for kind in kinds}
+        results = {kind: _recorded(check, kind, cache_dir, mesh) for kind in kinds}
         # ZeRO-2 with LoRA; ZeRO-3 with QLoRA (its 4-bit base loaded whole, then partitioned).
-        results["zero2"] = check_engine("llama", 2, cache_dir, mesh)
-        results["zero3-qlora"] = check_engine("llama-qlora", 3, cache_dir, mesh)
+        results["zero2"] = _recorded(check_engine, "llama", 2, cache_dir, mesh)
+        results["zero3-qlora"] = _recorded(check_engine, "llama-qlora", 3, cache_dir, mesh)
         # ZeRO-3 with full fine-tuning: the tiled loss's head weight trains and is partitioned.
-        results["zero3-full"] = check_engine("llama-full", 3, cache_dir, mesh)
+        results["zero3-full"] = _recorded(check_engine, "llama-full", 3, cache_dir, mesh)
         if mesh.rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f, indent=1)
@@ -248,8 +258,8 @@ def main(cache_dir: str, out: str, kinds: list[str], recipes: list[str] = ()) ->
 
             # DeepSpeed's view of this group, as lorakit joins it.
             deepspeed.init_distributed(dist_backend="gloo")
-            for path in recipes:
-                lorakit.train(lorakit.load_recipe(path))
+            for path in recipes:  # a run that fails leaves no summary.json: the tests of that run say so
+                failure(lambda p=path: lorakit.train(lorakit.load_recipe(p)))
     finally:
         dist.destroy_process_group()
 

@@ -4,12 +4,14 @@ on the run); full fine-tuning DPO on its cached reference, which learns and resu
 
 ORPO and KTO end to end: 2 processes on ZeRO-3 with a tiny Llama and LoRA, packed rows with the prompt
 once. ORPO reaches held-out preference accuracy above 80% on the builtin preference pairs; KTO's reward
-margin between desirable and undesirable held-out rows (builtin kto_rows) is positive and grows. Each run
-is then resumed from its middle checkpoint and repeats the uninterrupted run: the same step records and the
-same adapter.
+margin between desirable and undesirable held-out rows (builtin kto_rows) is positive and grows.
 
-The two DPO runs, the ORPO and KTO runs and then their resumed runs share one 2-process launch
-(qlora_worker.py trains recipes in order)."""
+The Llama DPO run and the ORPO and KTO runs train with LoRA dropout on; each is then resumed from its middle
+checkpoint in a fresh launch (new processes: nothing but the checkpoint carries the RNG streams and the
+optimizer state over) and must repeat the uninterrupted run: the same step records and the same adapter.
+
+The whole runs share one 2-process launch, the resumed runs a second (qlora_worker.py trains recipes in
+order; the second keeps going past a failed run, so one objective's failure hides no other's)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import lorakit
 from lorakit import rundir
@@ -27,7 +30,7 @@ from lorakit.objectives.alignment_settings import KTO_STEP_METRICS, ORPO_METRICS
 from lorakit.objectives.dpo_settings import DPO_METRICS
 from lorakit.recipe import recipe_from_dict
 from tests.conftest import ROOT, tiny_recipe_dict
-from tests.integration.qlora_worker import train_in_one_launch
+from tests.integration.qlora_worker import finished, train_in_one_launch
 from tests.integration.test_resume import _adapter
 
 # Steps of the 2-process runs, evaluated halfway and at the end: the tiny Llama's shared-prompt rows hold
@@ -41,6 +44,11 @@ ALIGNMENT_DATA = {
 # Steps, evaluated and checkpointed halfway and at the end.
 ALIGNMENT_STEPS = {"orpo": 6, "kto": 8}
 ALIGNMENT_KEYS = {"orpo": (*ORPO_METRICS, "nll", "log_odds_ratio"), "kto": KTO_STEP_METRICS}
+# Each objective's run resumed in a fresh launch (DPO's: the Llama run), its steps and its step metrics.
+RESUMED = {"dpo": ("llama", STEPS["llama"]), "orpo": ("orpo", 6), "kto": ("kto", 8)}
+RESUMED_KEYS = {"dpo": DPO_METRICS, **ALIGNMENT_KEYS}
+# LoRA dropout on the resumed runs: a resume that lost the RNG streams draws other masks.
+DROPOUT = 0.1
 
 
 def _alignment_recipe(cache_dir, out, objective: str) -> dict:
@@ -49,7 +57,7 @@ def _alignment_recipe(cache_dir, out, objective: str) -> dict:
         cache_dir,
         out,
         model={"name_or_path": "tiny:llama", "gradient_checkpointing": True},
-        method={"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
+        method={"r": 8, "alpha": 16, "dropout": DROPOUT, "target_modules": "all-linear"},
         data={
             **ALIGNMENT_DATA[objective],
             "prompt_template": "{input}\n",
@@ -91,38 +99,46 @@ def _recipe(cache_dir, out, kind: str, **sections):
     return recipe_from_dict(_recipe_dict(cache_dir, out, kind, **sections))
 
 
+def _zero3_dpo(cache_dir, out, kind: str) -> dict:
+    """A kind's DPO run on 2 processes, merged at the end; the Llama's with dropout on and checkpointed
+    halfway (it is DPO's resumed run)."""
+    steps = STEPS[kind]
+    llama = {"method": {"dropout": DROPOUT}, "checkpoint": {"every": steps // 2, "keep": 3}}
+    return _recipe_dict(
+        cache_dir,
+        out,
+        kind,
+        distributed={"num_processes": 2, "zero_stage": 3},
+        output={"merge": True},
+        train={"max_steps": steps},
+        eval={"every": steps // 2},
+        **(llama if kind == "llama" else {}),
+    )
+
+
 @pytest.fixture(scope="module")
-def two_process_runs(cache_dir, tmp_path_factory) -> Path:
+def two_process_runs(cache_dir, tmp_path_factory) -> tuple[Path, object]:
     """One launch (qlora_worker.py trains recipes in order): each kind's DPO run on ZeRO-3, merged at the
-    end; the ORPO and KTO runs; then each of those resumed from its middle checkpoint into a directory of its
-    own (as if it had stopped there). The folder holding their run directories."""
+    end; the ORPO and KTO runs. Then a second launch resumes the Llama DPO, ORPO and KTO runs from their
+    middle checkpoints, each into a directory of its own (as if it had stopped there). (The folder holding
+    the run directories, the second launch's finished process.)"""
     base = tmp_path_factory.mktemp("preference-zero3")
-    recipes = {
-        base / f"{kind}.yaml": _recipe_dict(
-            cache_dir,
-            base / kind,
-            kind,
-            distributed={"num_processes": 2, "zero_stage": 3},
-            output={"merge": True},
-            train={"max_steps": steps},
-            eval={"every": steps // 2},
-        )
-        for kind, steps in STEPS.items()
-    }
+    recipes = {base / f"{kind}.yaml": _zero3_dpo(cache_dir, base / kind, kind) for kind in STEPS}
     recipes |= {base / f"{o}.yaml": _alignment_recipe(cache_dir, base / o, o) for o in ALIGNMENT_STEPS}
-    for o, steps in ALIGNMENT_STEPS.items():
-        middle = base / o / "checkpoints" / f"step-{steps // 2:08d}"
-        resumed = _alignment_recipe(cache_dir, base / f"{o}-resumed", o)
-        resumed["train"]["resume"] = str(middle)
-        recipes[base / f"{o}-resumed.yaml"] = resumed
     train_in_one_launch(recipes, {"PYTHONPATH": str(ROOT)})
-    return base
+    resumes = {}
+    for objective, (name, steps) in RESUMED.items():
+        resumed = yaml.safe_load((base / f"{name}.yaml").read_text())
+        resumed["output"].update(dir=str(base / f"{objective}-resumed"), merge=False)
+        resumed["train"]["resume"] = str(base / name / "checkpoints" / f"step-{steps // 2:08d}")
+        resumes[base / f"{objective}-resumed.yaml"] = resumed
+    return base, train_in_one_launch(resumes, {"PYTHONPATH": str(ROOT)}, keep_going=True)
 
 
 @pytest.fixture(scope="module")
 def zero3_runs(two_process_runs) -> dict[str, Path]:
     """The run directory of each kind's 2-process ZeRO-3 DPO run."""
-    return {kind: two_process_runs / kind for kind in STEPS}
+    return {kind: two_process_runs[0] / kind for kind in STEPS}
 
 
 @pytest.mark.slow
@@ -137,7 +153,8 @@ def test_dpo_zero3_two_processes_learns_the_preference_and_merges(zero3_runs, tm
     for record in (*train, *evals):
         assert set(DPO_METRICS) <= set(record), record
     if kind == "llama":
-        # No dropout in the tiny Llama: before the first update the policy is its reference exactly.
+        # No dropout in the tiny Llama, and LoRA's B starts at zero (whatever its dropout): before the first
+        # update the policy is its reference exactly.
         assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
         assert train[0]["accuracy"] == 50.0 and train[0]["margin"] == 0.0
     summary = rundir.read_summary(run_dir)
@@ -240,33 +257,12 @@ def test_qlora_dpo_on_zero2_starts_at_its_reference_and_resumes_identically(cach
     assert all(torch.equal(again_adapter[k], adapter[k]) for k in adapter)
 
 
-@pytest.fixture(scope="module")
-def alignment_runs(two_process_runs) -> dict[str, dict]:
-    """Per objective: the whole run's records, summary, adapter and checkpoint steps, and the run resumed
-    from its middle checkpoint into a directory of its own (as if it had stopped there): `resumed` is its
-    summary, `again` its records (the steps after the checkpoint) and `again_adapter` its adapter."""
-    base = two_process_runs
-    out = {}
-    for objective in ALIGNMENT_STEPS:
-        run_dir, again = base / objective, base / f"{objective}-resumed"
-        out[objective] = {
-            "records": rundir.read_metrics(run_dir),
-            "summary": rundir.read_summary(run_dir),
-            "adapter": _adapter(run_dir),
-            "checkpoints": [c.step for c in complete_checkpoints(run_dir)],
-            "resumed": rundir.read_summary(again),
-            "again": rundir.read_metrics(again),
-            "again_adapter": _adapter(again),
-        }
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["orpo", "kto"])
-def test_orpo_and_kto_on_zero3_two_processes_learn_and_resume_identically(alignment_runs, objective):
+def test_orpo_and_kto_on_zero3_two_processes_learn(two_process_runs, objective):
     steps = ALIGNMENT_STEPS[objective]
-    whole = alignment_runs[objective]
-    records = whole["records"]
+    run_dir = two_process_runs[0] / objective
+    records = rundir.read_metrics(run_dir)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     # Halfway, the end, and (KTO's 160 rows) an epoch's end between.
@@ -276,23 +272,36 @@ def test_orpo_and_kto_on_zero3_two_processes_learn_and_resume_identically(alignm
         assert evals[-1]["accuracy"] > 80, evals
         assert train[-1]["nll"] < train[0]["nll"] and train[-1]["log_odds_ratio"] > train[0]["log_odds_ratio"]
     else:
-        # No dropout: before the first update the policy is its reference (rewards 0, loss 1/2 a row).
+        # LoRA's B starts at zero, so whatever the dropout, before the first update the policy is its
+        # reference (rewards 0, loss 1/2 a row).
         assert train[0]["loss"] == pytest.approx(0.5, abs=1e-5) and train[0]["kl"] == 0.0
         assert 0 < evals[0]["margin"] < evals[-1]["margin"], evals
         assert 0.2 < evals[-1]["desirable_share"] < 0.8 and evals[-1]["rewards/undesirable"] < 0
     # `orpo lambda=0.1`, `kto beta=0.1`
-    assert f"{objective} " in " ".join(whole["summary"]["method_options"])
-    adapter = whole["adapter"]
+    assert f"{objective} " in " ".join(rundir.read_summary(run_dir)["method_options"])
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", list(RESUMED))
+def test_a_preference_run_resumed_in_a_fresh_process_with_dropout_on_repeats_the_uninterrupted_run(
+    two_process_runs, objective
+):
+    base, launch = two_process_runs
+    name, steps = RESUMED[objective]
+    whole, again = base / name, base / f"{objective}-resumed"
+    finished(launch, again)
+    assert rundir.read_summary(whole)["objective"] == rundir.read_summary(again)["objective"] == objective
     # As if the run had stopped after its middle checkpoint: the run resumed from it repeats every later step.
-    found = whole["checkpoints"]
+    found = [c.step for c in complete_checkpoints(whole)]
     assert found[0] == steps // 2 and found[-1] == steps  # (KTO: and its epoch's end, step 6)
-    assert whole["resumed"]["resumed_from"]["step"] == steps // 2
-    again = [r for r in whole["again"] if r["kind"] == "train"]
-    later = [r for r in train if r["step"] > steps // 2]
-    assert [r["step"] for r in again] == list(range(steps // 2 + 1, steps + 1))
-    keys = ("step", "loss", "grad_norm", *ALIGNMENT_KEYS[objective])
-    assert [r[k] for r in again for k in keys] == pytest.approx([r[k] for r in later for k in keys], abs=1e-6)
-    again_adapter = whole["again_adapter"]
+    assert rundir.read_summary(again)["resumed_from"]["step"] == steps // 2
+    later = [r for r in rundir.read_metrics(whole) if r["kind"] == "train" and r["step"] > steps // 2]
+    resumed = [r for r in rundir.read_metrics(again) if r["kind"] == "train"]
+    assert [r["step"] for r in resumed] == list(range(steps // 2 + 1, steps + 1))
+    keys = ("step", "loss", "grad_norm", *RESUMED_KEYS[objective])
+    assert [r[k] for r in resumed for k in keys] == pytest.approx(
+        [r[k] for r in later for k in keys], abs=1e-6
+    )
+    adapter, again_adapter = _adapter(whole), _adapter(again)
     assert again_adapter.keys() == adapter.keys()
     assert all(torch.equal(again_adapter[k], adapter[k]) for k in adapter)

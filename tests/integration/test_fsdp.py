@@ -2,10 +2,13 @@
 the tiny Llama (tests/integration/qlora_worker.py), bitsandbytes' AVX512-BF16 branch forced
 (tests/bnb_layout.py; tests/unit/test_fsdp_qlora.py runs the other):
 
-- QLoRA on FSDP2 against the same recipe on DeepSpeed ZeRO-3 (dropout off): the same first-step loss; the
-  4-bit weights stay packed after sharding, each rank holding half of them (bytes per rank in summary.json);
-  the adapter saved whole, merged into the dequantized base and verified; evaluations between steps;
-- the same run resumed from its step-2 checkpoint ends exactly as the uninterrupted one;
+- QLoRA on FSDP2 against the same recipe on DeepSpeed ZeRO-3 (LoRA dropout on; LoRA's B starts at zero, so
+  the first step is dropout's whatever the masks): the same first-step loss; the 4-bit weights stay packed
+  after sharding, each rank holding half of them (bytes per rank in summary.json); the adapter saved whole,
+  merged into the dequantized base and verified; evaluations between steps;
+- the same run resumed from its step-2 checkpoint in a second launch (fresh processes: only the checkpoint
+  carries the sharded optimizer state and each rank's RNG over, and dropout draws from it) ends exactly as
+  the uninterrupted one;
 - DPO on FSDP2 with LoRA and with QLoRA learns the quickstart preference pairs as on ZeRO-3 (held-out
   accuracy above 90%, as tests/integration/test_dpo.py holds ZeRO-3 to).
 
@@ -23,7 +26,7 @@ import pytest
 from safetensors.torch import load_file
 
 from lorakit import rundir
-from tests.integration.qlora_worker import train_in_one_launch
+from tests.integration.qlora_worker import finished, train_in_one_launch
 from tests.integration.test_dpo import _recipe as dpo_recipe
 from tests.integration.test_qlora import FORCED_ENV, qlora_recipe
 
@@ -32,7 +35,7 @@ STEPS = 4
 
 def _qlora(cache_dir: Path, out: Path, strategy: str, **train) -> dict:
     raw = qlora_recipe(cache_dir, out, "llama", 3)
-    raw["method"]["dropout"] = 0.0
+    raw["method"]["dropout"] = 0.1
     raw["train"].update({"max_steps": STEPS, "epochs": 1, **train})
     raw["distributed"]["strategy"] = strategy
     raw["eval"].update({"every": 2, "generate": False})
@@ -62,12 +65,13 @@ def runs(cache_dir, tmp_path_factory) -> dict[str, Path]:
     recipes = {
         base / "fsdp.yaml": _qlora(cache_dir, dirs["fsdp"], "fsdp"),
         base / "zero3.yaml": _qlora(cache_dir, dirs["zero3"], "deepspeed", max_steps=1),
-        base / "resumed.yaml": _qlora(cache_dir, dirs["resumed"], "fsdp", resume=str(step2)),
         base / "dpo-lora.yaml": _dpo(cache_dir, dirs["dpo-lora"], "lora"),
         base / "dpo-qlora.yaml": _dpo(cache_dir, dirs["dpo-qlora"], "qlora"),
     }
     proc = train_in_one_launch(recipes, FORCED_ENV)
     print(proc.stdout[-2000:])
+    resumed = {base / "resumed.yaml": _qlora(cache_dir, dirs["resumed"], "fsdp", resume=str(step2))}
+    dirs["resumed-launch"] = train_in_one_launch(resumed, FORCED_ENV, keep_going=True)
     return dirs
 
 
@@ -76,7 +80,7 @@ def _losses(run: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_qlora_on_fsdp_keeps_4bit_shards_matches_zero3_merges_and_resumes(runs):
+def test_qlora_on_fsdp_keeps_4bit_shards_matches_zero3_and_merges(runs):
     fsdp, zero3 = rundir.read_summary(runs["fsdp"]), rundir.read_summary(runs["zero3"])
     assert json.loads((runs["fsdp"] / "fsdp_config.json").read_text())["mesh"] == {"shard": 2}
     assert fsdp["strategy"] == "fsdp" and fsdp["method"] == "qlora" and fsdp["steps"] == STEPS
@@ -101,7 +105,12 @@ def test_qlora_on_fsdp_keeps_4bit_shards_matches_zero3_merges_and_resumes(runs):
     assert fsdp["merged_dir"] and (Path(fsdp["merged_dir"]) / "config.json").is_file()
     assert "loss" in fsdp["eval"]
 
+
+@pytest.mark.slow
+def test_qlora_on_fsdp_resumed_in_a_fresh_process_with_dropout_on_repeats_the_run(runs):
+    adapter = load_file(str(runs["fsdp"] / "adapter" / "adapter_model.safetensors"))
     resumed = runs["resumed"]
+    finished(runs["resumed-launch"], resumed)
     assert rundir.read_summary(resumed)["resumed_from"]["step"] == 2
     after = {s: loss for s, loss in _losses(runs["fsdp"]).items() if s > 2}
     assert sorted(after) == [3, 4] and _losses(resumed) == pytest.approx(after, abs=1e-6)

@@ -89,6 +89,12 @@ def _measure(base: Path, cache: Path, setups: dict, worker: str, **extra) -> dic
     }
 
 
+def _ranks(measured: dict, name: str) -> list[dict]:
+    """Each rank's measurement of setup `name`; a setup whose measurement raised fails with its traceback."""
+    assert "error" not in measured[name][0], measured[name][0]["error"]
+    return measured[name]
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory, cache_dir):
     base = tmp_path_factory.mktemp("plan-measured")
@@ -112,7 +118,7 @@ def _resident(plan_recipe: dict) -> int:
 @pytest.mark.parametrize("name", [*SETUPS, *FSDP_SETUPS])
 def test_plan_is_within_tolerance_of_measured_memory(measured, name):
     # The plan (made on rank 0, for rank 0's micro-batch) is per rank.
-    ranks = measured[name]
+    ranks = _ranks(measured, name)
     ours, planned = ranks[0], ranks[0]["plan"]["recipe"]
     states = _resident(planned)
     assert abs(states - ours["rest"]) <= STATES_TOLERANCE * ours["rest"], (name, states, ours["rest"])
@@ -138,10 +144,10 @@ def test_bytes_per_parameter_and_zero2_bucket_show_in_the_measurement(measured):
     gradients + 4 master + 8 Adam) / 2 = 8 bytes per parameter between steps; ZeRO-2 allocates its whole
     reduce bucket however few parameters train, so lorakit sizes it hidden^2 (DeepSpeed's default, 5e8
     elements, was 1 GB in bf16 on a model of a few hundred thousand parameters), and the plan follows."""
-    full = measured["t5-full-zero3"][0]
+    full = _ranks(measured, "t5-full-zero3")[0]
     params = full["plan"]["total_params"]
     assert abs(full["rest"] - 8 * params) <= 0.01 * 8 * params
-    z2 = measured["llama-qlora-zero2-packed-ckpt"][0]
+    z2 = _ranks(measured, "llama-qlora-zero2-packed-ckpt")[0]
     bucket = next(i for i in z2["plan"]["recipe"]["items"] if "reduce buckets" in i["name"])
     assert 0 < bucket["bytes"] < 10**6
     assert z2["peak"] < 5 * 10**8 * 2 / 10

@@ -4,10 +4,13 @@ One torchrun launch of sequence_parallel_worker checks the model side on a fixed
 Llama, Qwen2 and Mistral (an example longer than its sliding window) (fp32, LoRA, gradient checkpointing
 tiled MLPs and tiled loss on the split model) and the tiny Llama fully fine-tuned: the same loss and the same gradients
 as the whole row on one rank, and packed examples kept apart across the split. The same launch then trains a recipe (ZeRO-3, checkpointing) with sequence_parallel 2
-to the end and resumed from its step-2 checkpoint, against the same recipe on one process (its MLPs, head
-and loss in tiles under ZeRO-3: model.tiled_mlp and model.tiled_loss are auto-on with sequence
-parallelism, off on one process), on a two-source mixture whose eval losses per source must agree too; the
-same launch trains one step of it on FSDP2 (strategy fsdp), whose loss must be one process's.
+to the end against the same recipe on one process (its MLPs, head and loss in tiles under ZeRO-3:
+model.tiled_mlp and model.tiled_loss are auto-on with sequence parallelism, off on one process), on a
+two-source mixture whose eval losses per source must agree too; the same launch trains one step of it on
+FSDP2 (strategy fsdp), whose loss must be one process's, and the recipe with LoRA dropout on, which a second
+launch (fresh processes: only the checkpoint carries each rank's RNG and the optimizer state over) resumes
+from its step-2 checkpoint and must end as it did. The worker records a check that raises and goes on, so
+one failure hides no other.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from lorakit import rundir
 from lorakit.engine.launch import torchrun_command
 from lorakit.recipe import recipe_from_dict
 from tests.conftest import ROOT, tiny_recipe_dict
+from tests.integration.qlora_worker import finished, train_in_one_launch
 from tests.unit.test_mixture import DIALOGUES, NEWS
 
 KINDS = ("llama", "qwen2", "mistral", "llama-full", "llama-qlora")
@@ -59,9 +63,15 @@ def measured(launched) -> dict:
     return launched[0]
 
 
+def _checked(measured: dict, name: str) -> dict:
+    """What the worker measured for `name`; a check that raised fails its own tests with its traceback."""
+    assert "error" not in measured[name], measured[name]["error"]
+    return measured[name]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_split_row_gives_the_whole_rows_loss_and_gradients(measured, kind):
-    m = measured[kind]
+    m = _checked(measured, kind)
     assert m["target_tokens_split"] == m["target_tokens_whole"] > 0
     assert m["loss_split"] == pytest.approx(m["loss_whole"], rel=1e-6)
     # LoRA: A and B of 7 linears x 2 layers; full fine-tuning: every weight of the tiny Llama.
@@ -75,13 +85,13 @@ def test_split_row_gives_the_whole_rows_loss_and_gradients(measured, kind):
 
 @pytest.mark.parametrize("engine", ["zero2", "zero3-qlora", "zero3-full"])
 def test_deepspeed_averages_the_split_rows_gradients(measured, engine):
-    m = measured[engine]
+    m = _checked(measured, engine)
     assert m["grad_count"] == (21 if engine.endswith("full") else 28) and m["grad_rel_diff"] < 1e-5
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_split_row_keeps_packed_examples_apart(measured, kind):
-    for changed, diff in measured[kind]["isolation"].items():
+    for changed, diff in _checked(measured, kind)["isolation"].items():
         assert diff["itself"] > 1e-2, changed  # the change is visible where it was made...
         assert diff["others"] < 1e-5, changed  # ...and nowhere else, on either rank
 
@@ -129,16 +139,35 @@ def _recipe_runs(cache_dir, base: Path) -> tuple[dict[str, Path], dict[Path, dic
     """One process, sequence_parallel 1 (trained here, in this process); and the recipes of the 2-process
     runs: sequence_parallel 2 to the end (merging), the same recipe resumed from the first run's step-2
     checkpoint, and one step on FSDP2. The run directories by name, and the recipes by YAML path."""
-    runs = {name: base / name for name in ("one", "split", "resumed", "split-fsdp")}
+    runs = {name: base / name for name in ("one", "split", "dropout", "split-fsdp")}
     lorakit.train(recipe_from_dict(_run_recipe(cache_dir, runs["one"], 1)))
-    step2 = runs["split"] / "checkpoints" / "step-00000002"
     recipes = {
         base / "split.yaml": _run_recipe(cache_dir, runs["split"], 2),
-        base / "resumed.yaml": _run_recipe(cache_dir, runs["resumed"], 2, resume=str(step2)),
         # FSDP2 with sequence parallelism: one step is enough to hold its loss to one process's.
         base / "split-fsdp.yaml": _run_recipe(cache_dir, runs["split-fsdp"], 2, "fsdp", max_steps=1),
+        base / "dropout.yaml": _dropout_recipe(cache_dir, runs["dropout"]),
     }
     return runs, recipes
+
+
+def _dropout_recipe(cache_dir, out: Path, **train) -> dict:
+    """The split run with LoRA dropout on (each rank draws the masks of its half of the row), without
+    evaluation or merge."""
+    raw = _run_recipe(cache_dir, out, 2, **train)
+    raw["method"]["dropout"] = 0.1
+    raw["eval"]["enabled"], raw["output"]["merge"] = False, False
+    return raw
+
+
+@pytest.fixture(scope="module")
+def resumed(cache_dir, sp_runs, tmp_path_factory):
+    """The dropout run resumed from its step-2 checkpoint in a launch of its own: (its directory, the
+    launch)."""
+    base = tmp_path_factory.mktemp("sp-resumed")
+    step2 = sp_runs["dropout"] / "checkpoints" / "step-00000002"
+    recipe = _dropout_recipe(cache_dir, base / "resumed", resume=str(step2))
+    launch = train_in_one_launch({base / "resumed.yaml": recipe}, {"PYTHONPATH": str(ROOT)}, keep_going=True)
+    return base / "resumed", launch
 
 
 @pytest.fixture(scope="module")
@@ -173,15 +202,19 @@ def test_sequence_parallel_on_fsdp_gives_one_process_first_step(sp_runs):
     assert fsdp[1] == pytest.approx(one[1], rel=1e-3)
 
 
-def test_a_split_run_resumes_identically_and_merges(sp_runs):
-    split, resumed = sp_runs["split"], sp_runs["resumed"]
-    summary = rundir.read_summary(resumed)
-    assert summary["resumed_from"]["step"] == 2 and summary["steps"] == STEPS
-    after = {s: loss for s, loss in _train_losses(split).items() if s > 2}
-    assert sorted(after) == [3]
-    assert {s: loss for s, loss in _train_losses(resumed).items() if s > 2} == pytest.approx(after, abs=1e-6)
-    a = load_file(str(split / "adapter" / "adapter_model.safetensors"))
-    b = load_file(str(resumed / "adapter" / "adapter_model.safetensors"))
-    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
-    merged = rundir.read_summary(split)["merged_dir"]
+def test_a_split_run_merges(sp_runs):
+    merged = rundir.read_summary(sp_runs["split"])["merged_dir"]
     assert (Path(merged) / "config.json").is_file() and list(Path(merged).glob("*.safetensors"))
+
+
+def test_a_split_run_with_dropout_resumed_in_a_fresh_process_repeats_the_run(sp_runs, resumed):
+    whole, (again, launch) = sp_runs["dropout"], resumed
+    finished(launch, again)
+    summary = rundir.read_summary(again)
+    assert summary["resumed_from"]["step"] == 2 and summary["steps"] == STEPS
+    after = {s: loss for s, loss in _train_losses(whole).items() if s > 2}
+    assert sorted(after) == [3]
+    assert {s: loss for s, loss in _train_losses(again).items() if s > 2} == pytest.approx(after, abs=1e-6)
+    a = load_file(str(whole / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(again / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6

@@ -16,14 +16,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def failure(fn: Callable[[], object]) -> str | None:
+    """Runs `fn`: None when it returns, else its traceback (printed too), so that the launch goes on."""
+    try:
+        fn()
+    except Exception:
+        traceback.print_exc()
+        return traceback.format_exc()
+    return None
+
+
 def run_checks(out: str | Path, checks: dict[str, Callable[[], None]]) -> None:
     """Runs each check in turn; one that raises leaves OUT/NAME.rankR.error (its traceback) and the next runs."""
     for name, check in checks.items():
-        try:
-            check()
-        except Exception:
-            traceback.print_exc()
-            Path(out, f"{name}.rank{os.environ.get('RANK', '0')}.error").write_text(traceback.format_exc())
+        if error := failure(check):
+            Path(out, f"{name}.rank{os.environ.get('RANK', '0')}.error").write_text(error)
 
 
 def check_ran(out: str | Path, name: str, launch_output: str = "") -> None:

@@ -80,6 +80,24 @@ def _loss_and_grads(model, loss_fn):
     return loss.detach(), grads
 
 
+def _setup(cache_dir, tmp_path, backend: str, model: str, seed: int):
+    """A tiny model built as training builds it, three random pairs for it and a DPO objective."""
+    built = training_config_model(cache_dir, tmp_path / "run", backend, name_or_path=f"tiny:{model}")
+    enc_dec = built.model.config.is_encoder_decoder
+    rows = _pairs(built.model.config.vocab_size, seed=seed, encoder_decoder=enc_dec)
+    return built, rows, DpoObjective(BETA, encoder_decoder=enc_dec)
+
+
+def _encoder_passes(model, fn):
+    """(fn's loss and gradients, how many times the encoder ran meanwhile)."""
+    calls = []
+    hook = model.get_encoder().register_forward_hook(lambda *_: calls.append(1))
+    try:
+        return _loss_and_grads(model, fn), len(calls)
+    finally:
+        hook.remove()
+
+
 def _assert_same(a, b):
     (loss_a, grads_a), (loss_b, grads_b) = a, b
     torch.testing.assert_close(loss_a, loss_b, atol=TOL, rtol=TOL)
@@ -90,10 +108,8 @@ def _assert_same(a, b):
 
 @pytest.mark.parametrize("backend", ["varlen_sdpa", "sdpa_mask"])
 def test_causal_dpo_matches_reference_and_packed_matches_padded(cache_dir, tmp_path, backend):
-    built = training_config_model(cache_dir, tmp_path / "run", backend, name_or_path="tiny:llama")
+    built, rows, objective = _setup(cache_dir, tmp_path, backend, "llama", seed=0)
     model = built.model
-    rows = _pairs(model.config.vocab_size, seed=0, encoder_decoder=False)
-    objective = DpoObjective(BETA, encoder_decoder=False)
 
     def run(collator):
         batch = collator(rows)
@@ -109,19 +125,12 @@ def test_causal_dpo_matches_reference_and_packed_matches_padded(cache_dir, tmp_p
 
 
 def test_t5_dpo_encodes_once_and_matches_reference(cache_dir, tmp_path):
-    built = training_config_model(cache_dir, tmp_path / "run", "sdpa_mask", name_or_path="tiny:t5")
+    built, rows, objective = _setup(cache_dir, tmp_path, "sdpa_mask", "t5", seed=1)
     model = built.model
-    rows = _pairs(model.config.vocab_size, seed=1, encoder_decoder=True)
-    objective = DpoObjective(BETA, encoder_decoder=True)
     batch = Seq2SeqPairCollator(0, model.config.decoder_start_token_id)(rows)
-    calls = []
-    hook = model.get_encoder().register_forward_hook(lambda *_: calls.append(1))
-    try:
-        ours = _loss_and_grads(model, lambda: objective.loss(model, built.inputs, batch, "cpu")[0])
-    finally:
-        hook.remove()
+    ours, passes = _encoder_passes(model, lambda: objective.loss(model, built.inputs, batch, "cpu")[0])
     # One encoder pass for the policy and one for the reference, each shared by both responses.
-    assert len(calls) == 2
+    assert passes == 2
     _assert_same(ours, _loss_and_grads(model, lambda: _reference(model, rows, True)))
 
 

@@ -11,28 +11,21 @@ import pytest
 import torch
 
 from lorakit.data.pair_collate import PackedSeq2SeqPairCollator, Seq2SeqPairCollator
-from lorakit.objectives.dpo import DpoObjective
-from tests.conftest import training_config_model
-from tests.unit.test_dpo import BETA, _assert_same, _loss_and_grads, _pairs
+from tests.unit.test_dpo import _assert_same, _encoder_passes, _loss_and_grads, _setup
 
 
 @pytest.mark.parametrize("backend", ["varlen_sdpa", "sdpa_mask"])
 def test_t5_dpo_packed_equals_padded_and_keeps_pairs_apart(cache_dir, tmp_path, backend):
-    built = training_config_model(cache_dir, tmp_path / "run", backend, name_or_path="tiny:t5")
+    built, rows, objective = _setup(cache_dir, tmp_path, backend, "t5", seed=5)
     model = built.model
-    rows = _pairs(model.config.vocab_size, seed=5, encoder_decoder=True)
-    objective = DpoObjective(BETA, encoder_decoder=True)
     start = model.config.decoder_start_token_id
     padded_batch = Seq2SeqPairCollator(0, start)(rows)
     packed_batch = PackedSeq2SeqPairCollator(None, None, start)(rows)
     assert packed_batch["input_ids"].shape == (1, sum(len(r["input_ids"]) for r in rows))
-    calls = []
-    hook = model.get_encoder().register_forward_hook(lambda *_: calls.append(1))
-    try:
-        packed = _loss_and_grads(model, lambda: objective.loss(model, built.inputs, packed_batch, "cpu")[0])
-    finally:
-        hook.remove()
-    assert len(calls) == 2  # the reference pass and the policy pass, each shared by both decoder rows
+    packed, passes = _encoder_passes(
+        model, lambda: objective.loss(model, built.inputs, packed_batch, "cpu")[0]
+    )
+    assert passes == 2  # the reference pass and the policy pass, each shared by both decoder rows
     padded = _loss_and_grads(model, lambda: objective.loss(model, built.inputs, padded_batch, "cpu")[0])
     # Padded equals the plain per-sequence computation (tests/unit/test_dpo.py), so packed does too.
     _assert_same(packed, padded)

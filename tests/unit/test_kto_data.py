@@ -5,8 +5,6 @@ rows); the planner counts KTO's and ORPO's passes through Objective.passes."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from lorakit.data import prepare_data
@@ -17,7 +15,7 @@ from lorakit.objectives import objective_type
 from lorakit.planner import plan
 from lorakit.recipe import load_recipe
 from lorakit.testing import build_tiny_tokenizer, tiny_config
-from tests.conftest import RECIPES, tiny_recipe
+from tests.conftest import RECIPES, rows_recipe, tiny_recipe
 
 ROWS = [
     {"prompt": "Describe a cat.", "completion": "A cat sits.", "label": True},
@@ -33,17 +31,8 @@ def tokenizer(tmp_path_factory):
 
 
 def _recipe(cache_dir, tmp_path, rows, **kto):
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return tiny_recipe(
-        cache_dir,
-        tmp_path / "run",
-        model={"name_or_path": "tiny:llama"},
-        data={"source": str(path), "input_column": "prompt", "prompt_template": "{input}\n"},
-        train={"objective": "kto"},
-        eval={"enabled": False},
-        kto=kto,
-    )
+    data = {"input_column": "prompt", "prompt_template": "{input}\n"}
+    return rows_recipe(cache_dir, tmp_path, rows, "kto", data=data, kto=kto)
 
 
 def test_rows_carry_their_label_and_a_mismatched_completion(cache_dir, tmp_path, tokenizer):
@@ -124,17 +113,8 @@ CHAT_ROWS = [
 
 
 def _chat_recipe(cache_dir, tmp_path, rows, **data):
-    path = tmp_path / "chat.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    chat = {"source": str(path), "format": "chat", "messages_column": "prompt", "chat_template": TEMPLATE}
-    return tiny_recipe(
-        cache_dir,
-        tmp_path / "run",
-        model={"name_or_path": "tiny:llama"},
-        data={**chat, "on_bad_rows": "skip", **data},
-        train={"objective": "kto"},
-        eval={"enabled": False},
-    )
+    chat = {"format": "chat", "messages_column": "prompt", "chat_template": TEMPLATE, "on_bad_rows": "skip"}
+    return rows_recipe(cache_dir, tmp_path, rows, "kto", data={**chat, **data})
 
 
 def test_chat_rows_render_through_the_template_and_refused_rows_are_bad_rows(cache_dir, tmp_path, tokenizer):

@@ -11,31 +11,18 @@ import lorakit
 from lorakit.errors import AdapterError, MergeError, RecipeError
 from lorakit.export.output import atomic_directory, parse_size
 from lorakit.recipe import recipe_from_dict
-from lorakit.testing import resolve_model_source
 from tests.conftest import tiny_recipe, tiny_recipe_dict
+from tests.export_fixtures import random_adapter
 
 
 def make_adapter(cache_dir: Path, out: Path, kind: str = "llama", scale: float = 0.05) -> Path:
     """A PEFT LoRA adapter on tiny:KIND with random non-zero lora_B (`scale` 0: as saved before training)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    source = resolve_model_source(f"tiny:{kind}", cache_dir)
     # peft draws lora_A from the global stream: seeded here, the adapter does not depend on which tests ran
     # before in this process (one order made the bf16 check's adapter effect 10.2% of the logits, not ~8%).
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = get_peft_model(
-            AutoModelForCausalLM.from_pretrained(source),
-            LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
-        )
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * scale)
-    model.save_pretrained(str(out))
-    return out
+        lora = {"target_modules": "all-linear", "task_type": "CAUSAL_LM"}
+        return random_adapter(kind, cache_dir, out, seed=0, scale=scale, **lora)
 
 
 def rewrite_weights(adapter: Path, change) -> None:

@@ -4,8 +4,6 @@ their start (causal) under data.overlong, and batches left-padded for a causal L
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from lorakit.data import prepare_data
@@ -15,7 +13,7 @@ from lorakit.errors import DataError
 from lorakit.objectives.grpo_settings import GRPO, GrpoSection
 from lorakit.recipe.known_objectives import register_spec, settings_model, unregister_spec
 from lorakit.testing import build_tiny_tokenizer, tiny_config
-from tests.conftest import tiny_recipe
+from tests.conftest import rows_recipe
 
 ROWS = [
     {"question": "What is 2 + 3?", "answer": "5"},
@@ -41,19 +39,9 @@ def tokenizer(tmp_path_factory):
 
 
 def _recipe(cache_dir, tmp_path, rows, model="tiny:llama", data=None, **grpo):
-    path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     section = {"answer_column": "answer", "rewards": [{"name": "exact_match"}]} | grpo
-    return tiny_recipe(
-        cache_dir,
-        tmp_path / "run",
-        model={"name_or_path": model},
-        data={"source": str(path), "input_column": "question", "prompt_template": "Q: {input}\nA:"}
-        | (data or {}),
-        train={"objective": "grpo"},
-        eval={"enabled": False},
-        grpo=section,
-    )
+    data = {"input_column": "question", "prompt_template": "Q: {input}\nA:"} | (data or {})
+    return rows_recipe(cache_dir, tmp_path, rows, "grpo", model, data=data, grpo=section)
 
 
 def test_text_prompts_carry_their_ids_and_answers(cache_dir, tmp_path, tokenizer):

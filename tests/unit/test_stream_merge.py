@@ -14,26 +14,14 @@ from lorakit.errors import MergeError
 from lorakit.export.shards import ShardWriter, check_written, plan_shards, shard_names
 from lorakit.export.stream import checkpoint_key
 from lorakit.testing import build_tiny_model, resolve_model_source
+from tests.export_fixtures import random_adapter
 from tests.unit.test_merge_checks import make_adapter
 
 
 def random_lora(base: str, out: Path, seq2seq: bool, **lora) -> Path:
     """A LoRA adapter (all linear layers) with random non-zero B on the model at `base`."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
-    auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
-    config = dict(
-        r=4, lora_alpha=8, target_modules="all-linear", task_type="SEQ_2_SEQ_LM" if seq2seq else None
-    )
-    model = get_peft_model(auto.from_pretrained(base), LoraConfig(**{**config, **lora}))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    model.save_pretrained(str(out))
-    return out
+    lora = {"target_modules": "all-linear", "task_type": "SEQ_2_SEQ_LM" if seq2seq else None, **lora}
+    return random_adapter("default", None, out, base=base, scale=0.05, **lora)
 
 
 def _state(directory: Path, seq2seq: bool) -> dict[str, torch.Tensor]:

@@ -22,7 +22,9 @@ Shape of the data, and why:
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 from lorakit.data.samples import SampleGenerator
 
@@ -85,118 +87,11 @@ def _time(rng: random.Random, evening: bool = False) -> str:
     return f"{rng.randint(1, 9)}{rng.choice(['', '', ':15', ':30', ':45'])} pm"
 
 
-# Fact kinds: a summary template and several exchanges that settle the same fact in different words.
-# An exchange is a list of (speaker, utterance): "A" does the thing, "B" is the other person in it. Every
-# slot of the summary is in each exchange, so the summary is determined by the chat.
-FACTS = {
-    "pickup": {
-        "summary": "{A} will pick {B} up from {place} at {time}.",
-        "chats": [
-            [("B", "can anyone pick me up from {place}? I'll be there at {time}"), ("A", "I can, no problem"), ("B", "thank you!!")],
-            [("A", "what time should I pick you up from {place}?"), ("B", "{time} would be great"), ("A", "ok, I'll be there")],
-            [("B", "I'm at {place} at {time} and my phone is almost dead"), ("A", "I'll pick you up, wait by the door"), ("B", "you're the best")],
-        ],
-    },
-    "meet": {
-        "summary": "{A} and {B} will meet at {venue} {day_phrase} at {time}.",
-        "chats": [
-            [("A", "are we still on for {day}?"), ("B", "yes! where?"), ("A", "{venue} at {time}?"), ("B", "perfect, see you there")],
-            [("B", "wanna meet up {day}?"), ("A", "sure, {venue}? {time}?"), ("B", "deal")],
-            [("A", "coffee {day}? I'm free after {time}"), ("B", "sounds good"), ("B", "{venue}?"), ("A", "yes, let's meet there at {time}")],
-        ],
-    },
-    "buy": {
-        "summary": "{A} will buy {n} {supplies} for {event}.",
-        "chats": [
-            [("B", "who's getting stuff for {event}?"), ("A", "I'll buy {n} {supplies}"), ("B", "great, thanks")],
-            [("A", "how many {supplies} do we need for {event}?"), ("B", "{n} should be enough"), ("A", "ok, I'll buy them after work")],
-        ],
-    },
-    "book": {
-        "summary": "{A} will book a table for {n} at {restaurant} {day_phrase} at {time}.",
-        "chats": [
-            [("B", "dinner {day}?"), ("A", "yes! I'll book a table at {restaurant}"), ("B", "we'll be {n}"), ("A", "ok, {time}?"), ("B", "perfect")],
-            [("A", "I'm calling {restaurant} now, table for {n} {day}, ok?"), ("B", "yes, but not before {time}"), ("A", "ok, I'll book it for {time}")],
-        ],
-    },
-    "owe": {
-        "summary": "{B} owes {A} {n} dollars for {paid}.",
-        "chats": [
-            [("A", "btw you owe me {n} dollars for {paid}"), ("B", "right, sorry! I'll send it tonight")],
-            [("B", "how much was {paid}?"), ("A", "{n} dollars"), ("B", "ok, I'll pay you back")],
-        ],
-    },
-    "late": {
-        "summary": "{A} will be {n} minutes late.",
-        "chats": [
-            [("A", "sorry, I'll be {n} minutes late"), ("B", "no worries")],
-            [("A", "running late, {n} minutes max"), ("B", "ok, we'll wait")],
-        ],
-    },
-    "late_reason": {
-        "summary": "{A} will be {n} minutes late because of {reason}.",
-        "chats": [
-            [("A", "ugh, {reason}..."), ("A", "I'll be {n} minutes late"), ("B", "no worries, we'll order drinks")],
-            [("B", "where are you?"), ("A", "sorry, {reason}, I'll be there in {n} minutes"), ("B", "ok")],
-        ],
-    },
-    "sick": {
-        "summary": "{A} is sick and won't come to {event}.",
-        "chats": [
-            [("A", "guys I'm sick :( I won't make it to {event}"), ("B", "oh no, get well soon!")],
-            [("B", "are you coming to {event}?"), ("A", "no, I'm sick, I have a fever"), ("B", "poor you, take care")],
-        ],
-    },
-    "lend": {
-        "summary": "{A} will lend {B} {object} until {weekday}.",
-        "chats": [
-            [("B", "do you still have {object}? can I borrow it?"), ("A", "sure, you can keep it until {weekday}"), ("B", "thanks a lot")],
-            [("A", "you can have {object} if you still need it"), ("B", "yes please! till {weekday}?"), ("A", "ok")],
-        ],
-    },
-    "send": {
-        "summary": "{A} will send {B} {document} {when}.",
-        "chats": [
-            [("B", "can you send me {document}?"), ("A", "yes, I'll send it {when}")],
-            [("A", "I still have to send you {document}"), ("A", "I'll do it {when}"), ("B", "thx")],
-        ],
-    },
-    "feed": {
-        "summary": "{A} will feed {B}'s {pet} {day_phrase}.",
-        "chats": [
-            [("B", "I'm away {day}, could someone feed my {pet}?"), ("A", "I'll do it"), ("B", "thanks! the key is under the mat")],
-            [("A", "do you need help with the {pet} {day}?"), ("B", "yes please, can you feed it?"), ("A", "sure")],
-        ],
-    },
-    "call": {
-        "summary": "{A} will call {B} {when}.",
-        "chats": [
-            [("B", "can we talk later?"), ("A", "sure, I'll call you {when}")],
-            [("A", "I'll call you {when}, ok?"), ("B", "ok")],
-        ],
-    },
-    "tickets": {
-        "summary": "{A} has bought {n} tickets for {show} {day_phrase}.",
-        "chats": [
-            [("A", "I got {n} tickets for {show}!!"), ("B", "omg when?"), ("A", "{day}, it starts at {time}")],
-            [("B", "did you get the tickets for {show}?"), ("A", "yes, {n} tickets for {day}"), ("B", "yay")],
-        ],
-    },
-    "passed": {
-        "summary": "{A} passed {test}.",
-        "chats": [
-            [("A", "I passed {test}!!!"), ("B", "congrats!! so proud of you")],
-            [("B", "so? how did {test} go?"), ("A", "passed :D"), ("B", "yesss")],
-        ],
-    },
-    "bring": {
-        "summary": "{A} will bring {object} to {event}.",
-        "chats": [
-            [("B", "can you bring {object} to {event}?"), ("A", "yes, sure")],
-            [("A", "I'll bring {object} to {event}"), ("B", "great idea")],
-        ],
-    },
-}  # fmt: skip
+# Fact kinds (data: dialogue_facts.json beside this file): a summary template and several exchanges that
+# settle the same fact in different words. An exchange is a list of [speaker, utterance]: "A" does the
+# thing, "B" is the other person in it. Every slot of the summary is in each exchange, so the summary is
+# determined by the chat.
+FACTS: dict[str, dict] = json.loads((Path(__file__).parent / "dialogue_facts.json").read_text())
 _FACT_KINDS = sorted(FACTS)
 
 # Small talk: exchanges between two random participants ("X" opens, "Y" answers), with other people's
