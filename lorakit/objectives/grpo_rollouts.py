@@ -15,6 +15,7 @@ last pass yet, so a resumed run trains exactly what the interrupted one would ha
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +26,8 @@ from lorakit.objectives.grpo_loss import adapter_off, completion_log_probs, grou
 from lorakit.objectives.rewards import score
 
 PASS = "passes_done"
+# rank_state's prefix of a pending rollout's per-function rewards.
+PART = "reward_parts."
 # Rollout tensors a checkpoint keeps of a window trained on some but not all of its passes.
 KEPT = (
     "input_ids",
@@ -49,11 +52,23 @@ class RolloutSteps:
     """GRPO's windows, made from the current weights (see the module docstring)."""
 
     def __init__(
-        self, loader, engine, settings, rewards, tokenizer, *, accumulation: int, seed: int, rank: int = 0
+        self,
+        loader,
+        engine,
+        settings,
+        rewards,
+        tokenizer,
+        *,
+        accumulation: int,
+        seed: int,
+        rank: int = 0,
+        world: int = 1,
     ):
         self.loader, self.engine, self.settings = loader, engine, settings
         self.rewards, self.tokenizer, self.accumulation = rewards, tokenizer, accumulation
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        self.seed, self.rank, self.world = seed, rank, world
+        self.generation_seconds = 0.0  # the last micro-batch's generate
         self.pending: list[dict[str, Any]] | None = None  # rollouts of a window mid-passes
 
     @property
@@ -80,7 +95,14 @@ class RolloutSteps:
             if first and self.pending is not None:
                 rollouts = self.pending
             else:
-                first, rollouts = 0, [self.rollout(b) for b in prompts]
+                first, rollouts = 0, []
+                for i, b in enumerate(prompts):
+                    # Sampling seeded by the micro-batch's place among every rank's in the epoch: the same
+                    # completions on 1 process or N (micro-batch j of a window here is rank j's there).
+                    index = (done + i) * self.world + self.rank
+                    self.generator.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_033 + index) % 2**63)
+                    made = self.rollout(b)
+                    rollouts.append(made | {"generation_seconds": self.generation_seconds})
             for k in range(first, passes):
                 self.pending = rollouts if k + 1 < passes else None
                 end = k + 1 == passes
@@ -93,6 +115,7 @@ class RolloutSteps:
         state = {"generator": self.generator.get_state()}
         for i, batch in enumerate(self.pending or []):
             state |= {f"pending.{i}.{k}": batch[k] for k in KEPT if k in batch}
+            state |= {f"pending.{i}.{PART}{k}": v for k, v in batch.get("reward_parts", {}).items()}
         return state
 
     def load_rank_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -104,6 +127,9 @@ class RolloutSteps:
             if key.startswith("pending."):
                 _, i, name = key.split(".", 2)
                 pending.setdefault(int(i), {})[name] = value
+        for batch in pending.values():
+            parts = [k for k in batch if k.startswith(PART)]
+            batch["reward_parts"] = {k.removeprefix(PART): batch.pop(k) for k in parts}
         self.pending = [_finish(pending[i]) for i in sorted(pending)] or None
 
     # One micro-batch of rollouts ------------------------------------------------------------------------
@@ -116,7 +142,8 @@ class RolloutSteps:
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            return self.engine.generate(
+            start = time.perf_counter()
+            out = self.engine.generate(
                 ids.to(device),
                 mask.to(device),
                 do_sample=True,
@@ -127,6 +154,8 @@ class RolloutSteps:
                 pad_token_id=tok.pad_token_id,
                 eos_token_id=tok.eos_token_id,
             )
+            self.generation_seconds = time.perf_counter() - start
+            return out
 
     def rollout(self, prompts: dict[str, Any]) -> dict[str, Any]:
         """G completions of every prompt of one micro-batch, scored: the batch the loss trains on."""

@@ -9,7 +9,7 @@ template), with an optional reference-answer column the rewards may compare agai
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -93,6 +93,18 @@ class GrpoSection(Section):
         1, ge=1, description="Optimisation passes over each batch of rollouts (ratio != 1 after the first)."
     )
     rewards: list[RewardEntry] = Field(min_length=1, description="Reward functions, weighted and summed.")
+
+    @classmethod
+    def named_code(cls, raw: Any) -> dict[str, str]:
+        """{field: `module:function`} of the user code a raw (unvalidated) grpo section names: the recipe's
+        trust rule (lorakit.recipe.read_back) asks the registry for it."""
+        entries = raw.get("rewards") if isinstance(raw, dict) else None
+        found = {}
+        for i, entry in enumerate(entries if isinstance(entries, list) else []):
+            name = entry.get("name") if isinstance(entry, dict) else None
+            if isinstance(name, str) and ":" in name:
+                found[f"rewards[{i}].name"] = name
+        return found
 
     def functions(self) -> list[str]:
         """The user reward functions named (`module:function`), in order."""
