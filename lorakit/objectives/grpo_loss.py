@@ -131,7 +131,8 @@ def completion_log_probs(
 def seq2seq_log_probs(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor, decoder_input_ids: torch.Tensor, targets
 ) -> torch.Tensor:
-    """(N, T) log-probabilities of an encoder-decoder's `targets` under teacher forcing."""
+    """(N, T) log-probabilities of an encoder-decoder's `targets` under teacher forcing: the prompt is the
+    encoder's input, `decoder_input_ids` the decoder start token followed by the targets shifted right."""
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -139,3 +140,18 @@ def seq2seq_log_probs(
         use_cache=False,
     ).logits
     return token_log_probs(logits, targets)
+
+
+def rollout_log_probs(model, batch: dict, device: torch.device | None = None) -> torch.Tensor:
+    """(N, T) log-probabilities of a rollout batch's completion tokens (lorakit.objectives.grpo_rollouts),
+    aligned with its `completion_mask`: a causal LM's from the tokens after `prompt_width`, an
+    encoder-decoder's (the batch has `decoder_input_ids`) from its decoder over `completions`."""
+
+    def on(name: str) -> torch.Tensor:
+        return batch[name].to(device) if device is not None else batch[name]
+
+    if "decoder_input_ids" in batch:
+        return seq2seq_log_probs(
+            model, on("input_ids"), on("attention_mask"), on("decoder_input_ids"), on("completions")
+        )
+    return completion_log_probs(model, on("input_ids"), on("attention_mask"), int(batch["prompt_width"]))

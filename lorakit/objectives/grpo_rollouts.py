@@ -9,7 +9,12 @@ too, the adapter switched off). The same rollouts are trained grpo.passes times,
 
 Position: {DONE: prompt micro-batches whose rollouts are fully trained, PASS: passes of the next window's
 rollouts already trained}. rank_state holds the generator and, mid-window, the rollouts not trained on their
-last pass yet, so a resumed run trains exactly what the interrupted one would have. Causal LMs only so far.
+last pass yet, so a resumed run trains exactly what the interrupted one would have.
+
+Causal LMs: prompts left-padded, a batch is prompt + completion in one row (`prompt_width` says where the
+completion starts). Encoder-decoders (FLAN-T5, T5Gemma): the prompt is the encoder's input (right-padded),
+generate returns the decoder's rows from its start token, and a batch keeps `completions` (the sampled
+tokens) and `decoder_input_ids` (the start token, then the completions shifted right) for teacher forcing.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import torch
 
 from lorakit.engine.steps import DONE, StepPlan, Window, accumulation_windows
-from lorakit.objectives.grpo_loss import adapter_off, completion_log_probs, group_advantages
+from lorakit.objectives.grpo_loss import adapter_off, group_advantages, rollout_log_probs
 from lorakit.objectives.rewards import score
 
 PASS = "passes_done"
@@ -38,6 +43,8 @@ KEPT = (
     "advantages",
     "rewards",
     "prompt_width",
+    "decoder_input_ids",
+    "completions",
 )
 
 
@@ -63,13 +70,19 @@ class RolloutSteps:
         seed: int,
         rank: int = 0,
         world: int = 1,
+        generation=None,
     ):
         self.loader, self.engine, self.settings = loader, engine, settings
+        # What samples the completions: the Engine (its generate), or one with begin()/end() around each
+        # window and the same generate (lorakit.objectives.grpo_vllm.VllmRollouts).
+        self.generation = engine if generation is None else generation
         self.rewards, self.tokenizer, self.accumulation = rewards, tokenizer, accumulation
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
         self.seed, self.rank, self.world = seed, rank, world
         self.generation_seconds = 0.0  # the last micro-batch's generate
         self.pending: list[dict[str, Any]] | None = None  # rollouts of a window mid-passes
+        config = getattr(getattr(engine, "module", None), "config", None)
+        self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
 
     @property
     def micro_batches_per_epoch(self) -> int:
@@ -95,14 +108,7 @@ class RolloutSteps:
             if first and self.pending is not None:
                 rollouts = self.pending
             else:
-                first, rollouts = 0, []
-                for i, b in enumerate(prompts):
-                    # Sampling seeded by the micro-batch's place among every rank's in the epoch: the same
-                    # completions on 1 process or N (micro-batch j of a window here is rank j's there).
-                    index = (done + i) * self.world + self.rank
-                    self.generator.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_033 + index) % 2**63)
-                    made = self.rollout(b)
-                    rollouts.append(made | {"generation_seconds": self.generation_seconds})
+                first, rollouts = 0, self._rollouts(prompts, epoch, done)
             for k in range(first, passes):
                 self.pending = rollouts if k + 1 < passes else None
                 end = k + 1 == passes
@@ -132,6 +138,32 @@ class RolloutSteps:
             batch["reward_parts"] = {k.removeprefix(PART): batch.pop(k) for k in parts}
         self.pending = [_finish(pending[i]) for i in sorted(pending)] or None
 
+    @property
+    def generated_by(self) -> str:
+        """Which engine generates the rollouts, as the run reports it: `engine`, or the generation's own."""
+        describe = getattr(self.generation, "describe", None)
+        return describe() if describe is not None and self.generation is not self.engine else "engine"
+
+    def _rollouts(self, prompts: list[dict[str, Any]], epoch: int, done: int) -> list[dict[str, Any]]:
+        if self.generation is self.engine:
+            return self._made(prompts, epoch, done)
+        self.generation.begin()
+        try:
+            return self._made(prompts, epoch, done)
+        finally:
+            self.generation.end()
+
+    def _made(self, prompts: list[dict[str, Any]], epoch: int, done: int) -> list[dict[str, Any]]:
+        rollouts = []
+        for i, b in enumerate(prompts):
+            # Sampling seeded by the micro-batch's place among every rank's in the epoch: the same
+            # completions on 1 process or N (micro-batch j of a window here is rank j's there).
+            index = (done + i) * self.world + self.rank
+            self.generator.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_033 + index) % 2**63)
+            made = self.rollout(b)
+            rollouts.append(made | {"generation_seconds": self.generation_seconds})
+        return rollouts
+
     # One micro-batch of rollouts ------------------------------------------------------------------------
 
     def _sample(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -143,7 +175,7 @@ class RolloutSteps:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             start = time.perf_counter()
-            out = self.engine.generate(
+            out = self.generation.generate(
                 ids.to(device),
                 mask.to(device),
                 do_sample=True,
@@ -164,7 +196,8 @@ class RolloutSteps:
         mask = prompts["attention_mask"].repeat_interleave(g, dim=0)
         width = ids.shape[1]
         out = self._sample(ids, mask).cpu()
-        completions = out[:, width:]
+        # An encoder-decoder's rows are its decoder's: the start token, then the completion.
+        completions = out[:, 1:] if self.encoder_decoder else out[:, width:]
         cmask = completion_mask(completions, self.tokenizer.eos_token_id)
         texts = self.tokenizer.batch_decode(
             [c[: int(n)] for c, n in zip(completions, cmask.sum(1), strict=True)], skip_special_tokens=True
@@ -181,32 +214,39 @@ class RolloutSteps:
         total, per = score(self.rewards, texts, rows, wheres)
         rewards = torch.tensor(total, dtype=torch.float32)
         advantages, flat = group_advantages(rewards, g, s.scale_rewards)
-        batch = {
-            "input_ids": torch.cat([ids, completions], dim=1),
-            "attention_mask": torch.cat([mask, cmask], dim=1),
+        if self.encoder_decoder:
+            tokens = {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": out[:, :-1]}
+            tokens["completions"] = completions
+        else:
+            tokens = {
+                "input_ids": torch.cat([ids, completions], dim=1),
+                "attention_mask": torch.cat([mask, cmask], dim=1),
+                "prompt_width": torch.tensor(width),
+            }
+        batch = tokens | {
             "completion_mask": cmask,
             "advantages": advantages,
             "rewards": rewards,
-            "prompt_width": torch.tensor(width),
             "reward_parts": {k: torch.tensor(v) for k, v in per.items()},
             "zero_variance_groups": flat,
         }
         device = self.engine.device
-        args = (batch["input_ids"].to(device), batch["attention_mask"].to(device), width)
         with torch.no_grad():
-            batch["old_logp"] = completion_log_probs(self.engine, *args).cpu()
+            batch["old_logp"] = rollout_log_probs(self.engine, batch, device).cpu()
         if s.beta:
             with adapter_off(self.engine):
-                batch["ref_logp"] = completion_log_probs(self.engine, *args).cpu()
+                batch["ref_logp"] = rollout_log_probs(self.engine, batch, device).cpu()
         return _finish(batch)
 
 
 def _finish(batch: dict[str, Any]) -> dict[str, Any]:
     """The loop's counts of a rollout batch (what its meters read)."""
     cmask, mask = batch["completion_mask"], batch["attention_mask"]
+    # An encoder-decoder's rows are the prompt (encoder) plus the completion (decoder).
+    decoder = "decoder_input_ids" in batch
     return batch | {
         "num_target_tokens": int(cmask.sum()),
-        "num_real_tokens": int(mask.sum()),
-        "num_token_slots": mask.numel(),
+        "num_real_tokens": int(mask.sum()) + (int(cmask.sum()) if decoder else 0),
+        "num_token_slots": mask.numel() + (cmask.numel() if decoder else 0),
         "num_examples": mask.shape[0],
     }

@@ -93,6 +93,20 @@ class GrpoSection(Section):
         1, ge=1, description="Optimisation passes over each batch of rollouts (ratio != 1 after the first)."
     )
     rewards: list[RewardEntry] = Field(min_length=1, description="Reward functions, weighted and summed.")
+    rollout_engine: Literal["engine", "vllm"] = Field(
+        "engine",
+        description="What generates the rollouts: engine (the training Engine's own generate, every backend, "
+        "CPU too) or vllm (extra lorakit[vllm], CUDA, causal LMs; vLLM is sent only the adapter each step).",
+    )
+    vllm_server: str | None = Field(
+        None,
+        description="rollout_engine vllm: URL of a vLLM server (vllm serve BASE --enable-lora, with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) that is sent the adapter and the prompts; None: a vLLM engine "
+        "colocated with each training process, asleep while it trains.",
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0, lt=1, description="Colocated vLLM: the share of its GPU's memory it may take."
+    )
 
     @classmethod
     def named_code(cls, raw: Any) -> dict[str, str]:
@@ -112,6 +126,8 @@ class GrpoSection(Section):
 
     @model_validator(mode="after")
     def _check(self) -> GrpoSection:
+        if self.vllm_server is not None and self.rollout_engine != "vllm":
+            raise ValueError("grpo.vllm_server is for grpo.rollout_engine vllm")
         needs = [r.name for r in self.rewards if r.name in ANSWER_REWARDS]
         if needs and self.answer_column is None:
             raise ValueError(

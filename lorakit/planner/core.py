@@ -19,6 +19,7 @@ from lorakit.planner.activations import Activations, Kernels, Shape, activations
 from lorakit.planner.arch import Arch, arch_from_config, resolve_config
 from lorakit.planner.byte_models import PlannedBytes
 from lorakit.planner.moe import moe_notes
+from lorakit.planner.rollouts import RolloutPlan, planned_rollouts
 from lorakit.planner.search import ROW_STEP, candidates, longest_row, overrides, recipe_setup, slowdown
 from lorakit.planner.shapes import attention_label, micro_batch_shape, positive
 from lorakit.planner.states import Item, Setup, counts
@@ -57,6 +58,8 @@ class Estimate:
     fits_gpu: bool | None
     fits_cpu: bool | None
     slowdown: float
+    # train.objective grpo: what generating the rollouts holds and the time split (lorakit.planner.rollouts).
+    rollouts: RolloutPlan | None = None
 
     @property
     def fits(self) -> bool | None:
@@ -120,6 +123,7 @@ class Estimate:
                 }
                 for i in self.items
             ],
+            "rollouts": self.rollouts.to_dict() if self.rollouts else None,
         }
 
 
@@ -302,7 +306,7 @@ def plan(
         estimate=own,
         recommendation=best,
         recommended_overrides=tuple(overrides(best.setup, recipe, base, backend)) if best else (),
-        assumptions=tuple(notes),
+        assumptions=tuple(notes + ([own.rollouts.note()] if own.rollouts else [])),
         longest_row=longest,
         sequence_parallel=shape.sequence_parallel,
         timeout_minutes=recipe.distributed.timeout_minutes,
@@ -342,11 +346,14 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     # Before anything of the micro-batch is kept: an objective's no-grad forward (DPO's reference pass, full
     # fine-tuning's pass before training), FSDP2's first block (items "start": the root's all-gather output).
     no_grad = act.no_grad_forward if objective_type(recipe).passes(recipe).no_grad_forward else 0
+    # GRPO generates before it trains: a forward's weights with the rollouts' KV cache and logits.
+    rollouts = planned_rollouts(recipe, arch, a, setup, shape.seq_len, world)
+    generating = rollouts.generation_bytes if rollouts else 0
     train = gpu["resident"] + max(
         gpu["forward"] + act.at_loss,
         gpu["forward"] + gpu["backward"] + gpu["gradients"] + act.in_layers,
         gpu["gradients"] + gpu["step"],
-        gpu["forward"] + max(no_grad, gpu["start"]),
+        gpu["forward"] + max(no_grad, gpu["start"], generating),
     )
     allocated = max(train, total("gpu", "load"))
     overhead = int(CUDA_CONTEXT_BYTES + FRAGMENTATION * allocated) if kernels.device == "cuda" else 0
@@ -370,4 +377,5 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
         fits_gpu=None if gpu_cap is None else per_gpu <= gpu_cap,
         fits_cpu=None if cpu_cap is None else cpu <= cpu_cap,
         slowdown=slowdown(setup, reference, adapter=recipe.method.adapter(), nodes=nodes),
+        rollouts=rollouts,
     )

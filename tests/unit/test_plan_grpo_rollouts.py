@@ -1,0 +1,110 @@
+"""lorakit.plan counts GRPO's rollouts (lorakit.planner.rollouts): the KV cache of G completions per prompt
+(encoder-decoders: the decoder's, the cross-attention's and the encoder output), generate's logits, the
+no-grad forwards, and how a step's time splits between generating and training."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorakit.errors import RecipeError
+from lorakit.objectives import Objective, objective_named, register, unregister
+from lorakit.objectives.grpo_settings import GRPO, GrpoSection
+from lorakit.planner import plan
+from lorakit.planner.arch import arch_from_config, known_config
+from lorakit.planner.rollouts import LOGITS_COPIES, rollout_plan
+from lorakit.recipe import load_recipe
+from tests.conftest import RECIPES
+
+LENGTH = {"name": "length", "target": 8}
+
+
+class _Grpo(Objective):
+    """train.objective grpo as a plugin registers it, for a tree where the built-in is not registered yet:
+    the planner asks an objective only for its passes (the default's here)."""
+
+    spec = GRPO
+
+    def units(self, batch):
+        raise NotImplementedError("the planner does not train")
+
+    def loss(self, *args, **kwargs):
+        raise NotImplementedError("the planner does not train")
+
+
+@pytest.fixture
+def grpo_registered():
+    try:
+        objective_named("grpo")
+        yield
+    except RecipeError:
+        register(_Grpo, GrpoSection)
+        try:
+            yield
+        finally:
+            unregister("grpo")
+
+
+def _grpo(recipe, **section):
+    settings = GrpoSection(rewards=[LENGTH], **section)
+    train = recipe.train.model_copy(update={"objective": "grpo"})
+    return recipe.model_copy(update={"train": train, "grpo": settings})
+
+
+def _arch(name):
+    return arch_from_config(known_config(name))
+
+
+def _kw(**over):
+    kw = dict(micro_batch_size=2, num_generations=8, prompt_len=256, max_new_tokens=512, beta=0.0,
+              passes=1, dtype_bytes=2, weight_bytes=16 * 2**30, adapter=True, gradient_checkpointing=False)  # fmt: skip
+    return kw | over
+
+
+def test_the_kv_cache_and_logits_of_g_completions_per_prompt():
+    arch = _arch("meta-llama/Meta-Llama-3-8B")
+    r = rollout_plan(arch, **_kw())
+    # 16 sequences x 32 layers x (keys, values) x 8 KV heads x 128 x 2 bytes x (256 + 512) tokens.
+    assert r.sequences == 16
+    assert r.kv_cache == 16 * 32 * 2 * 8 * 128 * 2 * 768
+    assert r.logits == LOGITS_COPIES * 16 * 128256 * 4 and r.encoder_output == 0
+    assert r.generation_bytes == r.kv_cache + r.logits
+    assert rollout_plan(arch, **_kw(num_generations=16)).kv_cache == 2 * r.kv_cache
+    t5 = _arch("google/flan-t5-xl")
+    s = rollout_plan(t5, **_kw())
+    # The decoder's own keys and values over the completion, the cross-attention's over the prompt.
+    assert s.kv_cache == 16 * 24 * 2 * (32 * 64) * 2 * (512 + 256)
+    assert s.encoder_output == 16 * 256 * 2048 * 2
+
+
+def test_the_time_split_follows_the_settings():
+    arch = _arch("meta-llama/Meta-Llama-3-8B")
+    base = rollout_plan(arch, **_kw())
+    assert 0 < base.generate_share < 1 and base.no_grad_forwards == 1
+    longer = rollout_plan(arch, **_kw(max_new_tokens=2048))
+    assert longer.generate_seconds > 3 * base.generate_seconds
+    # Every decoding step gathers the sharded weights; the reference is another no-grad forward.
+    assert rollout_plan(arch, **_kw(), gathered_over=8).generate_seconds > 2 * base.generate_seconds
+    kl = rollout_plan(arch, **_kw(beta=0.04))
+    assert kl.no_grad_forwards == 2 and kl.train_seconds > base.train_seconds
+    assert kl.generate_seconds == base.generate_seconds
+    two = rollout_plan(arch, **_kw(passes=2))
+    assert two.train_seconds > base.train_seconds and two.generate_share < base.generate_share
+
+
+def test_the_plan_holds_the_rollouts_memory_and_says_the_split(grpo_registered):
+    recipe = load_recipe(RECIPES / "llama3_8b_lora.yaml")
+    small = plan(_grpo(recipe, num_generations=2, max_new_tokens=16), gpu_memory="80GB")
+    # Long completions of many samples: generating, not training, sets the peak.
+    big = plan(_grpo(recipe, num_generations=64, max_new_tokens=4096), gpu_memory="80GB")
+    r = big.estimate.rollouts
+    assert r is not None and r.sequences == 64 * recipe.train.micro_batch_size
+    forward = sum(
+        i.bytes for i in big.estimate.items if i.where == "gpu" and i.when in ("resident", "forward")
+    )
+    assert big.estimate.gpu_allocated == forward + r.generation_bytes
+    assert big.per_gpu_bytes > small.per_gpu_bytes
+    assert big.to_dict()["recipe"]["rollouts"]["kv_cache_bytes"] == r.kv_cache
+    text = big.describe()
+    assert "train.objective grpo: " in text and "of a step generating" in text
+    sft = plan(recipe, gpu_memory="80GB")
+    assert sft.estimate.rollouts is None and sft.to_dict()["recipe"]["rollouts"] is None
