@@ -58,6 +58,21 @@ class GrpoObjective(Objective):
 
         s, t = self.settings, recipe.train
         rewards = build_rewards(s.rewards) if engine is not None else []
+        generation = None
+        if engine is not None and s.rollout_engine == "vllm":
+            from pathlib import Path
+
+            from lorakit.objectives.grpo_vllm import VllmRollouts
+
+            peft = getattr(getattr(engine, "module", engine), "peft_config", {}).get("default")
+            generation = VllmRollouts(
+                engine,
+                recipe.model.name_or_path,
+                peft.to_dict() if peft is not None else {},
+                Path(recipe.output.dir).expanduser() / "vllm-adapter" / f"rank-{dist.rank()}",
+                server=s.vllm_server,
+                gpu_memory_utilization=s.vllm_gpu_memory_utilization,
+            )
         source = RolloutSteps(
             loader,
             engine,
@@ -68,6 +83,7 @@ class GrpoObjective(Objective):
             seed=t.seed,
             rank=rank,
             world=world,
+            generation=generation,
         )
         if engine is not None and dist.is_main():
             print(
@@ -177,7 +193,11 @@ class GrpoObjective(Objective):
     @classmethod
     def run_summary(cls, recipe, records: list[dict[str, Any]]) -> dict[str, Any] | None:
         """summary.json's objective_metrics: lorakit.objectives.grpo_metrics.run_summary."""
-        return grpo_metrics.run_summary(records)
+        s = recipe.grpo
+        engine = grpo_metrics.ENGINE
+        if s.rollout_engine == "vllm":  # as VllmRollouts.describe says it
+            engine = f"vllm (server {s.vllm_server.rstrip('/')})" if s.vllm_server else "vllm (colocated)"
+        return grpo_metrics.run_summary(records, engine)
 
     @classmethod
     def passes(cls, recipe) -> Passes:

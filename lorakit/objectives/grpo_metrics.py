@@ -81,10 +81,11 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def run_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+def run_summary(records: list[dict[str, Any]], engine: str = ENGINE) -> dict[str, Any]:
     """summary.json's `objective_metrics` of a GRPO run from its train records: the engine that generated,
     the mean reward (and completion length) over the first and the last quarter of the logged steps, the
-    zero-variance groups of all groups, the last KL and clip fraction, the mean generation rate."""
+    zero-variance groups of all groups, the last KL and clip fraction, the mean generation rate. `engine`:
+    what generated the rollouts (`engine`, or vLLM's description)."""
     train = [r for r in records if r.get("kind") == "train" and isinstance(r.get("reward"), (int, float))]
     k = max(1, len(train) // 4)
     first, last = train[:k], train[-k:]
@@ -99,7 +100,7 @@ def run_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     rates = [r["generation_tokens_per_second"] for r in train if "generation_tokens_per_second" in r]
     functions = sorted({k for r in train for k in r if k.startswith("reward/") and not k.endswith("_std")})
     return {
-        "generation_engine": ENGINE,
+        "generation_engine": engine,
         "logged_steps": len(train),
         "reward": ends("reward") if train else None,
         "reward_functions": {f.removeprefix("reward/"): ends(f) for f in functions},
