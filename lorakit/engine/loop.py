@@ -81,7 +81,7 @@ def train_window(
         "target_tokens": int(window_tokens),
         "real_tokens": int(real),
         "token_slots": int(slots),
-        "metrics": {k: v / max(window_units, 1.0) for k, v in zip(names, values, strict=True)},
+        "metrics": objective.step_metrics(dict(zip(names, values, strict=True)), window_units),
         "stop_requested": stops > 0,
         "rank_failed": fails > 0,
     }

@@ -118,6 +118,9 @@ class RunSummary:
     merged_dir: str | None
     # output.report_to: where each tracking backend's records went (log_dir, run id, tracking URI).
     trackers: dict[str, Any]
+    # What the objective measured over the run beyond the loss, by its own names (grpo: the rollouts' rewards
+    # first and last, zero-variance groups, the engine that generated); None for the others.
+    objective_metrics: dict[str, Any] | None
     # The data cache, its caps and what preparing the data counted (overlong, bad rows, format).
     data: dict[str, Any]
     versions: dict[str, str | None]
@@ -182,6 +185,13 @@ def optimizer_groups(engine: Engine) -> list[dict[str, float]]:
     ]
 
 
+def objective_metrics(job: Job) -> dict[str, Any] | None:
+    """The objective's own summary of the run from metrics.jsonl (rank 0, which writes summary.json)."""
+    file = job.run_dir / rundir.METRICS
+    records = rundir.read_metrics(job.run_dir) if dist.is_main() and file.is_file() else []
+    return objective_type(job.recipe).run_summary(job.recipe, records)
+
+
 def summarize(
     job: Job, trainer: Trainer, memory: PeakMemory, saved: dict[str, str], plan: dict[str, Any]
 ) -> RunSummary:
@@ -230,6 +240,7 @@ def summarize(
         model_dir=saved.get("model_dir"),
         merged_dir=None,
         trackers=trackers.where(job.run_dir),
+        objective_metrics=objective_metrics(job),
         data=data_summary(job.data),
         versions=rundir.versions(),
         git_revision=rundir.git_revision(),

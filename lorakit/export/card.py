@@ -13,6 +13,7 @@ from lorakit.backends import run_label
 from lorakit.disclosure import redact
 from lorakit.export.sources import MergeSource
 from lorakit.export.verify import Check
+from lorakit.report.objective_metrics import card_lines
 
 CARD = "README.md"
 # The card's machine-readable lines, which read_card parses back.
@@ -24,7 +25,6 @@ QLORA_NOTE = (
     "unquantized in {dtype} (the dequantized base, not the 4-bit weights), and the check compares against "
     "the adapter on that same unquantized base."
 )
-
 
 _ADAPTER_NAMES = {"qlora": "a QLoRA", "ia3": "an IA3"}
 
@@ -186,7 +186,7 @@ def hub_card(f: HubFacts) -> str:
     lines += ["", "## Training", ""] + _training(f, s)
     if "loss.png" in f.images:
         lines += ["", "![training loss per step](loss.png)"]
-    lines += _evaluation(s, f.images)
+    lines += _evaluation(s, f.images) + card_lines(s)
     if f.verification:
         lines += [
             "",

@@ -84,6 +84,16 @@ class Objective(ABC):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(summed loss with grad, {metric: detached sum over the same units})."""
 
+    def step_metrics(self, sums: dict[str, float], units: float) -> dict[str, float]:
+        """A step's metrics from the window's metric sums over every rank (`units`: its divisor). Default:
+        each sum over the units."""
+        return {k: v / max(units, 1.0) for k, v in sums.items()}
+
+    def step_source(self, recipe, loader, tokenizer, engine, *, rank: int, world: int):
+        """The StepSource the loop trains on when it is not the static windows of `loader` (None: it is).
+        Called before the engine starts (`engine` None: only its plan is read) and again with it."""
+        return None
+
     def prepare_training(self, recipe, engine, inputs, source: str, data, collator):
         """`data` (PreparedData) as training needs it, before any step or checkpoint load; every rank
         calls it. Default: `data` itself."""
@@ -130,6 +140,11 @@ class Objective(ABC):
     def method_options(cls, recipe) -> list[str]:
         """What summary.json's method_options add for this objective (lorakit.compare shows them)."""
         return []
+
+    @classmethod
+    def run_summary(cls, recipe, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """summary.json's `objective_metrics`, from the run's metric records (None: nothing to add)."""
+        return None
 
     @classmethod
     def plan_notes(cls, recipe) -> list[str]:

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from lorakit.objectives.alignment_settings import KTO, ORPO, KtoSection, OrpoSection
 from lorakit.objectives.dpo_settings import DPO, DpoSection
+from lorakit.objectives.grpo_settings import GRPO, GrpoSection
 from lorakit.recipe.objective_spec import SFT, ObjectiveSpec
 
 
@@ -31,4 +32,5 @@ BUILT_IN = (
     BuiltIn(DPO, DpoSection, "lorakit.objectives.dpo:DpoObjective"),
     BuiltIn(ORPO, OrpoSection, "lorakit.objectives.orpo:OrpoObjective"),
     BuiltIn(KTO, KtoSection, "lorakit.objectives.kto:KtoObjective"),
+    BuiltIn(GRPO, GrpoSection, "lorakit.objectives.grpo:GrpoObjective"),
 )

@@ -20,6 +20,7 @@ tokens) and `decoder_input_ids` (the start token, then the completions shifted r
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +31,8 @@ from lorakit.objectives.grpo_loss import adapter_off, group_advantages, rollout_
 from lorakit.objectives.rewards import score
 
 PASS = "passes_done"
+# rank_state's prefix of a pending rollout's per-function rewards.
+PART = "reward_parts."
 # Rollout tensors a checkpoint keeps of a window trained on some but not all of its passes.
 KEPT = (
     "input_ids",
@@ -66,6 +69,7 @@ class RolloutSteps:
         accumulation: int,
         seed: int,
         rank: int = 0,
+        world: int = 1,
         generation=None,
     ):
         self.loader, self.engine, self.settings = loader, engine, settings
@@ -74,6 +78,8 @@ class RolloutSteps:
         self.generation = engine if generation is None else generation
         self.rewards, self.tokenizer, self.accumulation = rewards, tokenizer, accumulation
         self.generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        self.seed, self.rank, self.world = seed, rank, world
+        self.generation_seconds = 0.0  # the last micro-batch's generate
         self.pending: list[dict[str, Any]] | None = None  # rollouts of a window mid-passes
         config = getattr(getattr(engine, "module", None), "config", None)
         self.encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
@@ -102,7 +108,7 @@ class RolloutSteps:
             if first and self.pending is not None:
                 rollouts = self.pending
             else:
-                first, rollouts = 0, self._rollouts(prompts)
+                first, rollouts = 0, self._rollouts(prompts, epoch, done)
             for k in range(first, passes):
                 self.pending = rollouts if k + 1 < passes else None
                 end = k + 1 == passes
@@ -115,6 +121,7 @@ class RolloutSteps:
         state = {"generator": self.generator.get_state()}
         for i, batch in enumerate(self.pending or []):
             state |= {f"pending.{i}.{k}": batch[k] for k in KEPT if k in batch}
+            state |= {f"pending.{i}.{PART}{k}": v for k, v in batch.get("reward_parts", {}).items()}
         return state
 
     def load_rank_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -126,6 +133,9 @@ class RolloutSteps:
             if key.startswith("pending."):
                 _, i, name = key.split(".", 2)
                 pending.setdefault(int(i), {})[name] = value
+        for batch in pending.values():
+            parts = [k for k in batch if k.startswith(PART)]
+            batch["reward_parts"] = {k.removeprefix(PART): batch.pop(k) for k in parts}
         self.pending = [_finish(pending[i]) for i in sorted(pending)] or None
 
     @property
@@ -134,14 +144,25 @@ class RolloutSteps:
         describe = getattr(self.generation, "describe", None)
         return describe() if describe is not None and self.generation is not self.engine else "engine"
 
-    def _rollouts(self, prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _rollouts(self, prompts: list[dict[str, Any]], epoch: int, done: int) -> list[dict[str, Any]]:
         if self.generation is self.engine:
-            return [self.rollout(b) for b in prompts]
+            return self._made(prompts, epoch, done)
         self.generation.begin()
         try:
-            return [self.rollout(b) for b in prompts]
+            return self._made(prompts, epoch, done)
         finally:
             self.generation.end()
+
+    def _made(self, prompts: list[dict[str, Any]], epoch: int, done: int) -> list[dict[str, Any]]:
+        rollouts = []
+        for i, b in enumerate(prompts):
+            # Sampling seeded by the micro-batch's place among every rank's in the epoch: the same
+            # completions on 1 process or N (micro-batch j of a window here is rank j's there).
+            index = (done + i) * self.world + self.rank
+            self.generator.manual_seed(((self.seed * 1_000_003 + epoch) * 1_000_033 + index) % 2**63)
+            made = self.rollout(b)
+            rollouts.append(made | {"generation_seconds": self.generation_seconds})
+        return rollouts
 
     # One micro-batch of rollouts ------------------------------------------------------------------------
 
@@ -153,7 +174,8 @@ class RolloutSteps:
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            return self.generation.generate(
+            start = time.perf_counter()
+            out = self.generation.generate(
                 ids.to(device),
                 mask.to(device),
                 do_sample=True,
@@ -164,6 +186,8 @@ class RolloutSteps:
                 pad_token_id=tok.pad_token_id,
                 eos_token_id=tok.eos_token_id,
             )
+            self.generation_seconds = time.perf_counter() - start
+            return out
 
     def rollout(self, prompts: dict[str, Any]) -> dict[str, Any]:
         """G completions of every prompt of one micro-batch, scored: the batch the loss trains on."""

@@ -9,7 +9,7 @@ template), with an optional reference-answer column the rewards may compare agai
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -107,6 +107,18 @@ class GrpoSection(Section):
     vllm_gpu_memory_utilization: float = Field(
         0.3, gt=0, lt=1, description="Colocated vLLM: the share of its GPU's memory it may take."
     )
+
+    @classmethod
+    def named_code(cls, raw: Any) -> dict[str, str]:
+        """{field: `module:function`} of the user code a raw (unvalidated) grpo section names: the recipe's
+        trust rule (lorakit.recipe.read_back) asks the registry for it."""
+        entries = raw.get("rewards") if isinstance(raw, dict) else None
+        found = {}
+        for i, entry in enumerate(entries if isinstance(entries, list) else []):
+            name = entry.get("name") if isinstance(entry, dict) else None
+            if isinstance(name, str) and ":" in name:
+                found[f"rewards[{i}].name"] = name
+        return found
 
     def functions(self) -> list[str]:
         """The user reward functions named (`module:function`), in order."""

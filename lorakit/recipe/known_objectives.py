@@ -77,6 +77,18 @@ def settings_sections() -> list[tuple[str, type[BaseModel]]]:
     return [(name, e.settings) for name, e in _REGISTERED.items() if e.settings is not None]
 
 
+def objective_code(raw: Any) -> dict[str, str]:
+    """{dotted field: code reference} of the code the objectives' sections of a raw recipe mapping name: a
+    settings model declares its code fields with a classmethod `named_code(raw_section)` ({key: reference}),
+    which recipe.read_back's trust rule applies as to its own fields."""
+    found: dict[str, str] = {}
+    for name, model in settings_sections():
+        declare = getattr(model, "named_code", None)
+        if declare is not None and isinstance(raw, dict) and name in raw:
+            found |= {f"{name}.{key}": ref for key, ref in declare(raw[name]).items()}
+    return found
+
+
 def import_objective_module(module: str | None) -> None:
     """Import `module` (train.objective_module), which registers a plugin objective with
     lorakit.objectives.register. Called by the recipe loader for the caller's own recipe only, before

@@ -4,8 +4,9 @@ snapshot's. Whoever wrote that directory decides nothing about what runs here:
 - trust (model.trust_remote_code, model.allow_pickle) comes from the caller (--trust-remote-code,
   --allow-pickle; trust_remote_code=, allow_pickle= in Python); a recipe read back that asks for trust the
   caller did not grant is refused, naming the field and the flag;
-- code a recipe names (CODE_FIELDS: train.objective_module, data.transform, grpo.rewards) is imported only when the
-  caller names its module (--allow-code MODULE; allow_code=[MODULE] in Python); where the command needs
+- code a recipe names (CODE_FIELDS: train.objective_module, data.transform; and the code fields an
+  objective's settings declare, known_objectives.objective_code) is imported only when the caller names its
+  module (--allow-code MODULE; allow_code=[MODULE] in Python); where the command needs
   that code and it is not named, the recipe is refused, naming the field and the flag.
 
 A recipe the caller gives (the RECIPE of `python -m lorakit.run RECIPE`, a path or dict passed to
@@ -20,12 +21,13 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from lorakit.errors import RecipeError
-from lorakit.recipe.known_objectives import known_names
+from lorakit.recipe.known_objectives import known_names, objective_code
 from lorakit.recipe.load import _apply, _validate, load_yaml
 from lorakit.recipe.schema import Recipe
 
-# The recipe fields that name Python code to import, (section, key). GRPO's reward functions join here.
-CODE_FIELDS = (("train", "objective_module"), ("data", "transform"), ("grpo", "rewards"))
+# The recipe's own fields that name Python code to import, (section, key); an objective's section declares
+# its own through the registry (known_objectives.objective_code).
+CODE_FIELDS = (("train", "objective_module"), ("data", "transform"))
 # Trust fields of model: and the flag that grants each.
 TRUST_FLAGS = {"trust_remote_code": "--trust-remote-code", "allow_pickle": "--allow-pickle"}
 
@@ -47,12 +49,7 @@ def named_code(raw: Any) -> dict[str, str]:
         value = raw.get(section, {}).get(key) if isinstance(raw.get(section), dict) else None
         if isinstance(value, str) and value.strip():
             found[f"{section}.{key}"] = value
-        # grpo.rewards: a list of entries, those named `module:function` user code.
-        for i, entry in enumerate(value if isinstance(value, list) else []):
-            name = entry.get("name") if isinstance(entry, dict) else None
-            if isinstance(name, str) and ":" in name:
-                found[f"{section}.{key}[{i}].name"] = name
-    return found
+    return found | objective_code(raw)
 
 
 class NotGranted(RecipeError):
@@ -105,7 +102,7 @@ def read_back_recipe(
                 _import(field, module)
             continue  # data.transform: imported where the data is read, as for any recipe
         needed = (
-            reads_data  # data.transform, grpo.rewards: run where rows are read
+            reads_data  # data.transform, an objective's code (rewards): run where rows are read
             if field != "train.objective_module"
             else raw["train"].get("objective", "sft") not in known_names()
         )

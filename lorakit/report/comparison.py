@@ -9,6 +9,7 @@ from pathlib import Path
 
 from lorakit import rundir
 from lorakit.report import plots, table
+from lorakit.report.objective_metrics import compare_section
 from lorakit.report.runs import CompareError, RunRow, read_runs
 
 DEFAULT_OUTPUT = "compare-report"
@@ -86,6 +87,7 @@ def render_report(rows: list[RunRow], price: float, drawn: dict[str, Path], note
             table.markdown(*table.relative_columns(rows)),
             "",
         ]
+    lines += compare_section(rows)
     titles = {
         plots.LOSS: "Loss against training tokens",
         plots.EVAL: "Eval metrics (last evaluation of each run)",

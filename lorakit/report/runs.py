@@ -52,6 +52,8 @@ class RunRow:
     # `dpo loss`, apart from an SFT run's cross-entropy.
     objective: str = SFT.name
     loss_label: str | None = None
+    # summary.json's objective_metrics (GRPO's rollouts), when it has them.
+    objective_metrics: dict[str, Any] | None = None
     train_records: list[dict[str, Any]] = field(default_factory=list)
     eval_records: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -167,6 +169,7 @@ def read_run(path: str | Path, label: str | None = None) -> RunRow:
     if isinstance(ev, dict):
         row.eval = {k: float(v) for k, v in ev.items() if _number(v, float) is not None}
     row.train_records, row.eval_records = _read_metrics(path, row.notes)
+    row.objective_metrics = m if isinstance(m := summary.get("objective_metrics"), dict) else None
     if not row.eval and row.eval_records:
         # An older summary without the eval block: the last eval record holds the same numbers.
         last = row.eval_records[-1]

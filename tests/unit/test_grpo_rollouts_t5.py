@@ -122,6 +122,7 @@ def test_a_t5_run_resumed_mid_window_makes_the_uninterrupted_runs_rollouts(cache
     assert len(first) + len(rest) == len(whole) == 4
     for got, want in zip(first + rest, whole, strict=True):
         assert torch.equal(got, want)
-    # Without the rank_state the source samples other completions: the check above can fail.
-    other, _ = _run(setup, epochs=1, resume=({}, *saved[1:]), windows=1)
-    assert not torch.equal(other[0], whole[3])
+    # What the checkpoint keeps is the window's rollouts themselves (their completions first), not a way
+    # to sample them again: sampling is seeded by the micro-batch's place, the weights moved since.
+    kept = saved[0]["pending.0.completions"].flatten().double()
+    assert torch.equal(whole[3][: kept.numel()], kept)

@@ -95,8 +95,8 @@ def test_an_unknown_objective_names_the_field_and_the_known_ones(cache_dir, tmp_
     raw = tiny_recipe_dict(cache_dir, tmp_path / "run", train={"objective": DOUBLED})
     with pytest.raises(RecipeError) as e:
         recipe_from_dict(raw)
-    assert f"train.objective: unknown objective '{DOUBLED}'; known: dpo, kto, orpo, sft" in str(e.value)
-    with pytest.raises(RecipeError, match=r"'nope': no such objective; known: dpo, kto, orpo, sft"):
+    assert f"train.objective: unknown objective '{DOUBLED}'; known: dpo, grpo, kto, orpo, sft" in str(e.value)
+    with pytest.raises(RecipeError, match=r"'nope': no such objective; known: dpo, grpo, kto, orpo, sft"):
         objective_named("nope")
 
 
