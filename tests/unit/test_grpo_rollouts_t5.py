@@ -124,5 +124,6 @@ def test_a_t5_run_resumed_mid_window_makes_the_uninterrupted_runs_rollouts(cache
         assert torch.equal(got, want)
     # What the checkpoint keeps is the window's rollouts themselves (their completions first), not a way
     # to sample them again: sampling is seeded by the micro-batch's place, the weights moved since.
-    kept = saved[0]["pending.0.completions"].flatten().double()
-    assert torch.equal(whole[3][: kept.numel()], kept)
+    pending = sorted(k for k in saved[0] if k.startswith("pending.") and k.endswith(".completions"))
+    kept = torch.cat([saved[0][k].flatten() for k in pending])
+    assert torch.equal(whole[3][-kept.numel() :], kept.to(whole[3].dtype))
