@@ -34,17 +34,17 @@ def random_adapter(
     return out
 
 
-def llama_with_sentencepiece(cache_dir: Path, out: Path) -> Path:
-    """The tiny Llama copied to `out` with a SentencePiece tokenizer.model beside its tokenizer.json (the
-    same special-token ids), which llama.cpp's converter accepts; its locally trained BPE tokenizer has no
-    pre-tokenizer hash llama.cpp knows. The checks compare token ids, so the two vocabularies need not agree
+def with_sentencepiece(cache_dir: Path, out: Path, kind: str = "llama") -> Path:
+    """The tiny `kind` model copied to `out` with a SentencePiece tokenizer.model beside its tokenizer.json
+    (the same special-token ids), which llama.cpp's converter accepts; its locally trained BPE tokenizer has
+    no pre-tokenizer hash llama.cpp knows. The checks compare token ids, so the two vocabularies need not agree
     beyond the special tokens."""
     import io
     import shutil
 
     import sentencepiece as spm
 
-    shutil.copytree(resolve_model_source("tiny:llama", cache_dir), out)
+    shutil.copytree(resolve_model_source(f"tiny:{kind}", cache_dir), out)
     words = "the city council met on tuesday to discuss a new park storm closed schools across region prices"
     lines = [" ".join(words.split()[i:] + words.split()[:i]) for i in range(len(words.split()))] * 20
     model = io.BytesIO()
@@ -54,3 +54,6 @@ def llama_with_sentencepiece(cache_dir: Path, out: Path) -> Path:
     )  # fmt: skip
     (out / "tokenizer.model").write_bytes(model.getvalue())
     return out
+
+
+llama_with_sentencepiece = with_sentencepiece

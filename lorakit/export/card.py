@@ -11,6 +11,7 @@ from typing import Any
 from lorakit import rundir
 from lorakit.backends import run_label
 from lorakit.disclosure import redact
+from lorakit.export.serving import merged_model_lines, model_type_of
 from lorakit.export.sources import MergeSource
 from lorakit.export.verify import Check
 from lorakit.report.objective_metrics import card_lines
@@ -70,14 +71,9 @@ def model_card(
         "",
         f"Exported by lorakit {versions.get('lorakit')} (`python -m lorakit.merge`) as {dtype} safetensors "
         f"({shards} shard{'s' if shards != 1 else ''}), with its tokenizer and generation config. It is an "
-        "ordinary transformers model:",
+        "ordinary transformers model.",
         "",
-        "```python",
-        f"from transformers import {auto}, AutoTokenizer",
-        "",
-        f'model = {auto}.from_pretrained("path/to/this/directory")',
-        'tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory")',
-        "```",
+        *merged_model_lines(auto, model_type_of(model_class)),
         "",
         "## Source",
         "",

@@ -15,6 +15,7 @@ from lorakit.export.greedy import EngineCheck
 from lorakit.export.loading import auto_model_class
 from lorakit.export.output import atomic_directory, check_output
 from lorakit.export.result import say
+from lorakit.export.serving import serve_command
 from lorakit.export.sources import locate
 
 
@@ -72,20 +73,19 @@ def export(
                   allow_pickle=allow_pickle)  # fmt: skip
         job = ExportJob(fmt, merged, adapter, src.base_source, model_type, tmp, q, tools)
         check = fmt.write(job)
-        serve = fmt.serve.format(out=out, quantization=q, base=src.base_name, engine=_engine(merged))
+        serve = serve_command(fmt.name, out, q, src.base_name, seq2seq=_seq2seq(merged))
         (tmp / "README.md").write_text(readme(fmt.name, q, src.base_name, serve, check))
     say(f"saved:    {out} ({fmt.name}, {q})")
     return ExportResult(out, fmt.name, q, check, serve)
 
 
-def _engine(merged: Path | None) -> str:
-    """CTranslate2's class for the model: Translator for an encoder-decoder, else Generator."""
+def _seq2seq(merged: Path | None) -> bool:
+    """Whether the merged model is an encoder-decoder (CTranslate2 serves it with a Translator)."""
     if merged is None:
-        return "Generator"
+        return False
     import json
 
-    config = json.loads((merged / "config.json").read_text())
-    return "Translator" if config.get("is_encoder_decoder") else "Generator"
+    return bool(json.loads((merged / "config.json").read_text()).get("is_encoder_decoder"))
 
 
 def readme(fmt: str, quantization: str, base: str, serve: str, check: EngineCheck | None) -> str:

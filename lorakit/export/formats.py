@@ -1,8 +1,9 @@
 """The export formats, as entries of one registry: what each reads (the verified merged model or the
-adapter), the model types it is for, how it is written and checked, and how it is served.
+adapter), the model types it is for, and how it is written and checked; how each is served is in
+lorakit/export/serving.py.
 
 To add a format: a module in lorakit/export/ with `write(job) -> EngineCheck`, an entry in FORMATS naming it,
-its optional dependency in lorakit/export/engines.py, a row in docs/export.md, and a test beside
+its serve command in lorakit/export/serving.py, its optional dependency in lorakit/export/engines.py, a row in docs/export.md, and a test beside
 tests/integration/test_export_ct2.py. See docs/export.md.
 """
 
@@ -26,7 +27,6 @@ class Format:
     model_types: tuple[str, ...]
     quantizations: tuple[str, ...]
     writer: str  # "module:function", imported only when the format is used
-    serve: str  # one command that serves the export; {out} is its directory
 
     def check_model_type(self, model_type: str) -> None:
         """Refuse, in one line, a model type the format (or its check) does not cover."""
@@ -69,6 +69,7 @@ class ExportJob:
     llama_cpp: Path | None = None
 
 
+# Not gemma2 for ct2: CTranslate2 4.8.5's Gemma 2 loader drops its attention and final logit soft-capping.
 CAUSAL_GGUF = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2")
 FORMATS: dict[str, Format] = {
     f.name: f
@@ -76,10 +77,9 @@ FORMATS: dict[str, Format] = {
         Format(
             "ct2",
             "merged",
-            ("t5", "mt5", "llama", "mistral", "qwen2"),
+            ("t5", "mt5", "llama", "mistral", "qwen2", "qwen3", "gemma3_text"),
             ("float32", "float16", "int8", "int8_float32", "int8_float16", "bfloat16"),
             "lorakit.export.ct2:write",
-            "python -c \"import ctranslate2; print(ctranslate2.{engine}('{out}', device='cpu'))\"",
         ),
         Format(
             "gguf",
@@ -87,7 +87,6 @@ FORMATS: dict[str, Format] = {
             CAUSAL_GGUF,
             ("f16", "bf16", "f32", "q8_0"),
             "lorakit.export.gguf:write",
-            "llama-server -m {out}/model-{quantization}.gguf",
         ),
         Format(
             "gguf-lora",
@@ -95,7 +94,6 @@ FORMATS: dict[str, Format] = {
             CAUSAL_GGUF,
             ("f16", "bf16", "f32", "q8_0"),
             "lorakit.export.gguf:write_adapter",
-            "llama-server -m BASE.gguf --lora {out}/adapter-{quantization}.gguf",
         ),
         Format(
             "vllm",
@@ -103,7 +101,6 @@ FORMATS: dict[str, Format] = {
             ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe"),
             ("none",),
             "lorakit.export.vllm:write",
-            "vllm serve {base} --enable-lora --lora-modules adapter={out}",
         ),
     )
 }

@@ -1,5 +1,6 @@
-"""python -m lorakit.export --format ct2: tiny T5, Llama and Qwen2 adapters merged, converted by CTranslate2's
-converter and checked by CTranslate2 itself against transformers' greedy tokens and log-probabilities."""
+"""python -m lorakit.export --format ct2: tiny T5, Llama, Qwen2, Qwen3 and Gemma 3 adapters merged, converted by
+CTranslate2's converter and checked by CTranslate2 itself against transformers' greedy tokens and
+log-probabilities; the merged model card's CTranslate2 command, run."""
 
 import json
 from pathlib import Path
@@ -15,13 +16,24 @@ from lorakit.export.exporting import export  # noqa: E402
 from lorakit.export.greedy import NEW_TOKENS, PROMPTS, reference  # noqa: E402
 
 
+class _Adapters(dict):
+    """tiny:KIND's adapter, made on first use (a test of one family builds that family only)."""
+
+    def __init__(self, base, cache_dir):
+        super().__init__()
+        self.base, self.cache_dir = base, cache_dir
+
+    def __missing__(self, kind):
+        self[kind] = random_adapter(kind, self.cache_dir, self.base / kind)
+        return self[kind]
+
+
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, cache_dir):
-    base = tmp_path_factory.mktemp("ct2-adapters")
-    return {k: random_adapter(k, cache_dir, base / k) for k in ("t5", "llama", "qwen2")}
+    return _Adapters(tmp_path_factory.mktemp("ct2-adapters"), cache_dir)
 
 
-@pytest.mark.parametrize("kind", ["t5", "llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["t5", "llama", "qwen2", "qwen3", "gemma3"])
 def test_float32_export_generates_transformers_greedy_tokens(adapters, tmp_path, kind):
     result = export(adapters[kind], tmp_path / "ct2", format="ct2")
     check = result.check
@@ -36,11 +48,48 @@ def test_float32_export_generates_transformers_greedy_tokens(adapters, tmp_path,
     assert len(_vocabulary(tmp_path / "ct2")) > 100 and check.token_agreement == 1.0
 
 
-@pytest.mark.parametrize("kind,quantization", [("t5", "int8_float32"), ("llama", "int8"), ("t5", "float16")])
+@pytest.mark.parametrize(
+    "kind,quantization",
+    [
+        ("t5", "int8_float32"),
+        ("llama", "int8"),
+        ("t5", "float16"),
+        ("qwen3", "int8"),
+        ("gemma3", "int8_float32"),
+    ],
+)
 def test_quantized_export_within_the_stated_measure(adapters, tmp_path, kind, quantization):
     check = export(adapters[kind], tmp_path / "q", format="ct2", quantization=quantization).check
     assert check.passed and check.max_logprob_diff <= check.tolerance
     assert json.loads((tmp_path / "q" / "lorakit_export.json").read_text())["quantization"] == quantization
+
+
+def test_the_merged_model_cards_ctranslate2_command_exports_it(adapters, tmp_path):
+    """lorakit.merge's card says how to serve the merged model, one command per engine; its CTranslate2 line
+    exports the merged directory (a full model: no second merge of an adapter) and loads it."""
+    import shlex
+
+    from lorakit.export.__main__ import main as export_main
+    from lorakit.export.job import merge
+
+    merge(adapters["gemma3"], tmp_path / "m", dtype="float32")
+    card = (tmp_path / "m" / "README.md").read_text()
+    assert "## Serve it" in card and "vllm serve path/to/this/directory" in card
+    assert "--format gguf --quantization q8_0" in card  # llama.cpp's line; run in test_export_gguf.py
+    line = next(x for x in card.splitlines() if x.startswith("python -m lorakit.export") and "ct2" in x)
+    command = line.replace("path/to/this/directory", str(tmp_path / "m"))
+    export_args, serve = command.split(" && ")
+    assert export_main(shlex.split(export_args)[3:]) == 0
+    code = shlex.split(serve)[2]  # python -c CODE: it prints the loaded Generator
+    assert code.startswith("import ctranslate2;") and f"Generator('{tmp_path / 'm'}-ct2'" in code
+    exec(code, {})
+    assert json.loads((tmp_path / "m-ct2" / "lorakit_export.json").read_text())["quantization"] == "int8"
+
+
+def test_gemma2_is_refused_ctranslate2_drops_its_soft_capping(adapters, tmp_path):
+    with pytest.raises(MergeError, match="model type 'gemma2' is not supported"):
+        export(adapters["gemma2"], tmp_path / "x", format="ct2")
+    assert not (tmp_path / "x").exists()
 
 
 def test_the_check_catches_the_upstream_t5_output_scale(cache_dir, tmp_path):

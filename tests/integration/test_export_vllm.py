@@ -66,3 +66,4 @@ def test_refuses_moe_parameter_adapters(cache_dir, tmp_path):
     )
     message = _refusal(adapter, tmp_path)
     assert "MoE parameter adapters on fused experts" in message and "vLLM#34186" in message
+    assert message.count("\n  - ") == 1
