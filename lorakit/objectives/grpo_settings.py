@@ -140,6 +140,12 @@ def check_grpo(recipe) -> None:
     """ValueError for what train.objective grpo cannot be combined with (`recipe`: the validated Recipe)."""
     from lorakit.objectives.dpo_settings import check_preference_rows
 
+    if recipe.eval_active() and recipe.eval.generate:
+        # Checked before the shared prompt-row checks, whose message describes the preference objectives' eval.
+        raise ValueError(
+            "eval.generate: a grpo evaluation already generates (one greedy completion per eval prompt, scored "
+            "by grpo.rewards: reward, reward/NAME); set eval.generate: false"
+        )
     check_preference_rows(recipe, "grpo", "its sampled completions", reference=recipe.grpo.beta > 0)
     if recipe.data.packing is True:
         raise ValueError(

@@ -2,14 +2,15 @@
 tiny Llama answers with a number, a regex reward, rollouts from the Engine's own generation):
 
 - one process, ZeRO-3: the mean reward rises clearly, every step's record and summary.json carry the
-  rollout metrics;
+  rollout metrics; the same quickstart on the tiny T5 (`model.name_or_path: tiny:t5`, the prompt the
+  encoder's input, completions the decoder's) learns its reward too;
 - the same run on 2 processes (ZeRO-3, one micro-batch each where the one process accumulates two) makes the
   same rollouts and the same steps (sampling is seeded by each micro-batch's place in the epoch);
 - with dropout on and two passes per batch of rollouts, a run resumed in a fresh process from its
   checkpoint in the middle of a window (rollouts still to train on) repeats the uninterrupted run.
 
-Two launches: the 2-process run (torchrun) and the resumed run (python -m lorakit.run); the others train in
-this process.
+Two launches: the 2-process run (torchrun) and the resumed run (python -m lorakit.run); the others (the T5
+run too) train in this process.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tests.integration.qlora_worker import train_in_one_launch
 from tests.integration.test_resume import _adapter
 
 STEPS = 10
+T5_STEPS = 8  # the tiny T5 learns the digit within about five steps
 KEYS = ("reward", "reward/regex", "completion_length", "zero_variance_groups", "groups")
 
 
@@ -137,3 +139,22 @@ def test_a_run_resumed_mid_window_in_a_fresh_process_repeats_the_uninterrupted_r
     assert whole[3]["reward"] == whole[2]["reward"] and whole[3]["step"] == 4
     a, b = _adapter(runs["whole"]), _adapter(runs["resumed"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def t5_run(cache_dir, tmp_path_factory):
+    raw = _quickstart(cache_dir, tmp_path_factory.mktemp("grpo_t5") / "t5", train={"max_steps": T5_STEPS})
+    raw["model"]["name_or_path"] = "tiny:t5"
+    return lorakit.train(recipe_from_dict(raw)).run_dir
+
+
+@pytest.mark.slow
+def test_the_quickstart_on_a_tiny_t5_learns_its_reward(t5_run):
+    records = _train(rundir.read_metrics(t5_run))
+    assert [r["step"] for r in records] == list(range(1, T5_STEPS + 1))
+    assert all(r["groups"] == 4 and r["completion_length"] > 0 for r in records), records
+    got = rundir.read_summary(t5_run)["objective_metrics"]
+    assert got["generation_engine"] == "engine" and got["logged_steps"] == T5_STEPS
+    # Clearly: from about one completion in seven starting with a digit to most of them.
+    assert got["reward"]["first"] < 0.4 and got["reward"]["last"] > got["reward"]["first"] + 0.4, records
+    assert got["reward_functions"]["regex"] == got["reward"]

@@ -4,6 +4,8 @@ their start (causal) under data.overlong, and batches left-padded for a causal L
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lorakit.data import prepare_data
@@ -114,3 +116,23 @@ def test_packing_is_refused(cache_dir, tmp_path, tokenizer):
     with pytest.raises((DataError, RecipeError), match="data.packing"):
         recipe = _recipe(cache_dir, tmp_path, ROWS, data={"packing": True})
         prepare_data(recipe, tokenizer, tiny_config("llama"), "prompts")
+
+
+def test_eval_generate_is_refused_in_grpo_s_own_words(cache_dir, tmp_path):
+    from lorakit.errors import RecipeError
+    from tests.conftest import tiny_recipe
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS * 4))
+    with pytest.raises(RecipeError, match="eval.generate") as err:
+        tiny_recipe(
+            cache_dir,
+            tmp_path / "run",
+            model={"name_or_path": "tiny:llama"},
+            train={"objective": "grpo"},
+            data={"source": str(path), "input_column": "question", "eval_split": "auto"},
+            eval={"enabled": True, "generate": True},
+            grpo={"answer_column": "answer", "rewards": [{"name": "exact_match"}]},
+        )
+    # A grpo evaluation generates: it scores one greedy completion per eval prompt, with no margins.
+    assert "margins" not in str(err.value) and "greedy completion" in str(err.value), str(err.value)
