@@ -74,8 +74,10 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
         warnings.warn(family.caveat(), UnprovenFamilyWarning, stacklevel=2)
     attention = choose_attention(recipe.model.attention, model_cls)
     packing = packing_enabled(recipe.data.packing, attention, is_enc_dec, config.model_type)
-    if attention == "sdpa" and packing:
+    if attention == "sdpa" and (packing or (is_enc_dec and family.packs("sdpa"))):
         # Packed rows: SDPA per example (cost sum of L_i^2) instead of SDPA over the row with a T x T mask.
+        # Padded T5-family batches too: their position bias then takes the fused SDPA backend the probe
+        # chose (lorakit.model.bias_attention), not the math path a float mask meets by default.
         from lorakit.model.varlen import register_varlen_sdpa
 
         attention = register_varlen_sdpa()
