@@ -159,15 +159,7 @@ def training_config_model(cache_dir: Path, out_dir: Path, backend: str, **model)
         )
     )
     built = build_model(recipe)
-    # Padded T5-family batches on sdpa load lorakit's function too (their bias on the probed backend).
-    from lorakit.model.families import family_for_type
-
-    config = built.model.config
-    t5_bias = attention == "sdpa" and family_for_type(config.model_type, config.is_encoder_decoder).packs(
-        "sdpa"
-    )
-    t5_bias = t5_bias and config.is_encoder_decoder
-    assert built.attention == ("lorakit_varlen_sdpa" if backend == "varlen_sdpa" or t5_bias else attention)
+    assert built.attention == ("lorakit_varlen_sdpa" if backend == "varlen_sdpa" else attention)
     return ready_for_contract(built)
 
 

@@ -6,9 +6,14 @@ math backend (fp32 GEMMs and softmax, about 27% of kernel time). Flash attention
 memory-efficient attention take an additive bias on CUDA when shapes, dtype and the bias's gradient suit
 them, which depends on the torch build and the GPU. So the backend is chosen by probe: a small forward and
 backward with T5's shape (scale 1, a bias that requires grad, query and key lengths that differ) under each
-candidate alone, checked against the math backend in fp32; the first that runs and agrees is used, math
-only when none does. A call the chosen backend rejects after all (a shape the probe did not try) runs on
-math and is counted as such. `chosen()` is what summary.json's `attention_bias` reports.
+candidate alone, checked against the math backend in fp32; the first that runs and agrees is used. Where
+none does, or the chosen backend rejects a call after all (a shape the probe did not try), SDPA dispatches
+on its own, as before the probe ("default"; forcing math there changed CPU bf16 rounding against
+generation's SDPA: tests/e2e/test_generate.py). `chosen()` is what summary.json's `attention_bias` reports.
+
+Used by packed T5 rows (lorakit.model.varlen's per-example loop) only. Padded T5 batches stay on
+transformers' own SDPA: routing them through lorakit's attention function changed their attention name,
+memory plan and contracts, for a gain only a GPU can show (issue 61 keeps that for a GPU session).
 """
 
 from __future__ import annotations
@@ -55,8 +60,10 @@ def probe(
 
     # The first call may come in an evaluation or a reference pass (no_grad / inference mode), or inside
     # gradient checkpointing, whose saved-tensor hooks must not see the probe's tensors (the recompute,
-    # with the probe cached, would save fewer): identity hooks keep them here.
-    identity = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    # with the probe cached, would save fewer): hooks of its own keep them here. They save a detached alias:
+    # saving the tensor itself, an output saved by its own grad_fn (SDPA's) became a cycle through autograd's
+    # C++ graph that the garbage collector cannot see, and kept 78 KiB of the probe's tensors alive for good.
+    identity = torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, lambda t: t)
     with torch.inference_mode(False), torch.enable_grad(), identity:
         return _probe(make, dtype, head_dim, bias_grad, candidates)
 
@@ -86,13 +93,18 @@ def bias_sdpa(
     query, key, value, attn_mask, dropout_p: float = 0.0, scale: float | None = None
 ) -> torch.Tensor:
     """F.scaled_dot_product_attention with a float `attn_mask` (T5's bias, padding folded in) on the backend
-    the probe chose for this device, dtype and head size; math where that backend rejects the call."""
+    the probe chose for this device, dtype and head size. Where it chose none, or that backend rejects the
+    call, SDPA dispatches as it would for transformers ("default": on a CPU, flash where it takes the mask)."""
     device = query.device.type
     mask, dropout, scaling = attn_mask, dropout_p, scale
-    name = probe(device, query.dtype, query.shape[-1], bool(mask is not None and mask.requires_grad))
-    if os.environ.get(FORCE_MATH) == "math":
-        name = "math"  # the benchmark's A/B switch: the path T5 took before the probe
     calls = _CALLS.setdefault((device, str(query.dtype).removeprefix("torch."), query.shape[-1]), Counter())
+    if os.environ.get(FORCE_MATH) == "math":  # the benchmark's A/B switch: the math path T5 took on CUDA
+        calls["math"] += 1
+        with sdpa_kernel([SDPBackend.MATH]):
+            return F.scaled_dot_product_attention(
+                query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+            )
+    name = probe(device, query.dtype, query.shape[-1], bool(mask is not None and mask.requires_grad))
     if name != "math":
         backend = next(b for b, n in NAMES.items() if n == name)
         try:
@@ -104,28 +116,8 @@ def bias_sdpa(
             return out
         except RuntimeError:
             pass
-    calls["math"] += 1
-    with sdpa_kernel([SDPBackend.MATH]):
-        return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
-        )
-
-
-def t5_padded_attention(
-    module, query, key, value, attention_mask, dropout, scaling, position_bias, is_causal
-):
-    """transformers' SDPA attention for a padded batch carrying T5's `position_bias`, through bias_sdpa:
-    (B, H, T, D) inputs -> ((B, T, H, D) output, None)."""
-    from transformers.integrations.sdpa_attention import create_position_bias_mask
-
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    causal = query.shape[2] > 1 and attention_mask is None and causal
-    if causal and key.shape[2] > query.shape[2]:  # as transformers does: an empty static cache's prefill
-        key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
-        position_bias = position_bias[..., : query.shape[2]]
-    mask = create_position_bias_mask(position_bias, attention_mask, causal, query, key)
-    out = bias_sdpa(query, key, value, mask, dropout_p=dropout, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
+    calls["default"] += 1
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
 
 
 def chosen() -> list[dict]:

@@ -46,6 +46,9 @@ class BuiltModel:
     # method.init pissa / olora: the adapter as initialised (whole, on CPU), which save.py subtracts to
     # save an adapter for the original base (the init rewrote the base weights in place).
     initial_adapter: dict[str, torch.Tensor] | None = None
+    # model.compile: what lorakit.model.compile.compile_blocks compiled ({blocks, classes, backend}); None
+    # when the blocks run eager.
+    compiled: dict[str, Any] | None = None
 
 
 def no_safetensors_weights(error: OSError) -> bool:
@@ -74,10 +77,8 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
         warnings.warn(family.caveat(), UnprovenFamilyWarning, stacklevel=2)
     attention = choose_attention(recipe.model.attention, model_cls)
     packing = packing_enabled(recipe.data.packing, attention, is_enc_dec, config.model_type)
-    if attention == "sdpa" and (packing or (is_enc_dec and family.packs("sdpa"))):
+    if attention == "sdpa" and packing:
         # Packed rows: SDPA per example (cost sum of L_i^2) instead of SDPA over the row with a T x T mask.
-        # Padded T5-family batches too: their position bias then takes the fused SDPA backend the probe
-        # chose (lorakit.model.bias_attention), not the math path a float mask meets by default.
         from lorakit.model.varlen import register_varlen_sdpa
 
         attention = register_varlen_sdpa()
@@ -156,9 +157,12 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
     if recipe.method.mutates_base():
         # Before deepspeed.initialize, so the adapter's weights are still whole on every rank.
         initial = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+    compiled = _compile(recipe, model, quantized=quant_type is not None)
     tokenizer = load_tokenizer(recipe, source)
     inputs = ModelInputs(config, attention, dtype, sp_group=sp_group, sp_world=sp, loss_head=loss_head)
-    return BuiltModel(model, tokenizer, source, attention, is_enc_dec, inputs, packing, hf_ds_config, initial)
+    return BuiltModel(
+        model, tokenizer, source, attention, is_enc_dec, inputs, packing, hf_ds_config, initial, compiled
+    )
 
 
 class UnprovenFamilyWarning(UserWarning):
@@ -204,6 +208,20 @@ def _tile_loss(recipe: Recipe, config, model):
     if head is None and recipe.model.tiled_loss is True:
         raise RecipeError(f"model.tiled_loss: true, but {config.model_type!r} has no output head to tile")
     return head
+
+
+def _compile(recipe: Recipe, model, *, quantized: bool) -> dict[str, Any] | None:
+    """model.compile: each block compiled regionally (lorakit.model.compile), after peft and the tiling
+    wrappers so that the graphs hold the LoRA branches; None when the blocks stay eager."""
+    from lorakit.model.compile import compile_blocks, compile_wanted
+
+    d = recipe.distributed
+    zero3 = d.strategy == "deepspeed" and d.zero_stage == 3
+    if not compile_wanted(
+        recipe.model.compile, cuda=torch.cuda.is_available(), quantized=quantized, zero3=zero3
+    ):
+        return None
+    return compile_blocks(model)
 
 
 def enable_checkpointing(model) -> None:

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from lorakit.model.bias_attention import bias_sdpa, t5_padded_attention
+from lorakit.model.bias_attention import bias_sdpa
 from lorakit.model.fused_attention import (
     FLEX,
     LOOP,
@@ -306,11 +306,6 @@ def varlen_sdpa_attention(
         return _seq2seq_attention(
             module, query, key, value, scaling, dropout, seq2seq, kwargs.get("position_bias")
         )
-    if segments is None and kwargs.get("position_bias") is not None:  # a padded T5 batch
-        bias = kwargs["position_bias"]
-        return t5_padded_attention(
-            module, query, key, value, attention_mask, dropout, scaling, bias, kwargs.get("is_causal")
-        )
     if segments is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -336,7 +331,9 @@ def register_varlen_sdpa() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+    # Eager under torch.compile (lorakit.model.compile): its host-side planning reads the row's example
+    # lengths, which a graph would guard on and recompile for at every new packing.
+    AttentionInterface.register(VARLEN_SDPA, torch.compiler.disable(varlen_sdpa_attention))
     # Unpacked batches (eval loss, left-padded generation) need transformers' usual SDPA masks.
     ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, sdpa_mask)
     return VARLEN_SDPA
