@@ -213,6 +213,7 @@ class Session:
         if side.startswith("lorakit"):
             spec.update(recipe=self.recipe(w, side, data_file, work, budget), fields=SPEC["worker_fields"])
             spec["profile"] = bool(w.get("profile"))  # one warm-up step under torch.profiler
+            spec["env"] = {k: str(v) for k, v in w.get("env", {}).items()}
             lorakit.prepare(recipe_from_dict(spec["recipe"]))  # tokenize and cache here: no timed run pays
         else:
             spec.update(extra, group_by_length=side == "hf_grouped", master_port=free_port(), lora=LORA)
@@ -226,7 +227,7 @@ class Session:
         if side.startswith("lorakit"):
             r["plan"] = gpu_result.against_plan(spec["recipe"], r, self.probe.get("gpu_memory_bytes"))
         r.update(status="measured", description=SPEC["sides"][side])
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        mfu = f"{gpu_result.share(r['mfu'])} (NeMo's LoRA count {gpu_result.share(r['mfu_nemo'])})"
         mem = (r["peak_gpu_memory_bytes"] or 0) / 2**30
         rate, eff = f"{r['useful_tokens_per_second']:,.0f} useful tok/s", r["padding_efficiency_timed"]
         matmul, step = r["mfu_vs_measured_matmul"], r["step_seconds_median"]

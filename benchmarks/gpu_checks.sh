@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One lease of a lent GPU machine, in one command (see benchmarks/gpu_lease_plan.md): the GPU contract tests
-# (run beside the weight builds; junit XML beside the result), then issue 50's workloads in order of value with
-# the time that is left (the third lease's results decided the order): FLAN-T5-XL LoRA against Seq2SeqTrainer +
-# peft with the packed T5 side (profiled), the 1B LoRA headline with its HF side (profiled), Llama-3-8B-shaped
-# LoRA at sequence 4096 without gradient checkpointing (profiled), FLAN-T5-XXL LoRA on one GPU (peak against
-# lorakit.plan), and 8B QLoRA.
+# (run beside the weight builds; junit XML beside the result), then issue 50's workloads in the order issue 61
+# set for a short window: the first five minutes measure Llama-3-8B-shaped LoRA at sequence 4096 without
+# gradient checkpointing (profiled: tok/s, MFU by lorakit's and NeMo's count, host syncs, device-busy share)
+# and FLAN-T5-XL LoRA against Seq2SeqTrainer + peft (both sides profiled); then the A/B switches of the new
+# paths on those shapes (workloads with `ab_of` in specs/gpu_bench.yaml), in the same window since only A/B
+# inside one lease counts; then the 1B headline with its HF side, packed T5, FLAN-T5-XXL against lorakit.plan
+# and 8B QLoRA with what time is left.
 #
 #     bash benchmarks/gpu_checks.sh OUT_DIR [TOTAL_SECONDS] [WORKLOADS] [EXTRA gpu_bench.py ARGS...]
 #
@@ -13,10 +15,11 @@
 set -uo pipefail
 OUT_DIR="${1:?usage: gpu_checks.sh OUT_DIR [TOTAL_SECONDS] [WORKLOADS] [ARGS...]}"
 TOTAL="${2:-500}"
-WORKLOADS="${3:-t5_xl_lora,causal_1b_lora,causal_8b_lora_4k_nockpt,t5_xxl_lora,causal_8b_qlora_4k}"
+WORKLOADS="${3:-causal_8b_lora_4k_nockpt,t5_xl_lora,t5_xl_lora_math_attention,t5_xl_lora_nockpt,causal_1b_lora,t5_xl_lora_packed,t5_xxl_lora,causal_8b_qlora_4k}"
 shift $(( $# < 3 ? $# : 3 ))
 EXTRA=("$@")
-(( ${#EXTRA[@]} )) || EXTRA=(--run-gpu-tests --extra-sides --sides lorakit,hf,lorakit_packed)
+# Packed T5 is its own workload (t5_xl_lora_packed), so no extra sides delay the A/B switches.
+(( ${#EXTRA[@]} )) || EXTRA=(--run-gpu-tests --sides lorakit,hf,lorakit_packed)
 mkdir -p "$OUT_DIR"
 exec > >(tee "$OUT_DIR/lease.log") 2>&1
 

@@ -1,4 +1,4 @@
-"""Throughput and memory meters: tokens/s, packing efficiency, peak memory."""
+"""Throughput and memory meters: tokens/s, packing efficiency, peak memory, model FLOPs and MFU."""
 
 from __future__ import annotations
 
@@ -7,6 +7,98 @@ import sys
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+# Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s, without sparsity), matched against
+# torch.cuda.get_device_name in this order (so "H100 PCIe" is found before "H100").
+PEAK_BF16_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("H200", 989.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10", 125.0),
+    ("MI300X", 1307.0),
+    ("MI250X", 383.0),
+)
+
+
+def peak_tflops(device_name: str | None) -> float | None:
+    """The device's dense bf16 peak in TFLOP/s, or None when unknown (CPUs, unlisted GPUs)."""
+    if not device_name:
+        return None
+    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in device_name), None)
+
+
+def lora_training_flops(frozen: float, lora: float, attention: float = 0.0) -> dict[str, float]:
+    """Training FLOPs of a LoRA step counted two ways, from the frozen and LoRA matmul parameters a token
+    passes through (or their sums over the step's tokens) and the attention's forward FLOPs (4 x heads x
+    head_dim per query-key pair and layer).
+
+    lorakit: what the step computes: forward (2) and input gradient (2) through each frozen weight, the
+    full 6 through each LoRA weight, attention x3. nemo: NeMo AutoModel's LoRA count, the full
+    fine-tuning FLOPs of the model (6 per frozen weight, attention x3) scaled by (2 + lora/frozen)/3, i.e.
+    without the frozen weights' weight-gradient GEMM; its 40.6% MFU anchor is this count."""
+    if frozen <= 0:
+        raise ValueError(f"frozen matmul parameters must be positive, got {frozen}")
+    full = 6 * frozen + 3 * attention
+    return {"lorakit": 4 * frozen + 6 * lora + 3 * attention, "nemo": full * (2 + lora / frozen) / 3}
+
+
+def matmul_params(model: torch.nn.Module) -> dict[str, int]:
+    """Weights of the model's linear layers a token multiplies by: {frozen, lora} (in x out of every
+    linear layer, so ZeRO-3 / FSDP2 shards and 4-bit packing count as the full layer). LoRA's A and B
+    are the lora part; DoRA's magnitude and experts held outside nn.Linear (fused MoE) are not counted."""
+    frozen = lora = 0
+    for name, module in model.named_modules():
+        # bitsandbytes' 4-bit and 8-bit layers are nn.Linear too; peft's LoRA wrapper is not (its
+        # base_layer and lora_A/lora_B children are).
+        if not isinstance(module, torch.nn.Linear) or any(True for _ in module.children()):
+            continue
+        size = int(module.in_features) * int(module.out_features)
+        if ".lora_A." in f"{name}." or ".lora_B." in f"{name}.":
+            lora += size
+        else:
+            frozen += size
+    return {"frozen": frozen, "lora": lora}
+
+
+def flops_summary(
+    params: dict[str, int], *, full: bool, seq2seq: bool, tokens_per_second: float, world_size: int
+) -> dict:
+    """summary.json's `flops`: the linear layers' training FLOPs per non-pad token as lorakit and NeMo
+    count them (`params` from matmul_params; `full`: every weight trains, both counts are 6 per weight),
+    and the MFU each gives against this device's bf16 datasheet peak (None on CPUs and unlisted GPUs).
+    Attention is not counted here (benchmarks/harness/steps.py counts it from the batches' lengths)."""
+    frozen, lora = params["frozen"], params["lora"]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    out = {"counted": "linear layers per non-pad token, attention excluded", "device": device}
+    if seq2seq or frozen <= 0:
+        # A source token passes the encoder only, a target token the decoder: one per-token count is wrong.
+        why = "encoder-decoder: per-token FLOPs differ by side" if seq2seq else "no linear layers found"
+        return {
+            **out,
+            "flops_per_token": None,
+            "peak_tflops": None,
+            "mfu": None,
+            "mfu_nemo": None,
+            "why": why,
+        }
+    everything = 6.0 * (frozen + lora)
+    counts = {"lorakit": everything, "nemo": everything} if full else lora_training_flops(frozen, lora)
+    peak = peak_tflops(device)
+    per_device = tokens_per_second / max(world_size, 1)
+    mfu = {k: (per_device * v / (peak * 1e12) if peak else None) for k, v in counts.items()}
+    return {
+        **out,
+        "flops_per_token": counts,
+        "peak_tflops": peak,
+        "mfu": mfu["lorakit"],
+        "mfu_nemo": mfu["nemo"],
+    }
 
 
 def peak_memory() -> dict[str, int | None]:

@@ -25,7 +25,7 @@ def evaluate_targets(workloads: dict, targets: dict) -> dict:
         elif t.get("of") == "plan":
             value = (side.get("plan") or {}).get("ratio")
         else:
-            value = side.get("mfu")
+            value = side.get(t.get("of") or "mfu")
         out[key] = {**t, "measured": value, "met": None if value is None else target_met(t, value)}
     return out
 
@@ -69,9 +69,19 @@ def describe_extras(side: dict) -> list[str]:
     if prof := side.get("profile"):
         busy = prof.get("device_busy_share")
         busy = "" if busy is None else f", device busy {busy:.0%}"
-        lines.append(f"profile of step {prof['step']}: {prof['step_seconds']:.3f} s{busy}")
+        syncs = prof.get("host_syncs")
+        syncs = "" if syncs is None else f", {syncs} host syncs, {prof['kernel_launches']} kernel launches"
+        lines.append(f"profile of step {prof['step']}: {prof['step_seconds']:.3f} s{busy}{syncs}")
         lines += [f"  {k['share']:6.1%} {k['calls']:5d}x {k['name'][:90]}" for k in prof["top"][:8]]
     return lines
+
+
+HOST_SYNCS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "aten::_local_scalar_dense",
+)
 
 
 def profile_summary(prof, step: int, seconds: float, top: int = 25) -> dict:
@@ -94,6 +104,10 @@ def profile_summary(prof, step: int, seconds: float, top: int = 25) -> dict:
     out = {"step": step, "step_seconds": seconds, "what": "device kernels" if kernels else "CPU operators"}
     out.update(device_busy_seconds=busy, device_busy_share=None if busy is None else busy / seconds)
     out["kernel_launches"] = sum(e.count for e in kernels)
+    # Where the host waited for the device (an .item() is a copy and a stream synchronisation); without a
+    # device, the reads of a tensor's value that would be one.
+    waits = HOST_SYNCS[:3] if kernels else HOST_SYNCS[3:]
+    out["host_syncs"] = sum(e.count for e in events if e.key in waits)
     out["host_top"] = [
         {"name": e.key[:200], "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3}
         for e in reversed(host[-10:])
@@ -101,9 +115,14 @@ def profile_summary(prof, step: int, seconds: float, top: int = 25) -> dict:
     return {**out, "top": rows}
 
 
+def share(value: float | None) -> str:
+    """A fraction as a percentage, or n/a (no datasheet peak, or a result written before the count)."""
+    return "n/a" if value is None else f"{value:.1%}"
+
+
 def table(result: dict) -> str:
     lines = [
-        "workload              side             useful tok/s     MFU  %matmul  pad.eff  peak GiB   vs hf"
+        "workload              side             useful tok/s     MFU MFUnemo  %matmul  pad.eff  peak GiB   vs hf"
     ]
     for name, w in result["workloads"].items():
         for side, r in w.get("sides", {}).items():
@@ -111,11 +130,16 @@ def table(result: dict) -> str:
                 lines.append(f"{name:21s} {side:15s} {r.get('status', '?')}")
                 continue
             ratio, mem = w["ratios"].get(f"{side}/hf"), (r["peak_gpu_memory_bytes"] or 0) / 2**30
-            mfu, vs = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a", f"x{ratio:.2f}" if ratio else ""
-            rate, eff = r["useful_tokens_per_second"], r["padding_efficiency_timed"]
-            numbers = (
-                f"{rate:13,.0f} {mfu:>7s} {r['mfu_vs_measured_matmul']:7.1%} {eff:8.2f} {mem:9.1f} {vs:>7s}"
+            mfu, vs = share(r.get("mfu")), f"x{ratio:.2f}" if ratio else ""
+            rate, eff, nemo = (
+                r["useful_tokens_per_second"],
+                r["padding_efficiency_timed"],
+                share(r.get("mfu_nemo")),
             )
+            numbers = (
+                f"{rate:13,.0f} {mfu:>7s} {nemo:>7s} {r['mfu_vs_measured_matmul']:7.1%} {eff:8.2f} {mem:9.1f}"
+            )
+            numbers += f" {vs:>7s}"
             lines.append(f"{name:21s} {side:15s} {numbers}")
         if not w.get("sides") and w.get("status") in ("skipped", "failed"):
             why = (w.get("reason") or w.get("error") or "").splitlines() or [""]

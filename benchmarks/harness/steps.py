@@ -55,6 +55,26 @@ def model_flops(acc: dict, method: str, sums: dict) -> float:
     return float(matmul + per_pair * (a["encoder_layers"] * sums["encoder_pairs"] + decoder))
 
 
+def model_flops_nemo(acc: dict, method: str, sums: dict) -> float:
+    """The same step's FLOPs as NeMo AutoModel counts LoRA (lorakit.meter.lora_training_flops): the full
+    fine-tuning FLOPs scaled by (2 + lora/frozen)/3; full fine-tuning counts as model_flops."""
+    from lorakit.meter import lora_training_flops
+
+    if method == "full":
+        return model_flops(acc, method, sums)
+    p, lo, a = acc["matmul_params_per_token"], acc["lora_params_per_token"], acc["attention"]
+    per_pair = 4 * a["heads"] * a["head_dim"]  # forward only: lora_training_flops multiplies by 3
+    if acc["family"] == "causal":
+        frozen, lora = p["token"] * sums["tokens"], lo["token"] * sums["tokens"]
+        attention = per_pair * a["layers"] * sums["pairs"]
+    else:
+        frozen = sum(p[s] * sums[f"{s}_tokens"] for s in ("source", "target"))
+        lora = sum(lo[s] * sums[f"{s}_tokens"] for s in ("source", "target"))
+        decoder = a["decoder_layers"] * (sums["decoder_pairs"] + sums["cross_pairs"])
+        attention = per_pair * (a["encoder_layers"] * sums["encoder_pairs"] + decoder)
+    return lora_training_flops(frozen, lora, attention)["nemo"]
+
+
 def peak_of(probe: dict, datasheets: list) -> dict:
     """The peaks MFU is measured against: the datasheet's (the first of `datasheets`, [name part, FLOP/s,
     source], whose name part the device's name holds) and the matmul rate the probe measured."""
@@ -77,6 +97,10 @@ def rates(side: dict, acc: dict, method: str, peak: dict) -> None:
     side["model_flops_per_second"] = side["model_flops_timed"] / seconds
     side["mfu"] = side["model_flops_per_second"] / peak["datasheet"] if peak.get("datasheet") else None
     side["mfu_vs_measured_matmul"] = side["model_flops_per_second"] / peak["measured_matmul"]
+    # NeMo's LoRA count of the same step, so its published MFU and ours are the same measure.
+    side["model_flops_nemo_timed"] = model_flops_nemo(acc, method, sums)
+    nemo_rate = side["model_flops_nemo_timed"] / seconds
+    side["mfu_nemo"] = nemo_rate / peak["datasheet"] if peak.get("datasheet") else None
 
 
 def useful_tokens(sums: dict) -> int:
@@ -163,11 +187,14 @@ class StepRecorder:
 def lorakit_worker(spec: dict) -> dict:
     """lorakit.train on `spec['recipe']` (workers.lorakit_worker), with a timer at the end of every optimizer
     step; the recorder's result with the worker's fields."""
+    import os
+
     import torch
 
     from benchmarks.harness import workers
     from lorakit.engine import loop
 
+    os.environ.update(spec.get("env", {}))  # an A/B workload's switch (specs/gpu_bench.yaml `env`)
     rec, inner = StepRecorder(spec["family"], torch.cuda.is_available()), loop.train_window
     # The last warm-up step runs under torch.profiler (it is not timed; the profiler stops inside it).
     profile_at, profiled = (spec["warmup_steps"] - 1 if spec.get("profile") else None), {}

@@ -12,38 +12,13 @@ from pathlib import Path
 import torch
 
 from lorakit.doctor.result import CheckResult, passed, skipped
+from lorakit.meter import peak_tflops
 from lorakit.model.families.start import decoder_start_token_id
 
 SECTION = "speed"
-# Dense bf16 tensor-core peaks from the vendors' datasheets (TFLOP/s, without sparsity), matched against
-# torch.cuda.get_device_name in this order (so "H100 PCIe" is found before "H100").
-PEAK_BF16_TFLOPS = (
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),  # SXM ("NVIDIA H100 80GB HBM3")
-    ("H200", 989.0),
-    ("GH200", 989.0),
-    ("B200", 2250.0),
-    ("A100", 312.0),
-    ("L40S", 362.0),
-    ("L4", 121.0),
-    ("A10", 125.0),
-    ("MI300X", 1307.0),
-    ("MI250X", 383.0),
-)
 # On CPU the block is scaled to stay quick: at most this hidden size and this many tokens per batch.
 CPU_MAX_WIDTH, CPU_MAX_TOKENS = 512, 512
 DEFAULT_AUTO_LENGTH = 2048
-
-
-def peak_tflops(device_name: str | None) -> float | None:
-    """The device's dense bf16 peak in TFLOP/s, or None when unknown (CPUs, unlisted GPUs)."""
-    if not device_name:
-        return None
-    for key, peak in PEAK_BF16_TFLOPS:
-        if key in device_name:
-            return peak
-    return None
 
 
 def _length(value, config, notes: list[str], field: str, default: int | None = None) -> int:

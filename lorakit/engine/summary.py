@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from lorakit import dist, rundir
 from lorakit.backends import Engine, backend_for
-from lorakit.meter import live_tensor_bytes, peak_memory
+from lorakit.meter import flops_summary, live_tensor_bytes, matmul_params, peak_memory
+from lorakit.model import bias_attention
+from lorakit.model.compile import compile_summary
 from lorakit.model.families.start import decoder_start_summary
 from lorakit.objectives import objective_type
 from lorakit.observe import trackers
@@ -68,6 +70,10 @@ class RunSummary:
     # Packed rows: {attention kind: {kernel: calls}} (causal, encoder, decoder, cross -> varlen, flex, loop;
     # lorakit.model.fused_attention), training and evaluation on rank 0; {} without packed rows.
     attention_kernels: dict[str, dict[str, int]]
+    # T5's position bias: the SDPA backend calls per (device, dtype, head_dim), as the probe of
+    # lorakit.model.bias_attention chose it (cudnn, efficient, flash; default: SDPA's own dispatch where none
+    # took the bias; math: forced by LORAKIT_BIAS_SDPA).
+    attention_bias: list[dict[str, Any]]
     # Encoder-decoders: the token the decoder started on in training, evaluation and generation, and the
     # checkpoint config attribute it was read from ({token_id, token, field}; families/start.py); else None.
     decoder_start: dict[str, Any] | None
@@ -96,6 +102,12 @@ class RunSummary:
     packing_efficiency: float
     batching: dict[str, Any]
     tokens_per_second: float
+    # Linear-layer training FLOPs per token as lorakit and NeMo AutoModel count LoRA, and the MFU of each
+    # against the device's bf16 datasheet peak (lorakit.meter.flops_summary; None where no peak is known).
+    flops: dict[str, Any]
+    # model.compile: the blocks compiled regionally and what dynamo did in training (graphs, graph_breaks,
+    # compile_seconds; lorakit.model.compile); None when the blocks ran eager.
+    compile: dict[str, Any] | None
     train_seconds: float
     peak_memory_bytes: PeakMemory
     # The memory planner's answer for this recipe and launch, next to what was measured.
@@ -207,6 +219,7 @@ def summarize(
         model_source=job.built.source,
         attention=job.built.attention,
         attention_kernels=job.built.inputs.kernels.counts(),
+        attention_bias=bias_attention.chosen(),
         decoder_start=decoder_start_summary(job.config, job.tokenizer),
         dtype=recipe.model.dtype,
         world_size=world,
@@ -225,6 +238,14 @@ def summarize(
         packing_efficiency=st.global_real_tokens / max(st.global_token_slots, 1),
         batching=job.batching.summary(job.plan),
         tokens_per_second=st.tokens_per_second(),
+        flops=flops_summary(
+            matmul_params(job.built.model),
+            full=recipe.method.kind == "full",
+            seq2seq=job.built.is_encoder_decoder,
+            tokens_per_second=st.tokens_per_second(),
+            world_size=world,
+        ),
+        compile=compile_summary(job.built.compiled),
         train_seconds=st.train_seconds,
         peak_memory_bytes=memory,
         plan=plan,

@@ -49,6 +49,9 @@ class BuiltModel:
     initial_adapter: dict[str, torch.Tensor] | None = None
     # LoRA on fused MoE experts: the run's line on the experts' path (lorakit.model.grouped_experts).
     experts: str | None = None
+    # model.compile: what lorakit.model.compile.compile_blocks compiled ({blocks, classes, backend}); None
+    # when the blocks run eager.
+    compiled: dict[str, Any] | None = None
 
 
 def no_safetensors_weights(error: OSError) -> bool:
@@ -170,10 +173,21 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
     if recipe.method.mutates_base():
         # Before deepspeed.initialize, so the adapter's weights are still whole on every rank.
         initial = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
+    compiled = _compile(recipe, model, quantized=quant_type is not None)
     tokenizer = load_tokenizer(recipe, source)
     inputs = ModelInputs(config, attention, dtype, sp_group=sp_group, sp_world=sp, loss_head=loss_head)
     return BuiltModel(
-        model, tokenizer, source, attention, is_enc_dec, inputs, packing, hf_ds_config, initial, experts
+        model,
+        tokenizer,
+        source,
+        attention,
+        is_enc_dec,
+        inputs,
+        packing,
+        hf_ds_config,
+        initial,
+        experts,
+        compiled,
     )
 
 
@@ -232,6 +246,20 @@ def _tile_loss(recipe: Recipe, config, model):
     if head is None and recipe.model.tiled_loss is True:
         raise RecipeError(f"model.tiled_loss: true, but {config.model_type!r} has no output head to tile")
     return head
+
+
+def _compile(recipe: Recipe, model, *, quantized: bool) -> dict[str, Any] | None:
+    """model.compile: each block compiled regionally (lorakit.model.compile), after peft and the tiling
+    wrappers so that the graphs hold the LoRA branches; None when the blocks stay eager."""
+    from lorakit.model.compile import compile_blocks, compile_wanted
+
+    d = recipe.distributed
+    zero3 = d.strategy == "deepspeed" and d.zero_stage == 3
+    if not compile_wanted(
+        recipe.model.compile, cuda=torch.cuda.is_available(), quantized=quantized, zero3=zero3
+    ):
+        return None
+    return compile_blocks(model)
 
 
 def enable_checkpointing(model) -> None:

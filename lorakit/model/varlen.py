@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from lorakit.model.bias_attention import bias_sdpa
 from lorakit.model.fused_attention import (
     FLEX,
     LOOP,
@@ -208,9 +209,9 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
         q = q_rows.index_select(0, group.q_index).view(n, mq, *q_rows.shape[1:]).transpose(1, 2)
         k = k_rows.index_select(0, group.k_index).view(n, mk, *k_rows.shape[1:]).transpose(1, 2)
         v = v_rows.index_select(0, group.k_index).view(n, mk, *v_rows.shape[1:]).transpose(1, 2)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling
-        )
+        # With T5's bias on the fused backend the probe chose (lorakit.model.bias_attention).
+        sdpa = bias_sdpa if bias is not None else torch.nn.functional.scaled_dot_product_attention
+        out = sdpa(q, k, v, mask, dropout_p=dropout, scale=scaling)
         # (n, H, mq, D) -> (n * mq, H, D): the group's rows, padded slots included.
         outs.append(out.transpose(1, 2).reshape(n * mq, out.shape[1], out.shape[3]))
     # The groups' rows back in row order, padded slots left out: (T, H, D) -> (1, T, H, D).
@@ -330,7 +331,9 @@ def register_varlen_sdpa() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+    # Eager under torch.compile (lorakit.model.compile): its host-side planning reads the row's example
+    # lengths, which a graph would guard on and recompile for at every new packing.
+    AttentionInterface.register(VARLEN_SDPA, torch.compiler.disable(varlen_sdpa_attention))
     # Unpacked batches (eval loss, left-padded generation) need transformers' usual SDPA masks.
     ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, sdpa_mask)
     return VARLEN_SDPA

@@ -39,6 +39,13 @@ class ModelSection(Section):
     gradient_checkpointing: bool = Field(
         True, description="Non-reentrant activation checkpointing: trades ~30% compute for much less memory."
     )
+    compile: bool | Literal["auto"] = Field(
+        "auto",
+        description="torch.compile the parts of each transformer block (attention with its LoRA branches, MLP, "
+        "norms), regionally: one graph per part kind, shapes dynamic so packed rows do not recompile. auto: on "
+        "with a CUDA GPU for unquantized bases outside DeepSpeed ZeRO-3, off on CPUs (where compile time "
+        "outweighs the gain). summary.json's `compile` reports the graphs and compile seconds.",
+    )
     # issue 33: long rows (lorakit.model.tiled_mlp).
     tiled_mlp: bool | Literal["auto"] = Field(
         "auto",

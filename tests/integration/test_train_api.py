@@ -26,6 +26,7 @@ def test_train_api_lora_zero2(cache_dir, tmp_path, capsys):
     assert s["train_samples"] == 64
     assert s["loss"]["last"] < s["loss"]["first"]
     assert s["zero_stage"] == 2 and s["world_size"] == 1
+    assert s["flops"]["flops_per_token"] is None and "encoder-decoder" in s["flops"]["why"]
     # Packed T5 rows (data.packing auto) on the CPU: the per-example loop for each attention kind, named in
     # summary.json and, once each, on the console with the reason.
     assert s["attention"] == "lorakit_varlen_sdpa"
@@ -117,6 +118,11 @@ def test_train_api_packed_chat_on_qwen2(cache_dir, tmp_path):
     assert s["loss"]["last"] < 0.6 * s["loss"]["first"]
     assert s["data"]["format"] == "chat" and s["data"]["overlong"]["dropped"] == 0
     assert "exact_match" in s["eval"]
+    # Both MFU counts' FLOPs per token (issue 61): NeMo's is 4 per frozen weight and 2 per LoRA weight
+    # (ours 4 and 6); no bf16 peak is known for a CPU, so no MFU.
+    flops = s["flops"]["flops_per_token"]
+    assert 0 < flops["nemo"] < flops["lorakit"]
+    assert s["flops"]["mfu"] is None and s["flops"]["mfu_nemo"] is None
 
 
 def test_packing_budget_below_the_longest_example_is_a_clear_error(cache_dir, tmp_path):
