@@ -173,7 +173,9 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
     if recipe.method.mutates_base():
         # Before deepspeed.initialize, so the adapter's weights are still whole on every rank.
         initial = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.requires_grad}
-    compiled = _compile(recipe, model, quantized=quant_type is not None)
+    compiled = _compile(
+        recipe, model, quantized=quant_type is not None, partitioned=load.kind == "partitioned"
+    )
     tokenizer = load_tokenizer(recipe, source)
     inputs = ModelInputs(config, attention, dtype, sp_group=sp_group, sp_world=sp, loss_head=loss_head)
     return BuiltModel(
@@ -248,15 +250,14 @@ def _tile_loss(recipe: Recipe, config, model):
     return head
 
 
-def _compile(recipe: Recipe, model, *, quantized: bool) -> dict[str, Any] | None:
+def _compile(recipe: Recipe, model, *, quantized: bool, partitioned: bool) -> dict[str, Any] | None:
     """model.compile: each block compiled regionally (lorakit.model.compile), after peft and the tiling
-    wrappers so that the graphs hold the LoRA branches; None when the blocks stay eager."""
+    wrappers so that the graphs hold the LoRA branches; None when the blocks stay eager. `partitioned`: the
+    backend's load plan partitions the weights (ZeRO-3), whose gather hooks compile does not take."""
     from lorakit.model.compile import compile_blocks, compile_wanted
 
-    d = recipe.distributed
-    zero3 = d.strategy == "deepspeed" and d.zero_stage == 3
     if not compile_wanted(
-        recipe.model.compile, cuda=torch.cuda.is_available(), quantized=quantized, zero3=zero3
+        recipe.model.compile, cuda=torch.cuda.is_available(), quantized=quantized, zero3=partitioned
     ):
         return None
     return compile_blocks(model)

@@ -226,3 +226,39 @@ def test_no_import_from_a_lower_floor_to_a_higher_one():
     lines = [f"  {a} (floor {floor(a)}) -> {b} (floor {floor(b)})" for a, b in new]
     assert not new, "imports up a floor:\n" + "\n".join(lines)
     assert not gone, f"KNOWN lists arrows that no longer exist, remove them: {gone}"
+
+
+def house_hits(pattern: str, files) -> list[str]:
+    """file:line of every source line matching `pattern` (comments and docstrings included: they state
+    knowledge as much as code does)."""
+    import re
+
+    rx = re.compile(pattern)
+    return [
+        f"{f.relative_to(PACKAGE.parent)}:{n}"
+        for f in files
+        for n, line in enumerate(f.read_text().splitlines(), 1)
+        if rx.search(line)
+    ]
+
+
+# The run's strategy compared as an attribute (recipe.distributed.strategy == "deepspeed" and the like).
+STRATEGY_COMPARED = r"\.strategy\b\s*(==|!=|\bin\b|\bnot in\b)"
+
+
+def test_only_backends_compare_the_strategy():
+    # Issue 55: the backend answers what others ask of it; model/build.py's compile choice compared
+    # `d.strategy == "deepspeed"` until the load plan's kind answered it.
+    outside = [f for f in PACKAGE.rglob("*.py") if "backends" not in f.relative_to(PACKAGE).parts]
+    assert not house_hits(STRATEGY_COMPARED, outside)
+    import re
+
+    for line in ('zero3 = d.strategy == "deepspeed"', 'if recipe.distributed.strategy in ("fsdp",):'):
+        assert re.search(STRATEGY_COMPARED, line), line  # the pattern finds what it is for
+
+
+def test_the_recipe_package_names_no_objective():
+    # Objectives bring their settings through their registration (lorakit.objectives.registry).
+    names = r"\b(dpo|ipo|orpo|kto|simpo|grpo|dapo)\b"
+    assert not house_hits(names, PACKAGE.joinpath("recipe").rglob("*.py"))
+    assert house_hits(names, PACKAGE.joinpath("objectives").rglob("*.py")), "the pattern finds none"
