@@ -1,7 +1,7 @@
 """QLoRA on an MoE end to end: the shipped causal quickstart recipe with only the model changed (tiny Mixtral,
-method.kind qlora, so the attention layers and the fused experts are 4-bit), 2 processes under its ZeRO-3, the
-recipe's dropout 0.05; then merged into the unquantized base, verified, and compared with the adapter on the
-4-bit base."""
+Qwen3-MoE and OLMoE, method.kind qlora, so the attention layers and the fused experts are 4-bit), 2 processes
+under its ZeRO-3, the recipe's dropout 0.05; then merged into the unquantized base, verified, and compared with
+the adapter on the 4-bit base."""
 
 import json
 import math
@@ -15,14 +15,29 @@ from tests.conftest import RECIPES
 from tests.integration.test_resume import launch
 
 
+def _expert_stacks(kind: str) -> tuple[int, int]:
+    """(fused expert stacks, expert adapters) of the tiny model `kind`, read from the model itself (built on
+    the meta device): the gradient line must count exactly these."""
+    from transformers import AutoModelForCausalLM
+
+    from lorakit.model.families.moe import EXPERT_PARAMETERS
+    from lorakit.model.families.tiny import tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(kind))
+    stacks = [p.shape[0] for n, p in model.named_parameters() if n.endswith(EXPERT_PARAMETERS)]
+    return len(stacks), sum(stacks)
+
+
 @pytest.mark.slow
-def test_the_causal_quickstart_as_qlora_on_a_tiny_mixtral_trains_on_two_ranks_and_merges_verified(
-    cache_dir, tmp_path
+@pytest.mark.parametrize("kind", ("mixtral", "qwen3_moe", "olmoe"))
+def test_the_causal_quickstart_as_qlora_on_each_tiny_moe_trains_on_two_ranks_and_merges_verified(
+    kind, cache_dir, tmp_path
 ):
     import lorakit
 
     raw = yaml.safe_load((RECIPES / "quickstart_causal.yaml").read_text())
-    raw["model"]["name_or_path"] = "tiny:mixtral"
+    raw["model"]["name_or_path"] = f"tiny:{kind}"
     raw["method"]["kind"] = "qlora"
     # Small: a few steps, an evaluation between them (where bitsandbytes' AVX512-BF16 CPU branch would switch
     # its 4-bit linear layers' layout; forced on below), no generation.
@@ -37,7 +52,10 @@ def test_the_causal_quickstart_as_qlora_on_a_tiny_mixtral_trains_on_two_ranks_an
     proc = launch(path, **{AVX512BF16_ENV: "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("none on the fused experts") == 1
-    assert "expert adapters (4 fused stacks) received gradients in the first step" in proc.stdout
+    stacks, adapters = _expert_stacks(kind)
+    assert stacks > 0
+    line = f"of {adapters:,} expert adapters ({stacks} fused stacks) received gradients in the first step"
+    assert line in proc.stdout, proc.stdout[-3000:]
     run_dir = tmp_path / "run"
     summary = json.loads((run_dir / "summary.json").read_text())
     q = summary["quantization"]
