@@ -24,9 +24,9 @@ def test_the_errors_know_the_recipe_sections_of_the_schema():
     from lorakit.recipe.schema import Recipe
 
     assert RECIPE_SECTIONS == tuple(Recipe.model_fields)
-    # The registered objectives' sections (the built-ins' with settings: dpo, orpo, kto) follow.
+    # The registered objectives' sections (the built-ins' with settings: dpo, orpo, kto, grpo) follow.
     objectives = tuple(name for name, _ in settings_sections())
-    assert objectives == ("dpo", "orpo", "kto") and recipe_sections() == RECIPE_SECTIONS + objectives
+    assert objectives == ("dpo", "orpo", "kto", "grpo") and recipe_sections() == RECIPE_SECTIONS + objectives
     assert RecipeError("invalid recipe:\n  kto.beta: must be > 0").doc_link() == "docs/recipes.md#kto"
 
 

@@ -116,7 +116,11 @@ def test_the_probe_leaves_no_tensor_alive():
         seen = {}
         for obj in gc.get_objects():
             if isinstance(obj, torch.Tensor) and not obj.is_meta:
-                seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+                try:
+                    ptr = obj.untyped_storage().data_ptr()
+                except RuntimeError:  # a fake tensor torch.compile's caches keep (another test's): no memory
+                    continue
+                seen[ptr] = obj.untyped_storage().nbytes()
         return sum(seen.values())
 
     before = tensor_bytes()

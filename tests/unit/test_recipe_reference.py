@@ -29,7 +29,7 @@ def test_every_schema_field_appears_in_schema_order():
     page = generate()
     sections = [name for name, _ in section_models()]
     # The declared sections, then those of the registered objectives with settings (the built-ins').
-    assert sections == [*Recipe.model_fields, "dpo", "orpo", "kto"]
+    assert sections == [*Recipe.model_fields, "dpo", "orpo", "kto", "grpo"]
     positions = [page.index(f"\n## {name}\n") for name in sections]
     assert positions == sorted(positions)
     for name, model in section_models():
