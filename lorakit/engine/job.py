@@ -32,6 +32,7 @@ from lorakit.engine.session import Job, say
 from lorakit.engine.steps import StaticSteps, StepPlan, StepSource
 from lorakit.engine.summary import MemoryProbe, summarize
 from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
+from lorakit.model.checkpointing import from_plan, needs_plan
 from lorakit.model.expert_gradients import ExpertGradientProbe
 from lorakit.model.families import family_of
 from lorakit.model.families.moe import describe as describe_moe
@@ -64,9 +65,15 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
     memory = MemoryProbe(device_kind())
     # Data-parallel replicas x sequence-parallel groups; the data is split over the replicas.
     mesh = ParallelDims.build(recipe.distributed.sequence_parallel)
+    # model.gradient_checkpointing auto: the planner's choice for this run's shapes and GPU memory, before
+    # the build (a CPU run has no GPU memory to plan against: whole, lorakit.planner.checkpointing).
+    planned_first = needs_plan(recipe.model) and memory.device_kind == "cuda"
+    early = plan_of_run(recipe, config, data, dist.world_size(), memory.device_kind) if planned_first else {}
     built = dist.on_every_rank(
-        "load", build_model, recipe, backend.load_plan(backend_config), sp_group=mesh.sp_group
-    )
+        "load", build_model, recipe, backend.load_plan(backend_config), sp_group=mesh.sp_group,
+        checkpointing=from_plan(early, recipe.model),
+    )  # fmt: skip
+    say(built.checkpointing.describe())
     params = count_parameters(built.model)
     log = (
         dist.on_main(

@@ -108,6 +108,9 @@ class RunSummary:
     # model.compile: the blocks compiled regionally and what dynamo did in training (graphs, graph_breaks,
     # compile_seconds; lorakit.model.compile); None when the blocks ran eager.
     compile: dict[str, Any] | None
+    # model.gradient_checkpointing as run: {mode (off, selective, whole), every (selective: every k-th
+    # block), why} (lorakit.model.checkpointing; auto: the planner's choice).
+    gradient_checkpointing: dict[str, Any] | None
     train_seconds: float
     peak_memory_bytes: PeakMemory
     # The memory planner's answer for this recipe and launch, next to what was measured.
@@ -246,6 +249,7 @@ def summarize(
             world_size=world,
         ),
         compile=compile_summary(job.built.compiled),
+        gradient_checkpointing=job.built.checkpointing.to_dict() if job.built.checkpointing else None,
         train_seconds=st.train_seconds,
         peak_memory_bytes=memory,
         plan=plan,

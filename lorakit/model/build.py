@@ -13,6 +13,7 @@ import torch
 from lorakit.errors import RecipeError
 from lorakit.model.adapter import apply_linear_dropout, peft_config
 from lorakit.model.attention import choose_attention, packing_enabled, set_attention_dropout
+from lorakit.model.checkpointing import Checkpointing, enable_checkpointing, from_recipe
 from lorakit.model.families import Family, family_of
 from lorakit.model.families.moe import check_method
 from lorakit.model.families.start import start_generation_on_it
@@ -52,6 +53,8 @@ class BuiltModel:
     # model.compile: what lorakit.model.compile.compile_blocks compiled ({blocks, classes, backend}); None
     # when the blocks run eager.
     compiled: dict[str, Any] | None = None
+    # model.gradient_checkpointing as resolved for this run (lorakit.model.checkpointing).
+    checkpointing: Checkpointing | None = None
 
 
 def no_safetensors_weights(error: OSError) -> bool:
@@ -63,13 +66,16 @@ def no_safetensors_weights(error: OSError) -> bool:
     return "safetensors" in text and not missing_file
 
 
-def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) -> BuiltModel:
+def build_model(
+    recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None, checkpointing: Checkpointing | None = None
+) -> BuiltModel:
     """Load the base in the recipe's dtype and attention backend, then apply the method.
 
     `load` is the backend's plan (Backend.load_plan): partitioned (ZeRO-3: HfDeepSpeedConfig is alive during
     from_pretrained, so each rank materialises only its shard of the base; an 11B model never sits whole on
     one rank), meta (the structure only; the backend reads each rank's shards once sharded) or whole. With
     distributed.sequence_parallel > 1, `sp_group` is this rank's sequence-parallel group (engine/mesh.py).
+    `checkpointing`: the run's gradient checkpointing (the planner's choice); None: the recipe's own.
     """
     source, config = load_config(recipe)
     is_enc_dec = bool(getattr(config, "is_encoder_decoder", False))
@@ -141,8 +147,10 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
     # Evaluation's generate() starts the decoder where training's collators do (families/start.py).
     start_generation_on_it(model, config)
     set_attention_dropout(model, recipe.model.attention_dropout)
-    if recipe.model.gradient_checkpointing:
-        enable_checkpointing(model)
+    # The run's checkpointing, chosen before the build (the planner's, for auto); the recipe's without it.
+    checkpointing = checkpointing or from_recipe(recipe.model)
+    if checkpointing.enabled:
+        enable_checkpointing(model, checkpointing.every_n_blocks)
     experts = None
     if recipe.method.adapter():
         # peft freezes the base (4-bit weights included). No prepare_model_for_kbit_training for qlora:
@@ -190,6 +198,7 @@ def build_model(recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None) ->
         initial,
         experts,
         compiled,
+        checkpointing,
     )
 
 
@@ -261,17 +270,6 @@ def _compile(recipe: Recipe, model, *, quantized: bool, partitioned: bool) -> di
     ):
         return None
     return compile_blocks(model)
-
-
-def enable_checkpointing(model) -> None:
-    """Non-reentrant activation checkpointing (what peft's LoRA needs: no input-grad hook), by transformers'
-    current name for it (`activation_checkpointing_enable`; `gradient_checkpointing_enable` is its deprecated
-    alias in 5.x, which warns)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

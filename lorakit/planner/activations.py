@@ -35,7 +35,9 @@ A tiled MLP (model.tiled_mlp) keeps no MLP activations per token: its input is t
 counted; one tile's MLP terms (and its feed-forward-wide gradients) are alive while the tile is recomputed.
 
 With gradient checkpointing (non-reentrant, per layer) only each layer's input (a*h per token) is kept;
-in the backward one layer at a time is recomputed. The peak is the larger of two moments: the start of
+in the backward one layer at a time is recomputed. Selective checkpointing (every k-th block,
+lorakit.model.checkpointing) keeps the input of the blocks it checkpoints and everything of the others: the
+layers keep n*a*h + (L-n)*layer per token for n checkpointed blocks of L. The peak is the larger of two moments: the start of
 the backward (kept + head) and the backward through the layers (kept + logits + the recomputed layer + the
 gradients flowing through it), when DeepSpeed's gradient buffers are also allocated.
 """
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from lorakit.model.checkpointing import checkpointed_blocks
 from lorakit.model.loss import CHUNK_ELEMENTS
 from lorakit.planner.arch import Arch
 from lorakit.planner.moe import expert_weights, moe_mlp
@@ -105,6 +108,8 @@ class Activations:
     # A forward under no_grad over the same micro-batch (DPO's reference pass): its logits, one layer's
     # working tensors and, for encoder-decoders, the encoder output. Nothing is kept from it.
     no_grad_forward: int = 0
+    # Blocks checkpointed (encoder and decoder together): 0 off, all of them whole, some selective.
+    checkpointed: int = 0
 
 
 def _math_kernel(k: Kernels, dropout: float) -> bool:
@@ -210,11 +215,13 @@ def t5_cross_attention(arch: Arch, method, a: int, k: Kernels, source_len: int, 
     return int(per_query + _lora(arch, method, a, ("q", "o")) + per_key * ratio)
 
 
-def activations(arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing: bool) -> Activations:
-    """Activation bytes of one micro-batch (see the module docstring)."""
+def activations(arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing: bool,
+                every: int | None = None) -> Activations:  # fmt: skip
+    """Activation bytes of one micro-batch (see the module docstring); `every`: with `checkpointing`,
+    every k-th block only (selective); None: every block."""
     if arch.is_encoder_decoder:
-        return _seq2seq(arch, method, a, k, shape, checkpointing)
-    return _causal(arch, method, a, k, shape, checkpointing)
+        return _seq2seq(arch, method, a, k, shape, checkpointing, every or 1)
+    return _causal(arch, method, a, k, shape, checkpointing, every or 1)
 
 
 def _head(
@@ -245,7 +252,9 @@ def _finish(layers_kept: int, one_layer: int, outside: int, head: int, logits: i
     return Activations(kept, head, logits, recompute, at_loss, in_layers, max(at_loss, in_layers), quadratic)
 
 
-def _causal(arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing: bool) -> Activations:
+def _causal(
+    arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing: bool, every: int
+) -> Activations:
     rows, seq, n = shape.rows, shape.seq_len, shape.sequence_parallel
     # Sequence parallelism: every layer but attention runs on 1/N of the (padded) row; attention, after
     # its all-to-all, keeps 1/N of the heads over the whole row: the same bytes as all heads over 1/N.
@@ -271,13 +280,16 @@ def _causal(arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing:
     full = method.kind == "full"
     outside = tokens * (_norm(arch, a, full, output=full) + 2 * a * arch.head_dim) + shared_mask
     head, logits = _head(arch, a, tokens, shape.loss_tile, full)
-    kept_layers = arch.layers * (tokens * a * arch.hidden if checkpointing else layer)
+    n = checkpointed_blocks(arch.layers, every) if checkpointing else 0
+    kept_layers = n * tokens * a * arch.hidden + (arch.layers - n) * layer
     working = _working(arch, a, tokens, tile)
-    act = _finish(kept_layers, layer, outside, head, logits, quadratic, checkpointing, working)
-    return replace(act, no_grad_forward=logits + working)
+    act = _finish(kept_layers, layer, outside, head, logits, quadratic, n > 0, working)
+    return replace(act, no_grad_forward=logits + working, checkpointed=n)
 
 
-def _seq2seq(arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing: bool) -> Activations:
+def _seq2seq(
+    arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing: bool, every: int
+) -> Activations:
     rows, src, tgt = shape.rows, shape.seq_len, shape.target_len or shape.seq_len
     # Every decoder pass keeps its own activations (and logits) until the backward: count its tokens as
     # decoder tokens; the decoder's attention spans stay those of one pass.
@@ -302,17 +314,20 @@ def _seq2seq(arch: Arch, method, a: int, k: Kernels, shape: Shape, checkpointing
     if full:
         outside += t_tok * a * arch.hidden
     head, logits = _head(arch, a, t_tok)
-    if checkpointing:
-        kept_layers = (arch.layers * s_tok + arch.decoder_layers * t_tok) * a * arch.hidden
-        # The position bias of each stack is an input of every checkpointed block: kept once.
-        outside += h * (src * s_span + tgt * t_span) * a
-    else:
-        kept_layers = arch.layers * enc + arch.decoder_layers * dec
+    # transformers numbers the blocks over the encoder's, then the decoder's (lorakit.model.checkpointing).
+    n_enc = checkpointed_blocks(arch.layers, every) if checkpointing else 0
+    n_dec = checkpointed_blocks(arch.decoder_layers, every, start=arch.layers) if checkpointing else 0
+    kept_layers = (n_enc * s_tok + n_dec * t_tok) * a * arch.hidden
+    kept_layers += (arch.layers - n_enc) * enc + (arch.decoder_layers - n_dec) * dec
+    # The position bias of each stack is an input of every checkpointed block: kept once.
+    outside += h * ((src * s_span if n_enc else 0) + (tgt * t_span if n_dec else 0)) * a
     # The backward recomputes (and the gradients flow through) one layer of one pass at a time.
     passes = shape.decoder_passes
     working = max(_working(arch, a, s_tok), _working(arch, a, t_tok // passes))
     act = _finish(
         kept_layers, max(enc, dec // passes), outside, head, logits, max(enc_q, dec_q // passes),
-        checkpointing, working,
+        n_enc + n_dec > 0, working,
     )  # fmt: skip
-    return replace(act, no_grad_forward=logits + working + s_tok * a * arch.hidden)
+    return replace(
+        act, no_grad_forward=logits + working + s_tok * a * arch.hidden, checkpointed=n_enc + n_dec
+    )

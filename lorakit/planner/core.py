@@ -18,6 +18,7 @@ from lorakit.objectives import objective_type
 from lorakit.planner.activations import Activations, Kernels, Shape, activations
 from lorakit.planner.arch import Arch, arch_from_config, resolve_config
 from lorakit.planner.byte_models import PlannedBytes
+from lorakit.planner.checkpointing import Checkpointing, choose, with_checkpointing
 from lorakit.planner.moe import moe_notes
 from lorakit.planner.rollouts import RolloutPlan, planned_rollouts
 from lorakit.planner.search import ROW_STEP, candidates, longest_row, overrides, recipe_setup, slowdown
@@ -86,6 +87,7 @@ class Estimate:
                 "micro_batch_size": s.micro_batch_size,
                 "max_tokens": s.max_tokens,
                 "gradient_checkpointing": s.gradient_checkpointing,
+                "checkpoint_every": s.checkpoint_every,
             },
             "fits": self.fits,
             "fits_gpu": self.fits_gpu,
@@ -111,6 +113,7 @@ class Estimate:
                 "in_layers": a.in_layers,
                 "quadratic_per_layer": a.quadratic_per_layer,
                 "no_grad_forward": a.no_grad_forward,
+                "checkpointed_blocks": a.checkpointed,
             },  # fmt: skip
             "items": [
                 {
@@ -154,6 +157,8 @@ class MemoryPlan:
     timeout_minutes: float | None = None
     # train.objective: what its objective adds is asked of it (DPO: two sequences a pair, a reference pass).
     objective: str = SFT.name
+    # model.gradient_checkpointing resolved for this run (auto: lorakit.planner.checkpointing's choice).
+    checkpointing: Checkpointing | None = None
 
     @property
     def fits(self) -> bool | None:
@@ -201,6 +206,7 @@ class MemoryPlan:
             "sequence_parallel": self.sequence_parallel,
             "timeout_minutes": self.timeout_minutes,
             "objective": self.objective,
+            "gradient_checkpointing": self.checkpointing.to_dict() if self.checkpointing else None,
         }
 
     def describe(self) -> str:
@@ -271,6 +277,9 @@ def plan(
     def estimate(setup: Setup) -> Estimate:
         return _estimate(recipe, arch, a, setup, shape, kernels, world, gpus, gpu_cap, cpu_cap, base, nodes)
 
+    blocks = arch.layers + arch.decoder_layers
+    ckpt = choose(recipe.model, base, estimate, gpu_cap if device == "cuda" else None, blocks)
+    base = with_checkpointing(base, ckpt)
     own = estimate(base)
     best = None
     if gpu_cap is not None:
@@ -311,6 +320,7 @@ def plan(
         sequence_parallel=shape.sequence_parallel,
         timeout_minutes=recipe.distributed.timeout_minutes,
         objective=recipe.train.objective,
+        checkpointing=ckpt,
     )
 
 
@@ -335,7 +345,9 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
             mlp_tile=planned_tile(recipe, this.seq_len, arch.hidden),
             loss_tile=planned_loss_tile(recipe, this.seq_len, arch.vocab, arch.model_type),
         )
-    act = activations(arch, recipe.method, a, kernels, this, setup.gradient_checkpointing)
+    act = activations(
+        arch, recipe.method, a, kernels, this, setup.gradient_checkpointing, setup.checkpoint_every
+    )
 
     def total(where: str, when: str) -> int:
         return sum(i.bytes for i in items if i.where == where and i.when == when)

@@ -100,6 +100,8 @@ def describe(plan) -> str:
         "recipe as written:",
     ]
     lines = head + describe_estimate(plan.estimate, plan)
+    if plan.checkpointing is not None:
+        lines.append(f"  {plan.checkpointing.describe()}")
     fits = plan.fits
     lines.append("")
     if fits is None:

@@ -4,7 +4,7 @@ Speed costs are coarse multipliers on step time, stated so a user can weigh them
 
 - gradient checkpointing repeats each layer's forward in the backward: +1/3 of the step for full
   fine-tuning (forward 1 + backward 2, plus 1), +1/2 for LoRA (a frozen base needs no weight gradients, so
-  the backward costs about one forward);
+  the backward costs about one forward); selective checkpointing of every k-th block, 1/k of that;
 - ZeRO-3 gathers every layer's weights in the forward and again in the backward: x1.15 within a node,
   x1.5 across nodes (inter-node links are 10x slower than NVLink);
 - offloading the optimizer runs Adam on the CPU and moves gradients and weights over PCIe: x1.5 for full
@@ -21,6 +21,7 @@ from dataclasses import replace
 
 from lorakit.backends import Backend
 from lorakit.backends.facts import Layout
+from lorakit.model.checkpointing import DEFAULT_EVERY
 from lorakit.planner.states import Setup
 
 
@@ -34,7 +35,11 @@ def recipe_setup(recipe, backend: Backend) -> Setup:
         offload_params=layout.offload_params,
         micro_batch_size=recipe.train.micro_batch_size,
         max_tokens=None,
-        gradient_checkpointing=recipe.model.gradient_checkpointing,
+        # auto: whole until the planner chooses (lorakit.planner.checkpointing).
+        gradient_checkpointing=recipe.model.gradient_checkpointing is not False,
+        checkpoint_every=(recipe.model.checkpoint_every or DEFAULT_EVERY)
+        if recipe.model.gradient_checkpointing == "selective"
+        else None,
     )
 
 
@@ -43,7 +48,7 @@ def slowdown(setup: Setup, reference: Setup, *, adapter: bool, nodes: int) -> fl
     checkpointing, the reference micro-batch or packed row); see the module docstring."""
     factor = 1.0
     if setup.gradient_checkpointing:
-        factor *= 1.5 if adapter else 4 / 3
+        factor *= 1 + (0.5 if adapter else 1 / 3) / (setup.checkpoint_every or 1)
     if setup.zero_stage == 3:
         factor *= 1.5 if nodes > 1 else 1.15
     if setup.offload_optimizer != "none":
@@ -81,7 +86,7 @@ def candidates(base: Setup, *, min_tokens: int | None, layouts: list[Layout]) ->
                 out.append(
                     replace(base, zero_stage=layout.zero_stage, offload_optimizer=layout.offload_optimizer,
                             offload_params=layout.offload_params, micro_batch_size=mb, max_tokens=tokens,
-                            gradient_checkpointing=ckpt)
+                            gradient_checkpointing=ckpt, checkpoint_every=None)
                 )  # fmt: skip
     return out
 
@@ -92,8 +97,11 @@ def overrides(setup: Setup, recipe, base: Setup, backend: Backend) -> list[str]:
     smaller micro-batch or packed row gets proportionally more accumulation steps)."""
     t = recipe.train
     out = backend.layout_overrides(setup.layout)
-    if setup.gradient_checkpointing != recipe.model.gradient_checkpointing:
+    if setup.checkpointing != base.checkpointing:
+        # The candidates are off or whole; a recipe's checkpoint_every goes with its selective.
         out.append(f"model.gradient_checkpointing={str(setup.gradient_checkpointing).lower()}")
+        if recipe.model.checkpoint_every is not None:
+            out.append("model.checkpoint_every=null")
     shrink = 1
     if setup.max_tokens is None and setup.micro_batch_size != base.micro_batch_size:
         out.append(f"train.micro_batch_size={setup.micro_batch_size}")

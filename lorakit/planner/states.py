@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lorakit.backends.facts import Layout
+from lorakit.model.checkpointing import OFF, SELECTIVE, WHOLE, ordinal
 from lorakit.planner.arch import Arch
 from lorakit.planner.moe import moe_frozen_note, parameter_lora, quantized_experts
 
@@ -42,6 +43,15 @@ class Setup:
     # Packed micro-batches: the token budget of the (encoder) row; None without packing.
     max_tokens: int | None
     gradient_checkpointing: bool
+    # With checkpointing: every k-th block only (selective, lorakit.model.checkpointing); None: every block.
+    checkpoint_every: int | None = None
+
+    @property
+    def checkpointing(self) -> str:
+        """off, selective or whole (lorakit.model.checkpointing)."""
+        if not self.gradient_checkpointing:
+            return OFF
+        return SELECTIVE if self.checkpoint_every else WHOLE
 
     @property
     def layout(self) -> Layout:
@@ -58,7 +68,12 @@ class Setup:
         parts.append(
             f"max_tokens {self.max_tokens}" if self.max_tokens else f"micro-batch {self.micro_batch_size}"
         )
-        parts.append("checkpointing" if self.gradient_checkpointing else "no checkpointing")
+        every = self.checkpoint_every if self.gradient_checkpointing else None
+        parts.append(
+            f"checkpointing every {ordinal(every)} block"
+            if every
+            else ("checkpointing" if self.gradient_checkpointing else "no checkpointing")
+        )
         return ", ".join(parts)
 
 

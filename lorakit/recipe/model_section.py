@@ -36,8 +36,24 @@ class ModelSection(Section):
         "per-example SDPA in training, as the console says. Causal LMs: replaces the config's "
         "`attention_dropout` (0 for Llama, Mistral, Qwen2).",
     )
-    gradient_checkpointing: bool = Field(
-        True, description="Non-reentrant activation checkpointing: trades ~30% compute for much less memory."
+    gradient_checkpointing: bool | Literal["auto", "selective"] = Field(
+        "auto",
+        description="Non-reentrant activation checkpointing of the transformer blocks: each checkpointed "
+        "block keeps only its input and runs its forward again in the backward (about +50% step time for "
+        "LoRA, +33% for full fine-tuning, when every block is checkpointed). true: every block (whole); "
+        "false: none (off); selective: every k-th block (model.checkpoint_every, as torchtitan's and "
+        "torchtune's selective layer checkpointing); auto: the memory planner picks, from the run's shapes "
+        "and the GPU's memory, the first of off, selective (the largest k) and whole that fits with "
+        "headroom; whole when there is no GPU memory to plan against (CPU runs). summary.json's "
+        "`gradient_checkpointing` says what was chosen and why. See docs/planning.md.",
+    )
+    checkpoint_every: int | None = Field(
+        None,
+        ge=2,
+        description="With model.gradient_checkpointing selective: checkpoint every k-th block (blocks 0, k, "
+        "2k, ... of the model, counted over the encoder's and then the decoder's blocks of an "
+        "encoder-decoder). null: the planner's largest k that fits with headroom on the run's GPUs; 2 "
+        "without a GPU memory to plan against.",
     )
     compile: bool | Literal["auto"] = Field(
         "auto",
@@ -92,6 +108,12 @@ class ModelSection(Section):
 
     @model_validator(mode="after")
     def _check_tiles(self) -> ModelSection:
+        if self.checkpoint_every is not None and self.gradient_checkpointing != "selective":
+            raise ValueError(
+                "model.checkpoint_every sets which blocks selective checkpointing checkpoints, and "
+                "model.gradient_checkpointing is not selective: remove checkpoint_every or set "
+                "gradient_checkpointing: selective"
+            )
         if self.mlp_tile_tokens is not None and self.tiled_mlp is False:
             raise ValueError(
                 "model.mlp_tile_tokens sizes the tiles of model.tiled_mlp, which is false: remove "

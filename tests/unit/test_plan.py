@@ -264,8 +264,13 @@ def test_to_dict_is_json_with_the_agreed_keys_and_describe_reads():
     assert d["per_node_cpu_bytes"] == p.per_node_cpu_bytes
     assert set(d["recommended"]["setup"]) == {
         "zero_stage", "offload_optimizer", "offload_params", "micro_batch_size", "max_tokens",
-        "gradient_checkpointing",
+        "gradient_checkpointing", "checkpoint_every",
     }  # fmt: skip
+    assert d["gradient_checkpointing"] == {
+        "mode": "whole",
+        "every": None,
+        "why": d["gradient_checkpointing"]["why"],
+    }
     text = p.describe()
     assert "verdict: the recipe as written fits" in text and "framework overhead" in text
     # docs/faults.md: the plan shows how long a collective waits for a stalled rank.

@@ -48,7 +48,7 @@ def test_renderings():
     assert "**required**" not in _row(page, "train.lr")
     assert "| `0.0002` |" in _row(page, "train.lr")
     assert "| `null` |" in _row(page, "model.revision")
-    assert "| `true` |" in _row(page, "model.gradient_checkpointing")
+    assert '| `bool \\| "auto" \\| "selective"` | `auto` |' in _row(page, "model.gradient_checkpointing")
     assert "| `[rouge]` |" in _row(page, "eval.metrics")
     # Literals list their choices; unions read as YAML would (null last); ranges are shown.
     assert '`"lora" \\| "qlora" \\| "full" \\| "ia3"`' in _row(page, "method.kind")
