@@ -67,8 +67,11 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
     mesh = ParallelDims.build(recipe.distributed.sequence_parallel)
     # model.gradient_checkpointing auto: the planner's choice for this run's shapes and GPU memory, before
     # the build (a CPU run has no GPU memory to plan against: whole, lorakit.planner.checkpointing).
-    planned_first = needs_plan(recipe.model) and memory.device_kind == "cuda"
-    early = plan_of_run(recipe, config, data, dist.world_size(), memory.device_kind) if planned_first else {}
+    early = (
+        plan_of_run(recipe, config, data, dist.world_size(), memory.device_kind)
+        if needs_plan(recipe.model)
+        else {}
+    )
     built = dist.on_every_rank(
         "load", build_model, recipe, backend.load_plan(backend_config), sp_group=mesh.sp_group,
         checkpointing=from_plan(early, recipe.model),
