@@ -16,6 +16,8 @@ def test_json_plan_fits_and_exits_0():
     assert plan["fits"] is True and plan["gpus_per_node"] == 8 and plan["nodes"] == 1
     assert 0 < plan["per_gpu_bytes"] < 40 * 10**9 and plan["per_node_cpu_bytes"] > 0
     assert plan["recommended"]["fits"] is True and "overrides" in plan["recommended"]
+    assert plan["gradient_checkpointing"] == {
+        "mode": "whole", "every": None, "why": "model.gradient_checkpointing: true in the recipe"}  # fmt: skip
     # The same numbers as the API.
     api = lorakit.plan(
         RECIPES / "flan_t5_xxl_lora.yaml", gpus=8, gpu_memory="40GB", cpu_memory="1100GB", target_len=128
@@ -33,6 +35,7 @@ def test_table_for_a_setup_that_does_not_fit_exits_1_with_a_recommendation():
     out = proc.stdout
     assert "2 node(s) x 4 GPU(s)" in out and "DOES NOT FIT" in out
     assert "best setup that fits" in out and "run it with:" in out
+    assert "  gradient checkpointing: off: model.gradient_checkpointing: false in the recipe\n" in out
     assert "Traceback" not in proc.stderr
 
 
