@@ -210,6 +210,14 @@ class GrpoObjective(Objective):
         s = recipe.grpo
         return [
             f"train.objective grpo: each prompt of a micro-batch becomes {s.num_generations} completions of up "
-            f"to {s.max_new_tokens} tokens (generated, then a no-grad forward for the old log-probabilities"
-            + (" and one with the adapter off for the reference)" if s.beta else ")")
+            f"to {s.max_new_tokens} tokens (generated{_no_grad_forwards(s)})"
         ]
+
+
+def _no_grad_forwards(s: GrpoSection) -> str:
+    """The no-grad forwards of a batch of rollouts: the old log-probabilities only when there are several
+    passes (one pass: the old policy is the current one), the reference with grpo.beta > 0."""
+    forwards = (["a no-grad forward for the old log-probabilities"] if s.passes > 1 else []) + (
+        ["one with the adapter off for the reference"] if s.beta else []
+    )
+    return "".join(f", then {f}" for f in forwards)

@@ -4,8 +4,9 @@ Each window of `accumulation` prompt micro-batches (the `prompts` layout, left-p
 the loop asks for it: every prompt repeated grpo.num_generations times, completions sampled by
 Engine.generate from the current weights with this source's own generator (so sampling does not depend on,
 or disturb, anything else's random state), scored by the rewards, normalised within each group into
-advantages, and scored by the sampling policy (the old log-probabilities; with grpo.beta > 0 the reference's
-too, the adapter switched off). The same rollouts are trained grpo.passes times, one optimiser step each.
+advantages, and scored by the sampling policy (the old log-probabilities, only when grpo.passes > 1: with
+one pass the old policy is the current one; with grpo.beta > 0 the reference's, the adapter switched off).
+The same rollouts are trained grpo.passes times, one optimiser step each.
 
 Position: {DONE: prompt micro-batches whose rollouts are fully trained, PASS: passes of the next window's
 rollouts already trained}. rank_state holds the generator and, mid-window, the rollouts not trained on their
@@ -231,8 +232,11 @@ class RolloutSteps:
             "zero_variance_groups": flat,
         }
         device = self.engine.device
-        with torch.no_grad():
-            batch["old_logp"] = rollout_log_probs(self.engine, batch, device).cpu()
+        if s.passes > 1:
+            # One pass: the old policy is the current one (the loss detaches the live log-probabilities, as
+            # TRL does with one iteration), so this forward would only repeat the training forward's values.
+            with torch.no_grad():
+                batch["old_logp"] = rollout_log_probs(self.engine, batch, device).cpu()
         if s.beta:
             with adapter_off(self.engine):
                 batch["ref_logp"] = rollout_log_probs(self.engine, batch, device).cpu()

@@ -94,7 +94,7 @@ def _train_on(model, engine, window, settings, optimizer) -> None:
         logp = rollout_log_probs(engine, b)
         parts = policy_loss(
             logp,
-            b["old_logp"],
+            b["old_logp"] if settings.passes > 1 else logp.detach(),  # as GrpoObjective.loss
             b["advantages"],
             b["completion_mask"],
             aggregation=settings.loss,
@@ -186,3 +186,47 @@ def test_a_run_resumed_mid_window_makes_the_uninterrupted_runs_windows(tmp_path)
     # seeded by the micro-batch's place): other rollouts, so the check above can fail.
     other, _ = _run(lambda: _setup(tmp_path / "c", passes=2), resume=({}, *saved[1:]))
     assert not all(torch.equal(g, w) for g, w in zip(other, whole[5:], strict=True))
+
+
+class _Counting(_Engine):
+    """An _Engine that counts its forwards (generate calls the module itself, so only scoring counts)."""
+
+    forwards = 0
+
+    def __call__(self, **kw):
+        self.forwards += 1
+        return super().__call__(**kw)
+
+
+def test_one_pass_skips_the_old_forward_and_trains_as_if_it_ran(tmp_path):
+    from lorakit.objectives.grpo import GrpoObjective
+
+    counts = {}
+    for passes in (2, 1):
+        model, _, source, settings = _setup(tmp_path / str(passes), passes=passes, beta=0.1)
+        source.engine = source.generation = engine = _Counting(model)
+        window = next(iter(source.windows(0, {})))
+        # Per micro-batch of rollouts: the reference's forward, and the old policy's only with 2 passes.
+        counts[passes] = engine.forwards / len(window.batches)
+    b = window.batches[0]
+    assert counts == {2: 2, 1: 1} and "old_logp" not in b and len(window.batches) == 2
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    for aggregation in ("grpo", "dapo", "dr_grpo"):
+        s = settings.model_copy(update={"loss": aggregation})
+        model.zero_grad()
+        skipped, _ = GrpoObjective(s).loss(engine, None, b, torch.device("cpu"))
+        skipped.backward()
+        got = [p.grad.clone() for p in lora]
+        # The unskipped computation: the old log-probabilities from their own no-grad forward.
+        model.zero_grad()
+        with torch.no_grad():
+            old = rollout_log_probs(engine, b)
+        logp = rollout_log_probs(engine, b)
+        full = policy_loss(
+            logp, old, b["advantages"], b["completion_mask"], aggregation=aggregation, epsilon=s.epsilon,
+            beta=s.beta, ref_logp=b["ref_logp"], max_new_tokens=1, num_tokens=1, num_sequences=1,
+        ).loss  # fmt: skip
+        full.backward()
+        assert torch.equal(skipped, full), aggregation
+        assert all(torch.equal(x, p.grad) for x, p in zip(got, lora, strict=True)), aggregation
+        assert any(x.abs().sum() > 0 for x in got)
