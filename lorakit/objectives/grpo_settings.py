@@ -120,6 +120,13 @@ class GrpoSection(Section):
                 found[f"rewards[{i}].name"] = name
         return found
 
+    @classmethod
+    def named_servers(cls, raw: Any) -> dict[str, str]:
+        """{field: URL} of the servers a raw (unvalidated) grpo section would send the adapter and the
+        prompts to: the recipe's trust rule (lorakit.recipe.read_back.check_servers) asks for them."""
+        url = raw.get("vllm_server") if isinstance(raw, dict) else None
+        return {"vllm_server": url} if isinstance(url, str) and url.strip() else {}
+
     def functions(self) -> list[str]:
         """The user reward functions named (`module:function`), in order."""
         return [r.name for r in self.rewards if r.is_function()]
