@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-AGGREGATIONS = ("grpo", "dapo", "dr_grpo")
+from lorakit.objectives.grpo_settings import AGGREGATIONS
+
 # Added to the group's std (as TRL and the paper's code do): a near-constant group does not explode.
 STD_EPS = 1e-4
 

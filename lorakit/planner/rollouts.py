@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lorakit.planner.activations import Kernels, Shape
+from lorakit.planner.states import counts
 
 # The time model's GPU: dense bf16 peak, HBM bandwidth, and the share of each that training and decoding
 # reach (typical of torch eager training and of transformers' generate; not measured here).
@@ -211,9 +212,10 @@ def planned_rollouts(recipe, arch, dtype_bytes: int, setup, shape: Shape, world:
     method = recipe.method
     weights = arch.total_params * dtype_bytes
     if method.kind == "qlora":
-        # 4-bit linears (half a byte a weight, plus their block scales: ~0.53), the rest in model.dtype.
-        quantized = sum(lin.numel for lin in arch.quantized_linears())
-        weights = int((arch.total_params - quantized) * dtype_bytes + quantized * 0.53)
+        # The base as the model states store it (lorakit.planner.states.counts): 4-bit linears and fused
+        # experts with their constants, the rest in model.dtype.
+        c = counts(arch, method, dtype_bytes, None)
+        weights = c.frozen_bytes + c.quant_constants
     return rollout_plan(
         arch,
         micro_batch_size=setup.micro_batch_size,
