@@ -166,7 +166,8 @@ def check_grpo(recipe) -> None:
     check_preference_rows(recipe, "grpo", "its sampled completions", reference=recipe.grpo.beta > 0)
     if recipe.data.packing is True:
         raise ValueError(
-            "data.packing: grpo generates from its prompt rows, not packed ones; set data.packing: auto or false"
+            "data.packing: grpo generates from its prompt rows, which are not packed; set data.packing: auto "
+            "(a causal LM's rollouts packed, per-example attention) or false (padded)"
         )
 
 

@@ -181,16 +181,17 @@ def rollout_shape(
     recipe, arch, seq_len, target_len, device: str, notes: list
 ) -> tuple[Shape, Kernels, None] | None:
     """GRPO's training micro-batch as the rollout source makes it (lorakit.objectives.grpo_rollouts), None
-    unless train.objective is grpo: each prompt's grpo.num_generations completions as rows, padded (GRPO
-    never packs), a causal LM's rows its prompt (data.max_length) then grpo.max_new_tokens, an
-    encoder-decoder's prompt the encoder's input and grpo.max_new_tokens the decoder's."""
+    unless train.objective is grpo: each prompt's grpo.num_generations completions as rows, padded (a
+    causal LM's packed rollouts, data.packing auto, hold at most as many tokens), a causal LM's rows its
+    prompt (data.max_length) then grpo.max_new_tokens, an encoder-decoder's prompt the encoder's input and
+    grpo.max_new_tokens the decoder's."""
     from lorakit.planner.shapes import micro_batch_shape
 
     section = _section(recipe)
     if section is None:
         return None
     # The prompts as GRPO's batching makes them (padded, whatever data.packing says); their targets are the
-    # completions.
+    # completions. Packed rollouts are planned as their padded upper bound.
     data = recipe.data.model_copy(update={"packing": False, "max_target_length": section.max_new_tokens})
     prompts, kernels, _ = micro_batch_shape(
         recipe.model_copy(update={"data": data}), arch, seq_len, target_len, device, notes

@@ -230,3 +230,62 @@ def test_one_pass_skips_the_old_forward_and_trains_as_if_it_ran(tmp_path):
         assert torch.equal(skipped, full), aggregation
         assert all(torch.equal(x, p.grad) for x, p in zip(got, lora, strict=True)), aggregation
         assert any(x.abs().sum() > 0 for x in got)
+
+
+def test_packed_rollouts_score_and_train_as_the_padded_ones(tmp_path):
+    """data.packing auto: a causal LM's rollout batch as one packed row (per-example attention, no padding)
+    gives the padded batch's old and reference log-probabilities, and the loss and LoRA gradients of every
+    aggregation (a later pass: the old policy moved, so some tokens clip)."""
+    from types import SimpleNamespace
+
+    from lorakit.model.inputs import ModelInputs
+    from lorakit.objectives.grpo import GrpoObjective, _packed_inputs
+
+    model, engine, padded_source, settings = _setup(tmp_path, passes=2, beta=0.1)
+    recipe = SimpleNamespace(data=SimpleNamespace(packing="auto"), model=SimpleNamespace(dtype="float32"))
+    inputs = _packed_inputs(recipe, engine)
+    assert isinstance(inputs, ModelInputs)
+    assert (
+        _packed_inputs(SimpleNamespace(data=SimpleNamespace(packing=False), model=recipe.model), engine)
+        is None
+    )
+    _, _, source, _ = _source(model, padded_source.tokenizer, target=2, passes=2, beta=0.1)
+    source.engine = source.generation = engine
+    source.packed_inputs = inputs
+    padded = next(iter(padded_source.windows(0, {}))).batches[0]
+    packed = next(iter(source.windows(0, {}))).batches[0]
+    assert torch.equal(packed["input_ids"], padded["input_ids"])  # the same completions, sampled alike
+    real = int(padded["attention_mask"].sum())  # prompt and completion tokens, no padding
+    assert packed["packed_input_ids"].shape == (1, real)
+    assert packed["num_token_slots"] == real and packed["num_target_tokens"] == padded["num_target_tokens"]
+    for key in ("old_logp", "ref_logp"):
+        on = padded["completion_mask"].bool()
+        assert torch.allclose(packed[key][on], padded[key][on], atol=1e-5), key
+    g = torch.Generator().manual_seed(0)
+    old = padded["old_logp"] + torch.randn(padded["old_logp"].shape, generator=g) * 0.3
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    for aggregation in ("grpo", "dapo", "dr_grpo"):
+        objective = GrpoObjective(settings.model_copy(update={"loss": aggregation}))
+        got = []
+        for b in (padded, packed):
+            model.zero_grad()
+            loss, _ = objective.loss(engine, inputs, b | {"old_logp": old}, torch.device("cpu"))
+            loss.backward()
+            got.append((loss.detach(), [p.grad.clone() for p in lora]))
+        (a, ga), (c, gc) = got
+        assert torch.allclose(a, c, rtol=1e-5, atol=1e-7), aggregation
+        # Float32 sums of per-token terms in another order: equal to ~1e-6 of the largest gradient.
+        worst = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(ga, gc, strict=True))
+        assert worst < 1e-4, (aggregation, worst)
+        assert any(x.abs().sum() > 0 for x in gc)
+    # The backend a packed recipe's model is built with (lorakit.model.varlen's per-example SDPA): the same.
+    from lorakit.model.varlen import VARLEN_SDPA, register_varlen_sdpa
+
+    model.set_attn_implementation(register_varlen_sdpa())
+    varlen = _packed_inputs(recipe, engine)
+    assert varlen.attention == VARLEN_SDPA
+    with torch.no_grad():
+        now, want = rollout_log_probs(engine, packed, None, varlen), rollout_log_probs(engine, padded)
+    on = padded["completion_mask"].bool()
+    assert torch.allclose(now[on], want[on], atol=1e-5)
+    assert varlen.kernels.calls  # the per-example kernel ran
