@@ -86,12 +86,12 @@ def _source(model, tok, *, target: int, **grpo):
     return model, engine, source, settings
 
 
-def _train_on(model, engine, window, settings, optimizer) -> None:
+def _train_on(model, engine, window, settings, optimizer, inputs=None) -> None:
     """One optimiser step of the GRPO loss over a window (dapo: token-weighted over the window)."""
     tokens = sum(int(b["completion_mask"].sum()) for b in window)
     optimizer.zero_grad()
     for b in window:
-        logp = rollout_log_probs(engine, b)
+        logp = rollout_log_probs(engine, b, None, inputs)
         parts = policy_loss(
             logp,
             b["old_logp"] if settings.passes > 1 else logp.detach(),  # as GrpoObjective.loss
@@ -157,7 +157,7 @@ def _run(setup, epochs=2, stop_after=None, resume=None, windows=None):
         for w in source.windows(e, position if e == epoch else {}):
             seen.append(torch.cat([b["input_ids"].flatten() for b in w.batches] + [
                 b["completions"].flatten() for b in w.batches if "completions" in b]))  # fmt: skip
-            _train_on(model, engine, w.batches, settings, optimizer)
+            _train_on(model, engine, w.batches, settings, optimizer, source.packed_inputs)
             step += 1
             if len(seen) == windows:
                 return seen, None
@@ -289,3 +289,25 @@ def test_packed_rollouts_score_and_train_as_the_padded_ones(tmp_path):
     on = padded["completion_mask"].bool()
     assert torch.allclose(now[on], want[on], atol=1e-5)
     assert varlen.kernels.calls  # the per-example kernel ran
+
+
+def test_a_packed_run_resumed_mid_window_makes_the_uninterrupted_runs_windows(tmp_path):
+    """Packed rollouts (data.packing auto) checkpoint their rows with the window: a run resumed mid-window
+    trains on exactly the uninterrupted run's rollouts."""
+    from lorakit.model.inputs import ModelInputs
+
+    def setup(where):
+        def made():
+            model, engine, source, settings = _setup(tmp_path / where, passes=2)
+            source.packed_inputs = ModelInputs(model.config, "sdpa", torch.float32)
+            return model, engine, source, settings
+
+        return made
+
+    whole, _ = _run(setup("whole"), epochs=1)
+    first, saved = _run(setup("a"), epochs=1, stop_after=1)
+    assert saved[-1] == {DONE: 0, PASS: 1} and "pending.0.packed_input_ids" in saved[0]
+    rest, _ = _run(setup("b"), epochs=1, resume=saved)
+    assert len(first) + len(rest) == len(whole) == 4
+    for got, want in zip(first + rest, whole, strict=True):
+        assert torch.equal(got, want)
