@@ -17,6 +17,14 @@ def main(argv: list[str] | None = None) -> int:
     # The deepspeed launcher passes --local_rank=N unless told --no_local_rank; LOCAL_RANK in the
     # environment says the same, and is what lorakit reads.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--allow-server",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="let a run directory's recipe.yaml (a resumed run) send the adapter and prompts to URL, named by "
+        "its grpo.vllm_server; repeatable. A recipe you wrote needs no flag",
+    )
     args = parser.parse_intermixed_args(argv)
 
     def body() -> int:
@@ -29,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             from lorakit.rundir import check_recipe_file
 
             check_recipe_file(args.recipe, recipe.output.dir, dump_recipe(recipe))
+            _check_servers(args, recipe)
         result = lorakit.train(recipe)
         if result.already_complete:
             print(complete_line(result))
@@ -65,6 +74,19 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _check_servers(args, recipe) -> None:
+    """A run directory's recipe.yaml (a resumed run, or one someone sent) is the run's record, not the
+    caller's word: a server it names is sent data only when the caller confirms it (recipe/read_back.py)."""
+    from pathlib import Path
+
+    from lorakit.recipe.read_back import check_servers
+    from lorakit.rundir import is_run_directory
+
+    if is_run_directory(Path(args.recipe).resolve().parent):
+        given = {override.partition("=")[0].strip() for override in args.overrides}
+        check_servers(recipe.model_dump(mode="json"), args.recipe, args.allow_server, given)
 
 
 def complete_line(result) -> str:

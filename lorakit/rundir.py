@@ -160,6 +160,12 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+def is_run_directory(path: str | Path) -> bool:
+    """Whether `path` is a directory a lorakit run wrote (its marker, or an older run's content)."""
+    path = Path(path)
+    return path.is_dir() and (_is_marker(path / MARKER) or _older_run(path))
+
+
 def _is_marker(path: Path) -> bool:
     data = _read_json(path)
     return isinstance(data, dict) and "lorakit_run_directory" in data

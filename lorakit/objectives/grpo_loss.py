@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-AGGREGATIONS = ("grpo", "dapo", "dr_grpo")
+from lorakit.objectives.grpo_settings import AGGREGATIONS
+
 # Added to the group's std (as TRL and the paper's code do): a near-constant group does not explode.
 STD_EPS = 1e-4
 
@@ -142,10 +143,61 @@ def seq2seq_log_probs(
     return token_log_probs(logits, targets)
 
 
-def rollout_log_probs(model, batch: dict, device: torch.device | None = None) -> torch.Tensor:
+# A packed causal rollout batch's keys (pack_rollouts): the row, and where each completion token's logits are.
+PACKED = ("packed_input_ids", "packed_position_ids", "packed_at", "packed_sequence", "packed_column")
+
+
+def pack_rollouts(batch: dict) -> dict[str, torch.Tensor]:
+    """A causal rollout batch (left-padded prompts of width `prompt_width`, then completions masked after
+    their EOS) as ONE packed row, as SFT packs examples: each sequence's real prompt tokens then its
+    completion tokens, position_ids restarting at 0, no padding; `packed_at` the row position whose logits
+    predict each completion token, `packed_sequence` / `packed_column` where it sits in `completion_mask`."""
+    width = int(batch["prompt_width"])
+    ids, positions, at, sequence, column = [], [], [], [], []
+    for i, (row, mask, done) in enumerate(zip(batch["input_ids"], batch["attention_mask"], batch["completion_mask"],
+                                              strict=True)):  # fmt: skip
+        prompt = row[:width][mask[:width].bool()].tolist()
+        n = int(done.sum())
+        start = len(ids) + len(prompt)
+        ids += prompt + row[width : width + n].tolist()
+        positions += range(len(prompt) + n)
+        at += range(start - 1, start + n - 1)
+        sequence += [i] * n
+        column += range(n)
+    return {
+        "packed_input_ids": torch.tensor([ids]),
+        "packed_position_ids": torch.tensor([positions]),
+        **{
+            k: torch.tensor(v, dtype=torch.long)
+            for k, v in zip(PACKED[2:], (at, sequence, column), strict=True)
+        },
+    }
+
+
+def packed_log_probs(model, inputs, batch: dict, device) -> torch.Tensor:
+    """rollout_log_probs of a packed batch (pack_rollouts): one forward of the row with per-example attention
+    (lorakit.model.inputs.ModelInputs, as SFT's packed rows), scattered back to the (N, T) completion layout
+    (0 off `completion_mask`)."""
+    row = {"input_ids": batch["packed_input_ids"], "position_ids": batch["packed_position_ids"]}
+    logits = inputs.logits(model, row, device)[0]
+    at = batch["packed_at"].to(logits.device)
+    logp = token_log_probs(logits[at][None], row["input_ids"][0].to(logits.device)[at + 1][None])[0]
+    out = torch.zeros(batch["completion_mask"].shape, dtype=logp.dtype, device=logp.device)
+    where = (batch["packed_sequence"].to(out.device), batch["packed_column"].to(out.device))
+    return out.index_put(where, logp)
+
+
+def rollout_log_probs(model, batch: dict, device: torch.device | None = None, inputs=None) -> torch.Tensor:
     """(N, T) log-probabilities of a rollout batch's completion tokens (lorakit.objectives.grpo_rollouts),
-    aligned with its `completion_mask`: a causal LM's from the tokens after `prompt_width`, an
-    encoder-decoder's (the batch has `decoder_input_ids`) from its decoder over `completions`."""
+    aligned with its `completion_mask`: a causal LM's from the tokens after `prompt_width` (a packed batch's
+    from its row, through `inputs`: packed_log_probs), an encoder-decoder's (the batch has
+    `decoder_input_ids`) from its decoder over `completions`."""
+    if PACKED[0] in batch:
+        if inputs is None:
+            raise ValueError(
+                "a packed rollout batch needs the model's inputs (ModelInputs) for its attention"
+            )
+        return packed_log_probs(model, inputs, batch, device if device is not None else "cpu")
 
     def on(name: str) -> torch.Tensor:
         return batch[name].to(device) if device is not None else batch[name]

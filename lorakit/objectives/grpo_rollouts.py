@@ -4,15 +4,17 @@ Each window of `accumulation` prompt micro-batches (the `prompts` layout, left-p
 the loop asks for it: every prompt repeated grpo.num_generations times, completions sampled by
 Engine.generate from the current weights with this source's own generator (so sampling does not depend on,
 or disturb, anything else's random state), scored by the rewards, normalised within each group into
-advantages, and scored by the sampling policy (the old log-probabilities; with grpo.beta > 0 the reference's
-too, the adapter switched off). The same rollouts are trained grpo.passes times, one optimiser step each.
+advantages, and scored by the sampling policy (the old log-probabilities, only when grpo.passes > 1: with
+one pass the old policy is the current one; with grpo.beta > 0 the reference's, the adapter switched off).
+The same rollouts are trained grpo.passes times, one optimiser step each.
 
 Position: {DONE: prompt micro-batches whose rollouts are fully trained, PASS: passes of the next window's
 rollouts already trained}. rank_state holds the generator and, mid-window, the rollouts not trained on their
 last pass yet, so a resumed run trains exactly what the interrupted one would have.
 
 Causal LMs: prompts left-padded, a batch is prompt + completion in one row (`prompt_width` says where the
-completion starts). Encoder-decoders (FLAN-T5, T5Gemma): the prompt is the encoder's input (right-padded),
+completion starts); with `packed_inputs` (data.packing auto) the batch also holds its packed row
+(grpo_loss.pack_rollouts: real tokens only, per-example attention), which every forward of it uses. Encoder-decoders (FLAN-T5, T5Gemma): the prompt is the encoder's input (right-padded),
 generate returns the decoder's rows from its start token, and a batch keeps `completions` (the sampled
 tokens) and `decoder_input_ids` (the start token, then the completions shifted right) for teacher forcing.
 """
@@ -27,7 +29,13 @@ from typing import Any
 import torch
 
 from lorakit.engine.steps import DONE, StepPlan, Window, accumulation_windows
-from lorakit.objectives.grpo_loss import adapter_off, group_advantages, rollout_log_probs
+from lorakit.objectives.grpo_loss import (
+    PACKED,
+    adapter_off,
+    group_advantages,
+    pack_rollouts,
+    rollout_log_probs,
+)
 from lorakit.objectives.rewards import score
 
 PASS = "passes_done"
@@ -45,6 +53,7 @@ KEPT = (
     "prompt_width",
     "decoder_input_ids",
     "completions",
+    *PACKED,
 )
 
 
@@ -71,8 +80,12 @@ class RolloutSteps:
         rank: int = 0,
         world: int = 1,
         generation=None,
+        packed_inputs=None,
     ):
         self.loader, self.engine, self.settings = loader, engine, settings
+        # data.packing (causal LMs): the model's ModelInputs, through which each rollout batch's packed row
+        # is forwarded with per-example attention; None: padded rollout batches.
+        self.packed_inputs = packed_inputs
         # What samples the completions: the Engine (its generate), or one with begin()/end() around each
         # window and the same generate (lorakit.objectives.grpo_vllm.VllmRollouts).
         self.generation = engine if generation is None else generation
@@ -230,18 +243,27 @@ class RolloutSteps:
             "reward_parts": {k: torch.tensor(v) for k, v in per.items()},
             "zero_variance_groups": flat,
         }
-        device = self.engine.device
-        with torch.no_grad():
-            batch["old_logp"] = rollout_log_probs(self.engine, batch, device).cpu()
+        if self.packed_inputs is not None:
+            batch |= pack_rollouts(batch)
+        device, inputs = self.engine.device, self.packed_inputs
+        if s.passes > 1:
+            # One pass: the old policy is the current one (the loss detaches the live log-probabilities, as
+            # TRL does with one iteration), so this forward would only repeat the training forward's values.
+            with torch.no_grad():
+                batch["old_logp"] = rollout_log_probs(self.engine, batch, device, inputs).cpu()
         if s.beta:
             with adapter_off(self.engine):
-                batch["ref_logp"] = rollout_log_probs(self.engine, batch, device).cpu()
+                batch["ref_logp"] = rollout_log_probs(self.engine, batch, device, inputs).cpu()
         return _finish(batch)
 
 
 def _finish(batch: dict[str, Any]) -> dict[str, Any]:
     """The loop's counts of a rollout batch (what its meters read)."""
     cmask, mask = batch["completion_mask"], batch["attention_mask"]
+    if PACKED[0] in batch:  # one row of real tokens, no padding
+        tokens = batch[PACKED[0]].numel()
+        counts = {"num_real_tokens": tokens, "num_token_slots": tokens}
+        return batch | counts | {"num_target_tokens": int(cmask.sum()), "num_examples": mask.shape[0]}
     # An encoder-decoder's rows are the prompt (encoder) plus the completion (decoder).
     decoder = "decoder_input_ids" in batch
     return batch | {

@@ -21,6 +21,21 @@ BUILT_IN_REWARDS = ("exact_match", "math", "regex", "length")
 # Those that read the row's reference answer (grpo.answer_column).
 ANSWER_REWARDS = ("exact_match", "math")
 
+# grpo.loss, each aggregation once: what it does (the field's description) and the divisor of a step's sum
+# of token losses (GrpoObjective.units; lorakit.objectives.grpo_loss.policy_loss computes it).
+AGGREGATIONS = {
+    "grpo": ("averages each completion's tokens, then the completions", "completions"),
+    "dapo": ("averages over every completion token of the batch", "completion tokens"),
+    "dr_grpo": (
+        "sums tokens over completions x max_new_tokens (Dr. GRPO's constant, no length bias)",
+        "completions x max_new_tokens",
+    ),
+}
+
+
+def _aggregations() -> str:
+    return "Aggregation: " + "; ".join(f"{name} {what}" for name, (what, _) in AGGREGATIONS.items()) + "."
+
 
 class RewardEntry(Section):
     """One reward function and its weight; the rewards of a completion are weighted and summed."""
@@ -80,12 +95,7 @@ class GrpoSection(Section):
         description="Weight of the KL to the reference (the base with the adapter switched off; k3 estimator). "
         "0: no reference pass.",
     )
-    loss: Literal["grpo", "dapo", "dr_grpo"] = Field(
-        "dapo",
-        description="Aggregation: grpo averages each completion's tokens, then the completions; dapo averages "
-        "over every completion token of the batch; dr_grpo sums tokens over completions x max_new_tokens "
-        "(Dr. GRPO's constant, no length bias).",
-    )
+    loss: Literal[tuple(AGGREGATIONS)] = Field("dapo", description=_aggregations())
     scale_rewards: bool = Field(
         True, description="Divide advantages by the group's reward std (Dr. GRPO: false, no difficulty bias)."
     )
@@ -120,6 +130,13 @@ class GrpoSection(Section):
                 found[f"rewards[{i}].name"] = name
         return found
 
+    @classmethod
+    def named_servers(cls, raw: Any) -> dict[str, str]:
+        """{field: URL} of the servers a raw (unvalidated) grpo section would send the adapter and the
+        prompts to: the recipe's trust rule (lorakit.recipe.read_back.check_servers) asks for them."""
+        url = raw.get("vllm_server") if isinstance(raw, dict) else None
+        return {"vllm_server": url} if isinstance(url, str) and url.strip() else {}
+
     def functions(self) -> list[str]:
         """The user reward functions named (`module:function`), in order."""
         return [r.name for r in self.rewards if r.is_function()]
@@ -149,7 +166,8 @@ def check_grpo(recipe) -> None:
     check_preference_rows(recipe, "grpo", "its sampled completions", reference=recipe.grpo.beta > 0)
     if recipe.data.packing is True:
         raise ValueError(
-            "data.packing: grpo generates from its prompt rows, not packed ones; set data.packing: auto or false"
+            "data.packing: grpo generates from its prompt rows, which are not packed; set data.packing: auto "
+            "(a causal LM's rollouts packed, per-example attention) or false (padded)"
         )
 
 

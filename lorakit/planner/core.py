@@ -20,7 +20,7 @@ from lorakit.planner.arch import Arch, arch_from_config, resolve_config
 from lorakit.planner.byte_models import PlannedBytes
 from lorakit.planner.checkpointing import Checkpointing, choose, with_checkpointing
 from lorakit.planner.moe import moe_notes
-from lorakit.planner.rollouts import RolloutPlan, planned_rollouts
+from lorakit.planner.rollouts import RolloutPlan, completions_per_prompt, planned_rollouts, rollout_shape
 from lorakit.planner.search import ROW_STEP, candidates, longest_row, overrides, recipe_setup, slowdown
 from lorakit.planner.shapes import attention_label, micro_batch_shape, positive
 from lorakit.planner.states import Item, Setup, counts
@@ -267,7 +267,9 @@ def plan(
     a = _DTYPE_BYTES[recipe.model.dtype]
     notes: list[str] = [arch.caveat()] if arch.unproven else []  # the generic family's "not proven"
     notes += moe_notes(arch, recipe.method)
-    shape, kernels, min_tokens = micro_batch_shape(recipe, arch, seq_len, target_len, device, notes)
+    shape, kernels, min_tokens = rollout_shape(recipe, arch, seq_len, target_len, device, notes) or (
+        micro_batch_shape(recipe, arch, seq_len, target_len, device, notes)
+    )
     world = gpus * nodes
     backend = backend_for(recipe)
     base = recipe_setup(recipe, backend)
@@ -338,7 +340,7 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     else:
         # The objective's sequences per example (DPO: 2) as rows; encoder-decoders: decoder_passes instead.
         sequences = 1 if arch.is_encoder_decoder else objective_type(recipe).passes(recipe).sequences
-        this = replace(shape, rows=sequences * setup.micro_batch_size)
+        this = replace(shape, rows=sequences * setup.micro_batch_size * completions_per_prompt(recipe))
     if not arch.is_encoder_decoder:
         this = replace(
             this,
@@ -359,7 +361,7 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     # fine-tuning's pass before training), FSDP2's first block (items "start": the root's all-gather output).
     no_grad = act.no_grad_forward if objective_type(recipe).passes(recipe).no_grad_forward else 0
     # GRPO generates before it trains: a forward's weights with the rollouts' KV cache and logits.
-    rollouts = planned_rollouts(recipe, arch, a, setup, shape.seq_len, world)
+    rollouts = planned_rollouts(recipe, arch, a, setup, shape, world)
     generating = rollouts.generation_bytes if rollouts else 0
     train = gpu["resident"] + max(
         gpu["forward"] + act.at_loss,

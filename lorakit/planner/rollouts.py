@@ -7,8 +7,9 @@ a forward holds: ZeRO-3's gathered layer, FSDP2's unsharded block):
                   max_new_tokens (encoder-decoders: the decoder's own and the cross-attention's over the
                   prompt, and the encoder's output)
     logits        generate's float32 logits of the last position (and the processed copy it samples from)
-The old log-probabilities (and, with grpo.beta > 0, the reference's: the adapter switched off) are no-grad
-forwards of the same rows, one after the other, so they add time, not a peak.
+The old log-probabilities (only with grpo.passes > 1: with one pass the old policy is the current one) and,
+with grpo.beta > 0, the reference's (the adapter switched off) are no-grad forwards of the same rows, one
+after the other, so they add time, not a peak.
 
 Time is a stated model, not a measurement (docs/grpo.md says what was measured): generating is
 max_new_tokens decoding steps, each reading the weights and the KV cache from memory (ZeRO-3 and FSDP2 also
@@ -18,8 +19,11 @@ each pass over the rollouts plus the no-grad forwards. Rates are those of an H10
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from lorakit.planner.activations import Kernels, Shape
+from lorakit.planner.states import counts
 
 # The time model's GPU: dense bf16 peak, HBM bandwidth, and the share of each that training and decoding
 # reach (typical of torch eager training and of transformers' generate; not measured here).
@@ -43,9 +47,15 @@ class RolloutPlan:
     kv_cache: int  # bytes
     logits: int  # bytes
     encoder_output: int  # bytes (encoder-decoders)
-    no_grad_forwards: int  # per rollout batch: the old log-probabilities, and the reference's when beta > 0
+    # Per rollout batch: the old log-probabilities' (passes > 1), the reference's (beta > 0).
+    no_grad: tuple[str, ...]
     generate_seconds: float
     train_seconds: float
+
+    @property
+    def no_grad_forwards(self) -> int:
+        """The no-grad forwards of a rollout batch."""
+        return len(self.no_grad)
 
     @property
     def generation_bytes(self) -> int:
@@ -63,8 +73,8 @@ class RolloutPlan:
             f"train.objective grpo: {self.sequences} completions per micro-batch (micro_batch_size x "
             f"grpo.num_generations) of up to {self.new_tokens} tokens after {self.prompt_len}-token prompts; "
             f"generating holds {_gib(self.kv_cache)} of KV cache and {_gib(self.logits + self.encoder_output)} "
-            f"more; {self.no_grad_forwards} no-grad forward(s) per rollout batch (old log-probabilities"
-            f"{', reference' if self.no_grad_forwards > 1 else ''}); time model ({ASSUMED_GPU}): "
+            f"more; {self.no_grad_forwards} no-grad forward(s) per rollout batch"
+            f"{' (' + ', '.join(self.no_grad) + ')' if self.no_grad else ''}; time model ({ASSUMED_GPU}): "
             f"~{self.generate_share:.0%} of a step generating, {self.generate_seconds:.2f} s against "
             f"{self.train_seconds:.2f} s training per micro-batch of prompts (all grpo.passes)"
         )
@@ -141,8 +151,9 @@ def rollout_plan(
     # weights'), the recomputed forward under gradient checkpointing; and the no-grad forwards.
     tokens = prompt_tokens + completion_tokens
     per_pass = (2 + (2 if adapter else 4) + (2 if gradient_checkpointing else 0)) * params * tokens
-    no_grad = 1 + (1 if beta > 0 else 0)
-    flops = passes * per_pass + no_grad * 2 * params * tokens
+    # The old log-probabilities only with several passes (one pass: the old policy is the current one).
+    no_grad = ("old log-probabilities",) * (passes > 1) + ("reference",) * (beta > 0)
+    flops = passes * per_pass + len(no_grad) * 2 * params * tokens
     return RolloutPlan(
         sequences=n,
         prompt_len=prompt_len,
@@ -150,26 +161,62 @@ def rollout_plan(
         kv_cache=kv_bytes,
         logits=logits,
         encoder_output=encoder,
-        no_grad_forwards=no_grad,
+        no_grad=no_grad,
         generate_seconds=generate,
         train_seconds=flops / (PEAK_FLOPS * TRAIN_MFU),
     )
 
 
-def planned_rollouts(
-    recipe, arch, dtype_bytes: int, setup, prompt_len: int, world: int
-) -> RolloutPlan | None:
-    """The rollouts of `recipe` under `setup` (lorakit.planner.states.Setup) on `world` ranks, prompts of
-    `prompt_len` tokens; None unless train.objective is grpo."""
-    section = getattr(recipe, "grpo", None) if recipe.train.objective == "grpo" else None
+def _section(recipe):
+    return getattr(recipe, "grpo", None) if recipe.train.objective == "grpo" else None
+
+
+def completions_per_prompt(recipe) -> int:
+    """Rows of a training micro-batch per prompt: grpo.num_generations for GRPO, else 1."""
+    section = _section(recipe)
+    return section.num_generations if section is not None else 1
+
+
+def rollout_shape(
+    recipe, arch, seq_len, target_len, device: str, notes: list
+) -> tuple[Shape, Kernels, None] | None:
+    """GRPO's training micro-batch as the rollout source makes it (lorakit.objectives.grpo_rollouts), None
+    unless train.objective is grpo: each prompt's grpo.num_generations completions as rows, padded (a
+    causal LM's packed rollouts, data.packing auto, hold at most as many tokens), a causal LM's rows its
+    prompt (data.max_length) then grpo.max_new_tokens, an encoder-decoder's prompt the encoder's input and
+    grpo.max_new_tokens the decoder's."""
+    from lorakit.planner.shapes import micro_batch_shape
+
+    section = _section(recipe)
     if section is None:
         return None
+    # The prompts as GRPO's batching makes them (padded, whatever data.packing says); their targets are the
+    # completions. Packed rollouts are planned as their padded upper bound.
+    data = recipe.data.model_copy(update={"packing": False, "max_target_length": section.max_new_tokens})
+    prompts, kernels, _ = micro_batch_shape(
+        recipe.model_copy(update={"data": data}), arch, seq_len, target_len, device, notes
+    )
+    rows = prompts.rows * section.num_generations
+    if arch.is_encoder_decoder:
+        return replace(prompts, rows=rows), kernels, None
+    return replace(prompts, rows=rows, seq_len=prompts.seq_len + section.max_new_tokens), kernels, None
+
+
+def planned_rollouts(recipe, arch, dtype_bytes: int, setup, shape: Shape, world: int) -> RolloutPlan | None:
+    """The rollouts of `recipe` under `setup` (lorakit.planner.states.Setup) on `world` ranks, the training
+    micro-batch's `shape` that rollout_shape gave; None unless train.objective is grpo."""
+    section = _section(recipe)
+    if section is None:
+        return None
+    # A causal LM's rows are the prompt then the completion; an encoder-decoder's seq_len is the prompt's.
+    prompt_len = shape.seq_len - (0 if arch.is_encoder_decoder else section.max_new_tokens)
     method = recipe.method
     weights = arch.total_params * dtype_bytes
     if method.kind == "qlora":
-        # 4-bit linears (half a byte a weight, plus their block scales: ~0.53), the rest in model.dtype.
-        quantized = sum(lin.numel for lin in arch.quantized_linears())
-        weights = int((arch.total_params - quantized) * dtype_bytes + quantized * 0.53)
+        # The base as the model states store it (lorakit.planner.states.counts): 4-bit linears and fused
+        # experts with their constants, the rest in model.dtype.
+        c = counts(arch, method, dtype_bytes, None)
+        weights = c.frozen_bytes + c.quant_constants
     return rollout_plan(
         arch,
         micro_batch_size=setup.micro_batch_size,

@@ -7,7 +7,10 @@ snapshot's. Whoever wrote that directory decides nothing about what runs here:
 - code a recipe names (CODE_FIELDS: train.objective_module, data.transform; and the code fields an
   objective's settings declare, known_objectives.objective_code) is imported only when the caller names its
   module (--allow-code MODULE; allow_code=[MODULE] in Python); where the command needs
-  that code and it is not named, the recipe is refused, naming the field and the flag.
+  that code and it is not named, the recipe is refused, naming the field and the flag;
+- a server a recipe names to send data to (an objective's `named_servers`: online RL's rollout server,
+  which is sent the adapter and the prompts) is contacted for a run directory's recipe.yaml (a resumed run) only when the
+  caller confirms it (--allow-server URL, or the field set on the command line): check_servers.
 
 A recipe the caller gives (the RECIPE of `python -m lorakit.run RECIPE`, a path or dict passed to
 lorakit.load_recipe / recipe_from_dict) is the caller's own: its code is imported by the loader before
@@ -21,7 +24,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from lorakit.errors import RecipeError
-from lorakit.recipe.known_objectives import known_names, objective_code
+from lorakit.recipe.known_objectives import known_names, objective_code, settings_sections
 from lorakit.recipe.load import _apply, _validate, load_yaml
 from lorakit.recipe.schema import Recipe
 
@@ -109,6 +112,28 @@ def read_back_recipe(
         if needed:
             raise _refusal(where, field, f"names code to import ({spec!r})", f"--allow-code {module}")
     return _validate(raw, problems)
+
+
+def named_servers(raw: Any) -> dict[str, str]:
+    """{dotted field: URL} of the servers the objective sections of a raw recipe mapping (or a Recipe's
+    model_dump) would send data to, as their settings models declare them (`named_servers`)."""
+    found: dict[str, str] = {}
+    for name, model in settings_sections():
+        declare = getattr(model, "named_servers", None)
+        if declare is not None and isinstance(raw, dict) and isinstance(raw.get(name), dict):
+            found |= {f"{name}.{key}": url for key, url in declare(raw[name]).items()}
+    return found
+
+
+def check_servers(raw: Any, where: str, allow_server: Collection[str], given: Collection[str] = ()) -> None:
+    """NotGranted (one line) when a recipe read back (a run directory's recipe.yaml being resumed) names a
+    server the run would send the adapter and the prompts to (a rollout server) that its caller confirmed
+    neither with --allow-server URL (`allow_server`) nor by setting the field on the command line
+    (`given`: the dotted fields its overrides set)."""
+    for field, url in named_servers(raw).items():
+        if field not in given and url not in allow_server:
+            raise _refusal(where, field, f"names a server to send the adapter and prompts to ({url!r})",
+                           f"--allow-server {url}")  # fmt: skip
 
 
 def _import(field: str, module: str) -> None:

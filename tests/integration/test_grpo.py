@@ -16,8 +16,6 @@ run too) train in this process.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,7 +24,7 @@ import yaml
 import lorakit
 from lorakit import rundir
 from lorakit.recipe import recipe_from_dict
-from tests.conftest import RECIPES, ROOT
+from tests.conftest import RECIPES, ROOT, run_cli
 from tests.integration.qlora_worker import train_in_one_launch
 from tests.integration.test_resume import _adapter
 
@@ -74,14 +72,7 @@ def runs(cache_dir, tmp_path_factory):
     resumed["train"] = dropout["train"] | {"resume": str(whole.run_dir / "checkpoints" / "step-00000003")}
     path = base / "resumed.yaml"
     path.write_text(yaml.safe_dump(resumed))
-    proc = subprocess.run(
-        [sys.executable, "-m", "lorakit.run", str(path)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    proc = run_cli("lorakit.run", path, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {"one": one.run_dir, "two": base / "two", "whole": whole.run_dir, "resumed": base / "resumed"}
 

@@ -86,15 +86,15 @@ def _source(model, tok, *, target: int, **grpo):
     return model, engine, source, settings
 
 
-def _train_on(model, engine, window, settings, optimizer) -> None:
+def _train_on(model, engine, window, settings, optimizer, inputs=None) -> None:
     """One optimiser step of the GRPO loss over a window (dapo: token-weighted over the window)."""
     tokens = sum(int(b["completion_mask"].sum()) for b in window)
     optimizer.zero_grad()
     for b in window:
-        logp = rollout_log_probs(engine, b)
+        logp = rollout_log_probs(engine, b, None, inputs)
         parts = policy_loss(
             logp,
-            b["old_logp"],
+            b["old_logp"] if settings.passes > 1 else logp.detach(),  # as GrpoObjective.loss
             b["advantages"],
             b["completion_mask"],
             aggregation=settings.loss,
@@ -157,7 +157,7 @@ def _run(setup, epochs=2, stop_after=None, resume=None, windows=None):
         for w in source.windows(e, position if e == epoch else {}):
             seen.append(torch.cat([b["input_ids"].flatten() for b in w.batches] + [
                 b["completions"].flatten() for b in w.batches if "completions" in b]))  # fmt: skip
-            _train_on(model, engine, w.batches, settings, optimizer)
+            _train_on(model, engine, w.batches, settings, optimizer, source.packed_inputs)
             step += 1
             if len(seen) == windows:
                 return seen, None
@@ -186,3 +186,128 @@ def test_a_run_resumed_mid_window_makes_the_uninterrupted_runs_windows(tmp_path)
     # seeded by the micro-batch's place): other rollouts, so the check above can fail.
     other, _ = _run(lambda: _setup(tmp_path / "c", passes=2), resume=({}, *saved[1:]))
     assert not all(torch.equal(g, w) for g, w in zip(other, whole[5:], strict=True))
+
+
+class _Counting(_Engine):
+    """An _Engine that counts its forwards (generate calls the module itself, so only scoring counts)."""
+
+    forwards = 0
+
+    def __call__(self, **kw):
+        self.forwards += 1
+        return super().__call__(**kw)
+
+
+def test_one_pass_skips_the_old_forward_and_trains_as_if_it_ran(tmp_path):
+    from lorakit.objectives.grpo import GrpoObjective
+
+    counts = {}
+    for passes in (2, 1):
+        model, _, source, settings = _setup(tmp_path / str(passes), passes=passes, beta=0.1)
+        source.engine = source.generation = engine = _Counting(model)
+        window = next(iter(source.windows(0, {})))
+        # Per micro-batch of rollouts: the reference's forward, and the old policy's only with 2 passes.
+        counts[passes] = engine.forwards / len(window.batches)
+    b = window.batches[0]
+    assert counts == {2: 2, 1: 1} and "old_logp" not in b and len(window.batches) == 2
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    for aggregation in ("grpo", "dapo", "dr_grpo"):
+        s = settings.model_copy(update={"loss": aggregation})
+        model.zero_grad()
+        skipped, _ = GrpoObjective(s).loss(engine, None, b, torch.device("cpu"))
+        skipped.backward()
+        got = [p.grad.clone() for p in lora]
+        # The unskipped computation: the old log-probabilities from their own no-grad forward.
+        model.zero_grad()
+        with torch.no_grad():
+            old = rollout_log_probs(engine, b)
+        logp = rollout_log_probs(engine, b)
+        full = policy_loss(
+            logp, old, b["advantages"], b["completion_mask"], aggregation=aggregation, epsilon=s.epsilon,
+            beta=s.beta, ref_logp=b["ref_logp"], max_new_tokens=1, num_tokens=1, num_sequences=1,
+        ).loss  # fmt: skip
+        full.backward()
+        assert torch.equal(skipped, full), aggregation
+        assert all(torch.equal(x, p.grad) for x, p in zip(got, lora, strict=True)), aggregation
+        assert any(x.abs().sum() > 0 for x in got)
+
+
+def test_packed_rollouts_score_and_train_as_the_padded_ones(tmp_path):
+    """data.packing auto: a causal LM's rollout batch as one packed row (per-example attention, no padding)
+    gives the padded batch's old and reference log-probabilities, and the loss and LoRA gradients of every
+    aggregation (a later pass: the old policy moved, so some tokens clip)."""
+    from types import SimpleNamespace
+
+    from lorakit.model.inputs import ModelInputs
+    from lorakit.objectives.grpo import GrpoObjective, _packed_inputs
+
+    model, engine, padded_source, settings = _setup(tmp_path, passes=2, beta=0.1)
+    recipe = SimpleNamespace(data=SimpleNamespace(packing="auto"), model=SimpleNamespace(dtype="float32"))
+    inputs = _packed_inputs(recipe, engine)
+    assert isinstance(inputs, ModelInputs)
+    assert (
+        _packed_inputs(SimpleNamespace(data=SimpleNamespace(packing=False), model=recipe.model), engine)
+        is None
+    )
+    _, _, source, _ = _source(model, padded_source.tokenizer, target=2, passes=2, beta=0.1)
+    source.engine = source.generation = engine
+    source.packed_inputs = inputs
+    padded = next(iter(padded_source.windows(0, {}))).batches[0]
+    packed = next(iter(source.windows(0, {}))).batches[0]
+    assert torch.equal(packed["input_ids"], padded["input_ids"])  # the same completions, sampled alike
+    real = int(padded["attention_mask"].sum())  # prompt and completion tokens, no padding
+    assert packed["packed_input_ids"].shape == (1, real)
+    assert packed["num_token_slots"] == real and packed["num_target_tokens"] == padded["num_target_tokens"]
+    for key in ("old_logp", "ref_logp"):
+        on = padded["completion_mask"].bool()
+        assert torch.allclose(packed[key][on], padded[key][on], atol=1e-5), key
+    g = torch.Generator().manual_seed(0)
+    old = padded["old_logp"] + torch.randn(padded["old_logp"].shape, generator=g) * 0.3
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    for aggregation in ("grpo", "dapo", "dr_grpo"):
+        objective = GrpoObjective(settings.model_copy(update={"loss": aggregation}))
+        got = []
+        for b in (padded, packed):
+            model.zero_grad()
+            loss, _ = objective.loss(engine, inputs, b | {"old_logp": old}, torch.device("cpu"))
+            loss.backward()
+            got.append((loss.detach(), [p.grad.clone() for p in lora]))
+        (a, ga), (c, gc) = got
+        assert torch.allclose(a, c, rtol=1e-5, atol=1e-7), aggregation
+        # Float32 sums of per-token terms in another order: equal to ~1e-6 of the largest gradient.
+        worst = max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(ga, gc, strict=True))
+        assert worst < 1e-4, (aggregation, worst)
+        assert any(x.abs().sum() > 0 for x in gc)
+    # The backend a packed recipe's model is built with (lorakit.model.varlen's per-example SDPA): the same.
+    from lorakit.model.varlen import VARLEN_SDPA, register_varlen_sdpa
+
+    model.set_attn_implementation(register_varlen_sdpa())
+    varlen = _packed_inputs(recipe, engine)
+    assert varlen.attention == VARLEN_SDPA
+    with torch.no_grad():
+        now, want = rollout_log_probs(engine, packed, None, varlen), rollout_log_probs(engine, padded)
+    on = padded["completion_mask"].bool()
+    assert torch.allclose(now[on], want[on], atol=1e-5)
+    assert varlen.kernels.calls  # the per-example kernel ran
+
+
+def test_a_packed_run_resumed_mid_window_makes_the_uninterrupted_runs_windows(tmp_path):
+    """Packed rollouts (data.packing auto) checkpoint their rows with the window: a run resumed mid-window
+    trains on exactly the uninterrupted run's rollouts."""
+    from lorakit.model.inputs import ModelInputs
+
+    def setup(where):
+        def made():
+            model, engine, source, settings = _setup(tmp_path / where, passes=2)
+            source.packed_inputs = ModelInputs(model.config, "sdpa", torch.float32)
+            return model, engine, source, settings
+
+        return made
+
+    whole, _ = _run(setup("whole"), epochs=1)
+    first, saved = _run(setup("a"), epochs=1, stop_after=1)
+    assert saved[-1] == {DONE: 0, PASS: 1} and "pending.0.packed_input_ids" in saved[0]
+    rest, _ = _run(setup("b"), epochs=1, resume=saved)
+    assert len(first) + len(rest) == len(whole) == 4
+    for got, want in zip(first + rest, whole, strict=True):
+        assert torch.equal(got, want)

@@ -130,7 +130,9 @@ def test_colocated_vllm_without_vllm_names_the_extra(cache_dir, tmp_path):
 def test_server_mode_sends_each_windows_adapter_before_its_prompts(cache_dir, tmp_path):
     from lorakit.objectives.grpo_vllm import VllmRollouts
 
-    model, engine, source, settings = causal_setup(tmp_path / "run", temperature=1.0)
+    model, engine, source, settings = causal_setup(
+        tmp_path / "run", temperature=1.0, passes=2
+    )  # 2: old log-probs
     base = str(tmp_path / "run" / "model")
     eos, pad = source.tokenizer.eos_token_id, source.tokenizer.pad_token_id
     handler = type("H", (_Server,), {"base": base, "eos": eos, "log": [], "adapters": {}})
