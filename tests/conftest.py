@@ -20,17 +20,72 @@ RECIPES = ROOT / "recipes"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def run_cli(module: str, *args, timeout: float = 900, **options) -> subprocess.CompletedProcess:
+def run_cli(
+    module: str, *args, timeout: float = 900, fresh: bool = False, **options
+) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS...` from the repository root, output captured as text; `options` go to
-    subprocess.run (env, start_new_session)."""
+    subprocess.run (env, start_new_session). The interpreter is forked from the session's warm one (see
+    warm_interpreters) unless `fresh`: a test of what happens at import (a quiet console) starts it anew, and
+    so do the processes it launches."""
+    python = sys.executable if fresh or _warm["python"] is None else _warm["python"]
+    if fresh:
+        env = dict(options.pop("env", None) or os.environ)
+        for name in ("PYTHON_EXEC", ZYGOTE_ENV):
+            env.pop(name, None)
+        options["env"] = env
     return subprocess.run(
-        [sys.executable, "-m", module, *map(str, args)],
+        [python, "-m", module, *map(str, args)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,
         **options,
     )
+
+
+# Warm interpreters: a `python` started by run_cli, and every rank torchrun starts (PYTHON_EXEC, which lorakit's
+# launcher reads too), is a child forked from one server per test process that imported torch, transformers,
+# DeepSpeed and lorakit once (tests/docs/zygote.py, the suite's one fork server): about 12 CPU-seconds of
+# imports saved per process, 3-4 processes per 2-process run. The server serves a command only when its
+# environment is the session's (plus what torchrun sets for a rank), so a test that changes the environment
+# (fault injection through sitecustomize, forced CPU branches, LORAKIT_* switches) gets fresh interpreters, as
+# does any command with interpreter options. LORAKIT_TEST_ZYGOTE=0 turns it off.
+ZYGOTE_ENV = "LORAKIT_DOC_ZYGOTE"
+_warm: dict = {"python": None}
+
+
+def _launches_processes(item) -> bool:
+    return item.nodeid.startswith(SLOW_DIRS) or item.get_closest_marker("slow") is not None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_interpreters(request, tmp_path_factory):
+    """The session's fork server, when this test process runs tests that launch processes."""
+    if os.environ.get("LORAKIT_TEST_ZYGOTE") == "0" or not any(
+        map(_launches_processes, request.session.items)
+    ):
+        yield None
+        return
+    from lorakit.engine.launch import launch_env
+    from tests.docs.zygote import Zygote
+
+    base = tmp_path_factory.mktemp("zygote")
+    # What the ranks' environment holds in any case (lorakit's launcher sets it for torchrun), and the
+    # repository on the path (as the tests that launch scripts of tests/ set it): the server starts with it.
+    env = launch_env()
+    if env.get("PYTHONPATH", str(ROOT)) == str(ROOT):
+        env["PYTHONPATH"] = str(ROOT)
+    zygote = Zygote(env, base, log=base / "zygote.log", shims_on_path=False)
+    saved = dict(os.environ)
+    os.environ.update(zygote.env)
+    _warm["python"] = zygote.python
+    try:
+        yield zygote
+    finally:
+        _warm["python"] = None
+        os.environ.clear()
+        os.environ.update(saved)
+        zygote.close()
 
 
 # Test files whose tests share a session fixture go to one xdist worker together, so the fixture is built once

@@ -200,12 +200,14 @@ def torchrun_command(
     num_processes: int, module: str, args: list[str], failures: Path | None = None
 ) -> list[str]:
     """The command that runs `python -m module args` on `num_processes` local processes; with `failures`,
-    through lorakit.engine.agent, which writes there how each failed rank ended (root_cause_line)."""
+    through lorakit.engine.agent, which writes there how each failed rank ended (root_cause_line). The
+    launcher runs on PYTHON_EXEC when set, the interpreter torchrun itself starts its ranks with, else on
+    this one."""
     runner = (
         ["-m", "torch.distributed.run"] if failures is None else ["-m", "lorakit.engine.agent", str(failures)]
     )
     return [
-        sys.executable,
+        os.environ.get("PYTHON_EXEC", sys.executable),
         *runner,
         f"--nproc_per_node={num_processes}",
         "--master_addr=127.0.0.1",

@@ -45,7 +45,10 @@ def test_parse_args_serves_only_plain_command_lines():
     assert parse_args(["-c", "print(1)", "x"]) == ("code", "print(1)")
     assert parse_args(["-", "x"]) == ("stdin", "-")
     assert parse_args(["script.py", "-m"]) == ("path", "script.py")
-    assert parse_args([]) is None and parse_args(["-u", "x.py"]) is None and parse_args(["-m"]) is None
+    # -u: torchrun starts its ranks unbuffered.
+    assert parse_args(["-u", "-m", "lorakit.run", "r.yaml"]) == ("module", "lorakit.run")
+    assert parse_args([]) is None and parse_args(["-B", "x.py"]) is None and parse_args(["-m"]) is None
+    assert parse_args(["-u"]) is None and parse_args(["-u", "-B", "x.py"]) is None
 
 
 @pytest.mark.slow
@@ -102,8 +105,17 @@ def test_failures_keep_their_exit_status(zygote, tmp_path):
 
 
 def test_what_it_cannot_serve_runs_in_a_fresh_interpreter(zygote, tmp_path):
-    changed = bash(zygote, f'FOO=1 python -c "{SERVED}"; python -u -c "{SERVED}"', tmp_path)
+    changed = bash(zygote, f'FOO=1 python -c "{SERVED}"; python -B -c "{SERVED}"', tmp_path)
     assert changed.stdout.split() == ["fresh", "fresh"]
+    # What torchrun sets for a rank is read at run time: served, with the rank's values; -u (how torchrun
+    # starts a rank): served, its streams writing through as `python -u`'s do.
+    rank = bash(
+        zygote,
+        f'RANK=1 MASTER_PORT=29999 python -u -c "{SERVED}; import os, sys; '
+        "print(os.environ['RANK'], os.environ['MASTER_PORT'], sys.stdout.write_through)\"",
+        tmp_path,
+    )
+    assert rank.stdout.split() == ["served", "1", "29999", "True"], rank.stderr
     down = bash(
         zygote, f'python -c "{SERVED}"', tmp_path, env={**zygote.env, ENV_VAR: str(tmp_path / "none")}
     )

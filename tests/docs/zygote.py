@@ -1,16 +1,17 @@
-"""The suite's one fork server, for the doc-test blocks and the benchmarks' smoke runs
-(benchmarks/harness/runner.py): one interpreter imports torch, transformers, lorakit and the rest once, then
-forks a child per `python ...` command, so the ~8 s of imports is paid once per session instead of by each
-of the ~65 commands in the documentation.
+"""The suite's one fork server, for the doc-test blocks, the benchmarks' smoke runs
+(benchmarks/harness/runner.py) and the tests that launch lorakit (tests/conftest.py's warm_interpreters):
+one interpreter imports torch, transformers, lorakit and the rest once, then forks a child per `python ...`
+command, so the ~8-12 s of imports is paid once per session instead of by each command and each rank.
 
-The blocks reach it through `python` (and `python3`) shims first on their PATH: a tiny stdlib-only client
+The blocks reach it through `python` (and `python3`) shims first on their PATH, and torchrun's ranks through
+PYTHON_EXEC (the shim): a tiny stdlib-only client
 (this file, run with `python -S -E`) sends its arguments, working directory and environment to the server
 and hands over its stdin, stdout and stderr (SCM_RIGHTS), so the child reads and writes what a fresh
 `python` would; the client exits with the child's status (or dies of its signal). Each child is a process
 in a session of its own, killed when its client dies (a block's timeout) and sent the SIGINT/SIGTERM/SIGHUP/
 SIGUSR1 the client gets. A fresh interpreter runs what the server cannot serve exactly: options other than
--m, -c, - or a script, an environment other than the server's (libraries read theirs at import), and any
-command when no server is up. Either way `python` is the interpreter running the tests.
+-u, -m, -c, - or a script, an environment other than the server's (libraries read theirs at import; what a
+launcher sets per process, RUNTIME_VARS, excepted), and any command when no server is up. Either way `python` is the interpreter running the tests.
 """
 
 from __future__ import annotations
@@ -32,6 +33,19 @@ SERVE = "import sys; from tests.docs.zygote import serve; serve(*sys.argv[1:])"
 ENV_VAR = "LORAKIT_DOC_ZYGOTE"  # the server's socket path; the shims read it
 # What bash itself sets or changes in the environment of the commands it runs.
 SHELL_VARS = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})
+# What a launcher sets for each process it starts (torchrun's ranks; pytest's current test), read at run time,
+# not at import: a command whose environment differs from the server's only in these is still served, with
+# them set in the child as the client had them.
+RUNTIME_VARS = frozenset(
+    {
+        "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+        "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE",
+        "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "PYTEST_CURRENT_TEST", "LORAKIT_RUN_LOCK",
+    }
+)  # fmt: skip
+PER_COMMAND = SHELL_VARS | RUNTIME_VARS
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 # Imported once by the server: what the lorakit commands and the pages' python blocks load at start.
 WARM = (
@@ -78,7 +92,10 @@ WARM = (
 # The client's side (stdlib only: it runs with -S -E), then the harness's, then the server's.
 def parse_args(args: list[str]) -> tuple[str, str] | None:
     """(mode, target) of a `python` command line the server can run: ("module", name), ("code", text),
-    ("stdin", "-") or ("path", script); None for anything else (interpreter options, no argument)."""
+    ("stdin", "-") or ("path", script), after an optional `-u` (unbuffered: torchrun starts its ranks so);
+    None for anything else (other interpreter options, no argument)."""
+    if args[:1] == ["-u"]:
+        args = args[1:]
     if not args:
         return None
     first = args[0]
@@ -128,9 +145,12 @@ def client(real_python: str, args: list[str]) -> int:
 class Zygote:
     """A running server and the environment that sends the blocks' `python` to it."""
 
-    def __init__(self, env: dict[str, str], base: Path, log: Path, warm: tuple[str, ...] = WARM):
-        """Start the server (importing `warm`) with `env` plus the shims first on PATH: the environment the
-        blocks get, `self.env`."""
+    def __init__(
+        self, env: dict[str, str], base: Path, log: Path, warm: tuple[str, ...] = WARM, shims_on_path=True
+    ):
+        """Start the server (importing `warm`) with `env` plus the shims first on PATH (unless not
+        `shims_on_path`: then only commands started with `self.python` reach it) and as PYTHON_EXEC (torchrun
+        starts its ranks with it): the environment the blocks get, `self.env`."""
         self._dir = Path(tempfile.mkdtemp(prefix="lorakit-zygote-"))  # short: a socket path has 107 bytes
         self.socket = self._dir / "socket"
         shims = base / "bin"
@@ -142,7 +162,9 @@ class Zygote:
             )
             shim.chmod(0o755)
         self.python = str(shims / "python")
-        self.env = {**env, ENV_VAR: str(self.socket), "PATH": os.pathsep.join([str(shims), env["PATH"]])}
+        self.env = {**env, ENV_VAR: str(self.socket), "PYTHON_EXEC": self.python}
+        if shims_on_path:
+            self.env["PATH"] = os.pathsep.join([str(shims), env["PATH"]])
         with open(log, "w") as out:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", SERVE, str(self.socket), *warm],
@@ -187,6 +209,9 @@ def serve(path: str, *warm: str) -> None:
             importlib.import_module(name)
         except Exception as e:  # not installed here: a command that needs it pays the import itself
             print(f"zygote: not preloaded {name}: {e}", file=sys.stderr)
+    # What the imports set (torch's and others' variables): a command started by a child of this server (a
+    # launcher's ranks) inherits them, as a fresh chain's ranks inherit their launcher's.
+    imported_env = dict(os.environ)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(16)
@@ -206,7 +231,7 @@ def serve(path: str, *warm: str) -> None:
                 if what == "accept":
                     conn, _ = listener.accept()
                     try:
-                        pid = _start(conn, listener, startup_env, running)
+                        pid = _start(conn, listener, (startup_env, imported_env), running)
                     except (OSError, ValueError):  # a client that died while sending: nothing to run
                         conn.close()
                         continue
@@ -235,7 +260,7 @@ def serve(path: str, *warm: str) -> None:
         os.unlink(path)
 
 
-def _start(conn, listener, startup_env: dict, running: dict) -> int | None:
+def _start(conn, listener, server_envs: tuple[dict, dict], running: dict) -> int | None:
     """Receive a request and fork its child; None when the client was told to run a fresh interpreter."""
     header, fds = _recv_fds(conn, 8)
     size = int.from_bytes(header, "big") if len(header) == 8 else 0
@@ -251,10 +276,16 @@ def _start(conn, listener, startup_env: dict, running: dict) -> int | None:
         conn.close()
         return None
     request = json.loads(body)
-    env = {k: v for k, v in request["env"].items() if k not in SHELL_VARS}
-    same_env = env == {k: v for k, v in startup_env.items() if k not in SHELL_VARS}
+    env = {k: v for k, v in request["env"].items() if k not in PER_COMMAND}
+    bases = [{k: v for k, v in e.items() if k not in PER_COMMAND} for e in server_envs]
+    same_env = env in bases
     if not same_env or parse_args(request["args"]) is None:
-        print("zygote: fresh interpreter for", request["args"][:3], "" if same_env else "(other environment)")
+        differ = sorted(k for k in env.keys() | bases[0].keys() if env.get(k) != bases[0].get(k))
+        print(
+            "zygote: fresh interpreter for",
+            request["args"][:3],
+            f"(environment differs: {differ})" if differ else "",
+        )
         for fd in fds:
             os.close(fd)
         conn.sendall(b"fallback\n")
@@ -329,13 +360,17 @@ def _child(request: dict) -> int:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(request["cwd"])
-    for name in SHELL_VARS:  # the rest equals the server's (before its imports)
+    for name in PER_COMMAND:  # the rest equals the server's (before its imports)
         if name in request["env"]:
             os.environ[name] = request["env"][name]
         else:
             os.environ.pop(name, None)
     args = request["args"]
     mode, target = parse_args(args)
+    if args[0] == "-u":
+        args = args[1:]
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(write_through=True)
     for name in [m for m in sys.modules if m == "tests" or m.startswith("tests.")]:
         del sys.modules[name]  # the server's own modules: a fresh interpreter has not imported them
     code, interrupted = 0, False

@@ -38,7 +38,9 @@ def read_jsonl(path) -> list[dict]:
 
 
 def generate_cli(*args, stdin=None):
-    return run_cli("lorakit.generate", *args, timeout=300, input=stdin)
+    return run_cli(
+        "lorakit.generate", *args, timeout=300, input=stdin, fresh=True
+    )  # its console is checked for what the imports print
 
 
 @pytest.fixture(scope="module")
