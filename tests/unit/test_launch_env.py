@@ -25,3 +25,17 @@ def test_onednn_primitive_caches_are_capped_unless_the_user_set_them(monkeypatch
     assert 0 < ONEDNN_CACHE_CAPACITY < 1024
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "1024")
     assert launch_env()["LRU_CACHE_CAPACITY"] == "1024"
+
+
+def test_torchrun_runs_on_the_interpreter_it_starts_ranks_with(monkeypatch):
+    # torchrun starts its ranks with PYTHON_EXEC when set; lorakit starts torchrun itself with the same one.
+    import sys
+
+    from lorakit.engine.launch import torchrun_command
+
+    monkeypatch.delenv("PYTHON_EXEC", raising=False)
+    assert torchrun_command(2, "lorakit.run", ["r.yaml"])[0] == sys.executable
+    monkeypatch.setenv("PYTHON_EXEC", "/opt/py/bin/python3")
+    cmd = torchrun_command(2, "lorakit.run", ["r.yaml", "--worker"])
+    assert cmd[:3] == ["/opt/py/bin/python3", "-m", "torch.distributed.run"]
+    assert cmd[-4:] == ["-m", "lorakit.run", "r.yaml", "--worker"]
