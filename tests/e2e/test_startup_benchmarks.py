@@ -72,7 +72,7 @@ def test_committed_prepare_speed_is_side_by_side_on_300k_rows():
     assert result["claim"]["met"] == (result["ratio_of_medians"] <= 1.0)
 
 
-@pytest.mark.parametrize("shape", ["tiny", "t5-xl-2l"])
+@pytest.mark.parametrize("shape", ["tiny", "t5-xl-2l", "llama-8b-2l"])
 def test_committed_compile_ab_interleaves_compiled_and_eager_steps(shape):
     """step_overhead.py --compile-ab (issue 61): model.compile true against false, fresh processes, the two
     interleaved in one invocation, each run more than once; the ratio is the one its runs give."""
@@ -84,7 +84,7 @@ def test_committed_compile_ab_interleaves_compiled_and_eager_steps(shape):
     s = result["shapes"][shape]
     runs = s["runs"]
     assert [r["side"] for r in runs[:4]] == ["compiled", "eager", "eager", "compiled"]
-    assert len(runs) >= 6 and len(s["paired_compiled_over_eager"]) == len(runs) // 2
+    assert len(runs) >= 4 and len(s["paired_compiled_over_eager"]) == len(runs) // 2
     for r in runs:  # the compiled runs compiled blocks (and said how long it took); the eager ones did not
         assert (r["compile"] is not None) == (r["side"] == "compiled") and r["step_cpu"] > 0
         assert r["compile"] is None or (r["compile"]["blocks"] > 0 and r["compile"]["compile_seconds"] > 0)
