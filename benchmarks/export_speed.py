@@ -12,6 +12,7 @@ what a real model would get.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import tempfile
@@ -85,6 +86,7 @@ def main() -> None:
     import transformers
 
     from lorakit.export.exporting import export
+    from lorakit.export.job import merge
     from tests.export_fixtures import llama_with_sentencepiece, random_adapter
 
     p = argparse.ArgumentParser()
@@ -102,27 +104,18 @@ def main() -> None:
         }
         for kind, adapter in adapters.items():
             seq2seq = kind == "t5"
-            from lorakit.export.job import merge
-
             merge(adapter, tmp / f"m-{kind}", dtype="float32")
             rows.append((kind, "transformers generate (float32)", _hf(tmp / f"m-{kind}", seq2seq)))
             for q in ("float32", "int8"):
                 out = tmp / f"ct2-{kind}-{q}"
                 export(adapter, out, format="ct2", quantization=q)
                 rows.append((kind, f"CTranslate2 {q}", _ct2(out, tmp / f"m-{kind}", seq2seq)))
-            if not seq2seq and os.environ.get("LORAKIT_LLAMA_CPP"):
-                try:
-                    import llama_cpp  # noqa: F401
-                except ImportError:
-                    continue
+            llama_cpp = os.environ.get("LORAKIT_LLAMA_CPP")
+            if not seq2seq and llama_cpp and importlib.util.find_spec("llama_cpp"):
                 for q in ("f16", "q8_0"):
-                    out = tmp / f"gguf-{q}"
-                    export(
-                        adapter, out, format="gguf", quantization=q, llama_cpp=os.environ["LORAKIT_LLAMA_CPP"]
-                    )
-                    rows.append(
-                        (kind, f"llama.cpp GGUF {q}", _gguf(out / f"model-{q}.gguf", tmp / f"m-{kind}"))
-                    )
+                    export(adapter, tmp / f"gguf-{q}", format="gguf", quantization=q, llama_cpp=llama_cpp)
+                    gguf = _gguf(tmp / f"gguf-{q}" / f"model-{q}.gguf", tmp / f"m-{kind}")
+                    rows.append((kind, f"llama.cpp GGUF {q}", gguf))
     lines = [
         "# Export generation speed (CPU, tiny models)",
         "",

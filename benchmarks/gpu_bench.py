@@ -65,28 +65,6 @@ def synthetic_rows(tokenizer, family: str, n: int, dist: dict, seed: int) -> lis
     return [{"prompt": text(a), "response": text(b)} for a, b in sizes]
 
 
-def write_model_dir(path: Path, model: str, smoke: bool) -> dict:
-    """Tokenizer (lorakit's tiny BPE) and config of a model; the weights come from the setup worker."""
-    from transformers import AutoConfig
-
-    from lorakit.testing import build_tiny_tokenizer
-
-    seq2seq = MODELS[model]["family"] == "seq2seq"
-    tokenizer = build_tiny_tokenizer(path, kind="t5" if seq2seq else "llama")
-    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
-    if seq2seq:
-        special["decoder_start_token_id"] = tokenizer.pad_token_id
-    else:
-        special["bos_token_id"] = tokenizer.bos_token_id
-    kwargs = {**MODELS[model]["config"], **(MODELS[model]["smoke"] if smoke else {})}
-    config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs, **special)
-    # lorakit caps lengths at min(tokenizer, config) maximum; the tiny tokenizer says 512.
-    tokenizer.model_max_length = getattr(config, "max_position_embeddings", None) or 512
-    tokenizer.save_pretrained(str(path))
-    config.save_pretrained(str(path))
-    return steps.accounting(config, LORA["r"])
-
-
 def packed_budget(lengths: list[int], batch: int) -> int:
     """Tokens per packed row: about `batch` examples of mean length (as many tokens as a padded micro-batch
     holds without its padding), a multiple of 256, at least the longest example."""
@@ -258,8 +236,7 @@ def measure(bench) -> int:
             args.merge, bench.output, lambda result: write_result(result, bench.output, out_dir)
         )
     # Before anything imports huggingface_hub (it reads these once): nothing here needs the hub.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.update({k: os.environ.get(k, "1") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")})
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="lorakit-gpu-bench-")).resolve()
@@ -284,7 +261,10 @@ def measure(bench) -> int:
     # Tokenizer and config of every model here (no GPU needed); weights on the device in the setup worker.
     for m in dict.fromkeys(w["model"] for w in workloads.values()):
         (work / "models" / m).mkdir(parents=True, exist_ok=True)
-        s.models[m] = {"accounting": write_model_dir(work / "models" / m, m, smoke)}
+        config = device.write_model_dir(
+            work / "models" / m, {**MODELS[m]["config"], **(MODELS[m]["smoke"] if smoke else {})}
+        )
+        s.models[m] = {"accounting": steps.accounting(config, LORA["r"])}
     spec = {"matmul_n": 512 if smoke else 8192, "dtype": dtype}
     spec["models"] = {m: str(work / "models" / m) for m in s.models}
     if args.run_gpu_tests:
@@ -347,22 +327,18 @@ def measure(bench) -> int:
 def plot(result: dict, plt):
     """Useful tokens/s (with ratio and MFU) and peak GPU memory per workload and side; None when no side was
     measured."""
-    workloads = result["workloads"]
-    names = [
-        n for n, w in workloads.items() if any(gpu_result.measured(r) for r in w.get("sides", {}).values())
-    ]
+    workloads, measured = result["workloads"], gpu_result.measured
+    names = [n for n, w in workloads.items() if any(map(measured, w.get("sides", {}).values()))]
     if not names:
         return None
-    sides = [
-        s for s in SPEC["sides"] if any(gpu_result.measured(workloads[n]["sides"].get(s, {})) for n in names)
-    ]
+    sides = [s for s in SPEC["sides"] if any(measured(workloads[n]["sides"].get(s, {})) for n in names)]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(max(10, 2.2 * len(names) + 4), 5.2))
     width = 0.8 / len(sides)
     for j, side in enumerate(sides):
         xs, tps, mem, labels = [], [], [], []
         for i, n in enumerate(names):
             r = workloads[n]["sides"].get(side, {})
-            if not gpu_result.measured(r):
+            if not measured(r):
                 continue
             xs.append(i + (j - (len(sides) - 1) / 2) * width)
             tps.append(r["useful_tokens_per_second"])

@@ -15,7 +15,7 @@
 set -uo pipefail
 OUT_DIR="${1:?usage: gpu_checks.sh OUT_DIR [TOTAL_SECONDS] [WORKLOADS] [ARGS...]}"
 TOTAL="${2:-500}"
-WORKLOADS="${3:-causal_8b_lora_4k_nockpt,t5_xl_lora,t5_xl_lora_math_attention,t5_xl_lora_nockpt,causal_1b_lora,t5_xl_lora_packed,t5_xxl_lora,causal_8b_qlora_4k}"
+WORKLOADS="${3:-causal_8b_lora_4k_nockpt,t5_xl_lora,causal_8b_lora_4k_nockpt_eager,t5_xl_lora_eager,t5_xl_lora_math_attention,t5_xl_lora_nockpt,causal_1b_lora,t5_xl_lora_packed,t5_xxl_lora,causal_8b_qlora_4k}"
 shift $(( $# < 3 ? $# : 3 ))
 EXTRA=("$@")
 # Packed T5 is its own workload (t5_xl_lora_packed), so no extra sides delay the A/B switches.

@@ -4,12 +4,13 @@ loop over the experts ("eager"), transformers' grouped matmul through peft's mat
 (lorakit.model.grouped_experts). Interleaved rounds, median seconds per path, ratios against the loop.
 
     python benchmarks/moe_experts.py [--rounds 7] [--output benchmarks/results/moe_experts.json]
+
+The shapes (specs/moe_experts.yaml): the tiny Mixtral's block, and a wider one of Qwen3-MoE's proportions
+(small experts, many of them) at a CPU-sized width.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -17,29 +18,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.harness.provenance import Provenance  # noqa: E402
+from benchmarks.harness import load_spec, main  # noqa: E402
 
-# (name, hidden, expert ffn, experts, top-k, tokens, LoRA rank): the tiny Mixtral's block, and a wider one of
-# Qwen3-MoE's proportions (small experts, many of them) at a CPU-sized width.
-SHAPES = [("tiny", 64, 128, 4, 2, 256, 8), ("wider", 1024, 512, 16, 4, 1024, 16)]
+SPEC = load_spec("moe_experts")
 PATHS = ("eager", "grouped_mm", "lorakit_grouped")
 
 
-def block(hidden: int, ffn: int, experts: int, top_k: int, r: int):
+def block(hidden: int, expert_ffn: int, experts: int, top_k: int, lora_r: int, **_):
     """A Mixtral sparse MoE block with peft's LoRA on its fused experts (non-zero B, as after training)."""
     import torch
     from peft import LoraConfig, inject_adapter_in_model
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    config = MixtralConfig(hidden_size=hidden, intermediate_size=ffn, num_local_experts=experts)
+    config = MixtralConfig(hidden_size=hidden, intermediate_size=expert_ffn, num_local_experts=experts)
     config.num_experts_per_tok = top_k
     torch.manual_seed(0)
     moe = MixtralSparseMoeBlock(config)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(std=hidden**-0.5)
-    lora = LoraConfig(r=r, lora_alpha=2 * r, target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    lora = LoraConfig(
+        r=lora_r, lora_alpha=2 * lora_r, target_parameters=["experts.gate_up_proj", "experts.down_proj"]
+    )
     moe = inject_adapter_in_model(lora, moe)
     with torch.no_grad():
         for name, p in moe.named_parameters():
@@ -55,15 +56,17 @@ def step(moe, x) -> float:
     return time.perf_counter() - t0
 
 
-def measure(shape, rounds: int) -> dict:
+def measure_shape(shape: dict, rounds: int) -> dict:
+    """The spec's shape with each path's seconds per round, their medians and the speed-ups over the loop."""
     import torch
 
     from lorakit.model.grouped_experts import register
 
-    name, hidden, ffn, experts, top_k, tokens, r = shape
     register()
-    moe, config = block(hidden, ffn, experts, top_k, r)
-    x = torch.randn(1, tokens, hidden, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    moe, config = block(**shape)
+    x = torch.randn(
+        1, shape["tokens"], shape["hidden"], generator=torch.Generator().manual_seed(1), requires_grad=True
+    )
     times: dict[str, list[float]] = {p: [] for p in PATHS}
     for i in range(rounds + 1):  # round 0 warms up, not counted
         for path in PATHS:
@@ -73,43 +76,21 @@ def measure(shape, rounds: int) -> dict:
             if i:
                 times[path].append(t)
     median = {p: statistics.median(t) for p, t in times.items()}
-    fields = dict(hidden=hidden, expert_ffn=ffn, experts=experts, top_k=top_k, tokens=tokens, lora_r=r)
-    return {
-        "shape": name,
-        **fields,
-        "median_seconds": median,
-        "seconds": times,
-        "speedup_vs_eager": {p: median["eager"] / median[p] for p in PATHS},
-    }
+    speedup = {p: median["eager"] / median[p] for p in PATHS}
+    return {**shape, "median_seconds": median, "seconds": times, "speedup_vs_eager": speedup}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    parser.add_argument("--output", type=Path, default=Path("benchmarks/results/moe_experts.json"))
-    args = parser.parse_args()
+def measure(bench) -> int:
     import torch
 
-    torch.set_num_threads(args.threads)
-    prov = Provenance()
-    result = {
-        "benchmark": "moe_experts",
-        **prov.start(),
-        "torch_threads": args.threads,
-        "rounds": args.rounds,
-    }
-    result["measured"] = (
-        "wall seconds of one MoE block's forward + backward (fp32, CPU), LoRA on both fused expert stacks; "
-        "median over interleaved rounds after one warm-up round"
-    )
-    result["shapes"] = [measure(s, args.rounds) for s in SHAPES]
-    result.update(prov.end())
-    args.output.write_text(json.dumps(result, indent=1) + "\n")
+    torch.set_num_threads(bench.args.threads)
+    result = bench.result(torch_threads=bench.args.threads, rounds=bench.args.rounds)
+    result["shapes"] = [measure_shape(s, bench.args.rounds) for s in SPEC["shapes"]]
     for s in result["shapes"]:
         ratios = ", ".join(f"{p} {v:.2f}x" for p, v in s["speedup_vs_eager"].items())
-        print(f"{s['shape']}: {ratios} (vs eager loop)")
+        bench.log(f"{s['shape']}: {ratios} (vs eager loop)")
+    return bench.finish(result)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.modules[__name__]))

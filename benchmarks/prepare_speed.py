@@ -72,11 +72,8 @@ def guide(spec: dict) -> dict:
     )
     columns, caps = ("article", "highlights"), (GUIDE_SOURCE_CAP, spec["target_cap"])
     preprocess_function = guide_preprocess(tokenizer, TEMPLATE, columns, caps)
-    mapping = {
-        "remove_columns": ["article", "highlights"],
-        "num_proc": spec["num_proc"] if spec["num_proc"] > 1 else None,
-    }
-    tokenized = ds.map(preprocess_function, batched=True, **mapping)
+    num_proc = spec["num_proc"] if spec["num_proc"] > 1 else None
+    tokenized = ds.map(preprocess_function, batched=True, remove_columns=list(columns), num_proc=num_proc)
     tokenized.save_to_disk(str(out / "train"))
     return {"wall_seconds": time.perf_counter() - wall, "cpu_seconds": _cpu() - cpu, "rows": len(tokenized)}
 

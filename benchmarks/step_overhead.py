@@ -38,7 +38,8 @@ def phases_worker(spec: dict) -> dict:
     steps.accumulation_windows = timed_windows
     clock.patch(SPEC["phases"])
     summary = lorakit.train(lorakit.load_recipe(spec["recipe"], spec["overrides"])).summary
-    return {"wall": clock.wall, "cpu": clock.cpu, "calls": clock.calls, "steps": summary["steps"]}
+    out = {"wall": clock.wall, "cpu": clock.cpu, "calls": clock.calls, "steps": summary["steps"]}
+    return {**out, "window_times": clock.times["window"], "compile": summary.get("compile")}
 
 
 WORKERS = {"phases": phases_worker}
@@ -61,7 +62,7 @@ def shares(rank: dict) -> dict:
 
 
 def measure_phases(bench, overrides: list[str]) -> dict:
-    from lorakit.engine.launch import free_port, launch_env
+    from lorakit.engine.launch import launch_env, torchrun_command
 
     out, processes = bench.tmp / "phases", bench.args.processes
     out.mkdir()
@@ -69,22 +70,10 @@ def measure_phases(bench, overrides: list[str]) -> dict:
     spec.write_text(
         json.dumps({"recipe": bench.args.recipe, "overrides": [*overrides, f"output.dir={out / 'run'}"]})
     )
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--worker",
-        "phases",
-        str(spec),
-        str(out / "rank{rank}.json"),
-    ]
-    if processes > 1:
-        torchrun = [
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={processes}",
-            f"--master-port={free_port()}",
-        ]
-        cmd[1:1] = torchrun
+    # Under torchrun also for one process (the smoke run): one code path, a worker per rank.
+    cmd = torchrun_command(
+        processes, "benchmarks.step_overhead", ["--worker", "phases", str(spec), str(out / "rank{rank}.json")]
+    )
     start = time.perf_counter()
     subprocess.run(cmd, env=launch_env(), check=True, cwd=ROOT)
     wall = time.perf_counter() - start
@@ -94,10 +83,7 @@ def measure_phases(bench, overrides: list[str]) -> dict:
 
 def measure_imports() -> dict:
     out = {}
-    for name, stmt in (
-        ("import lorakit", "import lorakit"),
-        ("launcher (lorakit.api)", "import lorakit.api"),
-    ):
+    for name, stmt in SPEC["imports"].items():
         code = (
             "import json, sys, time\n"
             f"w, c = time.perf_counter(), time.process_time()\n{stmt}\n"
@@ -132,15 +118,63 @@ def measure_first_step(bench, overrides: list[str]) -> dict:
     return {"command": " ".join(cmd[1:]), "to_first_step_record_seconds": first, "to_exit_seconds": total}
 
 
+def measure_compile(bench) -> int:
+    """--compile-ab: one optimizer step's CPU time with model.compile true and false, on each shape, the
+    two interleaved; the steps before --warmup-steps (compilation) left out and the compile time reported."""
+    from benchmarks.harness.device import build_weights, write_model_dir
+    from benchmarks.harness.runner import median, paired_ratios
+
+    args, ab = bench.args, SPEC["compile_ab"]
+    result = bench.result(compile_ab=ab["about"], shapes={})
+    for shape in args.compile_ab:
+        s = ab["shapes"][shape]
+        over = [*ab["overrides"], *s["overrides"], f"train.max_steps={args.steps}"]
+        over += [f"data.cache_dir={args.cache_dir}"] if args.cache_dir else []
+        if "config" in s:  # random weights at a real width, with lorakit's tiny tokenizer
+            model = bench.tmp / shape
+            write_model_dir(model, s["config"])
+            s = {**s, "built": build_weights(str(model), "float32")}
+            over.append(f"model.name_or_path={model}")
+
+        def one(side, rnd, over=over, shape=shape, s=s):
+            run = [
+                *over,
+                f"model.compile={side == 'compiled'}",
+                f"output.dir={bench.tmp / f'{shape}-{side}-{rnd}'}",
+            ]
+            spec = {"recipe": s["recipe"], "overrides": run, "torch_threads": args.torch_threads}
+            r = bench.runner.run("phases", spec, f"{shape}-{side}-{rnd}")
+            steady = r["window_times"][args.warmup_steps :]
+            r.update(side=side, step_cpu=median(c for _, c in steady), step_wall=median(w for w, _ in steady))
+            r["first_steps_cpu"] = [c for _, c in r["window_times"][: args.warmup_steps]]
+            bench.log(f"  {shape} {side}: step {r['step_cpu']:.3f} CPU s, compile {r['compile']}")
+            return {k: r[k] for k in ("side", "step_cpu", "step_wall", "first_steps_cpu", "compile", "steps")}
+
+        runs = bench.rounds(["compiled", "eager"], args.repeats, one, title=shape)
+        paired = paired_ratios(runs, "compiled", "eager", "step_cpu")
+        meds = {
+            side: median(r["step_cpu"] for r in runs if r["side"] == side) for side in ("compiled", "eager")
+        }
+        ratio = meds["compiled"] / meds["eager"]
+        result["shapes"][shape] = {**s, "median_step_cpu": meds, "compiled_over_eager": ratio}
+        result["shapes"][shape].update(paired_compiled_over_eager=paired, runs=runs)
+        bench.log(
+            f"{shape}: compiled / eager step CPU time x{ratio:.3f}, paired {[round(p, 3) for p in paired]}"
+        )
+    return bench.finish(result)
+
+
 def measure(bench) -> int:
     args = bench.args
+    if args.compile_ab:
+        return measure_compile(bench)
     overrides = list(args.overrides) + ([f"data.cache_dir={args.cache_dir}"] if args.cache_dir else [])
     overrides += SPEC["smoke_overrides"] if args.smoke else []
     overrides += [f"distributed.num_processes={args.processes}"] if args.processes != 2 else []
     result = bench.result(recipe=args.recipe, overrides=overrides)
     if not args.smoke:  # tests/unit/test_startup_imports.py checks the imports
         result["imports"] = measure_imports()
-    if not (args.skip_first_step or args.smoke):
+    if not args.smoke:
         result["first_step"] = measure_first_step(bench, overrides)
     result["phases"] = measure_phases(bench, overrides)
     for i, s in enumerate(result["phases"]["shares"]):

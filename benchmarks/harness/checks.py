@@ -10,10 +10,6 @@ import math
 TRAINING_PATH = ("lorakit/engine/", "lorakit/data/", "lorakit/model/", "lorakit/recipe/", "lorakit/meter.py")
 
 
-def close(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
-
-
 def check_result(result: dict, spec: dict, repeats: int) -> None:
     """Asserts the spec's result_keys and run_keys, provenance, one torch thread count for every run, and
     that each ratio and claim is what the recorded medians say."""
@@ -33,7 +29,7 @@ def check_result(result: dict, spec: dict, repeats: int) -> None:
         side, base = r["side"], r["versus"]
         assert key == key_format.format(side=side, versus=base)
         expected = meds[side]["useful_tokens_per_second"] / meds[base]["useful_tokens_per_second"]
-        assert close(r["useful_tokens_per_second"], expected), key
+        assert math.isclose(r["useful_tokens_per_second"], expected, rel_tol=1e-9, abs_tol=1e-12), key
         assert len(r["paired_useful_tokens_per_second"]) == repeats, key
     for c in result.get("claims", []):
         if c["metric"] == "eval_loss":

@@ -48,14 +48,12 @@ def probe(matmul_n: int, dtype_name: str) -> dict:
     n, dtype = matmul_n, getattr(torch, dtype_name)
     gen = torch.Generator(device=dev).manual_seed(0)
     a, b = (torch.randn(n, n, device=dev, dtype=dtype, generator=gen) for _ in range(2))
-    times = []
+    times, sync = [], torch.cuda.synchronize if cuda else lambda: None
     for i in range(13):
-        if cuda:
-            torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         a @ b
-        if cuda:
-            torch.cuda.synchronize()
+        sync()
         if i >= 3:  # three warm-ups
             times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
@@ -124,6 +122,29 @@ def setup_worker(spec: dict) -> dict:
     if tests is not None:
         tests.join()
     return out
+
+
+def write_model_dir(path: Path, kwargs: dict):
+    """Tokenizer (lorakit's tiny BPE, ids < 2000) and config (transformers kwargs with `model_type`) of a
+    random-weight model of a real shape, saved in `path`; the config."""
+    from transformers import AutoConfig
+
+    from lorakit.testing import build_tiny_tokenizer
+
+    kwargs = dict(kwargs)
+    model_type = kwargs.pop("model_type")
+    tokenizer = build_tiny_tokenizer(path, kind="t5" if model_type == "t5" else "llama")
+    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if model_type == "t5":
+        special["decoder_start_token_id"] = tokenizer.pad_token_id
+    else:
+        special["bos_token_id"] = tokenizer.bos_token_id
+    config = AutoConfig.for_model(model_type, **kwargs, **special)
+    # lorakit caps lengths at min(tokenizer, config) maximum; the tiny tokenizer says 512.
+    tokenizer.model_max_length = getattr(config, "max_position_embeddings", None) or 512
+    tokenizer.save_pretrained(str(path))
+    config.save_pretrained(str(path))
+    return config
 
 
 def build_weights(model_dir: str, dtype: str) -> dict:

@@ -130,16 +130,13 @@ def table(result: dict) -> str:
                 lines.append(f"{name:21s} {side:15s} {r.get('status', '?')}")
                 continue
             ratio, mem = w["ratios"].get(f"{side}/hf"), (r["peak_gpu_memory_bytes"] or 0) / 2**30
-            mfu, vs = share(r.get("mfu")), f"x{ratio:.2f}" if ratio else ""
-            rate, eff, nemo = (
+            mfu, nemo, vs = share(r.get("mfu")), share(r.get("mfu_nemo")), f"x{ratio:.2f}" if ratio else ""
+            rate, eff, matmul = (
                 r["useful_tokens_per_second"],
                 r["padding_efficiency_timed"],
-                share(r.get("mfu_nemo")),
+                r["mfu_vs_measured_matmul"],
             )
-            numbers = (
-                f"{rate:13,.0f} {mfu:>7s} {nemo:>7s} {r['mfu_vs_measured_matmul']:7.1%} {eff:8.2f} {mem:9.1f}"
-            )
-            numbers += f" {vs:>7s}"
+            numbers = f"{rate:13,.0f} {mfu:>7s} {nemo:>7s} {matmul:7.1%} {eff:8.2f} {mem:9.1f} {vs:>7s}"
             lines.append(f"{name:21s} {side:15s} {numbers}")
         if not w.get("sides") and w.get("status") in ("skipped", "failed"):
             why = (w.get("reason") or w.get("error") or "").splitlines() or [""]

@@ -19,6 +19,8 @@ def machine() -> dict:
     cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), None)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     out = {"platform": platform.platform(), "machine": platform.machine(), "cpu_model": cpu}
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    out["cpu_bf16"] = sorted({"avx512_bf16", "amx_bf16"} & set(flags))  # [] : bf16 matmuls are emulated
     return {**out, "cpu_count": os.cpu_count(), "usable_cores": cores, "accelerator": "none (CPU only)"}
 
 

@@ -42,17 +42,25 @@ def accounting(config, r: int) -> dict:
     return {**out, "lora_params_per_token": lora, "lora_r": r, "attention": attention}
 
 
-def model_flops(acc: dict, method: str, sums: dict) -> float:
-    """Training FLOPs of `sums` (token and attention-pair counts) under the spec's flop_accounting."""
-    base, adapters = (6, 0) if method == "full" else (4, 6)
+def flop_parts(acc: dict, sums: dict) -> tuple[int, int, int]:
+    """(frozen matmul parameters x their tokens, LoRA parameters x their tokens, the attention's forward
+    FLOPs: 4 per (query, key) pair and head dimension, QK^T and AV) of `sums` (token and pair counts)."""
     p, lo, a = acc["matmul_params_per_token"], acc["lora_params_per_token"], acc["attention"]
-    per_pair = 12 * a["heads"] * a["head_dim"]  # 4 FLOPs per pair forward (QK^T, AV), x3 for training
+    per_pair = 4 * a["heads"] * a["head_dim"]
     if acc["family"] == "causal":
-        matmul = (base * p["token"] + adapters * lo["token"]) * sums["tokens"]
-        return float(matmul + per_pair * a["layers"] * sums["pairs"])
-    matmul = sum((base * p[s] + adapters * lo[s]) * sums[f"{s}_tokens"] for s in ("source", "target"))
+        tokens = sums["tokens"]
+        return p["token"] * tokens, lo["token"] * tokens, per_pair * a["layers"] * sums["pairs"]
+    frozen = sum(p[s] * sums[f"{s}_tokens"] for s in ("source", "target"))
+    lora = sum(lo[s] * sums[f"{s}_tokens"] for s in ("source", "target"))
     decoder = a["decoder_layers"] * (sums["decoder_pairs"] + sums["cross_pairs"])
-    return float(matmul + per_pair * (a["encoder_layers"] * sums["encoder_pairs"] + decoder))
+    return frozen, lora, per_pair * (a["encoder_layers"] * sums["encoder_pairs"] + decoder)
+
+
+def model_flops(acc: dict, method: str, sums: dict) -> float:
+    """Training FLOPs of `sums` under the spec's flop_accounting: per token 6N for full fine-tuning, 4N plus
+    6 N_lora for LoRA (the frozen base needs no weight gradients); the attention's forward x3."""
+    frozen, lora, attention = flop_parts(acc, sums)
+    return float((6 * frozen if method == "full" else 4 * frozen + 6 * lora) + 3 * attention)
 
 
 def model_flops_nemo(acc: dict, method: str, sums: dict) -> float:
@@ -62,17 +70,7 @@ def model_flops_nemo(acc: dict, method: str, sums: dict) -> float:
 
     if method == "full":
         return model_flops(acc, method, sums)
-    p, lo, a = acc["matmul_params_per_token"], acc["lora_params_per_token"], acc["attention"]
-    per_pair = 4 * a["heads"] * a["head_dim"]  # forward only: lora_training_flops multiplies by 3
-    if acc["family"] == "causal":
-        frozen, lora = p["token"] * sums["tokens"], lo["token"] * sums["tokens"]
-        attention = per_pair * a["layers"] * sums["pairs"]
-    else:
-        frozen = sum(p[s] * sums[f"{s}_tokens"] for s in ("source", "target"))
-        lora = sum(lo[s] * sums[f"{s}_tokens"] for s in ("source", "target"))
-        decoder = a["decoder_layers"] * (sums["decoder_pairs"] + sums["cross_pairs"])
-        attention = per_pair * (a["encoder_layers"] * sums["encoder_pairs"] + decoder)
-    return lora_training_flops(frozen, lora, attention)["nemo"]
+    return lora_training_flops(*flop_parts(acc, sums))["nemo"]
 
 
 def peak_of(probe: dict, datasheets: list) -> dict:

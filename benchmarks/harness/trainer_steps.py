@@ -48,8 +48,7 @@ def hf_worker(spec: dict) -> dict:
     if method == "qlora":
         from peft import prepare_model_for_kbit_training
 
-        ckpt = {"use_reentrant": False}
-        model = prepare_model_for_kbit_training(model, True, ckpt)
+        model = prepare_model_for_kbit_training(model, True, {"use_reentrant": False})
     if method != "full":
         model = with_lora(model, spec["lora"], seq2seq)
     rec = StepRecorder(spec["family"], cuda)

@@ -15,11 +15,13 @@ class Clock:
 
     def __init__(self) -> None:
         self.wall, self.cpu, self.calls = defaultdict(float), defaultdict(float), defaultdict(int)
+        self.times = defaultdict(list)  # (wall, cpu) of each call
 
     def add(self, phase: str, wall: float, cpu: float) -> None:
         self.wall[phase] += wall
         self.cpu[phase] += cpu
         self.calls[phase] += 1
+        self.times[phase].append((wall, cpu))
 
     def wrap(self, phase: str, fn):
         def timed(*args, **kwargs):
@@ -69,19 +71,17 @@ def count_batches(counts: dict, window: list[dict], family: str) -> None:
         counts.update({k: max(counts.get(k, 0), n) for k, n in widest.items()})
 
 
-def lorakit_worker(spec: dict, at_run_end=None, clock: Clock | None = None) -> dict:
+def lorakit_worker(spec: dict) -> dict:
     """`lorakit.train(spec['recipe'])` in this (fresh) process. Returns `spec['fields']` read from its
     summary (`{name: dotted path}`), the epoch's wall and CPU seconds (`Trainer.run`, the evaluation after
-    the epoch timed apart), and with `spec['count']` ('causal' or 'seq2seq') what the micro-batches held.
-    `at_run_end(trainer)` may read the trainer when its run ends (before the model is saved); `clock` may
-    time more phases."""
+    the epoch timed apart), and with `spec['count']` ('causal' or 'seq2seq') what the micro-batches held."""
     import torch
 
     import lorakit
     from lorakit.engine import loop
     from lorakit.recipe import recipe_from_dict
 
-    clock, counts, timer = clock or Clock(), {}, {}
+    clock, counts, timer = Clock(), {}, {}
     clock.patch({"run": "lorakit.engine.loop:Trainer.run", "eval": "lorakit.engine.session:Job.evaluate"})
     run, window = loop.Trainer.run, loop.train_window
 
@@ -97,8 +97,6 @@ def lorakit_worker(spec: dict, at_run_end=None, clock: Clock | None = None) -> d
                 timer.update(eval_seconds=wall, eval_cpu_seconds=cpu)
             timer.update(epoch_seconds=clock.wall["run"] - wall, epoch_cpu_seconds=clock.cpu["run"] - cpu)
             timer["torch_threads"] = torch.get_num_threads()
-            if at_run_end is not None:
-                at_run_end(self)
 
     def counted_window(engine, inputs, batches, *args, **kwargs):
         if spec.get("count"):

@@ -70,3 +70,23 @@ def test_committed_prepare_speed_is_side_by_side_on_300k_rows():
     for rnd in result["rounds"]:
         assert rnd["guide"]["rows"] == rnd["lorakit"]["rows"] == result["rows"]
     assert result["claim"]["met"] == (result["ratio_of_medians"] <= 1.0)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "t5-xl-2l", "llama-8b-2l"])
+def test_committed_compile_ab_interleaves_compiled_and_eager_steps(shape):
+    """step_overhead.py --compile-ab (issue 61): model.compile true against false, fresh processes, the two
+    interleaved in one invocation, each run more than once; the ratio is the one its runs give."""
+    from benchmarks.harness.runner import median
+
+    result = json.loads((RESULTS / f"step_overhead_compile_{shape}.json").read_text())
+    assert result["machine"]["cpu_model"] and "cpu_bf16" in result["machine"]
+    assert result["versions"]["torch"] and result["versions"]["transformers"]
+    s = result["shapes"][shape]
+    runs = s["runs"]
+    assert [r["side"] for r in runs[:4]] == ["compiled", "eager", "eager", "compiled"]
+    assert len(runs) >= 4 and len(s["paired_compiled_over_eager"]) == len(runs) // 2
+    for r in runs:  # the compiled runs compiled blocks (and said how long it took); the eager ones did not
+        assert (r["compile"] is not None) == (r["side"] == "compiled") and r["step_cpu"] > 0
+        assert r["compile"] is None or (r["compile"]["blocks"] > 0 and r["compile"]["compile_seconds"] > 0)
+    meds = {side: median(r["step_cpu"] for r in runs if r["side"] == side) for side in ("compiled", "eager")}
+    assert s["median_step_cpu"] == meds and s["compiled_over_eager"] == meds["compiled"] / meds["eager"]
