@@ -165,7 +165,7 @@ def _init_deepspeed_distributed(backend: str, timeout_minutes: float | None = No
 # glibc serves an allocation above this many bytes with its own mmap, returned to the system when freed.
 # Left unset, glibc raises the threshold (up to 32 MiB) each time such a block is freed, after which
 # ZeRO-3's gathered layers and activations come from the heap and fragment it: measured on 2 CPU ranks at
-# FLAN-T5-XL width, 2+2 layers (benchmarks/rehearsal.py), each rank's private memory grew 1.0 GiB from step
+# FLAN-T5-XL width, 2+2 layers (the retired benchmarks/rehearsal.py), each rank's private memory grew 1.0 GiB from step
 # 2 to step 20 (peak 2.9 GiB) with glibc's default, 0.18 GiB (peak 1.9 GiB) with the threshold fixed at
 # glibc's initial 128 KiB.
 MALLOC_MMAP_THRESHOLD = 128 * 1024
@@ -173,7 +173,7 @@ MALLOC_MMAP_THRESHOLD = 128 * 1024
 # computations in front of it (LRU_CACHE_CAPACITY), through which torch runs bf16 matmuls on a CPU. Each new
 # shape adds an entry to both (~0.25 MB together at FLAN-T5-XL width) up to 1024 each by default, so a run
 # whose rows vary in length grew ~10 MB a step per rank until ~0.5 GiB (found with heaptrack on
-# benchmarks/rehearsal.py's run: 87% of what the step 3-7 window allocated and never freed came from
+# the retired benchmarks/rehearsal.py's run: 87% of what the step 3-7 window allocated and never freed came from
 # them). A step of a transformer uses a few dozen distinct matmul shapes, so 64 keeps every reuse within a
 # step and across steps of fixed-shape (packed) rows, and bounds the caches at ~30 MB.
 ONEDNN_CACHE_CAPACITY = 64

@@ -36,7 +36,7 @@ CUDA_CONTEXT_BYTES = 1 * GiB
 FRAGMENTATION = 0.05
 PROCESS_CPU_BYTES = 3 * GiB
 # A CPU run's process holds no CUDA libraries: ~0.5 GiB of runtime measured per rank (Python, torch,
-# DeepSpeed, transformers, the data loader; benchmarks/rehearsal.py, tiny and FLAN-T5-XL-width models, with
+# DeepSpeed, transformers, the data loader; the retired benchmarks/rehearsal.py (git 26ed32f), tiny and FLAN-T5-XL-width models, with
 # the launcher's allocator settings).
 CPU_RUN_PROCESS_BYTES = GiB // 2
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

@@ -26,7 +26,7 @@ parameters kept in float32 (lorakit.backends.fsdp_shard); no gradient sync betwe
     loading                sharded: the model's states plus one tensor's rows per rank, as stored and cast (and
                            the adapter, whole); otherwise the whole model in each process (states.loading)
 
-Measured against benchmarks/rehearsal.py's FLAN-T5-XL-shaped runs (docs/planning.md).
+Measured against the retired benchmarks/rehearsal.py's FLAN-T5-XL-shaped runs (docs/planning.md).
 """
 
 from __future__ import annotations

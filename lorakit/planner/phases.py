@@ -1,4 +1,5 @@
-"""A CPU run's memory per process and per phase: what benchmarks/rehearsal.py measures the plan against.
+"""A CPU run's memory per process and per phase: what benchmarks/rehearsal.py measured the plan against
+(retired at 26ed32f; its results in benchmarks/README.md).
 
     load        the runtime, the resident model states (each rank's partition of the weights, as zero.Init
                 builds it, or FSDP2's shards) and what loading adds (zero.Init: one layer in fp32; FSDP2's
@@ -51,7 +52,7 @@ def merge_bytes(largest_adapted: int, adapter: int, dtype_bytes: int) -> int:
 
 
 def cpu_phases(recipe, *, config=None) -> dict[str, int]:
-    """Planned bytes per process of each phase of `recipe` run on CPUs (benchmarks/rehearsal.py):
+    """Planned bytes per process of each phase of `recipe` run on CPUs (as the retired benchmarks/rehearsal.py ran them):
     load, first_step, steady, save, merge."""
     from lorakit.planner.arch import arch_from_config, resolve_config
     from lorakit.planner.core import _recipe
