@@ -67,7 +67,8 @@ def _buckets(q_lengths: list[int], k_lengths: list[int], call_cost: int) -> list
     group while the padding of every member to the group's longest queries and keys costs no more than the
     calls the group saves, `call_cost` (query x key) elements each. Work, not a share of it: on long
     examples a share of their attention is far more than a call's fixed cost (rows of long-tailed code
-    trained 13% slower with 25% padding allowed than with none), while short examples still share calls."""
+    took 19% longer to run forward and backward with 25% padding allowed than with none, docs/packing.md),
+    while short examples still share calls."""
     order = sorted(range(len(q_lengths)), key=lambda i: q_lengths[i] * k_lengths[i], reverse=True)
     groups: list[list[int]] = []
     real = longest_q = longest_k = 0
@@ -198,9 +199,8 @@ def _seq2seq_attention(module, query, key, value, scaling, dropout, segments, po
     # (1, H, T, D) -> (T, H, D): rows are gathered along dim 0 (a view: T5 hands the heads transposed).
     q_rows, k_rows, v_rows = (t[0].transpose(0, 1) for t in (query, key, value))
     outs = []
-    # One SDPA call per group of similar-sized examples padded to a common size, not one per example: the
-    # calls' fixed cost made per-example attention 13-24% slower on CPU than a padded batch of the same
-    # (equal-length) examples. A group is gathered from the row with one index per tensor (padded slots
+    # One SDPA call per group of similar-sized examples padded to a common size (_buckets), not one per
+    # example: each call has a fixed cost, which short examples pay more than their own attention. A group is gathered from the row with one index per tensor (padded slots
     # repeat a real row of their example, which the mask hides), not assembled by per-example pads.
     for g, group in enumerate(plan["groups"]):
         n, mq, mk = len(group.members), group.mq, group.mk

@@ -79,8 +79,8 @@ def test_pairs_exercise_grouped_attention():
 
 def test_long_examples_are_not_padded_to_each_other_short_ones_share_a_call():
     """Long-tailed code rows: sources capped at 512 share a call (no padding); 379 and 337 attend alone, since
-    padding 337 to 379 adds 30k scores per head, far more than a call costs (a 25% share of the work, the
-    rule before, grouped them and trained such rows 13% slower); the short ones share one call."""
+    padding 337 to 379 adds 30k query x key scores, far more than a call costs (the rule before, a 25% share
+    of the work, put 379 with the 512s and ran such rows 19% longer); the short ones share one call."""
     lengths = [512, 379, 20, 512, 337, 18, 19, 512]
     groups = _buckets(lengths, lengths, _CALL_COST)
     assert sorted(map(sorted, groups)) == [[0, 3, 7], [1], [2, 5, 6], [4]]
