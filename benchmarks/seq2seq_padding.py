@@ -24,6 +24,22 @@ SPEC = load_spec("seq2seq_padding")
 SIDES = list(SPEC["sides"])
 
 
+def default_output(args) -> str:
+    return SPEC["datasets"][args.dataset]["output"]
+
+
+def data_overrides(bench) -> dict:
+    """The recipe's data keys of --dataset; `code` rows are generated into the invocation's temp dir."""
+    data = dict(SPEC["datasets"][bench.args.dataset]["data"])
+    if data.get("source") == "generated":
+        from benchmarks.prepare_speed import write_rows
+
+        (bench.tmp / "code").mkdir(exist_ok=True)
+        write_rows(bench.tmp / "code" / "train.jsonl", bench.args.max_samples, "code")
+        data["source"] = str(bench.tmp / "code")
+    return {f"data.{k}": v for k, v in data.items()}
+
+
 def check_args(args, error) -> None:
     unknown = sorted(set(args.sides or ()) - set(SIDES))
     if unknown:
@@ -43,7 +59,9 @@ def hf_worker(spec: dict) -> dict:
     data, cfg = recipe["data"], recipe["train"]
     source = resolve_model_source(recipe["model"]["name_or_path"], data["cache_dir"])
     tokenizer = hf.AutoTokenizer.from_pretrained(source)
-    path = builtin_dataset_dir(data["source"].removeprefix("builtin:")) / "train.jsonl"
+    builtin = data["source"].startswith("builtin:")
+    where = builtin_dataset_dir(data["source"].removeprefix("builtin:")) if builtin else Path(data["source"])
+    path = where / "train.jsonl"
     rows = datasets.load_dataset("json", data_files={"train": str(path)}, split="train")
     rows = rows.select(range(data["max_samples"]))
     # The guide pads every row to the caps; the expert leaves padding to the collator, batch by batch.
@@ -150,7 +168,8 @@ def measure(bench) -> int:
     from lorakit.recipe import recipe_from_dict
 
     args, spec, log = bench.args, bench.spec, bench.log
-    recipe = recipe_from_dict(bench.recipe("lorakit_zero3"))
+    data_keys = data_overrides(bench)
+    recipe = recipe_from_dict(bench.recipe("lorakit_zero3", data_keys))
     data = lorakit.prepare(recipe)  # builds the tiny T5, tokenizes and caches; the lorakit runs reuse it
     log(data.describe())
     _, config = load_config(recipe)
@@ -162,8 +181,8 @@ def measure(bench) -> int:
     def run(side: str, _round: int) -> dict:
         hf = spec["sides"][side].get("hf")
         if hf is None:
-            return bench.run(side)
-        worker = {**hf_spec, "recipe": bench.recipe(side), "hf": hf, "master_port": free_port()}
+            return bench.run(side, overrides=data_keys)
+        worker = {**hf_spec, "recipe": bench.recipe(side, data_keys), "hf": hf, "master_port": free_port()}
         return bench.run(side, kind="hf", spec=worker)
 
     sides = [s for s in SIDES if s in (args.sides or SIDES)]
@@ -182,8 +201,10 @@ def measure(bench) -> int:
     head = measured[0] if measured else None
     result["headline_pair"] = spec["ratio_key"].format(**head) if head else None
     result["headline_ratio"] = head["measured_ratio"] if head else None
-    base = spec["recipe"]["data"]
-    data_setup = {"source": base["source"], "split": base["split"], "rows": args.max_samples}
+    base = {**spec["recipe"]["data"], **{k.removeprefix("data."): v for k, v in data_keys.items()}}
+    source = base["source"] if base["source"].startswith("builtin:") else SPEC["generated_source"]
+    data_setup = {"dataset": args.dataset, "source": source, "split": base["split"]}
+    data_setup["rows"] = args.max_samples
     data_setup.update(prompt_template=base["prompt_template"], **lengths, lengths_from=spec["lengths_from"])
     stats = ("source_tokens_untruncated", "target_tokens_untruncated", "truncated_sources")
     stats += ("truncated_targets",)

@@ -10,7 +10,7 @@ import torch
 from lorakit.data.collate import PackedSeq2SeqCollator, Seq2SeqCollator
 from lorakit.doctor import contracts
 from lorakit.model.loss import token_loss_sum
-from lorakit.model.varlen import _BUCKET_WASTE, _buckets
+from lorakit.model.varlen import _CALL_COST, _buckets
 from tests.conftest import (
     PACKING_BACKENDS,
     losses_and_grads,
@@ -72,9 +72,20 @@ def test_pairs_exercise_grouped_attention():
     call; PAIRS must make groups in every attention kind, or the contract below would not cover them."""
     sources, targets = [s for s, _ in PAIRS], [t for _, t in PAIRS]
     for q, k in ((sources, sources), (targets, targets), (targets, sources)):
-        groups = _buckets(q, k, _BUCKET_WASTE)
+        groups = _buckets(q, k, _CALL_COST)
         assert any(len(g) > 1 and len({(q[i], k[i]) for i in g}) > 1 for g in groups), groups
         assert sorted(i for g in groups for i in g) == list(range(len(PAIRS)))
+
+
+def test_long_examples_are_not_padded_to_each_other_short_ones_share_a_call():
+    """Long-tailed code rows: sources capped at 512 share a call (no padding); 379 and 337 attend alone, since
+    padding 337 to 379 adds 30k query x key scores, far more than a call costs (the rule before, a 25% share
+    of the work, put 379 with the 512s and ran such rows 19% longer); the short ones share one call."""
+    lengths = [512, 379, 20, 512, 337, 18, 19, 512]
+    groups = _buckets(lengths, lengths, _CALL_COST)
+    assert sorted(map(sorted, groups)) == [[0, 3, 7], [1], [2, 5, 6], [4]]
+    # Cross-attention of short targets over long sources: one call when the sources are equal.
+    assert _buckets([20, 18, 19], [512, 512, 512], _CALL_COST) == [[0, 2, 1]]
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
