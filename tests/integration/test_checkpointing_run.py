@@ -9,6 +9,9 @@ import lorakit
 from lorakit.planner import run_plan
 from tests.conftest import tiny_recipe
 
+# One optimizer step and nothing after it: all the choice needs to show.
+ONE_STEP = {"train": {"max_steps": 1}, "eval": {"enabled": False}, "output": {"save_adapter": False}}
+
 
 @pytest.mark.slow
 def test_the_run_builds_with_the_plans_choice_and_says_it(cache_dir, tmp_path, monkeypatch, capsys):
@@ -22,14 +25,7 @@ def test_the_run_builds_with_the_plans_choice_and_says_it(cache_dir, tmp_path, m
         return {**real(*args), "gradient_checkpointing": chosen}
 
     monkeypatch.setattr(run_plan, "plan_of_run", plan_of_run)
-    recipe = tiny_recipe(
-        cache_dir,
-        tmp_path / "run",
-        model={"gradient_checkpointing": "auto"},
-        train={"max_steps": 1},
-        eval={"enabled": False},
-        output={"save_adapter": False},
-    )
+    recipe = tiny_recipe(cache_dir, tmp_path / "run", model={"gradient_checkpointing": "auto"}, **ONE_STEP)
     s = lorakit.train(recipe).summary
     # Planned before the build (the choice) and after training (summary.json's plan).
     assert len(calls) == 2
