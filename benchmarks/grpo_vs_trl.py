@@ -1,9 +1,10 @@
 """lorakit's GRPO vs TRL's GRPOTrainer on one CPU process: recipes/quickstart_grpo.yaml's job (tiny Llama, LoRA
 r 8 / alpha 16 all-linear, 16 prompts, G 8, 4 new tokens at temperature 0.5, regex reward, dapo, beta 0,
 lr 2e-2) both ways. Per run: seconds per optimizer step after the first, generate()'s token slots per second,
-mean reward per step. Sides interleaved, order reversed every other round. Needs `pip install 'lorakit[bench-trl]'`.
+mean reward per step. Sides interleaved, order reversed every other round, round i seeded seeds[i] on both sides.
+Needs `pip install 'lorakit[bench-trl]'`.
 
-    python benchmarks/grpo_vs_trl.py [--rounds 2] [--steps 12] [--output benchmarks/results/grpo_vs_trl.json]
+    python benchmarks/grpo_vs_trl.py [--rounds 3] [--seeds 42 43 44] [--steps 12] [--output PATH.json]
 """
 
 from __future__ import annotations
@@ -112,38 +113,49 @@ def run_trl(recipe: dict, work: Path, out: dict) -> None:
     out["reward"] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
 
 
-def worker(side: str, steps: int, threads: int, result: Path) -> None:
+def worker(side: str, steps: int, threads: int, seed: int, result: Path) -> None:
     import torch
     import yaml
 
     torch.set_num_threads(threads)
-    out = {"side": side, "steps": steps, "threads": threads, "gen_seconds": 0.0, "gen_tokens": 0}
+    out = {
+        "side": side,
+        "steps": steps,
+        "threads": threads,
+        "seed": seed,
+        "gen_seconds": 0.0,
+        "gen_tokens": 0,
+    }
     out.update(reward=[], stamps=[])
     instrument(out)
     with tempfile.TemporaryDirectory() as work:
-        (run_lorakit if side == "lorakit" else run_trl)(yaml.safe_load(RECIPE.read_text()), Path(work), out)
+        recipe = yaml.safe_load(RECIPE.read_text())
+        recipe["train"]["seed"] = seed  # LoRA init, prompt order, sampling: each side from the same seed
+        (run_lorakit if side == "lorakit" else run_trl)(recipe, Path(work), out)
     stamps = out.pop("stamps")  # before training, then each optimizer step's end
     out["step_seconds"] = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     later, n = out["step_seconds"][1:], min(5, len(out["reward"]) // 2)  # step 1 pays one-off costs
     out.update(step_median=statistics.median(later), step_min=min(later), step_max=max(later))
     out["gen_tokens_per_second"] = out["gen_tokens"] / out["gen_seconds"]
-    out.update(
-        reward_first=statistics.mean(out["reward"][:n]), reward_last=statistics.mean(out["reward"][-n:])
-    )
+    first, last = statistics.mean(out["reward"][:n]), statistics.mean(out["reward"][-n:])
+    out.update(reward_first=first, reward_last=last)
     result.write_text(json.dumps(out))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks/results/grpo_vs_trl.json")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[42, 43, 44], help="each round's seed (cycled), both sides"
+    )
     parser.add_argument("--note", default="")
-    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)  # SIDE STEPS THREADS RESULT
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # SIDE STEPS THREADS SEED RESULT
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker[0], int(args.worker[1]), int(args.worker[2]), Path(args.worker[3]))
+        return worker(args.worker[0], *map(int, args.worker[1:4]), Path(args.worker[4]))
     prov, runs, cpu = Provenance(), [], Path("/proc/cpuinfo")
     result = {"benchmark": "grpo_vs_trl", **prov.start(), "note": args.note, "recipe": RECIPE.name}
     result["versions"]["trl"] = __import__("trl").__version__
@@ -153,7 +165,9 @@ def main() -> None:
         for side in SIDES if i % 2 == 0 else SIDES[::-1]:
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 load = os.getloadavg()[0]
-                cmd = [sys.executable, __file__, "--worker", side, str(args.steps), str(args.threads), f.name]
+                seed = args.seeds[i % len(args.seeds)]
+                opts = map(str, (args.steps, args.threads, seed))
+                cmd = [sys.executable, __file__, "--worker", side, *opts, f.name]
                 subprocess.run(cmd, env=env, check=True, cwd=ROOT)
                 runs.append({**json.loads(Path(f.name).read_text()), "round": i, "load_1min_before": load})
             print(json.dumps({k: v for k, v in runs[-1].items() if not isinstance(v, list)}), flush=True)
