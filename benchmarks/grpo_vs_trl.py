@@ -90,7 +90,8 @@ def run_trl(recipe: dict, work: Path, out: dict) -> None:
 
     config = GRPOConfig(
         output_dir=str(work / "trl"), max_steps=out["steps"], learning_rate=t["lr"], seed=t["seed"],
-        per_device_train_batch_size=t["micro_batch_size"] * g["num_generations"], gradient_accumulation_steps=1,
+        per_device_train_batch_size=t["micro_batch_size"] * g["num_generations"],
+        gradient_accumulation_steps=t.get("gradient_accumulation_steps", 1),  # TRL generates for all of them
         num_generations=g["num_generations"], max_completion_length=g["max_new_tokens"],
         temperature=g["temperature"], top_p=1.0, top_k=0, beta=g["beta"], loss_type=g["loss"],
         scale_rewards="group", num_iterations=1, epsilon=0.2, warmup_steps=0, weight_decay=0.0,

@@ -34,9 +34,10 @@ KEYS = ("reward", "reward/regex", "completion_length", "zero_variance_groups", "
 
 
 def _quickstart(cache_dir, out, **sections) -> dict:
+    # The quickstart as shipped (one process accumulating two micro-batches of 2 prompts; 10 steps).
     raw = yaml.safe_load((RECIPES / "quickstart_grpo.yaml").read_text())
-    raw["data"] |= {"cache_dir": str(cache_dir), "group_by_length": False}
-    raw["train"] |= {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": STEPS}
+    assert raw["train"]["max_steps"] == STEPS and raw["train"]["gradient_accumulation_steps"] == 2
+    raw["data"] |= {"cache_dir": str(cache_dir)}
     raw["output"] = {"dir": str(out)}
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
