@@ -99,7 +99,9 @@ SHARED_UNITS = {
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile (pyproject.toml), with the files of SHARED_UNITS scheduled as one unit each."""
+    """--dist loadfile (pyproject.toml), with the files of SHARED_UNITS scheduled as one unit each, in the
+    order of the collection (heaviest first: pytest_collection_modifyitems), not xdist's (most tests first,
+    which left the files of one long test, the quickstarts, for the end of the run)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -109,7 +111,32 @@ def pytest_xdist_make_scheduler(config, log):
             path = super()._split_scope(nodeid)
             return SHARED_UNITS.get(path, path)
 
+    config.option.loadscopereorder = False
     return SharedFixtureScheduling(config, log)
+
+
+# Seconds each test file took (its tests' setup, call and teardown) in a whole run on 2 cores: the suite runs
+# the heaviest first, so the two workers end together. LORAKIT_RECORD_DURATIONS=PATH writes a new table at the
+# end of a run; a file not in it counts as light.
+DURATIONS = Path(__file__).parent / "durations.json"
+_durations: dict[str, float] = {}
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("LORAKIT_RECORD_DURATIONS"):
+        path = _file_of(report.nodeid)
+        _durations[path] = _durations.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    target = os.environ.get("LORAKIT_RECORD_DURATIONS")
+    if target and _durations and not hasattr(session.config, "workerinput"):  # the controller (or -n 0)
+        table = {k: round(v, 1) for k, v in sorted(_durations.items(), key=lambda kv: -kv[1])}
+        Path(target).write_text(json.dumps(table, indent=1) + "\n")
 
 
 # The fast lane (`-m "not slow"`, docs/contributing.md#tests) runs no process launch: a test that starts a
@@ -136,6 +163,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(SLOW_DIRS):
             item.add_marker(pytest.mark.slow)
+    # Heaviest files first (DURATIONS), each file's tests in their own order; a shared unit's files by their sum.
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    unit_seconds: dict[str, float] = {}
+    for path, took in seconds.items():
+        unit = SHARED_UNITS.get(path, path)
+        unit_seconds[unit] = unit_seconds.get(unit, 0.0) + took
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(
+        key=lambda item: (
+            -unit_seconds.get(SHARED_UNITS.get(_file_of(item.nodeid), _file_of(item.nodeid)), 0.0),
+            order[id(item)],
+        )
+    )
 
 
 def pytest_configure(config):

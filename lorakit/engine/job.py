@@ -32,7 +32,7 @@ from lorakit.engine.session import Job, say
 from lorakit.engine.steps import StaticSteps, StepPlan, StepSource
 from lorakit.engine.summary import MemoryProbe, summarize
 from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
-from lorakit.model.checkpointing import from_plan, needs_plan
+from lorakit.model.checkpointing import from_plan, planner_decides
 from lorakit.model.expert_gradients import ExpertGradientProbe
 from lorakit.model.families import family_of
 from lorakit.model.families.moe import describe as describe_moe
@@ -69,7 +69,7 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
     # the build (a CPU run has no GPU memory to plan against: whole, lorakit.planner.checkpointing).
     early = (
         plan_of_run(recipe, config, data, dist.world_size(), memory.device_kind)
-        if needs_plan(recipe.model)
+        if planner_decides(recipe.model)
         else {}
     )
     built = dist.on_every_rank(

@@ -80,7 +80,7 @@ def from_recipe(model_section, why: str | None = None) -> Checkpointing:
     return Checkpointing(WHOLE if value else OFF, None, said)
 
 
-def needs_plan(model_section) -> bool:
+def planner_decides(model_section) -> bool:
     """Whether the recipe leaves the choice to the planner (auto, or selective without a k)."""
     value = model_section.gradient_checkpointing
     return value == "auto" or (value == "selective" and model_section.checkpoint_every is None)

@@ -14,8 +14,8 @@ from lorakit.model.checkpointing import (
     checkpointed_blocks,
     from_plan,
     from_recipe,
-    needs_plan,
     ordinal,
+    planner_decides,
 )
 from lorakit.planner import plan
 from lorakit.planner.search import slowdown
@@ -131,13 +131,13 @@ def test_the_job_reads_the_plans_choice_back():
     """What the job builds with is a pure function of the plan it is handed (summary.json's plan too)."""
     recipe = _llama()
     p = plan(recipe, gpu_memory="141GB")
-    assert needs_plan(recipe.model) and p.checkpointing.mode == SELECTIVE
+    assert planner_decides(recipe.model) and p.checkpointing.mode == SELECTIVE
     assert p.to_dict()["gradient_checkpointing"] == p.checkpointing.to_dict()
     assert from_plan(p.to_dict(), recipe.model) == p.checkpointing
     # A plan that failed: auto is whole, and the line says why.
     failed = from_plan({"error": "PlanError: unknown"}, recipe.model)
     assert failed.mode == WHOLE and "PlanError: unknown" in failed.why
-    assert not needs_plan(_with("true").model)
+    assert not planner_decides(_with("true").model)
     assert p.checkpointing.describe().startswith(
         "gradient checkpointing: selective (every 2nd block): auto: "
     )
