@@ -45,6 +45,11 @@ TYPES.update(floats=_numbers(float), names=lambda text: [x.strip() for x in text
 KINDS = {"flag": {"action": "store_true"}, "switch": {"choices": ("on", "off")}}
 
 
+def script(spec: dict) -> str:
+    """How the spec's script is called: NAME.py, or the spec's `script` (one script, several measurements)."""
+    return spec.get("script", f"{spec['benchmark']}.py")
+
+
 def options(spec: dict) -> dict:
     """The spec's options, each completed from specs/options.yaml (the options benchmarks share)."""
     shared = load_spec("options")
@@ -54,7 +59,7 @@ def options(spec: dict) -> dict:
 def parse(spec: dict, module, argv: list[str]) -> argparse.Namespace:
     """The spec's options plus --output, --smoke (its smoke options first, so that later ones win), --note and
     --plot-only, parsed; bad values exit with code 2 before anything is written."""
-    p = argparse.ArgumentParser(prog=f"python benchmarks/{spec['benchmark']}.py", description=spec["about"])
+    p = argparse.ArgumentParser(prog=f"python benchmarks/{script(spec)}", description=spec["about"])
     default = spec.get("output_help", spec.get("output"))
     p.add_argument("--output", help=f"result JSON (default: {default}; --smoke: a temp file)")
     smoke = f"small runs that test the script: {' '.join(spec['smoke'])}"
@@ -122,7 +127,10 @@ class Bench:
         self.module, self.spec, self.args = module, module.SPEC, args
         self.provenance = Provenance()
         self.tmp = Path(tempfile.mkdtemp(prefix=f"lorakit-{self.spec['benchmark']}-"))
-        default = getattr(module, "default_output", lambda a: self.spec["output"])(args)
+        # A spec with `datasets` writes each --dataset's result to its own `output`.
+        by_dataset = lambda a: self.spec["datasets"][a.dataset]["output"]  # noqa: E731
+        default = getattr(module, "default_output", by_dataset if "datasets" in self.spec else None)
+        default = default(args) if default else self.spec["output"]
         if args.smoke and not args.output:  # never over a committed result: a directory that outlives the run
             default = Path(tempfile.mkdtemp(prefix=f"lorakit-{self.spec['benchmark']}-smoke-")) / "smoke.json"
         self.output = Path(args.output or ROOT / default).expanduser().resolve()
@@ -216,7 +224,7 @@ class Bench:
     def result(self, **fields) -> dict:
         """A result with the common blocks first: what it measured, the command, date, machine, versions."""
         head = {"benchmark": self.spec["benchmark"], "measured": self.spec["measured"], **fields}
-        head["command"] = f"python benchmarks/{self.spec['benchmark']}.py " + " ".join(self.args.argv)
+        head["command"] = f"python benchmarks/{script(self.spec)} " + " ".join(self.args.argv)
         if "timing" in self.spec:
             head["timing"] = self.spec["timing"]
         return {**head, **self.provenance.start(), "notes": list(self.args.note or [])}

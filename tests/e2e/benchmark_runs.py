@@ -12,8 +12,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def run_script(name: str, *args, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`name`: the script, then any measurement of it ("seq2seq padding")."""
+    script, *measurement = name.split()
     return subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *map(str, args)],
+        [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *measurement, *map(str, args)],
         cwd=ROOT,
         capture_output=True,
         text=True,

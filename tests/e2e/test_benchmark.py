@@ -1,9 +1,9 @@
-"""benchmarks/seq2seq_padding.py: a smoke run of the script, and a check of the committed result."""
+"""benchmarks/seq2seq.py padding: a smoke run of the script, and a check of the committed result."""
 
 import json
 
-from benchmarks.harness.checks import check_committed, check_result
 from benchmarks.harness.cli import load_spec
+from tests.e2e.benchmark_checks import check_committed, check_result
 from tests.e2e.benchmark_runs import RESULTS, assert_usage_error, smoke
 
 SPEC = load_spec("seq2seq_padding")
@@ -56,7 +56,7 @@ SMOKE_SIDES = ("baseline_zero3", "expert", "lorakit_zero3")
 
 
 def test_smoke_run_writes_a_complete_result(cache_dir, tmp_path):
-    result, _ = smoke("seq2seq_padding", tmp_path, cache_dir, "--sides", ",".join(SMOKE_SIDES))
+    result, _ = smoke("seq2seq padding", tmp_path, cache_dir, "--sides", ",".join(SMOKE_SIDES))
     check(result, repeats=1, sides=SMOKE_SIDES)
     assert result["setup"]["data"]["rows"] == 24
     eff = result["padding_efficiency"]
@@ -68,9 +68,9 @@ def test_smoke_run_writes_a_complete_result(cache_dir, tmp_path):
 
 def test_bad_max_samples_or_sides_are_usage_errors(tmp_path):
     assert_usage_error(
-        "seq2seq_padding", tmp_path, ["--max-samples", "20"], "multiple of the micro batch size"
+        "seq2seq padding", tmp_path, ["--max-samples", "20"], "multiple of the micro batch size"
     )
-    assert_usage_error("seq2seq_padding", tmp_path, ["--sides", "expert,lorakit"], "unknown side(s) lorakit")
+    assert_usage_error("seq2seq padding", tmp_path, ["--sides", "expert,lorakit"], "unknown side(s) lorakit")
 
 
 def test_committed_result_records_its_setup_and_meets_the_claims():

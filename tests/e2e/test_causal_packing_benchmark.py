@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from benchmarks.harness.checks import check_committed, check_result, check_sweep
 from benchmarks.harness.cli import load_spec
+from tests.e2e.benchmark_checks import check_committed, check_result, check_sweep
 from tests.e2e.benchmark_runs import RESULTS, assert_usage_error, smoke
 
 SPEC = load_spec("causal_packing")

@@ -1,13 +1,13 @@
-"""benchmarks/seq2seq_packing.py: a smoke run of the script, and a check of the committed results."""
+"""benchmarks/seq2seq.py packing: a smoke run of the script, and a check of the committed results."""
 
 import json
 import math
 
 import pytest
 
-from benchmarks.harness.checks import check_committed, check_result
 from benchmarks.harness.cli import load_spec
 from tests.conftest import ROOT
+from tests.e2e.benchmark_checks import check_committed, check_result
 from tests.e2e.benchmark_runs import assert_usage_error, smoke
 
 SPEC = load_spec("seq2seq_packing")
@@ -100,7 +100,7 @@ def check(result: dict, repeats: int, rows: int) -> None:
 
 
 def test_smoke_run_writes_a_complete_result(cache_dir, tmp_path):
-    result, _ = smoke("seq2seq_packing", tmp_path, cache_dir)
+    result, _ = smoke("seq2seq packing", tmp_path, cache_dir)
     check(result, repeats=1, rows=48)
     sweep = result["row_sweep"]
     assert [(c["examples_per_row"], c["accumulation"]) for c in sweep["candidates"]] == [(8, 2), (16, 1)]
@@ -119,7 +119,7 @@ def test_smoke_run_writes_a_complete_result(cache_dir, tmp_path):
     ],
 )
 def test_bad_arguments_are_usage_errors(tmp_path, args, message):
-    assert_usage_error("seq2seq_packing", tmp_path, args, message)
+    assert_usage_error("seq2seq packing", tmp_path, args, message)
 
 
 @pytest.mark.parametrize("dataset", sorted(SPEC["datasets"]))

@@ -3,7 +3,7 @@ import time
 import numpy as np
 import pytest
 
-from benchmarks.seq2seq_packing import packed_candidates
+from benchmarks.seq2seq import packed_candidates
 from lorakit.data.multipack_seq2seq import Seq2SeqMultipackBatchSampler, default_max_target_tokens, pack_pairs
 
 
@@ -167,7 +167,7 @@ def _fill(src, tgt, batch, cs, ct) -> float:
 @pytest.mark.parametrize("examples_per_row", [8, 16, 32])
 def test_bins_are_about_equally_full(data, examples_per_row):
     """No row holds only the leftovers: with one row per optimizer step, a row a tenth full is a step of a
-    few examples at full learning rate (it cost 0.02 of eval loss in benchmarks/seq2seq_packing.py)."""
+    few examples at full learning rate (it cost 0.02 of eval loss in benchmarks/seq2seq.py packing)."""
     src, tgt = data(1000)
     # The largest budget that still packs the data into n / examples_per_row rows (the benchmark's row
     # sizes): the bin count is one more than the lower bound needs, where late bins got only leftovers.
