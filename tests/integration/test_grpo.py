@@ -29,7 +29,7 @@ from tests.integration.qlora_worker import train_in_one_launch
 from tests.integration.test_resume import _adapter
 
 STEPS = 10
-T5_STEPS = 8  # the tiny T5 learns the digit within about five steps
+T5_STEPS = STEPS  # the recipe as shipped, only the model changed (docs/grpo.md): 0.16 -> 0.94 at seed 42
 KEYS = ("reward", "reward/regex", "completion_length", "zero_variance_groups", "groups")
 
 
@@ -135,7 +135,7 @@ def test_a_run_resumed_mid_window_in_a_fresh_process_repeats_the_uninterrupted_r
 
 @pytest.fixture(scope="module")
 def t5_run(cache_dir, tmp_path_factory):
-    raw = _quickstart(cache_dir, tmp_path_factory.mktemp("grpo_t5") / "t5", train={"max_steps": T5_STEPS})
+    raw = _quickstart(cache_dir, tmp_path_factory.mktemp("grpo_t5") / "t5")
     raw["model"]["name_or_path"] = "tiny:t5"
     return lorakit.train(recipe_from_dict(raw)).run_dir
 
