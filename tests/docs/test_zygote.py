@@ -85,6 +85,7 @@ def test_served_commands_behave_like_a_fresh_interpreter(zygote, tmp_path):
     assert done.stderr == "to stderr\n"
 
 
+@pytest.mark.slow  # launches an interpreter
 def test_failures_keep_their_exit_status(zygote, tmp_path):
     assert bash(zygote, "python -c 'import sys; sys.exit(3)'", tmp_path).returncode == 3
     assert bash(zygote, "python -c 'import sys; sys.exit(\"bad input\")'", tmp_path).stderr == "bad input\n"
@@ -104,6 +105,7 @@ def test_failures_keep_their_exit_status(zygote, tmp_path):
     assert ended.stdout.splitlines() == ["thread", "atexit"]
 
 
+@pytest.mark.slow  # launches an interpreter
 def test_what_it_cannot_serve_runs_in_a_fresh_interpreter(zygote, tmp_path):
     changed = bash(zygote, f'FOO=1 python -c "{SERVED}"; python -B -c "{SERVED}"', tmp_path)
     assert changed.stdout.split() == ["fresh", "fresh"]
@@ -122,6 +124,7 @@ def test_what_it_cannot_serve_runs_in_a_fresh_interpreter(zygote, tmp_path):
     assert down.returncode == 0 and down.stdout.split() == ["fresh"]
 
 
+@pytest.mark.slow  # launches an interpreter
 def test_a_killed_command_takes_its_child_with_it(zygote, tmp_path):
     proc = subprocess.Popen(
         [

@@ -13,6 +13,8 @@ sharding caches keep FSDP2's device mesh, which keeps its groups.
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 _JOB = """
@@ -70,6 +72,7 @@ worker()
 """
 
 
+@pytest.mark.slow  # launches an interpreter
 def test_leaving_the_group_stops_gloos_threads_before_python_finalizes():
     proc = subprocess.run([sys.executable, "-c", _JOB], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

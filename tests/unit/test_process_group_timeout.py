@@ -58,6 +58,7 @@ except Exception as e:
 """
 
 
+@pytest.mark.slow  # launches an interpreter
 def test_a_rank_stuck_in_a_library_collective_hears_the_failure_and_ends():
     """dist.foreign_collectives on 2 plain processes: rank 1 fails inside the block and leaves its line in the
     group's store; rank 0, waiting where no error would ever come (NCCL's barrier), reads it and ends within

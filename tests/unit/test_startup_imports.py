@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Seconds each, or more, on a 2-core machine; none is needed to read a recipe or the command line.
@@ -25,6 +27,7 @@ def _loaded(code: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # launches an interpreter
 def test_import_and_argument_parsing_load_no_heavy_library():
     code = f"""
 import json, sys
@@ -37,6 +40,7 @@ print(json.dumps(sorted({{m.split(".")[0] for m in sys.modules}} & set({HEAVY!r}
     assert _loaded(code) == []
 
 
+@pytest.mark.slow  # launches an interpreter
 def test_launcher_reaches_torchrun_without_deepspeed_peft_or_the_model_stack(tmp_path):
     # The launcher's own steps up to torchrun (checks, run lock, data, resume lookup), with the data step
     # and torchrun replaced: what it imports then is what every multi-process run pays before its workers.
