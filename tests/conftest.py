@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.docs.zygote import ENV_VAR as ZYGOTE_ENV_VAR
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 
@@ -30,7 +32,7 @@ def run_cli(
     python = sys.executable if fresh or _warm["python"] is None else _warm["python"]
     if fresh:
         env = dict(options.pop("env", None) or os.environ)
-        for name in ("PYTHON_EXEC", ZYGOTE_ENV):
+        for name in ("PYTHON_EXEC", ZYGOTE_ENV_VAR):
             env.pop(name, None)
         options["env"] = env
     return subprocess.run(
@@ -50,19 +52,15 @@ def run_cli(
 # environment is the session's (plus what torchrun sets for a rank), so a test that changes the environment
 # (fault injection through sitecustomize, forced CPU branches, LORAKIT_* switches) gets fresh interpreters, as
 # does any command with interpreter options. LORAKIT_TEST_ZYGOTE=0 turns it off.
-ZYGOTE_ENV = "LORAKIT_DOC_ZYGOTE"
 _warm: dict = {"python": None}
-
-
-def _launches_processes(item) -> bool:
-    return item.nodeid.startswith(SLOW_DIRS) or item.get_closest_marker("slow") is not None
 
 
 @pytest.fixture(scope="session", autouse=True)
 def warm_interpreters(request, tmp_path_factory):
-    """The session's fork server, when this test process runs tests that launch processes."""
+    """The session's fork server, when this test process runs tests that launch processes (marked slow:
+    pytest_collection_modifyitems marks SLOW_DIRS' too)."""
     if os.environ.get("LORAKIT_TEST_ZYGOTE") == "0" or not any(
-        map(_launches_processes, request.session.items)
+        item.get_closest_marker("slow") for item in request.session.items
     ):
         yield None
         return
@@ -108,8 +106,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class SharedFixtureScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = super()._split_scope(nodeid)
-            return SHARED_UNITS.get(path, path)
+            return _unit_of(super()._split_scope(nodeid))
 
     config.option.loadscopereorder = False
     return SharedFixtureScheduling(config, log)
@@ -124,6 +121,11 @@ _durations: dict[str, float] = {}
 
 def _file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
+
+
+def _unit_of(path: str) -> str:
+    """The scheduling unit of a test file: its SHARED_UNITS unit, or the file itself."""
+    return SHARED_UNITS.get(path, path)
 
 
 def pytest_runtest_logreport(report):
@@ -167,15 +169,8 @@ def pytest_collection_modifyitems(config, items):
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
     unit_seconds: dict[str, float] = {}
     for path, took in seconds.items():
-        unit = SHARED_UNITS.get(path, path)
-        unit_seconds[unit] = unit_seconds.get(unit, 0.0) + took
-    order = {id(item): i for i, item in enumerate(items)}
-    items.sort(
-        key=lambda item: (
-            -unit_seconds.get(SHARED_UNITS.get(_file_of(item.nodeid), _file_of(item.nodeid)), 0.0),
-            order[id(item)],
-        )
-    )
+        unit_seconds[_unit_of(path)] = unit_seconds.get(_unit_of(path), 0.0) + took
+    items.sort(key=lambda item: -unit_seconds.get(_unit_of(_file_of(item.nodeid)), 0.0))  # stable
 
 
 def pytest_configure(config):

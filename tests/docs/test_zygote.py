@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.docs.harness import doc_env, run_page
-from tests.docs.zygote import ENV_VAR, Zygote, _from_client, parse_args
+from tests.docs.zygote import ENV_VAR, Zygote, _from_client, env_differs, parse_args
 
 MARK = "xml.dom.minidom"  # preloaded by the server: in sys.modules only in a served command
 SERVED = f"import sys; print('served' if {MARK!r} in sys.modules else 'fresh')"
@@ -49,6 +49,21 @@ def test_parse_args_serves_only_plain_command_lines():
     assert parse_args(["-u", "-m", "lorakit.run", "r.yaml"]) == ("module", "lorakit.run")
     assert parse_args([]) is None and parse_args(["-B", "x.py"]) is None and parse_args(["-m"]) is None
     assert parse_args(["-u"]) is None and parse_args(["-u", "-B", "x.py"]) is None
+
+
+def test_a_command_is_served_only_with_the_servers_environment():
+    startup = {"PATH": "/bin", "HOME": "/h"}
+    imported = {**startup, "TORCHINDUCTOR_CACHE_DIR": "/tmp/ti", "SESSION_ID": "abc"}  # set by its imports
+    assert env_differs(dict(startup), startup, imported) == []
+    assert env_differs(dict(imported), startup, imported) == []  # a served launcher's ranks
+    # A test process that imported one of the same libraries later: that variable, at the imports' value.
+    assert env_differs({**startup, "TORCHINDUCTOR_CACHE_DIR": "/tmp/ti"}, startup, imported) == []
+    assert env_differs({**startup, "TORCHINDUCTOR_CACHE_DIR": "/x"}, startup, imported) == [
+        "TORCHINDUCTOR_CACHE_DIR"
+    ]
+    assert env_differs({**startup, "FOO": "1"}, startup, imported) == ["FOO"]
+    assert env_differs({"PATH": "/bin"}, startup, imported) == ["HOME"]
+    assert env_differs({**startup, "RANK": "1", "PWD": "/w"}, startup, imported) == []  # per command
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ and hands over its stdin, stdout and stderr (SCM_RIGHTS), so the child reads and
 in a session of its own, killed when its client dies (a block's timeout) and sent the SIGINT/SIGTERM/SIGHUP/
 SIGUSR1 the client gets. A fresh interpreter runs what the server cannot serve exactly: options other than
 -u, -m, -c, - or a script, an environment other than the server's (libraries read theirs at import; what a
-launcher sets per process, RUNTIME_VARS, excepted), and any command when no server is up. Either way `python` is the interpreter running the tests.
+launcher sets per process, RUNTIME_VARS, excepted), and any command when no server is up. Either way
+`python` is the interpreter running the tests.
 """
 
 from __future__ import annotations
@@ -260,6 +261,15 @@ def serve(path: str, *warm: str) -> None:
         os.unlink(path)
 
 
+def env_differs(env: dict, startup: dict, imported: dict) -> list[str]:
+    """The variables (outside PER_COMMAND) for which a command's `env` is not the server's: each must hold
+    the server's value at start (`startup`) or, for what the server's imports set (`imported`: torch's, a
+    launcher's children inherit them, and so does a test process that imported the same libraries later),
+    the value those imports gave it."""
+    keys = (env.keys() | startup.keys() | imported.keys()) - PER_COMMAND
+    return sorted(k for k in keys if env.get(k) not in (startup.get(k), imported.get(k)))
+
+
 def _start(conn, listener, server_envs: tuple[dict, dict], running: dict) -> int | None:
     """Receive a request and fork its child; None when the client was told to run a fresh interpreter."""
     header, fds = _recv_fds(conn, 8)
@@ -276,11 +286,8 @@ def _start(conn, listener, server_envs: tuple[dict, dict], running: dict) -> int
         conn.close()
         return None
     request = json.loads(body)
-    env = {k: v for k, v in request["env"].items() if k not in PER_COMMAND}
-    bases = [{k: v for k, v in e.items() if k not in PER_COMMAND} for e in server_envs]
-    same_env = env in bases
-    if not same_env or parse_args(request["args"]) is None:
-        differ = sorted(k for k in env.keys() | bases[0].keys() if env.get(k) != bases[0].get(k))
+    differ = env_differs(request["env"], *server_envs)
+    if differ or parse_args(request["args"]) is None:
         print(
             "zygote: fresh interpreter for",
             request["args"][:3],
@@ -360,7 +367,7 @@ def _child(request: dict) -> int:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(request["cwd"])
-    for name in PER_COMMAND:  # the rest equals the server's (before its imports)
+    for name in PER_COMMAND:  # the rest equals the server's (before or after its imports)
         if name in request["env"]:
             os.environ[name] = request["env"][name]
         else:
@@ -376,6 +383,9 @@ def _child(request: dict) -> int:
     code, interrupted = 0, False
     try:
         if mode == "module":
+            # Preloaded, the module would be run beside its imported copy (runpy warns); a fresh interpreter
+            # has only the copy it runs.
+            sys.modules.pop(target, None)
             sys.argv = [args[0], *args[2:]]
             sys.path[0] = os.getcwd()
             runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -13,9 +13,8 @@ from tests.e2e.test_quickstart import noise_lines
 
 
 def evaluate_cli(*args):
-    return run_cli(
-        "lorakit.evaluate", *args, timeout=300, fresh=True
-    )  # its console is checked for what the imports print
+    # Fresh: its console is checked for what the imports print too.
+    return run_cli("lorakit.evaluate", *args, timeout=300, fresh=True)
 
 
 def test_evaluate_reproduces_the_training_eval(mnli_run):

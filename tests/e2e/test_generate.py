@@ -38,9 +38,8 @@ def read_jsonl(path) -> list[dict]:
 
 
 def generate_cli(*args, stdin=None):
-    return run_cli(
-        "lorakit.generate", *args, timeout=300, input=stdin, fresh=True
-    )  # its console is checked for what the imports print
+    # Fresh: its console is checked for what the imports print too.
+    return run_cli("lorakit.generate", *args, timeout=300, input=stdin, fresh=True)
 
 
 @pytest.fixture(scope="module")
