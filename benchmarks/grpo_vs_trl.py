@@ -1,30 +1,31 @@
 """lorakit's GRPO vs TRL's GRPOTrainer on one CPU process: recipes/quickstart_grpo.yaml's job (tiny Llama, LoRA
 r 8 / alpha 16 all-linear, 16 prompts, G 8, 4 new tokens at temperature 0.5, regex reward, dapo, beta 0,
-lr 2e-2) both ways. Per run: seconds per optimizer step after the first, generate()'s token slots per second,
-mean reward per step. Sides interleaved, order reversed every other round, round i seeded seeds[i] on both sides.
-Needs `pip install 'lorakit[bench-trl]'`.
+lr 2e-2) both ways, each run a worker of the harness (specs/grpo_vs_trl.yaml). Per run: seconds per optimizer
+step after the first, generate()'s token slots per second, mean reward per step. Needs
+`pip install 'lorakit[bench-trl]'`.
 
     python benchmarks/grpo_vs_trl.py [--rounds 3] [--seeds 42 43 44] [--steps 12] [--output PATH.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the harness and this lorakit
 
-from benchmarks.harness.provenance import ROOT, Provenance  # noqa: E402
+from benchmarks.harness import ROOT, load_spec, main  # noqa: E402
+from benchmarks.harness.runner import medians_of  # noqa: E402
 
+SPEC = load_spec("grpo_vs_trl")
 RECIPE = ROOT / "recipes" / "quickstart_grpo.yaml"
 SIDES = ("lorakit", "trl")
+KEYS = ("step_median", "gen_tokens_per_second", "reward_first", "reward_last")
 
 
 def instrument(out: dict) -> None:
@@ -114,73 +115,48 @@ def run_trl(recipe: dict, work: Path, out: dict) -> None:
     out["reward"] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
 
 
-def worker(side: str, steps: int, threads: int, seed: int, result: Path) -> None:
-    import torch
+def worker(spec: dict) -> dict:
+    """One run of `spec['side']` (the harness has set its torch threads) in this fresh process."""
     import yaml
 
-    torch.set_num_threads(threads)
-    out = {
-        "side": side,
-        "steps": steps,
-        "threads": threads,
-        "seed": seed,
-        "gen_seconds": 0.0,
-        "gen_tokens": 0,
-    }
-    out.update(reward=[], stamps=[])
+    out = {k: spec[k] for k in ("side", "steps", "seed")}
+    out.update(threads=spec["torch_threads"], gen_seconds=0.0, gen_tokens=0, reward=[], stamps=[])
     instrument(out)
-    with tempfile.TemporaryDirectory() as work:
-        recipe = yaml.safe_load(RECIPE.read_text())
-        recipe["train"]["seed"] = seed  # LoRA init, prompt order, sampling: each side from the same seed
-        (run_lorakit if side == "lorakit" else run_trl)(recipe, Path(work), out)
+    recipe = yaml.safe_load(RECIPE.read_text())
+    recipe["train"]["seed"] = spec["seed"]  # LoRA init, prompt order, sampling: each side from the same seed
+    (run_lorakit if spec["side"] == "lorakit" else run_trl)(recipe, Path(spec["work_dir"]), out)
     stamps = out.pop("stamps")  # before training, then each optimizer step's end
     out["step_seconds"] = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     later, n = out["step_seconds"][1:], min(5, len(out["reward"]) // 2)  # step 1 pays one-off costs
     out.update(step_median=statistics.median(later), step_min=min(later), step_max=max(later))
     out["gen_tokens_per_second"] = out["gen_tokens"] / out["gen_seconds"]
     first, last = statistics.mean(out["reward"][:n]), statistics.mean(out["reward"][-n:])
-    out.update(reward_first=first, reward_last=last)
-    result.write_text(json.dumps(out))
+    return {**out, "reward_first": first, "reward_last": last}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
-    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks/results/grpo_vs_trl.json")
-    parser.add_argument(
-        "--seeds", type=int, nargs="+", default=[42, 43, 44], help="each round's seed (cycled), both sides"
-    )
-    parser.add_argument("--note", default="")
-    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)  # SIDE STEPS THREADS SEED RESULT
-    args = parser.parse_args()
-    if args.worker:
-        return worker(args.worker[0], *map(int, args.worker[1:4]), Path(args.worker[4]))
-    prov, runs, cpu = Provenance(), [], Path("/proc/cpuinfo")
-    result = {"benchmark": "grpo_vs_trl", **prov.start(), "note": args.note, "recipe": RECIPE.name}
-    result["versions"]["trl"] = __import__("trl").__version__
-    result["machine"]["avx512_bf16"] = cpu.is_file() and "avx512_bf16" in cpu.read_text()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
-    for i in range(args.rounds):
-        for side in SIDES if i % 2 == 0 else SIDES[::-1]:
-            with tempfile.NamedTemporaryFile(suffix=".json") as f:
-                load = os.getloadavg()[0]
-                seed = args.seeds[i % len(args.seeds)]
-                opts = map(str, (args.steps, args.threads, seed))
-                cmd = [sys.executable, __file__, "--worker", side, *opts, f.name]
-                subprocess.run(cmd, env=env, check=True, cwd=ROOT)
-                runs.append({**json.loads(Path(f.name).read_text()), "round": i, "load_1min_before": load})
-            print(json.dumps({k: v for k, v in runs[-1].items() if not isinstance(v, list)}), flush=True)
-    med = {s: {k: statistics.median(r[k] for r in runs if r["side"] == s) for k in KEYS} for s in SIDES}
+WORKERS = dict.fromkeys(SIDES, worker)
+
+
+def measure(bench) -> int:
+    a = bench.args
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)  # the workers inherit this process's variables
+
+    def run(side: str, rnd: int) -> dict:
+        seed = a.seeds[rnd % len(a.seeds)]
+        spec = {"side": side, "steps": a.steps, "torch_threads": a.threads, "seed": seed}
+        return bench.run(side, kind=side, spec=spec)
+
+    runs = bench.rounds(list(SIDES), a.rounds, run)
+    med = {s: medians_of([r for r in runs if r["side"] == s], KEYS) for s in SIDES}
     pairs = zip(*([r for r in runs if r["side"] == s] for s in SIDES), strict=True)
-    per_round = [{k: a[k] / b[k] for k in ("step_median", "gen_tokens_per_second")} for a, b in pairs]
-    result.update(runs=runs, median_over_runs=med, lorakit_over_trl_per_round=per_round, **prov.end())
-    args.output.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({"median_over_runs": med, "lorakit_over_trl_per_round": per_round}, indent=1))
+    per_round = [{k: x[k] / y[k] for k in KEYS[:2]} for x, y in pairs]
+    result = bench.result(
+        recipe=RECIPE.name, runs=runs, median_over_runs=med, lorakit_over_trl_per_round=per_round
+    )
+    result["versions"]["trl"] = metadata.version("trl")
+    bench.log(json.dumps({"median_over_runs": med, "lorakit_over_trl_per_round": per_round}, indent=1))
+    return bench.finish(result)
 
-
-KEYS = ("step_median", "gen_tokens_per_second", "reward_first", "reward_last")
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.modules[__name__]))

@@ -200,7 +200,9 @@ def lorakit_worker(spec: dict) -> dict:
     def timed_window(*args, **kwargs):  # instrumentation only: reads the batches, changes nothing
         for b in kwargs["window"] if "window" in kwargs else args[2]:
             rec.add(lorakit_batch_lengths(b, spec["family"]), int(b["num_token_slots"]))
-        prof = start_profiler() if len(rec.steps) == profile_at else None
+        prof = torch.profiler.profile() if len(rec.steps) == profile_at else None  # CPU, and CUDA if present
+        if prof is not None:
+            prof.start()
         start = time.perf_counter()
         out = inner(*args, **kwargs)
         if prof is not None:
@@ -219,14 +221,3 @@ def lorakit_worker(spec: dict) -> dict:
 
         result["profile"] = profile_summary(profiled["prof"], profiled["step"], profiled["seconds"])
     return result
-
-
-def start_profiler():
-    import torch
-
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    prof = torch.profiler.profile(activities=activities)
-    prof.start()
-    return prof
