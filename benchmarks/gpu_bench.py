@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the harness and this lorakit
 
-from benchmarks.harness import device, gpu_result, load_spec, main, steps, trainer_steps  # noqa: E402
+from benchmarks.harness import device, gpu_result, load_spec, main, steps  # noqa: E402
 from benchmarks.harness.provenance import source_digest  # noqa: E402
 from benchmarks.harness.runner import Runner  # noqa: E402
 
@@ -37,7 +37,7 @@ def check_args(args, error) -> None:
         error(f"argument --workloads: unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
 
 
-WORKERS = {"setup": device.setup_worker, "lorakit": steps.lorakit_worker, "hf": trainer_steps.hf_worker}
+WORKERS = {"setup": device.setup_worker, "lorakit": steps.lorakit_worker, "hf": steps.hf_worker}
 
 
 # ------------------------------------------------------------------------------------------ orchestration

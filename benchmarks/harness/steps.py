@@ -1,11 +1,16 @@
 """Per optimizer step, for the GPU benchmark: what a model costs (its matmul parameters per token and attention
-shape, the FLOPs of the spec's flop_accounting), and a recorder that times steps and sums what they held."""
+shape, the FLOPs of the spec's flop_accounting), a recorder that times steps and sums what they held, and the
+two sides' workers it times: lorakit's, and Trainer + peft on the same tokenized rows."""
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 import time
+from pathlib import Path
+
+from benchmarks.harness import workers
 
 SEQ2SEQ_SUMS = ("source_tokens", "target_tokens", "encoder_pairs", "decoder_pairs", "cross_pairs")
 CAUSAL_SUMS = ("tokens", "pairs", "examples", "slots")
@@ -189,7 +194,6 @@ def lorakit_worker(spec: dict) -> dict:
 
     import torch
 
-    from benchmarks.harness import workers
     from lorakit.engine import loop
 
     os.environ.update(spec.get("env", {}))  # an A/B workload's switch (specs/gpu_bench.yaml `env`)
@@ -221,3 +225,71 @@ def lorakit_worker(spec: dict) -> dict:
 
         result["profile"] = profile_summary(profiled["prof"], profiled["step"], profiled["seconds"])
     return result
+
+
+def hf_worker(spec: dict) -> dict:
+    """The usual Hugging Face recipe: Trainer + peft on the rows lorakit prepared (`spec['prepared']`), timed per
+    optimizer step; `spec` also holds the method, LoRA settings, lr, seed, ZeRO-3 config and Trainer args."""
+    import torch
+    import transformers as hf
+
+    from lorakit.data.cache import load_cached
+
+    cuda, seq2seq, method = torch.cuda.is_available(), spec["family"] == "seq2seq", spec["method"]
+    tokenizer = hf.AutoTokenizer.from_pretrained(spec["model_dir"])
+    rows = load_cached(Path(spec["prepared"]))[0]["train"]
+    rows = rows.remove_columns([c for c in rows.column_names if c not in ("input_ids", "labels")])
+    hf.set_seed(spec["seed"])
+    deepspeed = None
+    if spec["zero_stage"] == 3:
+        workers.one_process_env(spec["master_port"])
+        deepspeed = json.loads(json.dumps(spec["hf_zero3"]))
+        deepspeed["zero_optimization"]["overlap_comm"] = cuda
+        if not cuda:
+            deepspeed["optimizer"]["params"]["torch_adam"] = True  # DeepSpeed's fused Adam needs CUDA
+    # Arguments before the model, so that under ZeRO-3 from_pretrained loads partitioned (zero.Init).
+    kwargs = {"per_device_train_batch_size": spec["batch"], "logging_steps": max(1, spec["steps"] // 4)}
+    kwargs.update(spec["hf_args"], output_dir=spec["work_dir"], learning_rate=spec["lr"], deepspeed=deepspeed)
+    kwargs.update(bf16=spec["dtype"] == "bfloat16", use_cpu=not cuda, checkpointing=True)
+    kwargs["group_by_length"] = spec["group_by_length"]
+    args = workers.training_args(hf.Seq2SeqTrainingArguments if seq2seq else hf.TrainingArguments, **kwargs)
+    load = {"dtype": getattr(torch, spec["dtype"]), "attn_implementation": spec["hf_attention"]}
+    if method == "qlora":
+        nf4 = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
+        nf4.update(load_in_4bit=True, bnb_4bit_compute_dtype=load["dtype"])
+        load["quantization_config"] = hf.BitsAndBytesConfig(**nf4)
+        load.update({"device_map": {"": 0}} if cuda else {})
+    auto = hf.AutoModelForSeq2SeqLM if seq2seq else hf.AutoModelForCausalLM
+    model = auto.from_pretrained(spec["model_dir"], **load)
+    model.config.use_cache = False
+    if method == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, True, {"use_reentrant": False})
+    if method != "full":
+        model = workers.with_lora(model, spec["lora"], seq2seq)
+    rec = StepRecorder(spec["family"], cuda)
+
+    def count(module, args_, kwargs):  # instrumentation only: reads the forward's inputs
+        src, slots = kwargs["attention_mask"].sum(1).tolist(), kwargs["input_ids"].numel()
+        if seq2seq:
+            labels = kwargs["labels"]
+            rec.add(list(zip(src, (labels != -100).sum(1).tolist(), strict=True)), slots + labels.numel())
+        else:
+            rec.add(src, slots)
+
+    model.register_forward_pre_hook(count, with_kwargs=True)
+
+    class StepEnd(hf.TrainerCallback):
+        def on_step_end(self, *a, **k):
+            rec.end()
+
+    collator = hf.DataCollatorForSeq2Seq(tokenizer, model=model if seq2seq else None, label_pad_token_id=-100)
+    trainer_class = hf.Seq2SeqTrainer if seq2seq else hf.Trainer
+    trainer, _, losses = workers.train(trainer_class, model, args, rows, collator, tokenizer, StepEnd())
+    trainable = [getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad]
+    out = {"attention": model.config._attn_implementation, "optimizer_steps": trainer.state.global_step}
+    out.update(trainable_params=sum(trainable), useful_tokens_epoch=sum(map(useful_tokens, rec.steps)))
+    out.update(token_slots_epoch=sum(s["slots"] for s in rec.steps), **losses)
+    out["optimizer"] = type(trainer.optimizer).__name__ if trainer.optimizer is not None else None
+    return rec.result(spec["warmup_steps"], out)
