@@ -232,9 +232,7 @@ def measure(bench) -> int:
     args, log, smoke = bench.args, bench.log, bench.args.smoke
     out_dir = Path(args.out).resolve() if args.out else None
     if args.merge:
-        return gpu_result.merge(
-            args.merge, bench.output, lambda result: write_result(result, bench.output, out_dir)
-        )
+        return gpu_result.merge(args.merge, bench.output, lambda r: write_result(r, bench.output, out_dir))
     # Before anything imports huggingface_hub (it reads these once): nothing here needs the hub.
     os.environ.update({k: os.environ.get(k, "1") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")})
     if out_dir:
@@ -260,15 +258,13 @@ def measure(bench) -> int:
     result.update(host=result.pop("machine"), workloads={})
     # Tokenizer and config of every model here (no GPU needed); weights on the device in the setup worker.
     for m in dict.fromkeys(w["model"] for w in workloads.values()):
-        (work / "models" / m).mkdir(parents=True, exist_ok=True)
-        config = device.write_model_dir(
-            work / "models" / m, {**MODELS[m]["config"], **(MODELS[m]["smoke"] if smoke else {})}
-        )
+        shape = {**MODELS[m]["config"], **(MODELS[m]["smoke"] if smoke else {})}
+        config = device.write_model_dir(work / "models" / m, shape)
         s.models[m] = {"accounting": steps.accounting(config, LORA["r"])}
     spec = {"matmul_n": 512 if smoke else 8192, "dtype": dtype}
-    spec["models"] = {m: str(work / "models" / m) for m in s.models}
     if args.run_gpu_tests:
         spec["gpu_tests"] = str(log_path)
+    spec["models"] = {m: str(work / "models" / m) for m in s.models}
     try:
         # On a GPU in its own process, so this one never holds device memory; the CPU smoke run saves the
         # start-up of one more interpreter.

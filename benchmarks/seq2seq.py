@@ -5,29 +5,24 @@
                                          [--examples-per-row 8,16,32] [--sweep-repeats K] [--smoke] ...
     python benchmarks/seq2seq.py padding --plot-only benchmarks/results/seq2seq_padding.json
 
-`padding` (specs/seq2seq_padding.yaml): lorakit vs the Seq2SeqTrainer recipe people copy, that of Philipp
-Schmid's "Fine-tune FLAN-T5 XL/XXL using DeepSpeed & Hugging Face Transformers" (padding="max_length",
-Seq2SeqTrainer, with peft LoRA), without and with its ZeRO-3, and vs an expert's that pads dynamically and
-groups by length; lorakit trains the same rows.
-
-`packing` (specs/seq2seq_packing.yaml): packed vs padded in lorakit, with the eval loss after the epoch. Four
-ways to batch the same (source, summary) pairs at the same examples per optimizer step (padded random, padded
-grouped, rows of k random examples with k swept, rows filled to a token budget); round r trains every side
-with seed 42 + r. benchmarks/README.md says more of both.
+`padding` (specs/seq2seq_padding.yaml): lorakit vs the FLAN-T5 DeepSpeed guide's Seq2SeqTrainer pipeline (pads
+to max_length), without and with its ZeRO-3, and vs an expert's that pads dynamically and groups by length.
+`packing` (specs/seq2seq_packing.yaml): packed vs padded in lorakit, with the eval loss after the epoch.
+benchmarks/README.md says more of both.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the harness and this lorakit
 
 from benchmarks.harness import load_spec, main, plots  # noqa: E402
-from benchmarks.harness.runner import claims, first_of, token_checks  # noqa: E402
+from benchmarks.harness.runner import claims, first_of, one_or_all, token_checks  # noqa: E402
 from benchmarks.harness.workers import dig, guide_preprocess, one_process_env, train, training_args, with_lora  # noqa: E402
 
 PADDING, PACKING = load_spec("seq2seq_padding"), load_spec("seq2seq_packing")
@@ -59,16 +54,14 @@ def hf_worker(spec: dict) -> dict:
     import torch
     import transformers as hf
 
-    from lorakit.data.samples import builtin_dataset_dir
+    from lorakit.data.source_files import resolve_local_source
     from lorakit.testing import resolve_model_source
 
     recipe, dynamic = spec["recipe"], spec["hf"]["padding"] == "dynamic"
     data, cfg = recipe["data"], recipe["train"]
     source = resolve_model_source(recipe["model"]["name_or_path"], data["cache_dir"])
     tokenizer = hf.AutoTokenizer.from_pretrained(source)
-    builtin = data["source"].startswith("builtin:")
-    where = builtin_dataset_dir(data["source"].removeprefix("builtin:")) if builtin else Path(data["source"])
-    path = where / "train.jsonl"
+    path = resolve_local_source(data["source"]) / "train.jsonl"
     rows = datasets.load_dataset("json", data_files={"train": str(path)}, split="train")
     rows = rows.select(range(data["max_samples"]))
     # The guide pads every row to the caps; the expert leaves padding to the collator, batch by batch.
@@ -194,8 +187,7 @@ def measure_padding(bench) -> int:
     # Only the comparisons and claims whose two sides both ran.
     comparisons = [c for c in spec["comparisons"] if set(c) <= set(sides)]
     medians, ratios = bench.summarise(runs, sides, comparisons)
-    tokens = {r["useful_tokens"] for r in runs}
-    equal = len(tokens) == 1
+    equal = len({r["useful_tokens"] for r in runs}) == 1
     first = {side: next(r for r in runs if r["side"] == side) for side in sides}
     judged = [c for c in spec["claims"] if {c["side"], c["versus"]} <= set(sides)]
     measured = claims(judged, ratios, medians, equal, spec["ratio_key"])
@@ -207,19 +199,22 @@ def measure_padding(bench) -> int:
     result["headline_ratio"] = head["measured_ratio"] if head else None
     base = {**spec["recipe"]["data"], **{k.removeprefix("data."): v for k, v in data_keys.items()}}
     source = base["source"] if base["source"].startswith("builtin:") else PADDING["generated_source"]
-    data_setup = {"dataset": args.dataset, "source": source, "split": base["split"]}
-    data_setup["rows"] = args.max_samples
+    data_setup = {"dataset": args.dataset, "source": source, "split": base["split"], "rows": args.max_samples}
     data_setup.update(prompt_template=base["prompt_template"], **lengths, lengths_from=spec["lengths_from"])
-    stats = ("source_tokens_untruncated", "target_tokens_untruncated", "truncated_sources")
-    stats += ("truncated_targets",)
+    stats = (
+        "source_tokens_untruncated",
+        "target_tokens_untruncated",
+        "truncated_sources",
+        "truncated_targets",
+    )
     data_setup.update({k: data.stats.get(k) for k in stats})
     checkpointing = {"use_reentrant": False} if args.gradient_checkpointing else None
     whole = next((s for s in sides if "zero3" not in s), sides[0])  # ZeRO-3 sides count a partition
     setup = bench.setup(runs, sides, config, data_setup, dtype_why=spec["dtype_why"])
     setup["model"]["total_params"] = first[whole]["total_params"]
     setup["model"]["trainable_params"] = first_of(runs, sides, "trainable_params")
-    setup.update(gradient_checkpointing_kwargs=checkpointing, evaluation="disabled on all sides")
-    setup["saving"] = "disabled on all sides"
+    disabled = "disabled on all sides"
+    setup.update(gradient_checkpointing_kwargs=checkpointing, evaluation=disabled, saving=disabled)
     result.update(setup=setup, sides=bench.describe(sides), **bench.per_side(runs, sides, equal, medians))
     result.update(medians=medians, ratios=ratios, runs=runs, analysis=padding_analysis(medians, first))
     log(f"useful tokens: {result['useful_tokens']['per_side']} (equal: {equal})")
@@ -270,15 +265,12 @@ def packed_candidates(row_examples: list, examples_per_step: int, sources: list,
     for k in row_examples:
         need = math.ceil(len(sources) / k)
         lo = 8 * math.ceil(max(sources) / 8)  # any one example must fit
-        hi = max(lo, 8 * math.ceil(2 * k * mean / PACKING["row_fill"] / 8))
-        while lo < hi:  # rows_at falls as the budget grows
-            mid = 8 * ((lo + hi + 8) // 16)
-            if rows_at(mid, sources, targets) >= need:
-                lo = mid
-            else:
-                hi = mid - 8
-        c = {"examples_per_row": k, "max_tokens": lo, "accumulation": examples_per_step // k}
-        out.append({**c, "rows_per_epoch": rows_at(lo, sources, targets)})
+        budgets = range(lo, max(lo, 8 * math.ceil(2 * k * mean / PACKING["row_fill"] / 8)) + 1, 8)
+        # rows_at falls as the budget grows: the largest budget that still packs `need` rows or more.
+        fewer = bisect.bisect_right(budgets, -need, key=lambda b: -rows_at(b, sources, targets))
+        budget = budgets[max(fewer - 1, 0)]
+        c = {"examples_per_row": k, "max_tokens": budget, "accumulation": examples_per_step // k}
+        out.append({**c, "rows_per_epoch": rows_at(budget, sources, targets)})
     return out
 
 
@@ -357,12 +349,12 @@ def measure_packing(bench) -> int:
         result[k] = {s: batching_of[s][k] for s in SIDES}
     result.update(examples_per_step=per_step, seeds=seeds, mean_source_tokens=sum(sources) / len(sources))
     result["max_target_tokens"] = first_of(runs, SIDES, "max_target_tokens")
-    r0, eval_rows = runs[0], sorted({r["eval_rows"] for r in every if r["eval_rows"] is not None})
+    r0, eval_rows = runs[0], one_or_all(r["eval_rows"] for r in every if r["eval_rows"] is not None)
     data_setup = {**dataset, "split": "train", "rows": args.max_samples, "format": "instruction"}
     caps = ("max_source_length", "max_target_length")
     data_setup.update({k: r0[k] for k in caps}, caps_from=spec["caps_from"])
     data_setup.update({k: r0[k] for k in ("source_tokens_untruncated", "target_tokens_untruncated")})
-    data_setup.update(eval_split="validation", eval_rows=eval_rows[0] if len(eval_rows) == 1 else eval_rows)
+    data_setup.update(eval_split="validation", eval_rows=eval_rows)
     evaluation = spec["evaluation"].format(n=args.max_eval_samples)
     more = {
         "zero_stage": first_of(runs, SIDES, "zero_stage"),
@@ -371,9 +363,8 @@ def measure_packing(bench) -> int:
     }
     setup = bench.setup(every, SIDES, config, data_setup, **more)
     how = "chosen by the sweep" if row_sweep else "the only row size given, no sweep"
-    context = {"k": best, "how": how, "packed_accumulation": chosen["accumulation"]}
-    context["budget"] = budget["max_tokens"]
-    context.update(padded_accumulation=padded["accumulation"], budget_k=best)
+    context = {"k": best, "how": how, "budget": budget["max_tokens"], "budget_k": best}
+    context.update(packed_accumulation=chosen["accumulation"], padded_accumulation=padded["accumulation"])
     context["budget_accumulation"] = budget["accumulation"]
     firsts = ("optimizer_steps", "examples_per_optimizer_step", "useful_tokens_per_optimizer_step")
     result.update(setup=setup, sides=bench.describe(SIDES, **context))
@@ -418,27 +409,11 @@ def plot_packing(result: dict, plt):
     return fig
 
 
-MEASUREMENTS = {  # name: (spec, measure, plot, check_args)
-    "padding": (PADDING, measure_padding, plot_padding, check_args_padding),
-    "packing": (PACKING, measure_packing, plot_packing, check_args_packing),
+WORKERS = {"hf": hf_worker}
+MEASUREMENTS = {  # what the harness reads of a script, for each of its measurements (harness/cli.py)
+    "padding": dict(SPEC=PADDING, measure=measure_padding, plot=plot_padding, check_args=check_args_padding),
+    "packing": dict(SPEC=PACKING, measure=measure_packing, plot=plot_packing, check_args=check_args_packing),
 }
 
-
-def measurement(name: str) -> SimpleNamespace:
-    """What the harness reads of a benchmark script (benchmarks/harness/cli.py), for one measurement."""
-    spec, measure, plot, check_args = MEASUREMENTS[name]
-    return SimpleNamespace(SPEC=spec, measure=measure, plot=plot, check_args=check_args, __file__=__file__)
-
-
-def run(argv: list[str]) -> int:
-    """`padding ...` or `packing ...` (the measurement, then its options); `--worker ...` (a run of either)."""
-    if argv[:1] == ["--worker"]:
-        return main(SimpleNamespace(WORKERS={"hf": hf_worker}), argv)
-    if argv[:1] and argv[0] in MEASUREMENTS:
-        return main(measurement(argv[0]), argv[1:])
-    print("usage: python benchmarks/seq2seq.py {padding,packing} [--help | OPTIONS]", file=sys.stderr)
-    return 2
-
-
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1:]))
+    sys.exit(main(sys.modules[__name__]))

@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from benchmarks.harness import plots
 from benchmarks.harness.provenance import ROOT, Provenance
@@ -26,22 +27,18 @@ def load_spec(name: str) -> dict:
     return yaml.safe_load((SPECS / f"{name}.yaml").read_text())
 
 
-def _numbers(kind):
-    def parse(text: str) -> list:
-        bad = f"expected comma-separated positive {'integers' if kind is int else 'numbers'}, got {text!r}"
-        try:
-            values = [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(bad) from None
-        if not values or min(values) <= 0:
-            raise argparse.ArgumentTypeError(bad)
-        return values
-
-    return parse
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
 
 
-TYPES = {"int": int, "float": float, "str": str, "path": str, "ints": _numbers(int)}
-TYPES.update(floats=_numbers(float), names=lambda text: [x.strip() for x in text.split(",") if x.strip()])
+TYPES = {"int": int, "float": float, "str": str, "path": str, "ints": _positive_ints}
+TYPES["names"] = lambda text: [x.strip() for x in text.split(",") if x.strip()]
 KINDS = {"flag": {"action": "store_true"}, "switch": {"choices": ("on", "off")}}
 
 
@@ -98,6 +95,15 @@ def main(module, argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         return worker_main({"lorakit": lorakit_worker, **getattr(module, "WORKERS", {})}, argv)
+    if hasattr(module, "MEASUREMENTS"):  # one script, several measurements: the first argument names one
+        if argv[:1] and argv[0] in module.MEASUREMENTS:
+            return main(SimpleNamespace(**module.MEASUREMENTS[argv[0]], __file__=module.__file__), argv[1:])
+        names = ",".join(module.MEASUREMENTS)
+        print(
+            f"usage: python benchmarks/{Path(module.__file__).name} {{{names}}} [--help | OPTIONS]",
+            file=sys.stderr,
+        )
+        return 2
     args = parse(module.SPEC, module, argv)
     if args.plot_only:
         path = Path(args.plot_only)

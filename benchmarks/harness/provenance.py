@@ -42,9 +42,8 @@ def source_files() -> dict[str, str]:
     return {str(p.relative_to(ROOT)): hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in files}
 
 
-def source_digest(files: dict[str, str] | None = None) -> str:
-    """One hash of lorakit's source files."""
-    files = source_files() if files is None else files
+def source_digest(files: dict[str, str]) -> str:
+    """One hash of lorakit's source files ({path: sha256}, as source_files gives them)."""
     return hashlib.sha256("".join(f"{p}\0{h}\n" for p, h in files.items()).encode()).hexdigest()[:16]
 
 
@@ -61,9 +60,7 @@ class Provenance:
         self.date = datetime.now(timezone.utc).isoformat(timespec="seconds")
         self.revision, self.dirty, self.files = git_revision(ROOT), None, source_files()
         if self.revision:  # whether lorakit/ has uncommitted changes (None when git cannot tell)
-            diff = subprocess.run(
-                ["git", "status", "--porcelain", "--", "lorakit"], cwd=ROOT, capture_output=True
-            )
+            diff = subprocess.run(["git", "status", "--porcelain", "lorakit"], cwd=ROOT, capture_output=True)
             self.dirty = bool(diff.stdout.strip()) if diff.returncode == 0 else None
 
     def start(self) -> dict:

@@ -61,21 +61,16 @@ def flop_parts(acc: dict, sums: dict) -> tuple[int, int, int]:
     return frozen, lora, per_pair * (a["encoder_layers"] * sums["encoder_pairs"] + decoder)
 
 
-def model_flops(acc: dict, method: str, sums: dict) -> float:
-    """Training FLOPs of `sums` under the spec's flop_accounting: per token 6N for full fine-tuning, 4N plus
-    6 N_lora for LoRA (the frozen base needs no weight gradients); the attention's forward x3."""
-    frozen, lora, attention = flop_parts(acc, sums)
-    return float((6 * frozen if method == "full" else 4 * frozen + 6 * lora) + 3 * attention)
-
-
-def model_flops_nemo(acc: dict, method: str, sums: dict) -> float:
-    """The same step's FLOPs as NeMo AutoModel counts LoRA (lorakit.meter.lora_training_flops): the full
-    fine-tuning FLOPs scaled by (2 + lora/frozen)/3; full fine-tuning counts as model_flops."""
+def model_flops(acc: dict, method: str, sums: dict, count: str = "lorakit") -> float:
+    """Training FLOPs of `sums` under the spec's flop_accounting: per token 6N for full fine-tuning, for LoRA
+    as lorakit.meter.lora_training_flops counts them (`count`: lorakit's 4N + 6 N_lora, or NeMo AutoModel's);
+    the attention's forward x3."""
     from lorakit.meter import lora_training_flops
 
+    frozen, lora, attention = flop_parts(acc, sums)
     if method == "full":
-        return model_flops(acc, method, sums)
-    return lora_training_flops(*flop_parts(acc, sums))["nemo"]
+        return float(6 * frozen + 3 * attention)
+    return float(lora_training_flops(frozen, lora, attention)[count])
 
 
 def peak_of(probe: dict, datasheets: list) -> dict:
@@ -101,7 +96,7 @@ def rates(side: dict, acc: dict, method: str, peak: dict) -> None:
     side["mfu"] = side["model_flops_per_second"] / peak["datasheet"] if peak.get("datasheet") else None
     side["mfu_vs_measured_matmul"] = side["model_flops_per_second"] / peak["measured_matmul"]
     # NeMo's LoRA count of the same step, so its published MFU and ours are the same measure.
-    side["model_flops_nemo_timed"] = model_flops_nemo(acc, method, sums)
+    side["model_flops_nemo_timed"] = model_flops(acc, method, sums, "nemo")
     nemo_rate = side["model_flops_nemo_timed"] / seconds
     side["mfu_nemo"] = nemo_rate / peak["datasheet"] if peak.get("datasheet") else None
 
