@@ -1,11 +1,8 @@
 """Packed vs dynamically padded causal-LM training in lorakit: useful tokens per second over one epoch.
 
-    python benchmarks/causal_packing.py [--repeats K] [--budgets 512,1024,2048,4096] [--sweep-repeats K]
-                                        [--max-tokens N] [--smoke] [--output PATH] ...
-    python benchmarks/causal_packing.py --plot-only benchmarks/results/causal_packing.json
-
 The sides (specs/causal_packing.yaml) train the same tiny Llama on the same rows and differ only in how rows
-become micro-batches; the packed side's budget is chosen by a sweep before the comparison rounds (README).
+become micro-batches; the packed side's budget is chosen by a sweep before the comparison rounds. Commands and
+results: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -30,10 +27,6 @@ def per_budget(budget: int, runs: list[dict]) -> dict:
 
 
 def measure(bench) -> int:
-    import lorakit
-    from lorakit.model import load_config
-    from lorakit.recipe import recipe_from_dict
-
     args, spec, log = bench.args, bench.spec, bench.log
     sides, comparisons = ["padded_random", "padded_grouped", "packed"], spec["comparisons"]
 
@@ -41,8 +34,7 @@ def measure(bench) -> int:
         budget = budget if bench.packing(side) else None
         return bench.run(side, label, {"train.max_tokens": budget} if budget else {}, max_tokens=budget)
 
-    # Build the tiny model and tokenize once per distinct recipe here, so no timed run pays for it.
-    data = lorakit.prepare(recipe_from_dict(bench.recipe("padded_random")))
+    data = bench.prepare("padded_random")
     log(data.describe())
     max_length, data_tokens = data.lengths.max_length, int(sum(data.train["length"]))
     budgets = sorted(set(args.budgets if args.max_tokens is None else [args.max_tokens]))
@@ -53,8 +45,7 @@ def measure(bench) -> int:
         print(why, file=sys.stderr)
         return 2
     for b in budgets:
-        lorakit.prepare(recipe_from_dict(bench.recipe("packed", {"train.max_tokens": b})))
-    _, config = load_config(recipe_from_dict(bench.recipe("padded_random")))
+        bench.prepare("packed", {"train.max_tokens": b})
 
     budget_sweep = matched = None
     chosen = args.max_tokens
@@ -98,7 +89,7 @@ def measure(bench) -> int:
     data_setup.update({k: data.stats.get(k) for k in ("loss_tokens", "tokens_untruncated", "overlong")})
     how = "chosen by the budget sweep" if budget_sweep else "given with --max-tokens, no sweep"
     more = {"zero_stage": first_of(runs, sides, "zero_stage"), "evaluation": "disabled", "saving": "disabled"}
-    setup = bench.setup(every, sides, config, data_setup, **more)
+    setup = bench.setup(every, sides, data_setup, **more)
     described = bench.describe(sides, chosen=chosen, matched=matched, how=how)
     result.update(setup=setup, sides=described, checks=checks)
     firsts = ("optimizer_steps", "useful_tokens_per_optimizer_step")

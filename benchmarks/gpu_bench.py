@@ -1,12 +1,8 @@
 """GPU validation and benchmark: lorakit vs HF Trainer + peft on realistic model sizes with random weights.
 
-    python benchmarks/gpu_bench.py [--workloads causal_1b_lora,...] [--budget-seconds S] [--run-gpu-tests] ...
-    python benchmarks/gpu_bench.py --smoke | --merge PART1.json PART2.json [--output RESULT.json]
-
 Every workload (specs/gpu_bench.yaml) trains one model shape with one method through lorakit and through the
 usual Hugging Face recipe on the same tokenized rows, each side a fresh subprocess timed per optimizer step.
-docs/gpu.md says what is measured and how (MFU, the plan, the profile); benchmarks/gpu_lease_plan.md is the
-plan for this project's lent GPUs.
+Commands: benchmarks/README.md; what is measured and how: docs/gpu.md; the lent GPUs: gpu_lease_plan.md.
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the
 
 from benchmarks.harness import device, gpu_result, load_spec, main, steps  # noqa: E402
 from benchmarks.harness.provenance import source_digest  # noqa: E402
-from benchmarks.harness.runner import Runner  # noqa: E402
 
 SPEC = load_spec("gpu_bench")
 MODELS, WORKLOADS, LORA, LR = SPEC["models"], SPEC["workloads"], SPEC["lora"], SPEC["learning_rates"]
@@ -74,8 +69,8 @@ def packed_budget(lengths: list[int], batch: int) -> int:
 class Session:
     """One invocation on a device: the models built, the probe, the budget; runs workloads side by side."""
 
-    def __init__(self, bench, work: Path, runner: Runner, dtype: str):
-        self.bench, self.work, self.runner, self.dtype = bench, work, runner, dtype
+    def __init__(self, bench, work: Path, dtype: str):
+        self.bench, self.work, self.runner, self.dtype = bench, work, bench.runner, dtype
         self.smoke = bench.args.smoke
         pick = "smoke_" if self.smoke else ""
         self.lengths, self.caps = SPEC[f"{pick}lengths"], SPEC[f"{pick}caps"]
@@ -238,15 +233,17 @@ def measure(bench) -> int:
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="lorakit-gpu-bench-")).resolve()
-    (work / "ipc").mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     output = bench.output
     log_path = (out_dir or output.parent) / (output.stem + ".log")
     log_path.write_text("")
     # bf16 is what is measured; the CPU smoke run uses float32, since bf16 matmuls are emulated (slow) on CPUs.
     dtype = "float32" if smoke else "bfloat16"
     budget = args.budget_seconds or (math.inf if smoke else 540.0)
-    runner = Runner(__file__, work / "ipc", log_path, budget, forked=smoke)
-    s = Session(bench, work, runner, dtype)
+    # The invocation's runner (its fork server in a smoke run), with this script's log and time budget.
+    runner = bench.runner
+    runner.log_path, runner.deadline = log_path, time.monotonic() + budget
+    s = Session(bench, work, dtype)
     small = SPEC["smoke_steps"] if smoke else {}
     workloads = {n: dict(WORKLOADS[n], **small) for n in args.workloads or WORKLOADS}
     for w in workloads.values():

@@ -1,10 +1,7 @@
-"""lorakit's GRPO vs TRL's GRPOTrainer on one CPU process: recipes/quickstart_grpo.yaml's job (tiny Llama, LoRA
-r 8 / alpha 16 all-linear, 16 prompts, G 8, 4 new tokens at temperature 0.5, regex reward, dapo, beta 0,
-lr 2e-2) both ways, each run a worker of the harness (specs/grpo_vs_trl.yaml). Per run: seconds per optimizer
-step after the first, generate()'s token slots per second, mean reward per step. Needs
-`pip install 'lorakit[bench-trl]'`.
-
-    python benchmarks/grpo_vs_trl.py [--rounds 3] [--seeds 42 43 44] [--steps 12] [--output PATH.json]
+"""lorakit's GRPO vs TRL's GRPOTrainer on one CPU process, recipes/quickstart_grpo.yaml's job both ways, each
+run a worker of the harness (specs/grpo_vs_trl.yaml): seconds per optimizer step after the first, generate()'s
+token slots per second, mean reward per step. Needs `pip install 'lorakit[bench-trl]'`; benchmarks/README.md
+and docs/grpo.md say what is set alike on both sides.
 """
 
 from __future__ import annotations

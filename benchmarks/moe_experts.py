@@ -38,10 +38,8 @@ def block(hidden: int, expert_ffn: int, experts: int, top_k: int, lora_r: int, *
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(std=hidden**-0.5)
-    lora = LoraConfig(
-        r=lora_r, lora_alpha=2 * lora_r, target_parameters=["experts.gate_up_proj", "experts.down_proj"]
-    )
-    moe = inject_adapter_in_model(lora, moe)
+    experts = ["experts.gate_up_proj", "experts.down_proj"]
+    moe = inject_adapter_in_model(LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_parameters=experts), moe)
     with torch.no_grad():
         for name, p in moe.named_parameters():
             if "lora_B" in name:
@@ -64,9 +62,8 @@ def measure_shape(shape: dict, rounds: int) -> dict:
 
     register()
     moe, config = block(**shape)
-    x = torch.randn(
-        1, shape["tokens"], shape["hidden"], generator=torch.Generator().manual_seed(1), requires_grad=True
-    )
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, shape["tokens"], shape["hidden"], generator=gen, requires_grad=True)
     times: dict[str, list[float]] = {p: [] for p in PATHS}
     for i in range(rounds + 1):  # round 0 warms up, not counted
         for path in PATHS:

@@ -24,10 +24,6 @@ TEMPLATE = "Summarize the following news article:\n{input}\nSummary:\n"
 GUIDE_SOURCE_CAP = 512
 
 
-def _base_rows() -> list[dict]:
-    return [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
-
-
 WORDS = "value index count total items result buffer name path text data size offset key node".split()
 VERBS = "load parse merge split count sort read write build check find update compute render encode".split()
 
@@ -45,7 +41,8 @@ def _code_row(rng, i: int) -> dict:
 
 
 def write_rows(path: Path, rows: int, shape: str = "news") -> None:
-    base, rng = _base_rows(), random.Random(0)
+    base = [json.loads(line) for line in SAMPLE.read_text().splitlines() if line.strip()]
+    rng = random.Random(0)
     with open(path, "w") as f:
         for i in range(rows):
             r = base[i % len(base)]
@@ -120,29 +117,26 @@ def measure(bench) -> int:
     from lorakit.testing import resolve_model_source
 
     a = bench.args
-
-    def run_side(side: str, work: Path, spec: dict) -> dict:
-        # A fresh process per run (bench.runner); its outputs removed before the next one.
-        with tempfile.TemporaryDirectory(prefix=f"prepare-{side}-", dir=work) as tmp:
-            # process_seconds: the whole process, its imports included (what a user waits for).
-            out = bench.runner.run(side, {**spec, "out": tmp}, f"{side}-{time.monotonic_ns()}")
-        return {**out, "load_before": out.pop("load_avg_1min_before")}
-
     with tempfile.TemporaryDirectory(prefix="prepare-speed-", dir=a.work_dir) as work:
         work, rows = Path(work), Path(work) / "rows.jsonl"
         write_rows(rows, a.rows, a.shape)
         model = Path(resolve_model_source("tiny:t5", a.cache_dir or str(work / "models")))
         target_cap = longest_target(model, rows)
         spec = {"rows": str(rows), "model": str(model), "num_proc": a.num_proc, "target_cap": target_cap}
-        rounds = []
-        for i in range(a.repeats):
-            order = ("guide", "lorakit") if i % 2 == 0 else ("lorakit", "guide")
-            rounds.append(r := {side: run_side(side, work, spec) for side in order})
-            r["ratio_wall"] = r["lorakit"]["wall_seconds"] / r["guide"]["wall_seconds"]
-            r["ratio_cpu"] = r["lorakit"]["cpu_seconds"] / r["guide"]["cpu_seconds"]
-            bench.log(
-                f"round {i + 1}: lorakit / guide = {r['ratio_wall']:.2f}x wall, {r['ratio_cpu']:.2f}x CPU"
-            )
+
+        def run_side(side: str, _round: int) -> dict:
+            # A fresh process per run (bench.runner); its outputs removed before the next one.
+            with tempfile.TemporaryDirectory(prefix=f"prepare-{side}-", dir=work) as tmp:
+                # process_seconds: the whole process, its imports included (what a user waits for).
+                out = bench.runner.run(side, {**spec, "out": tmp}, f"{side}-{time.monotonic_ns()}")
+            return {**out, "side": side, "load_before": out.pop("load_avg_1min_before")}
+
+        runs = bench.rounds(["guide", "lorakit"], a.repeats, run_side)
+    rounds = [{r["side"]: r for r in runs if r["repeat"] == i} for i in range(a.repeats)]
+    for i, r in enumerate(rounds):
+        r["ratio_wall"] = r["lorakit"]["wall_seconds"] / r["guide"]["wall_seconds"]
+        r["ratio_cpu"] = r["lorakit"]["cpu_seconds"] / r["guide"]["cpu_seconds"]
+        bench.log(f"round {i + 1}: lorakit / guide = {r['ratio_wall']:.2f}x wall, {r['ratio_cpu']:.2f}x CPU")
     med = {side: statistics.median(r[side]["wall_seconds"] for r in rounds) for side in ("guide", "lorakit")}
     result = bench.result(shape=a.shape, rows=a.rows, num_proc=a.num_proc)
     result.update(guide_caps={"source": GUIDE_SOURCE_CAP, "target": target_cap})

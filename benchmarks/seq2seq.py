@@ -158,18 +158,13 @@ def padding_analysis(medians: dict, first: dict) -> dict:
 def measure_padding(bench) -> int:
     from transformers import T5ForConditionalGeneration
 
-    import lorakit
     from lorakit.engine.launch import free_port
-    from lorakit.model import load_config
     from lorakit.model.attention import choose_attention
-    from lorakit.recipe import recipe_from_dict
 
     args, spec, log = bench.args, bench.spec, bench.log
     data_keys = data_overrides(bench)
-    recipe = recipe_from_dict(bench.recipe("lorakit_zero3", data_keys))
-    data = lorakit.prepare(recipe)  # builds the tiny T5, tokenizes and caches; the lorakit runs reuse it
+    data = bench.prepare("lorakit_zero3", data_keys)  # the lorakit runs reuse its tiny T5 and cache
     log(data.describe())
-    _, config = load_config(recipe)
     lengths = {"max_source_length": data.lengths.max_source_length}
     lengths["max_target_length"] = data.lengths.max_target_length
     hf_spec = {**lengths, "attention": choose_attention("auto", T5ForConditionalGeneration)}
@@ -210,7 +205,7 @@ def measure_padding(bench) -> int:
     data_setup.update({k: data.stats.get(k) for k in stats})
     checkpointing = {"use_reentrant": False} if args.gradient_checkpointing else None
     whole = next((s for s in sides if "zero3" not in s), sides[0])  # ZeRO-3 sides count a partition
-    setup = bench.setup(runs, sides, config, data_setup, dtype_why=spec["dtype_why"])
+    setup = bench.setup(runs, sides, data_setup, dtype_why=spec["dtype_why"])
     setup["model"]["total_params"] = first[whole]["total_params"]
     setup["model"]["trainable_params"] = first_of(runs, sides, "trainable_params")
     disabled = "disabled on all sides"
@@ -275,10 +270,6 @@ def packed_candidates(row_examples: list, examples_per_step: int, sources: list,
 
 
 def measure_packing(bench) -> int:
-    import lorakit
-    from lorakit.model import load_config
-    from lorakit.recipe import recipe_from_dict
-
     args, spec, log = bench.args, bench.spec, bench.log
     dataset, per_step = spec["datasets"][args.dataset]["data"], args.examples_per_step
     base_seed = spec["base_seed"]
@@ -298,15 +289,13 @@ def measure_packing(bench) -> int:
         fields["max_tokens"] = b["max_tokens"] if bench.packing(side) else None
         return bench.run(side, label, overrides(side, b, seed), **fields)
 
-    def recipe(side: str, max_tokens=None):
+    def prepare(side: str, max_tokens=None):
         b = {"micro_batch": MICRO_BATCH, "max_tokens": max_tokens, "accumulation": 1}
-        return recipe_from_dict(bench.recipe(side, overrides(side, b, base_seed)))
+        return bench.prepare(side, overrides(side, b, base_seed))
 
-    # Build the tiny model and tokenize once per distinct recipe here, so no timed run pays for it.
-    data = lorakit.prepare(recipe("padded_random"))
+    data = prepare("padded_random")
     log(data.describe())
-    lorakit.prepare(recipe("packed"))
-    _, config = load_config(recipe("padded_random"))
+    prepare("packed")
     sources, targets = [len(x) for x in data.train["input_ids"]], [len(x) for x in data.train["labels"]]
     rows = [{"examples_per_row": k, "micro_batch": k, "max_tokens": None} for k in args.examples_per_row]
     candidates = [dict(c, accumulation=per_step // c["micro_batch"]) for c in rows]
@@ -327,7 +316,7 @@ def measure_packing(bench) -> int:
     # Rows filled to a token budget, at the same examples per row on average (lorakit with max_tokens).
     (budget,) = packed_candidates([best], per_step, sources, targets)
     budget["micro_batch"] = MICRO_BATCH
-    lorakit.prepare(recipe("packed_budget", budget["max_tokens"]))
+    prepare("packed_budget", budget["max_tokens"])
     log(f"packed rows: {best} random examples; budget rows: train.max_tokens {budget['max_tokens']}")
     batching_of = {s: {"packed": chosen, "packed_budget": budget}.get(s, padded) for s in SIDES}
     seeds = [base_seed + r for r in range(args.repeats)]
@@ -361,7 +350,7 @@ def measure_packing(bench) -> int:
         "evaluation": evaluation,
         "saving": "disabled",
     }
-    setup = bench.setup(every, SIDES, config, data_setup, **more)
+    setup = bench.setup(every, SIDES, data_setup, **more)
     how = "chosen by the sweep" if row_sweep else "the only row size given, no sweep"
     context = {"k": best, "how": how, "budget": budget["max_tokens"], "budget_k": best}
     context.update(packed_accumulation=chosen["accumulation"], padded_accumulation=padded["accumulation"])

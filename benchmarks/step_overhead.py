@@ -1,10 +1,6 @@
-"""Time to the first step and time around the steps, on the quickstart (specs/step_overhead.yaml).
-
-    python benchmarks/step_overhead.py                    # -> benchmarks/results/step_overhead.json
-    python benchmarks/step_overhead.py --smoke --output /tmp/so.json     # 1 process, 2 steps: tests the script
-
-The share the issue asks about: per-step work outside forward, backward and optimizer step over the steps'
-time. The phase timers wrap lorakit's internals (harness/workers.py); benchmarks/README.md says more.
+"""Time to the first step and time around the steps, on the quickstart (specs/step_overhead.yaml): the share
+of per-step work outside forward, backward and optimizer step, and with --compile-ab a step's CPU time compiled
+against eager. The phase timers wrap lorakit's internals (harness/workers.py); benchmarks/README.md says more.
 """
 
 from __future__ import annotations
@@ -64,16 +60,13 @@ def shares(rank: dict) -> dict:
 def measure_phases(bench, overrides: list[str]) -> dict:
     from lorakit.engine.launch import launch_env, torchrun_command
 
-    out, processes = bench.tmp / "phases", bench.args.processes
+    out = bench.tmp / "phases"
     out.mkdir()
-    spec = out / "spec.json"
-    spec.write_text(
-        json.dumps({"recipe": bench.args.recipe, "overrides": [*overrides, f"output.dir={out / 'run'}"]})
-    )
+    spec = {"recipe": bench.args.recipe, "overrides": [*overrides, f"output.dir={out / 'run'}"]}
+    (out / "spec.json").write_text(json.dumps(spec))
     # Under torchrun also for one process (the smoke run): one code path, a worker per rank.
-    cmd = torchrun_command(
-        processes, "benchmarks.step_overhead", ["--worker", "phases", str(spec), str(out / "rank{rank}.json")]
-    )
+    worker = ["--worker", "phases", str(out / "spec.json"), str(out / "rank{rank}.json")]
+    cmd = torchrun_command(bench.args.processes, "benchmarks.step_overhead", worker)
     start = time.perf_counter()
     subprocess.run(cmd, env=launch_env(), check=True, cwd=ROOT)
     wall = time.perf_counter() - start
@@ -137,13 +130,10 @@ def measure_compile(bench) -> int:
             over.append(f"model.name_or_path={model}")
 
         def one(side, rnd, over=over, shape=shape, s=s):
-            run = [
-                *over,
-                f"model.compile={side == 'compiled'}",
-                f"output.dir={bench.tmp / f'{shape}-{side}-{rnd}'}",
-            ]
+            name = f"{shape}-{side}-{rnd}"
+            run = [*over, f"model.compile={side == 'compiled'}", f"output.dir={bench.tmp / name}"]
             spec = {"recipe": s["recipe"], "overrides": run, "torch_threads": args.torch_threads}
-            r = bench.runner.run("phases", spec, f"{shape}-{side}-{rnd}")
+            r = bench.runner.run("phases", spec, name)
             steady = r["window_times"][args.warmup_steps :]
             r.update(side=side, step_cpu=median(c for _, c in steady), step_wall=median(w for w, _ in steady))
             r["first_steps_cpu"] = [c for _, c in r["window_times"][: args.warmup_steps]]
@@ -158,9 +148,8 @@ def measure_compile(bench) -> int:
         ratio = meds["compiled"] / meds["eager"]
         result["shapes"][shape] = {**s, "median_step_cpu": meds, "compiled_over_eager": ratio}
         result["shapes"][shape].update(paired_compiled_over_eager=paired, runs=runs)
-        bench.log(
-            f"{shape}: compiled / eager step CPU time x{ratio:.3f}, paired {[round(p, 3) for p in paired]}"
-        )
+        paired_shown = [round(p, 3) for p in paired]
+        bench.log(f"{shape}: compiled / eager step CPU time x{ratio:.3f}, paired {paired_shown}")
     return bench.finish(result)
 
 
@@ -173,9 +162,7 @@ def measure(bench) -> int:
     overrides += [f"distributed.num_processes={args.processes}"] if args.processes != 2 else []
     result = bench.result(recipe=args.recipe, overrides=overrides)
     if not args.smoke:  # tests/unit/test_startup_imports.py checks the imports
-        result["imports"] = measure_imports()
-    if not args.smoke:
-        result["first_step"] = measure_first_step(bench, overrides)
+        result.update(imports=measure_imports(), first_step=measure_first_step(bench, overrides))
     result["phases"] = measure_phases(bench, overrides)
     for i, s in enumerate(result["phases"]["shares"]):
         w, c = s["wall"], s["cpu"]

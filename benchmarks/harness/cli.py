@@ -141,6 +141,7 @@ class Bench:
             default = Path(tempfile.mkdtemp(prefix=f"lorakit-{self.spec['benchmark']}-smoke-")) / "smoke.json"
         self.output = Path(args.output or ROOT / default).expanduser().resolve()
         self.runner = Runner(module.__file__, self.tmp, self.tmp / "workers.log", forked=args.smoke)
+        self.model_config = None  # the model's config, once `prepare` has run
 
     log = staticmethod(lambda msg: print(msg, flush=True))
 
@@ -153,6 +154,18 @@ class Bench:
         for key, value in {**side_overrides, **bound, **(overrides or {})}.items():
             set_dotted(raw, key, value)
         return raw
+
+    def prepare(self, side: str, overrides: dict | None = None):
+        """lorakit.prepare on the side's recipe, before any timed run: the tiny model is built and the rows
+        tokenized and cached once, here, so that no run pays for it. Keeps the model's config for `setup`."""
+        import lorakit
+        from lorakit.model import load_config
+        from lorakit.recipe import recipe_from_dict
+
+        recipe = recipe_from_dict(self.recipe(side, overrides))
+        data = lorakit.prepare(recipe)
+        self.model_config = load_config(recipe)[1]
+        return data
 
     def packing(self, side: str) -> bool:
         return bool(self.spec["sides"][side].get("recipe", {}).get("data.packing"))
@@ -199,11 +212,11 @@ class Bench:
         meds = {s: medians_of([r for r in runs if r["side"] == s], self.spec["medians"]) for s in sides}
         return meds, ratios(runs, meds, comparisons, self.spec.get("ratio_key", "{side}/{versus}"))
 
-    def setup(self, runs: list[dict], sides: list[str], config, data: dict, **more) -> dict:
+    def setup(self, runs: list[dict], sides: list[str], data: dict, **more) -> dict:
         """The result's `setup`: the model (the spec's `model_config` attributes of its config), `data`, the
-        shared recipe's method, train and dtype, each side's attention, and `more`."""
+        shared recipe's method, train and dtype, each side's attention, and `more` (after `prepare`)."""
         recipe, first = self.spec["recipe"], runs[0]
-        attrs = {k: getattr(config, k, None) for k in self.spec["model_config"]}
+        attrs = {k: getattr(self.model_config, k, None) for k in self.spec["model_config"]}
         model = {"name_or_path": recipe["model"]["name_or_path"]}
         model["built_by"] = "lorakit.testing.resolve_model_source"
         model.update(attrs, **{k: first[k] for k in ("total_params", "trainable_params")})

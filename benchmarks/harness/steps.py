@@ -207,9 +207,8 @@ def lorakit_worker(spec: dict) -> dict:
         if prof is not None:
             if rec.cuda:
                 torch.cuda.synchronize()
-            profiled.update(step=len(rec.steps), seconds=time.perf_counter() - start)
+            profiled.update(prof=prof, step=len(rec.steps), seconds=time.perf_counter() - start)
             prof.stop()
-            profiled["prof"] = prof
         rec.end()
         return out
 
@@ -218,7 +217,7 @@ def lorakit_worker(spec: dict) -> dict:
     if profiled:
         from benchmarks.harness.gpu_result import profile_summary
 
-        result["profile"] = profile_summary(profiled["prof"], profiled["step"], profiled["seconds"])
+        result["profile"] = profile_summary(**profiled)
     return result
 
 
