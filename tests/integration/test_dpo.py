@@ -1,6 +1,7 @@
 """DPO end to end on the builtin preference pairs: 2 processes on ZeRO-3 for a tiny Llama and a tiny T5
 (held-out preference accuracy from 50% to above 90%, the adapter merged and verified, generate and compare
-on the run); full fine-tuning DPO on its cached reference, which learns and resumes identically (1 process).
+on the run); full fine-tuning DPO on its cached reference, which learns, and QLoRA DPO on ZeRO-2 (dropout
+on), each resumed identically in a fresh process (1 process).
 
 ORPO and KTO end to end: 2 processes on ZeRO-3 with a tiny Llama and LoRA, packed rows with the prompt
 once. ORPO reaches held-out preference accuracy above 80% on the builtin preference pairs; KTO's reward
@@ -29,7 +30,7 @@ from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.objectives.alignment_settings import KTO_STEP_METRICS, ORPO_METRICS
 from lorakit.objectives.dpo_settings import DPO_METRICS
 from lorakit.recipe import recipe_from_dict
-from tests.conftest import ROOT, tiny_recipe_dict
+from tests.conftest import ROOT, run_cli, tiny_recipe_dict
 from tests.integration.qlora_worker import finished, train_in_one_launch
 from tests.integration.test_resume import _adapter
 
@@ -174,11 +175,24 @@ def test_dpo_zero3_two_processes_learns_the_preference_and_merges(zero3_runs, tm
     assert "eval accuracy" in text and "lora (dpo beta=0.1)" in text
 
 
+def _relaunched(run_dir: Path) -> Path:
+    """`python -m lorakit.run RUN/recipe.yaml` in a fresh process (forked from the session's warm interpreter:
+    nothing of this process's training state), as after a preemption: it resumes from the newest checkpoint
+    left (step 2) and finishes the run. Returns the run directory."""
+    proc = run_cli("lorakit.run", run_dir / rundir.RECIPE)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert rundir.read_summary(run_dir)["resumed_from"]["step"] == 2
+    return run_dir
+
+
 @pytest.mark.slow
-def test_full_fine_tuning_dpo_learns_and_resumes_identically_on_the_cached_reference(cache_dir, tmp_path):
+def test_full_fine_tuning_dpo_learns_and_resumes_in_a_fresh_process_on_the_cached_reference(
+    cache_dir, tmp_path
+):
     """method.kind full: the initial model's log-probabilities are computed once and cached with the data;
-    the held-out accuracy rises, a resumed run reuses the cache and repeats the uninterrupted one, and
-    lorakit.evaluate scores the finished run against the same cache."""
+    the held-out accuracy rises, a run resumed in a fresh process (`python -m lorakit.run` on its
+    recipe.yaml) reads the cache from disk and repeats the uninterrupted one, and lorakit.evaluate scores the
+    finished run against the same cache."""
     recipe = _recipe(
         cache_dir,
         tmp_path / "run",
@@ -206,30 +220,32 @@ def test_full_fine_tuning_dpo_learns_and_resumes_identically_on_the_cached_refer
     found = complete_checkpoints(whole.run_dir)
     assert [c.step for c in found] == [2, 4]
     shutil.rmtree(found[-1].path)
-    resumed = lorakit.train(recipe)
-    assert resumed.summary["resumed_from"]["step"] == 2
+    resumed = _relaunched(whole.run_dir)
     assert tables[0].stat().st_mtime_ns == written  # read, not computed again
-    again = [r for r in rundir.read_metrics(resumed.run_dir) if r["kind"] == "train"]
+    again = [r for r in rundir.read_metrics(resumed) if r["kind"] == "train"]
     keys = ("step", "loss", "grad_norm", *DPO_METRICS)
     assert [r["step"] for r in again] == [1, 2, 3, 4]
     flat = [r[k] for r in again for k in keys]
     assert flat == pytest.approx([r[k] for r in reference for k in keys], abs=1e-6)
-    assert (resumed.run_dir / "model" / "model.safetensors").read_bytes() == weights
-    scored = lorakit.evaluate(resumed.run_dir)
+    assert (resumed / "model" / "model.safetensors").read_bytes() == weights
+    scored = lorakit.evaluate(resumed)
     assert scored.metrics == pytest.approx({k: evals[-1][k] for k in ("loss", *DPO_METRICS)}, abs=1e-4)
 
 
 @pytest.mark.slow
-def test_qlora_dpo_on_zero2_starts_at_its_reference_and_resumes_identically(cache_dir, tmp_path):
+def test_qlora_dpo_on_zero2_starts_at_its_reference_and_resumes_in_a_fresh_process_identically(
+    cache_dir, tmp_path
+):
     """QLoRA (4-bit base) on ZeRO-2 with shared-prompt rows: the reference is the 4-bit base with the adapter
-    off, so the first step's loss is ln 2; a run resumed from its step-2 checkpoint repeats the
-    uninterrupted one and ends with the same adapter."""
+    off, so the first step's loss is ln 2 (LoRA's B starts at zero, whatever the dropout); the run resumed
+    from its step-2 checkpoint in a fresh process, LoRA dropout on, repeats the uninterrupted one and ends
+    with the same adapter."""
     recipe = _recipe(
         cache_dir,
         tmp_path / "run",
         "llama",
         model={"dtype": "bfloat16"},
-        method={"kind": "qlora"},
+        method={"kind": "qlora", "dropout": DROPOUT},
         data={"max_eval_samples": 8},
         train={"max_steps": 4},
         eval={"every": 4},
@@ -245,14 +261,13 @@ def test_qlora_dpo_on_zero2_starts_at_its_reference_and_resumes_identically(cach
     found = complete_checkpoints(whole.run_dir)
     assert [c.step for c in found] == [2, 4]
     shutil.rmtree(found[-1].path)
-    resumed = lorakit.train(recipe)
-    assert resumed.summary["resumed_from"]["step"] == 2
-    again = [r for r in rundir.read_metrics(resumed.run_dir) if r["kind"] == "train"]
+    resumed = _relaunched(whole.run_dir)
+    again = [r for r in rundir.read_metrics(resumed) if r["kind"] == "train"]
     keys = ("step", "loss", "grad_norm", *DPO_METRICS)
     assert [r[k] for r in again for k in keys] == pytest.approx(
         [r[k] for r in reference for k in keys], abs=1e-6
     )
-    again_adapter = _adapter(resumed.run_dir)
+    again_adapter = _adapter(resumed)
     assert again_adapter.keys() == adapter.keys()
     assert all(torch.equal(again_adapter[k], adapter[k]) for k in adapter)
 

@@ -8,7 +8,8 @@ the tiny Llama (tests/integration/qlora_worker.py), bitsandbytes' AVX512-BF16 br
   merged into the dequantized base and verified; evaluations between steps;
 - the same run resumed from its step-2 checkpoint in a second launch (fresh processes: only the checkpoint
   carries the sharded optimizer state and each rank's RNG over, and dropout draws from it) ends exactly as
-  the uninterrupted one;
+  the uninterrupted one; so does the ZeRO-3 run (3 steps), resumed after the evaluation that precedes its
+  step-2 checkpoint (where bitsandbytes' CPU inference layout broke ZeRO-3) in the same second launch;
 - QLoRA on a tiny Mixtral on FSDP2 (its fused experts 4-bit too, lorakit/model/quant_experts.py), in the
   second launch (keep-going: its failure hides no other check): losses finite and falling, the experts'
   adapters trained, the adapter saved whole and merged verified;
@@ -34,6 +35,8 @@ from tests.integration.test_dpo import _recipe as dpo_recipe
 from tests.integration.test_qlora import FORCED_ENV, qlora_recipe
 
 STEPS = 4
+# The ZeRO-3 run: step 1 for the comparison with FSDP2, an evaluation and a checkpoint at 2, one step resumed.
+ZERO3_STEPS = 3
 
 
 def _qlora(cache_dir: Path, out: Path, strategy: str, **train) -> dict:
@@ -70,23 +73,37 @@ def _dpo(cache_dir: Path, out: Path, kind: str) -> dict:
     return recipe.model_dump(mode="json")
 
 
+# Each backend's resumed QLoRA run: the run it resumes from its step-2 checkpoint, its strategy, its steps.
+RESUMED = {
+    "resumed": ("fsdp", "fsdp", {}),
+    "zero3-resumed": ("zero3", "deepspeed", {"max_steps": ZERO3_STEPS}),
+}
+
+
 @pytest.fixture(scope="module")
 def runs(cache_dir, tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("fsdp")
-    dirs = {name: base / name for name in ("fsdp", "zero3", "resumed", "dpo-lora", "dpo-qlora", "moe")}
-    step2 = dirs["fsdp"] / "checkpoints" / "step-00000002"
+    names = ("fsdp", "zero3", "resumed", "zero3-resumed", "dpo-lora", "dpo-qlora", "moe")
+    dirs = {name: base / name for name in names}
     recipes = {
         base / "fsdp.yaml": _qlora(cache_dir, dirs["fsdp"], "fsdp"),
-        base / "zero3.yaml": _qlora(cache_dir, dirs["zero3"], "deepspeed", max_steps=1),
+        base / "zero3.yaml": _qlora(cache_dir, dirs["zero3"], "deepspeed", max_steps=ZERO3_STEPS),
         base / "dpo-lora.yaml": _dpo(cache_dir, dirs["dpo-lora"], "lora"),
         base / "dpo-qlora.yaml": _dpo(cache_dir, dirs["dpo-qlora"], "qlora"),
     }
     proc = train_in_one_launch(recipes, FORCED_ENV)
     print(proc.stdout[-2000:])
     second = {
-        base / "resumed.yaml": _qlora(cache_dir, dirs["resumed"], "fsdp", resume=str(step2)),
-        base / "moe.yaml": _moe(cache_dir, dirs["moe"]),
+        base / f"{resumed}.yaml": _qlora(
+            cache_dir,
+            dirs[resumed],
+            strategy,
+            resume=str(dirs[whole] / "checkpoints" / "step-00000002"),
+            **train,
+        )
+        for resumed, (whole, strategy, train) in RESUMED.items()
     }
+    second[base / "moe.yaml"] = _moe(cache_dir, dirs["moe"])
     dirs["resumed-launch"] = train_in_one_launch(second, FORCED_ENV, keep_going=True)
     return dirs
 
@@ -123,15 +140,22 @@ def test_qlora_on_fsdp_keeps_4bit_shards_matches_zero3_and_merges(runs):
 
 
 @pytest.mark.slow
-def test_qlora_on_fsdp_resumed_in_a_fresh_process_with_dropout_on_repeats_the_run(runs):
-    adapter = load_file(str(runs["fsdp"] / "adapter" / "adapter_model.safetensors"))
-    resumed = runs["resumed"]
-    finished(runs["resumed-launch"], resumed)
-    assert rundir.read_summary(resumed)["resumed_from"]["step"] == 2
-    after = {s: loss for s, loss in _losses(runs["fsdp"]).items() if s > 2}
-    assert sorted(after) == [3, 4] and _losses(resumed) == pytest.approx(after, abs=1e-6)
-    a = load_file(str(resumed / "adapter" / "adapter_model.safetensors"))
-    assert a.keys() == adapter.keys() and max((a[k] - adapter[k]).abs().max().item() for k in a) <= 1e-6
+@pytest.mark.parametrize("resumed", list(RESUMED))
+def test_qlora_resumed_in_a_fresh_process_with_dropout_on_repeats_the_run(runs, resumed):
+    """Each backend's QLoRA run resumed from its step-2 checkpoint (written after an evaluation) in the second
+    launch repeats every later record of the uninterrupted run, training and evaluation, and its adapter."""
+    whole = runs[RESUMED[resumed][0]]
+    finished(runs["resumed-launch"], runs[resumed])
+    assert rundir.read_summary(runs[resumed])["resumed_from"]["step"] == 2
+
+    def later(run: Path) -> dict:
+        return {(r["kind"], r["step"]): r["loss"] for r in rundir.read_metrics(run) if r["step"] > 2}
+
+    steps = rundir.read_summary(whole)["steps"]
+    assert ("train", steps) in later(whole) and ("eval", steps) in later(whole)
+    assert later(runs[resumed]) == pytest.approx(later(whole), abs=1e-6)
+    a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (runs[resumed], whole))
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
 
 
 @pytest.mark.slow

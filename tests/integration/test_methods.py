@@ -27,7 +27,7 @@ import lorakit
 from lorakit import rundir
 from lorakit.data.cache import load_cached
 from lorakit.engine.checkpoint import complete_checkpoints
-from tests.conftest import ROOT, tiny_recipe, tiny_recipe_dict
+from tests.conftest import ROOT, run_cli, tiny_recipe, tiny_recipe_dict
 from tests.integration.qlora_worker import train_in_one_launch
 from tests.integration.test_qlora import _eval_loss
 from tests.integration.test_zeropp import zeropp_recipe
@@ -145,21 +145,25 @@ def test_loraplus_gives_b_its_own_learning_rate(method_runs, family):
 
 
 @pytest.mark.slow
-def test_a_pissa_run_resumed_from_a_checkpoint_saves_the_same_adapter(cache_dir, tmp_path):
-    """Checkpoints hold A and B but not the base PiSSA rewrote: the resumed run rebuilds W_res and the initial
-    adapter from the base (the init is a pure function of it) and saves exactly the uninterrupted adapter."""
+def test_a_pissa_run_resumed_in_a_fresh_process_with_dropout_on_repeats_the_run(cache_dir, tmp_path):
+    """Checkpoints hold A and B but not the base PiSSA rewrote: the run resumed from its step-2 checkpoint in a
+    fresh process (`python -m lorakit.run` on its recipe.yaml) rebuilds W_res and the initial adapter from the
+    base (the init is a pure function of it) and restores the RNG (LoRA dropout on: the masks of step 3 are
+    the uninterrupted run's), so step 3's loss and the saved adapter are exactly the uninterrupted run's."""
     sections = dict(
-        method={"init": "pissa", "r": 4, "alpha": 8},
-        train={"max_steps": 4, "lr": LR},
+        method={"init": "pissa", "r": 4, "alpha": 8, "dropout": 0.1},
+        train={"max_steps": 3, "lr": LR},
         distributed={"zero_stage": 3},
         eval={"enabled": False},
         checkpoint={"every": 2, "keep": 2},
     )
     whole = lorakit.train(tiny_recipe(cache_dir, tmp_path / "whole", **sections)).run_dir
     step2 = next(c.path for c in complete_checkpoints(whole) if c.step == 2)
-    sections["train"] = {**sections["train"], "resume": str(step2)}
-    resumed = lorakit.train(tiny_recipe(cache_dir, tmp_path / "resumed", **sections)).run_dir
+    resumed = tmp_path / "resumed"
+    proc = run_cli("lorakit.run", whole / rundir.RECIPE, f"output.dir={resumed}", f"train.resume={step2}")
+    assert proc.returncode == 0, proc.stderr[-5000:]
     assert rundir.read_summary(resumed)["resumed_from"]["step"] == 2
+    assert _losses(resumed) == [r for r in _losses(whole) if r[0] == 3]
     a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (whole, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
