@@ -64,6 +64,11 @@ def test_a_command_is_served_only_with_the_servers_environment():
     assert env_differs({**startup, "FOO": "1"}, startup, imported) == ["FOO"]
     assert env_differs({"PATH": "/bin"}, startup, imported) == ["HOME"]
     assert env_differs({**startup, "RANK": "1", "PWD": "/w"}, startup, imported) == []  # per command
+    # Set in the test process by an in-process run (lorakit's MLflow sink), read only when used: per command,
+    # so one in-process test does not send its worker's later launches to fresh interpreters.
+    assert (
+        env_differs({**startup, "MLFLOW_ALLOW_FILE_STORE": "true", "COLUMNS": "80"}, startup, imported) == []
+    )
 
 
 @pytest.mark.slow
@@ -81,6 +86,7 @@ def test_served_commands_behave_like_a_fresh_interpreter(zygote, tmp_path):
             "python -c \"import sys; print('to stderr', file=sys.stderr)\"",
             'echo \'{"a": 1}\' | python -c "import json, sys; print(json.load(sys.stdin))"',
             "cd .. && python -c 'import os; print(os.environ[\"PWD\"] == os.getcwd())'",
+            f"MLFLOW_ALLOW_FILE_STORE=true python -c \"{SERVED}; import os; print(os.environ['MLFLOW_ALLOW_FILE_STORE'])\"",
         ]
     )
     done = bash(zygote, script, tmp_path)
@@ -96,6 +102,8 @@ def test_served_commands_behave_like_a_fresh_interpreter(zygote, tmp_path):
         f"['-', 'x'] True {tmp_path}",
         "{'a': 1}",
         "True",  # bash's own variables are the command's
+        "served",
+        "true",  # set while working (SET_WHILE_WORKING): the client's value
     ]
     assert done.stderr == "to stderr\n"
 

@@ -46,7 +46,18 @@ RUNTIME_VARS = frozenset(
         "PYTEST_CURRENT_TEST", "LORAKIT_RUN_LOCK",
     }
 )  # fmt: skip
-PER_COMMAND = SHELL_VARS | RUNTIME_VARS
+# What libraries set in a test process's own environment while it works (an in-process lorakit.train, a compile),
+# each read only when used, never at import, by code the server has not run: a command from that process is
+# still served, with them set in the child as the client had them. Without this, one in-process test sent every
+# later launch of its xdist worker to fresh interpreters (seen for MLFLOW_ALLOW_FILE_STORE, lorakit's MLflow
+# sink; mlflow's telemetry session; COLUMNS/LINES; inductor's compiled-module pointer; torch's NVML switch).
+SET_WHILE_WORKING = frozenset(
+    {
+        "MLFLOW_ALLOW_FILE_STORE", "_MLFLOW_TELEMETRY_SESSION_ID", "COLUMNS", "LINES",
+        "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "PYTORCH_NVML_BASED_CUDA_CHECK",
+    }
+)  # fmt: skip
+PER_COMMAND = SHELL_VARS | RUNTIME_VARS | SET_WHILE_WORKING
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 # Imported once by the server: what the lorakit commands and the pages' python blocks load at start.
 WARM = (

@@ -50,25 +50,23 @@ def finished(proc, run_dir: Path) -> None:
 
 
 def main(paths: list[str]) -> None:
-    import deepspeed
-    import torch.distributed as dist
-
     import lorakit
+    from lorakit.engine.launch import process_group
     from tests.integration.worker_checks import failure
 
     # One process group for all the runs: lorakit.train joins a group that exists and leaves it standing.
-    # (Tearing the group down and building it again on torchrun's store hangs the next job.)
-    deepspeed.init_distributed(dist_backend="gloo")
+    # (Tearing the group down and building it again on torchrun's store hangs the next job.) lorakit's own
+    # group context, so it is torn down as a run's is: a group destroyed with only dist.destroy_process_group
+    # left FSDP2's meshes alive in DTensor's caches, and a rank aborted after the last run had finished
+    # ("terminate called without an active exception", seen once from test_fsdp's first launch).
     keep_going = paths[:1] == ["--keep-going"]
     failed = []
-    try:
+    with process_group("gloo"):
         for path in paths[keep_going:]:
             if not keep_going:
                 lorakit.train(lorakit.load_recipe(path))
             elif failure(lambda p=path: lorakit.train(lorakit.load_recipe(p))):
                 failed.append(path)
-    finally:
-        dist.destroy_process_group()
     if failed:
         sys.exit(f"failed: {' '.join(failed)}")
 
