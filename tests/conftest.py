@@ -49,9 +49,10 @@ def run_cli(
 # launcher reads too), is a child forked from one server per test process that imported torch, transformers,
 # DeepSpeed and lorakit once (tests/docs/zygote.py, the suite's one fork server): about 12 CPU-seconds of
 # imports saved per process, 3-4 processes per 2-process run. The server serves a command only when its
-# environment is the session's (plus what torchrun sets for a rank), so a test that changes the environment
-# (fault injection through sitecustomize, forced CPU branches, LORAKIT_* switches) gets fresh interpreters, as
-# does any command with interpreter options. LORAKIT_TEST_ZYGOTE=0 turns it off.
+# environment is the session's (plus what torchrun sets for a rank, and the switches of the fault injection's
+# sitecustomize, which a served child runs: zygote.per_command), so a test that otherwise changes the
+# environment (forced CPU branches, LORAKIT_* switches) gets fresh interpreters, as does any command with
+# interpreter options. LORAKIT_TEST_ZYGOTE=0 turns it off.
 _warm: dict = {"python": None}
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
 from tests.docs.harness import doc_env, run_page
-from tests.docs.zygote import ENV_VAR, Zygote, _from_client, env_differs, parse_args
+from tests.docs.zygote import ENV_VAR, Zygote, _from_client, added_paths, env_differs, parse_args
 
 MARK = "xml.dom.minidom"  # preloaded by the server: in sys.modules only in a served command
 SERVED = f"import sys; print('served' if {MARK!r} in sys.modules else 'fresh')"
@@ -71,6 +72,53 @@ def test_a_command_is_served_only_with_the_servers_environment():
     )
 
 
+def test_a_startup_hook_on_an_added_path_is_per_command(tmp_path):
+    startup = {"PATH": "/bin", "PYTHONPATH": "/repo"}
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text("")
+    faulty = {**startup, "PYTHONPATH": f"{hook}:/repo:/repo", "LORAKIT_FAULT": "kill:3"}
+    assert added_paths(faulty, startup) == [str(hook)] and env_differs(faulty, startup, startup) == []
+    # Only directories put before the server's: a command that drops or reorders its entries is fresh, and
+    # so is a switch of the hook without the hook's directory (nothing to run it there: a fresh interpreter).
+    assert added_paths({**faulty, "PYTHONPATH": f"/repo:{hook}"}, startup) is None
+    assert added_paths({**faulty, "PYTHONPATH": str(hook)}, startup) is None
+    assert env_differs({**faulty, "PYTHONPATH": f"/repo:{hook}"}, startup, startup) == [
+        "LORAKIT_FAULT",
+        "PYTHONPATH",
+    ]
+    # bitsandbytes' forced branch acts before bitsandbytes registers its kernels: never served.
+    assert env_differs({**faulty, "LORAKIT_BNB_AVX512BF16": "1"}, startup, startup) == [
+        "LORAKIT_BNB_AVX512BF16"
+    ]
+    # W&B's variables, read by wandb once imported (the server has not imported it).
+    assert (
+        "wandb" not in sys.modules
+        and env_differs({**startup, "WANDB_MODE": "offline"}, startup, startup) == []
+    )
+
+
+@pytest.mark.slow
+def test_a_served_command_runs_its_startup_hook_and_knows_its_fresh_parent(zygote, tmp_path):
+    # What the resume tests' fault injection needs (tests/integration/faults/sitecustomize.py): the hook on
+    # the command's PYTHONPATH runs in the served child, with the command's switches, before the command; a
+    # served child's parent, as a fresh interpreter's, is the shell that ran `python` (not the server).
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text("import os\nprint('hook', os.environ.get('LORAKIT_FAULT'))\n")
+    server_path = zygote.env["PYTHONPATH"]
+    done = bash(
+        zygote,
+        f'PYTHONPATH={hook}:{server_path} LORAKIT_FAULT=term:2 python -c "{SERVED}; import os; '
+        'from tests.docs.zygote import fresh_parent; print(sys.path[1], fresh_parent(os.getpid()))"; echo $$',
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    hook_line, served, path_and_parent, shell = done.stdout.splitlines()
+    assert (hook_line, served) == ("hook term:2", "served")
+    assert path_and_parent == f"{hook} {shell}"
+
+
 @pytest.mark.slow
 def test_served_commands_behave_like_a_fresh_interpreter(zygote, tmp_path):
     (tmp_path / "s.py").write_text(SERVED + "\nprint(__name__, sys.argv, sys.path[0])\n")
@@ -118,6 +166,14 @@ def test_failures_keep_their_exit_status(zygote, tmp_path):
         zygote, "python -c 'import os, signal; os.kill(os.getpid(), signal.SIGTERM)'; echo no", tmp_path
     )
     assert killed.returncode == 128 + signal.SIGTERM and "no" not in killed.stdout
+    # SIGKILL (the out-of-memory killer's, a fault test's): the client dies of it too, not of an error of its
+    # own while resetting a handler SIGKILL cannot have (a resume test's rank then read "exited with code 1").
+    sigkilled = bash(
+        zygote, "python -c 'import os, signal; os.kill(os.getpid(), signal.SIGKILL)'; echo no", tmp_path
+    )
+    assert sigkilled.returncode == 128 + signal.SIGKILL and "Traceback" not in sigkilled.stderr, (
+        sigkilled.stderr
+    )
     # Interpreter exit: non-daemon threads are waited for, then atexit handlers run.
     ended = bash(
         zygote,

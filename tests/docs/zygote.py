@@ -11,8 +11,10 @@ and hands over its stdin, stdout and stderr (SCM_RIGHTS), so the child reads and
 in a session of its own, killed when its client dies (a block's timeout) and sent the SIGINT/SIGTERM/SIGHUP/
 SIGUSR1 the client gets. A fresh interpreter runs what the server cannot serve exactly: options other than
 -u, -m, -c, - or a script, an environment other than the server's (libraries read theirs at import; what a
-launcher sets per process, RUNTIME_VARS, excepted), and any command when no server is up. Either way
-`python` is the interpreter running the tests.
+launcher sets per process, RUNTIME_VARS, excepted, and see per_command), and any command when no server is
+up. Either way `python` is the interpreter running the tests. A command that puts directories before the
+server's PYTHONPATH gets them on sys.path, and the sitecustomize among them (the tests' fault injection) runs
+in the child before the command, as site would run it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -58,6 +61,15 @@ SET_WHILE_WORKING = frozenset(
     }
 )  # fmt: skip
 PER_COMMAND = SHELL_VARS | RUNTIME_VARS | SET_WHILE_WORKING
+# The switches of the tests' startup hook (tests/integration/faults/sitecustomize.py, on a PYTHONPATH entry the
+# command puts before the server's): read by that hook only, which a served child runs as a fresh interpreter's
+# site module would. LORAKIT_BNB_AVX512BF16 is not one: it must act before bitsandbytes registers its kernels,
+# and the server has imported bitsandbytes (through peft).
+STARTUP_SWITCHES = frozenset(
+    {"LORAKIT_FAULT", "LORAKIT_HOLD_UNTIL", "LORAKIT_RAISE", "LORAKIT_RAISE_AS", "LORAKIT_FAULT_STAMP"}
+)
+# Variables of a library that reads them only once imported: per command while the server has not imported it.
+LAZY_LIBRARIES = {"WANDB_": "wandb"}
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 # Imported once by the server: what the lorakit commands and the pages' python blocks load at start.
 WARM = (
@@ -148,7 +160,8 @@ def client(real_python: str, args: list[str]) -> int:
     if kind == "fallback":  # the server would not run it exactly like a fresh interpreter
         os.execv(real_python, [real_python, *args])
     if kind == "signal":
-        signal.signal(int(value), signal.SIG_DFL)
+        if int(value) not in (signal.SIGKILL, signal.SIGSTOP):  # theirs cannot be changed (nor need be)
+            signal.signal(int(value), signal.SIG_DFL)
         os.kill(os.getpid(), int(value))
         return 128 + int(value)
     return int(value)
@@ -224,6 +237,8 @@ def serve(path: str, *warm: str) -> None:
     # What the imports set (torch's and others' variables): a command started by a child of this server (a
     # launcher's ranks) inherits them, as a fresh chain's ranks inherit their launcher's.
     imported_env = dict(os.environ)
+    parents = Path(path).parent / "parents"  # a child's fresh_parent, written by the child
+    parents.mkdir(exist_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(16)
@@ -261,6 +276,7 @@ def serve(path: str, *warm: str) -> None:
                     sel.unregister(pidfd)
                     os.close(pidfd)
                     _, status = os.waitpid(pid, 0)
+                    (parents / str(pid)).unlink(missing_ok=True)
                     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
                     reply = f"signal {sig}\n" if sig else f"exit {os.WEXITSTATUS(status)}\n"
                     with contextlib.suppress(OSError):  # a killed client: nobody to tell
@@ -273,12 +289,54 @@ def serve(path: str, *warm: str) -> None:
 
 
 def env_differs(env: dict, startup: dict, imported: dict) -> list[str]:
-    """The variables (outside PER_COMMAND) for which a command's `env` is not the server's: each must hold
-    the server's value at start (`startup`) or, for what the server's imports set (`imported`: torch's, a
-    launcher's children inherit them, and so does a test process that imported the same libraries later),
-    the value those imports gave it."""
-    keys = (env.keys() | startup.keys() | imported.keys()) - PER_COMMAND
+    """The variables (outside what a child sets per command, `per_command`) for which a command's `env` is
+    not the server's: each must hold the server's value at start (`startup`) or, for what the server's
+    imports set (`imported`: torch's, a launcher's children inherit them, and so does a test process that
+    imported the same libraries later), the value those imports gave it."""
+    keys = (env.keys() | startup.keys() | imported.keys()) - per_command(env, startup)
     return sorted(k for k in keys if env.get(k) not in (startup.get(k), imported.get(k)))
+
+
+def per_command(env: dict, startup: dict) -> set[str]:
+    """The variables a served child takes from its command's `env`: PER_COMMAND; a lazy library's while the
+    server has not imported it; and, when the command only puts directories before the server's PYTHONPATH
+    (added_paths), PYTHONPATH and the startup hook's switches."""
+    names = set(PER_COMMAND)
+    names |= {
+        k for k in env if any(k.startswith(p) and m not in sys.modules for p, m in LAZY_LIBRARIES.items())
+    }
+    if added_paths(env, startup) is not None:
+        names |= STARTUP_SWITCHES | {"PYTHONPATH"}
+    return names
+
+
+def added_paths(env: dict, startup: dict) -> list[str] | None:
+    """The directories a command's PYTHONPATH puts before the server's (`startup`'s), which a served child
+    puts on sys.path where a fresh interpreter would (and runs a sitecustomize among them); None when it
+    changes the server's entries otherwise, or adds a sitecustomize where the server has imported one."""
+    ours = [p for p in startup.get("PYTHONPATH", "").split(os.pathsep) if p]
+    theirs = list(dict.fromkeys(env.get("PYTHONPATH", "").split(os.pathsep)))
+    added = [p for p in theirs if p not in ours]
+    if [p for p in theirs if p] != added + list(dict.fromkeys(ours)) or "" in added:
+        return None
+    hook = any(os.path.exists(os.path.join(p, "sitecustomize.py")) for p in added)
+    return None if hook and "sitecustomize" in sys.modules else added
+
+
+def fresh_parent(pid: int) -> int:
+    """The parent process `pid` would have as a fresh interpreter: for a child of the server, the process that
+    ran its `python` (its client's parent); else its parent. Fault injection finds a rank's torchrun and
+    launcher so."""
+    server = os.environ.get(ENV_VAR)
+    if server:
+        with contextlib.suppress(OSError, ValueError):
+            return int((Path(server).parent / "parents" / str(pid)).read_text())
+    return _proc_parent(pid)
+
+
+def _proc_parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def _start(conn, listener, server_envs: tuple[dict, dict], running: dict) -> int | None:
@@ -309,6 +367,12 @@ def _start(conn, listener, server_envs: tuple[dict, dict], running: dict) -> int
         conn.sendall(b"fallback\n")
         conn.close()
         return None
+    request["per_command"] = sorted(per_command(request["env"], server_envs[0]))
+    request["added_paths"] = added_paths(request["env"], server_envs[0]) or []
+    client = struct.unpack(
+        "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    )
+    request["parent"] = _proc_parent(client[0])
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -378,11 +442,12 @@ def _child(request: dict) -> int:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(request["cwd"])
-    for name in PER_COMMAND:  # the rest equals the server's (before or after its imports)
+    for name in request["per_command"]:  # the rest equals the server's (before or after its imports)
         if name in request["env"]:
             os.environ[name] = request["env"][name]
         else:
             os.environ.pop(name, None)
+    (Path(os.environ[ENV_VAR]).parent / "parents" / str(os.getpid())).write_text(str(request["parent"]))
     args = request["args"]
     mode, target = parse_args(args)
     if args[0] == "-u":
@@ -391,6 +456,13 @@ def _child(request: dict) -> int:
             stream.reconfigure(write_through=True)
     for name in [m for m in sys.modules if m == "tests" or m.startswith("tests.")]:
         del sys.modules[name]  # the server's own modules: a fresh interpreter has not imported them
+    # The command's own PYTHONPATH entries, where site puts them (after the script's directory), and the
+    # startup hook among them, which site runs before the command.
+    sys.path[1:1] = request["added_paths"]
+    if any(os.path.exists(os.path.join(p, "sitecustomize.py")) for p in request["added_paths"]):
+        import importlib
+
+        importlib.import_module("sitecustomize")
     code, interrupted = 0, False
     try:
         if mode == "module":

@@ -46,12 +46,12 @@ if _spec and os.environ.get("RANK", "0") == "0":
     elif _action in ("kill", "term"):
         import lorakit.engine.loop as _loop
 
+        # A process's parent as a fresh interpreter's: a rank served by the suite's fork server is the server's
+        # child, and stands for the `python` its torchrun started (tests/docs/zygote.py).
+        from tests.docs.zygote import fresh_parent as _ppid
+
         _train_window = _loop.train_window
         _calls = {"n": 0}
-
-        def _ppid(pid):
-            with open(f"/proc/{pid}/stat") as f:
-                return int(f.read().rsplit(")", 1)[1].split()[1])
 
         def _faulty_train_window(*args, **kwargs):
             _calls["n"] += 1
@@ -59,11 +59,11 @@ if _spec and os.environ.get("RANK", "0") == "0":
                 # Sent as step N starts: the loop reads each rank's stop request as the step ends (on its
                 # closing all_reduce). The request travels launcher -> torchrun -> workers; waiting here until
                 # it has reached this worker makes the run stop at step N however loaded the machine is.
-                os.kill(_ppid(os.getppid()), signal.SIGTERM)
+                os.kill(_ppid(_ppid(os.getpid())), signal.SIGTERM)
                 _await_stop_request()
             out = _train_window(*args, **kwargs)
             if _action == "kill" and _calls["n"] == _step:
-                agent = os.getppid()  # torchrun, which starts each worker in a session of its own
+                agent = _ppid(os.getpid())  # torchrun, which starts each worker in a session of its own
                 launcher = _ppid(agent)
                 workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and _safe_ppid(int(p)) == agent]
                 for pid in [launcher, agent, *(w for w in workers if w != os.getpid()), os.getpid()]:
