@@ -2,8 +2,9 @@
 LoRA adapter by its convert_lora_to_gguf.py, run from a llama.cpp checkout (--llama-cpp DIR or
 $LORAKIT_LLAMA_CPP; the llama-cpp-python sdist's vendor/llama.cpp is one, docs/export.md#install) with the
 `gguf` package. Where llama-cpp-python is installed, the merged GGUF is loaded by it and checked against
-transformers' greedy tokens (f16/f32) or log-probabilities (q8_0, bf16); elsewhere the README says it was
-not checked.
+transformers' log-probabilities (the teacher-forced measure of lorakit/export/greedy.py: llama.cpp keeps its KV
+cache in f16, as llama-server does by default, so no GGUF is computed in float32 throughout); elsewhere the
+README says it was not checked.
 
 llama.cpp recognizes a BPE tokenizer by the hash of its pre-tokenizer's output on a fixed text: a tokenizer
 trained locally (lorakit's tiny ones) has an unknown hash and its converter refuses it
@@ -27,6 +28,7 @@ from lorakit.export.result import say
 
 DOC = "docs/export.md#gguf"
 ENV = "LORAKIT_LLAMA_CPP"
+KV_CACHE = "f16"  # llama.cpp's default K and V cache type (llama-server's --cache-type-k/-v), set explicitly
 
 
 def scripts(job: ExportJob) -> Path:
@@ -81,14 +83,14 @@ def write_adapter(job: ExportJob) -> None:
 
 
 def check_gguf(path: Path, ref: Reference, quantization: str, lora: Path | None = None) -> EngineCheck:
-    """Load `path` (with the GGUF adapter `lora`) in llama-cpp-python; greedy tokens and teacher-forced
-    log-probabilities of the reference continuations, judged against `ref`."""
+    """Load `path` (with the GGUF adapter `lora`, applied at run time) in llama-cpp-python; greedy tokens and
+    teacher-forced log-probabilities of the reference continuations, judged against `ref`."""
     import numpy as np
-    from llama_cpp import Llama
+    from llama_cpp import GGML_TYPE_F16, Llama
 
     llm = Llama(
         str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2, seed=0,
-        lora_path=str(lora) if lora else None,
+        lora_path=str(lora) if lora else None, type_k=GGML_TYPE_F16, type_v=GGML_TYPE_F16,
     )  # fmt: skip
     got, logprobs = [], []
     for prompt, cont in zip(ref.prompts, ref.continuations, strict=True):
@@ -106,4 +108,16 @@ def check_gguf(path: Path, ref: Reference, quantization: str, lora: Path | None 
         logprobs.append([float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(cont)])
     import llama_cpp
 
-    return judge(f"llama-cpp-python {llama_cpp.__version__}", ref, got, logprobs, quantization)
+    adapter = tensor_type(lora) if lora else None
+    name = f"llama-cpp-python {llama_cpp.__version__}"
+    return judge(name, ref, got, logprobs, quantization, adapter=adapter, kv_cache=KV_CACHE)
+
+
+def tensor_type(path: Path) -> str:
+    """The coarsest tensor type in the GGUF file `path` (f32, f16, bf16, q8_0), as the export names it: what
+    llama.cpp computes that file's products with."""
+    reader = engine("gguf", "GGUF check").GGUFReader(str(path))
+    types = sorted(
+        {t.tensor_type.name.lower() for t in reader.tensors} - {"f32"}, key=lambda q: ("8" not in q, q)
+    )
+    return types[0] if types else "f32"

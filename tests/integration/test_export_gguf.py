@@ -81,10 +81,13 @@ def test_adapter_converts_to_a_gguf_lora(adapter, tmp_path):
     names = [t.name for t in reader.tensors]
     assert len(names) == 2 * 2 * 2 and all(n.endswith((".lora_a", ".lora_b")) for n in names)
     _engine_or_skip()
-    # llama.cpp applies the GGUF adapter to the f32 base GGUF: it generates what the merged model generates.
+    # llama.cpp applies the f16 GGUF adapter at run time to the f32 base GGUF, with its f16 KV cache: what the
+    # merged model generates, within the 16-bit teacher-forced measure (not token for token: a near-tied
+    # argmax flipped one token of 64 in a CI run, at 0.000366 nats).
     import subprocess
     import sys
 
+    from lorakit.errors import VerificationError
     from lorakit.export.gguf import check_gguf
     from lorakit.export.greedy import reference
     from lorakit.export.job import merge
@@ -94,13 +97,13 @@ def test_adapter_converts_to_a_gguf_lora(adapter, tmp_path):
     subprocess.run([sys.executable, str(script), base, "--outfile", str(tmp_path / "base.gguf"), "--outtype", "f32"],
                    check=True, capture_output=True)  # fmt: skip
     merge(adapter, tmp_path / "merged", dtype="float32")
-    check = check_gguf(
-        tmp_path / "base.gguf",
-        reference(tmp_path / "merged"),
-        "f32",
-        lora=tmp_path / "a" / "adapter-f16.gguf",
-    )
-    assert check.sequences_equal == check.sequences and check.max_logprob_diff < 0.05
+    ref = reference(tmp_path / "merged")
+    check = check_gguf(tmp_path / "base.gguf", ref, "f32", lora=tmp_path / "a" / "adapter-f16.gguf")
+    assert check.passed and not check.exact and check.tolerance == 0.05
+    assert check.max_logprob_diff < 0.005  # measured 0.00025..0.00037
+    # The measure sees the adapter: the base alone is far outside it (2.85 nats measured).
+    with pytest.raises(VerificationError, match="engine check failed: .* - FAILED"):
+        check_gguf(tmp_path / "base.gguf", ref, "f32")
 
 
 def test_a_tokenizer_llama_cpp_does_not_know_is_refused_in_one_line(cache_dir, tmp_path):
