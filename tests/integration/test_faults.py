@@ -10,6 +10,7 @@ rank SIGKILLed mid-step, trackers that are down) are links of test_resume.py's c
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -27,13 +28,15 @@ WORKER = Path(__file__).with_name("fault_harness_worker.py")
 
 
 def _start_harness(args: list[str]) -> list[subprocess.Popen]:
-    """The harness on 2 plain processes (RANK, WORLD_SIZE and the rendezvous in their environment)."""
+    """The harness on 2 plain processes (RANK, WORLD_SIZE and the rendezvous in their environment), on the
+    session's warm interpreter (PYTHON_EXEC, tests/conftest.py) when there is one: no row needs a fresh one."""
     port = str(free_port())
+    python = os.environ.get("PYTHON_EXEC", sys.executable)
     procs = []
     for rank in (0, 1):
         env = {**launch_env(), "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
         env.update(MASTER_PORT=port, LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", PYTHONPATH=str(ROOT))
-        procs.append(start_group([sys.executable, str(WORKER), *args], env, ROOT, merge_stderr=True))
+        procs.append(start_group([python, str(WORKER), *args], env, ROOT, merge_stderr=True))
     return procs
 
 
@@ -65,9 +68,12 @@ def _rows(out: Path, done: list[tuple[subprocess.CompletedProcess, float]]) -> l
 
 
 @pytest.fixture(scope="module")
-def harness(cache_dir, tmp_path_factory):
+def harness(cache_dir, tmp_path_factory, warm_interpreters):
     """Both harness launches (rank 0 failing, rank 1 failing), at once; per launch: each rank's rows, the
     exit codes, and the seconds from the last row's failure until both processes were gone."""
+    # The session's fork server starts with the session: until it listens, the ranks would start fresh.
+    if warm_interpreters is not None:
+        warm_interpreters.wait_ready(180)
     outs = {f: tmp_path_factory.mktemp(f"rank{f}-fails") for f in ROWS}
     procs = [p for f in ROWS for p in _start_harness([str(f), str(cache_dir), str(outs[f])])]
     done = _finish(procs)

@@ -149,9 +149,11 @@ def test_two_torchrun_nodes_match_one_node_without_a_shared_data_cache(job, cach
     shutil.copytree(cache_dir / "models", own_cache / "models")
     out = tmp_path / "two-nodes"
     endpoint = f"127.0.0.1:{free_port()}"
+    # The launchers on the session's warm interpreter (PYTHON_EXEC, tests/conftest.py), as their ranks are.
+    python = os.environ.get("PYTHON_EXEC", sys.executable)
     commands = [
         [
-            sys.executable,
+            python,
             "-m",
             "torch.distributed.run",
             "--nnodes=2",
@@ -242,17 +244,15 @@ def _slurm_env(bin_dir: Path, record: Path, port: int, **extra) -> dict[str, str
     )
 
 
-def _write_job(recipe_args: list[str], *, in_process: bool = False) -> Path:
-    """python -m lorakit.slurm for 2 nodes x 1 GPU, as docs/multinode.md shows it (or its main() in this
-    process, which saves an interpreter's start); the script's path."""
+def _write_job(recipe_args: list[str], capsys) -> Path:
+    """python -m lorakit.slurm for 2 nodes x 1 GPU, as docs/multinode.md shows it, run as its main() in this
+    process (which saves an interpreter's start); the script's path, which the command prints last."""
     args = [str(RECIPES / "quickstart_causal.yaml"), *recipe_args, "--nodes", "2", "--gpus-per-node", "1"]
     out = Path([a for a in recipe_args if a.startswith("output.dir=")][-1].split("=", 1)[1])
-    if in_process:
-        assert write_slurm_job([*args, "--time", "00:30:00"]) == 0
-        return out / "job.sbatch"
-    done = subprocess.run([sys.executable, "-m", "lorakit.slurm", *args, "--time", "00:30:00"], env=_env(),
-                          capture_output=True, text=True)  # fmt: skip
-    assert done.returncode == 0 and done.stdout.splitlines()[-1] == str(out / "job.sbatch"), done.stderr
+    capsys.readouterr()
+    code = write_slurm_job([*args, "--time", "00:30:00"])
+    printed = capsys.readouterr()
+    assert code == 0 and printed.out.splitlines()[-1] == str(out / "job.sbatch"), printed.err
     return out / "job.sbatch"
 
 
@@ -266,14 +266,14 @@ def _wait_for(predicate, proc: subprocess.Popen, what: str, limit: float = TIMEO
 
 
 def test_slurm_job_preflights_is_requeued_on_sigterm_and_resumes_like_one_run(
-    job, cache_dir, tmp_path, slurm_bin
+    job, cache_dir, tmp_path, slurm_bin, capsys
 ):
     """The generated job.sbatch run as Slurm would, on two "nodes" of one process: the preflight passes, a
     SIGTERM to the job while it trains leads to a checkpoint, exit 75 and `scontrol requeue`; the requeued
     job (same id, SLURM_RESTART_COUNT=1) resumes in the same run directory and ends as the one-node run of
     the same recipe does (losses and adapter to 1e-6)."""
     out = tmp_path / "slurm-run"
-    script = _write_job(_overrides(job["source"], cache_dir, out))
+    script = _write_job(_overrides(job["source"], cache_dir, out), capsys)
     # The command writes the script and nothing else; the plan for 2 x 1 heads it.
     assert sorted(p.name for p in out.iterdir()) == [".lorakit-run", "job.sbatch"]  # marker, script
     text = script.read_text()
@@ -326,13 +326,13 @@ def test_slurm_job_preflights_is_requeued_on_sigterm_and_resumes_like_one_run(
 
 
 def test_slurm_preflight_stops_the_job_in_seconds_naming_the_node_when_the_port_is_closed(
-    cache_dir, tmp_path, slurm_bin
+    cache_dir, tmp_path, slurm_bin, capsys
 ):
     """The rendezvous port is closed: another socket holds it without listening, so node 0 cannot open it
     and connections to it are refused. The job stops at the preflight (exit code 3) within a minute, naming
     the node and the cause, before anything is trained."""
     out = tmp_path / "closed"
-    script = _write_job([f"data.cache_dir={cache_dir}", f"output.dir={out}"], in_process=True)
+    script = _write_job([f"data.cache_dir={cache_dir}", f"output.dir={out}"], capsys)
     with socket.socket() as blocker:
         blocker.bind(("0.0.0.0", 0))
         port = blocker.getsockname()[1]
