@@ -1,12 +1,7 @@
 """One MoE block's experts with LoRA on the fused stacks, forward + backward, per experts path: transformers'
-loop over the experts ("eager"), transformers' grouped matmul through peft's materialised W + B A
-("grouped_mm", transformers' default) and lorakit's grouped experts with the LoRA factored per group
-(lorakit.model.grouped_experts). Interleaved rounds, median seconds per path, ratios against the loop.
-
-    python benchmarks/moe_experts.py [--rounds 7] [--output benchmarks/results/moe_experts.json]
-
-The shapes (specs/moe_experts.yaml): the tiny Mixtral's block, and a wider one of Qwen3-MoE's proportions
-(small experts, many of them) at a CPU-sized width.
+loop ("eager"), its grouped matmul through peft's W + B A ("grouped_mm") and lorakit's grouped experts with
+the LoRA factored per group. Interleaved rounds, median seconds per path, ratios against the loop; shapes in
+specs/moe_experts.yaml, the command in benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -64,9 +64,7 @@ def guide(spec: dict) -> dict:
     wall, cpu = time.perf_counter(), _cpu()
     out = Path(spec["out"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    ds = datasets.load_dataset(
-        "json", data_files=spec["rows"], split="train", cache_dir=str(out / "hf-cache")
-    )
+    ds = datasets.load_dataset("json", data_files=spec["rows"], split="train", cache_dir=f"{out}/hf-cache")
     columns, caps = ("article", "highlights"), (GUIDE_SOURCE_CAP, spec["target_cap"])
     preprocess_function = guide_preprocess(tokenizer, TEMPLATE, columns, caps)
     num_proc = spec["num_proc"] if spec["num_proc"] > 1 else None
