@@ -1,8 +1,6 @@
-"""Generation speed of each export against transformers' generate, on the same prompts, CPU:
+"""Generation speed of each export (CTranslate2; GGUF with $LORAKIT_LLAMA_CPP and llama-cpp-python) of a tiny
+T5 and a tiny Llama adapter against transformers' generate, NEW greedy tokens per prompt, CPU:
 `PYTHONPATH=$PWD python benchmarks/export_speed.py [--out benchmarks/results/export_speed.md]`.
-
-A tiny T5 and a tiny Llama adapter exported with `lorakit.export` (CTranslate2 float32 and int8; GGUF f16 and
-q8_0 when $LORAKIT_LLAMA_CPP is set and llama-cpp-python is installed), NEW greedy tokens per prompt timed.
 """
 
 from __future__ import annotations

@@ -97,8 +97,7 @@ class Session:
         import lorakit
         from lorakit.recipe import recipe_from_dict
 
-        model = w["model"]
-        family = MODELS[model]["family"]
+        model, family = w["model"], MODELS[w["model"]]["family"]
         w = dict(w, family=family)
         result = {"model": model, "like": MODELS[model]["like"], "family": family, "dtype": self.dtype}
         result.update({k: w[k] for k in ("method", "zero_stage", "batch", "steps")}, sides={})

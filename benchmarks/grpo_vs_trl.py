@@ -1,6 +1,5 @@
-"""lorakit's GRPO vs TRL's GRPOTrainer on one CPU process, recipes/quickstart_grpo.yaml's job both ways
-(specs/grpo_vs_trl.yaml). Needs `pip install 'lorakit[bench-trl]'`; benchmarks/README.md and docs/grpo.md say
-what is measured and what is set alike on both sides.
+"""lorakit's GRPO vs TRL's GRPOTrainer on one CPU process, recipes/quickstart_grpo.yaml's job both ways; needs
+`pip install 'lorakit[bench-trl]'` (what is measured and set alike: benchmarks/README.md, docs/grpo.md).
 """
 
 from __future__ import annotations

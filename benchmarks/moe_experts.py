@@ -42,13 +42,6 @@ def block(hidden: int, expert_ffn: int, experts: int, top_k: int, lora_r: int, *
     return moe, config
 
 
-def step(moe, x) -> float:
-    """Seconds of one forward + backward (the LoRA weights' and the input's gradients)."""
-    t0 = time.perf_counter()
-    moe(x).square().mean().backward()
-    return time.perf_counter() - t0
-
-
 def measure_shape(shape: dict, rounds: int) -> dict:
     """The spec's shape with each path's seconds per round, their medians and the speed-ups over the loop."""
     import torch
@@ -64,9 +57,10 @@ def measure_shape(shape: dict, rounds: int) -> dict:
         for path in PATHS:
             config._experts_implementation = path
             moe.zero_grad()
-            t = step(moe, x)
+            t0 = time.perf_counter()
+            moe(x).square().mean().backward()  # the LoRA weights' and the input's gradients
             if i:
-                times[path].append(t)
+                times[path].append(time.perf_counter() - t0)
     median = {p: statistics.median(t) for p, t in times.items()}
     speedup = {p: median["eager"] / median[p] for p in PATHS}
     return {**shape, "median_seconds": median, "seconds": times, "speedup_vs_eager": speedup}

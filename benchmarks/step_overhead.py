@@ -1,6 +1,5 @@
-"""Time to the first step and time around the steps, on the quickstart (specs/step_overhead.yaml): the share
-of per-step work outside forward, backward and optimizer step; with --compile-ab a step's CPU time compiled
-against eager (benchmarks/README.md).
+"""Time to the first step and the share of per-step work outside forward, backward and optimizer step, on the
+quickstart; with --compile-ab a step's CPU time compiled against eager (benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""The benchmark harness: what every benchmark in benchmarks/ does the same way, written once
-(benchmarks/README.md, "How a benchmark is built").
-"""
+"""What every benchmark does the same way, written once (benchmarks/README.md: "How a benchmark is built")."""
 
 from benchmarks.harness.cli import Bench, load_spec, main
 from benchmarks.harness.provenance import ROOT

@@ -133,10 +133,8 @@ class Bench:
         self.module, self.spec, self.args = module, module.SPEC, args
         self.provenance = Provenance()
         self.tmp = Path(tempfile.mkdtemp(prefix=f"lorakit-{self.spec['benchmark']}-"))
-        # A spec with `datasets` writes each --dataset's result to its own `output`.
-        by_dataset = lambda a: self.spec["datasets"][a.dataset]["output"]  # noqa: E731
-        default = getattr(module, "default_output", by_dataset if "datasets" in self.spec else None)
-        default = default(args) if default else self.spec["output"]
+        by = self.spec.get("output_by")  # an option: `dataset` writes to `datasets[--dataset].output`
+        default = self.spec[f"{by}s"][getattr(args, by)]["output"] if by else self.spec["output"]
         if args.smoke and not args.output:  # never over a committed result: a directory that outlives the run
             default = Path(tempfile.mkdtemp(prefix=f"lorakit-{self.spec['benchmark']}-smoke-")) / "smoke.json"
         self.output = Path(args.output or ROOT / default).expanduser().resolve()

@@ -41,9 +41,8 @@ def worker_env() -> dict[str, str]:
 
 
 class Runner:
-    """Runs workers (`SCRIPT --worker KIND SPEC RESULT`) one at a time, each in its own process (so nothing
-    leaks from one run into the next), under one time budget, into one log. A measured run starts a new
-    interpreter; with `forked` (smoke runs) each is forked from a server that imported `preload` only."""
+    """Runs workers (`SCRIPT --worker KIND SPEC RESULT`) one at a time, each a new interpreter (`forked`, smoke
+    runs: a child of a server that imported `preload` only), under one time budget, into one log."""
 
     def __init__(
         self,

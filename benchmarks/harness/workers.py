@@ -104,7 +104,6 @@ def lorakit_worker(spec: dict) -> dict:
     return {**timer, **counts, **{name: dig(summary, path) for name, path in spec.get("fields", {}).items()}}
 
 
-# ------------------------------------------------------------------------------ Hugging Face baselines
 def one_process_deepspeed(port: int, config: dict) -> dict:
     """`config` for the Trainer's `deepspeed=`, after setting the launcher's variables for one process."""
     import os
