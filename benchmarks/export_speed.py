@@ -1,12 +1,6 @@
-"""Generation speed of each export against transformers' generate, on the same prompts, CPU.
-
-    PYTHONPATH=$PWD python benchmarks/export_speed.py --out benchmarks/results/export_speed.md
-
-Exports a tiny T5 and a tiny Llama adapter (tests/export_fixtures.py) with `lorakit.export` (CTranslate2
-float32 and int8; GGUF f16 and q8_0 when $LORAKIT_LLAMA_CPP is set and llama-cpp-python is installed), then
-times greedy generation of NEW tokens per prompt (EOS ignored where the engine allows) and reports
-tokens/s. The models are tiny (hidden 32-64): the numbers measure per-token overhead of each engine, not
-what a real model would get.
+"""Generation speed of each export (CTranslate2; GGUF with $LORAKIT_LLAMA_CPP and llama-cpp-python) of a tiny
+T5 and a tiny Llama adapter against transformers' generate, NEW greedy tokens per prompt, CPU:
+`PYTHONPATH=$PWD python benchmarks/export_speed.py [--out benchmarks/results/export_speed.md]`.
 """
 
 from __future__ import annotations
@@ -29,10 +23,9 @@ PROMPTS = [
 ] * 4
 
 
-def _hf(model_dir: Path, seq2seq: bool) -> float:
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+def _hf(model_dir: Path, tok, seq2seq: bool) -> float:
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
     model = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(model_dir).eval()
     n, t0 = 0, time.perf_counter()
     for p in PROMPTS:
@@ -43,20 +36,19 @@ def _hf(model_dir: Path, seq2seq: bool) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def _ct2(directory: Path, model_dir: Path, seq2seq: bool) -> float:
+def _ct2(directory: Path, tok, seq2seq: bool) -> float:
     import ctranslate2
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
     batches = [tok.convert_ids_to_tokens(tok(p)["input_ids"]) for p in PROMPTS]
     n, t0 = 0, time.perf_counter()
+    threads = {"device": "cpu", "inter_threads": 1, "intra_threads": 2}
     if seq2seq:
-        tr = ctranslate2.Translator(str(directory), device="cpu", inter_threads=1, intra_threads=2)
+        tr = ctranslate2.Translator(str(directory), **threads)
         for b in batches:
             r = tr.translate_batch([b], beam_size=1, max_decoding_length=NEW, min_decoding_length=NEW)
             n += len(r[0].hypotheses[0])
     else:
-        gen = ctranslate2.Generator(str(directory), device="cpu", inter_threads=1, intra_threads=2)
+        gen = ctranslate2.Generator(str(directory), **threads)
         for b in batches:
             r = gen.generate_batch(
                 [b], max_length=NEW, min_length=NEW, sampling_topk=1, include_prompt_in_result=False
@@ -65,11 +57,9 @@ def _ct2(directory: Path, model_dir: Path, seq2seq: bool) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def _gguf(path: Path, model_dir: Path) -> float:
+def _gguf(path: Path, tok) -> float:
     from llama_cpp import Llama
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
     llm = Llama(str(path), n_ctx=256, verbose=False, n_threads=2)
     n, t0 = 0, time.perf_counter()
     for p in PROMPTS:
@@ -103,18 +93,18 @@ def main() -> None:
             "llama": random_adapter("llama", cache, tmp / "a-llama", base=str(base)),
         }
         for kind, adapter in adapters.items():
-            seq2seq = kind == "t5"
-            merge(adapter, tmp / f"m-{kind}", dtype="float32")
-            rows.append((kind, "transformers generate (float32)", _hf(tmp / f"m-{kind}", seq2seq)))
+            seq2seq, merged = kind == "t5", tmp / f"m-{kind}"
+            merge(adapter, merged, dtype="float32")
+            tok = transformers.AutoTokenizer.from_pretrained(merged)
+            rows.append((kind, "transformers generate (float32)", _hf(merged, tok, seq2seq)))
             for q in ("float32", "int8"):
-                out = tmp / f"ct2-{kind}-{q}"
-                export(adapter, out, format="ct2", quantization=q)
-                rows.append((kind, f"CTranslate2 {q}", _ct2(out, tmp / f"m-{kind}", seq2seq)))
+                export(adapter, tmp / f"ct2-{kind}-{q}", format="ct2", quantization=q)
+                rows.append((kind, f"CTranslate2 {q}", _ct2(tmp / f"ct2-{kind}-{q}", tok, seq2seq)))
             llama_cpp = os.environ.get("LORAKIT_LLAMA_CPP")
             if not seq2seq and llama_cpp and importlib.util.find_spec("llama_cpp"):
                 for q in ("f16", "q8_0"):
                     export(adapter, tmp / f"gguf-{q}", format="gguf", quantization=q, llama_cpp=llama_cpp)
-                    gguf = _gguf(tmp / f"gguf-{q}" / f"model-{q}.gguf", tmp / f"m-{kind}")
+                    gguf = _gguf(tmp / f"gguf-{q}" / f"model-{q}.gguf", tok)
                     rows.append((kind, f"llama.cpp GGUF {q}", gguf))
     lines = [
         "# Export generation speed (CPU, tiny models)",

@@ -1,8 +1,6 @@
-"""GPU validation and benchmark: lorakit vs HF Trainer + peft on realistic model sizes with random weights.
-
-Every workload (specs/gpu_bench.yaml) trains one model shape with one method through lorakit and through the
-usual Hugging Face recipe on the same tokenized rows, each side a fresh subprocess timed per optimizer step.
-Commands: benchmarks/README.md; what is measured and how: docs/gpu.md; the lent GPUs: gpu_lease_plan.md.
+"""GPU validation and benchmark: lorakit vs HF Trainer + peft on random-weight models of real sizes, each
+workload of specs/gpu_bench.yaml both ways on the same tokenized rows, each side a fresh process timed per
+optimizer step. Commands: benchmarks/README.md; what is measured: docs/gpu.md; the GPUs: gpu_lease_plan.md.
 """
 
 from __future__ import annotations
@@ -26,19 +24,11 @@ SPEC = load_spec("gpu_bench")
 MODELS, WORKLOADS, LORA, LR = SPEC["models"], SPEC["workloads"], SPEC["lora"], SPEC["learning_rates"]
 
 
-def check_args(args, error) -> None:
-    unknown = [n for n in args.workloads or [] if n not in WORKLOADS]
-    if unknown or args.workloads == []:
-        error(f"argument --workloads: unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
-
-
 WORKERS = {"setup": device.setup_worker, "lorakit": steps.lorakit_worker, "hf": steps.hf_worker}
 
 
-# ------------------------------------------------------------------------------------------ orchestration
 def synthetic_rows(tokenizer, family: str, n: int, dist: dict, seed: int) -> list[dict]:
-    """n instruction rows of random words whose token lengths follow `dist`: each word is one vocabulary
-    entry with a leading space, so a text of k words is k tokens."""
+    """n instruction rows of random words (one token each) whose token lengths follow `dist`."""
     import numpy as np
 
     vocab = sorted(t for t in tokenizer.get_vocab() if t.startswith("Ġ") and t[1:].isalpha() and len(t) > 2)
@@ -61,8 +51,7 @@ def synthetic_rows(tokenizer, family: str, n: int, dist: dict, seed: int) -> lis
 
 
 def packed_budget(lengths: list[int], batch: int) -> int:
-    """Tokens per packed row: about `batch` examples of mean length (as many tokens as a padded micro-batch
-    holds without its padding), a multiple of 256, at least the longest example."""
+    """Tokens per packed row: `batch` examples of mean length, a multiple of 256, at least the longest one."""
     return max(math.ceil(batch * statistics.fmean(lengths) / 256) * 256, max(lengths))
 
 
@@ -96,12 +85,10 @@ class Session:
         return self.bench.recipe(None, over)
 
     def shape(self, w: dict) -> tuple[str, dict, dict]:
-        """(data key, length distribution, caps) of a workload: its own where the spec gives them (not in
-        smoke mode, which keeps every workload tiny), else its family's."""
-        fam = w["family"]
+        """(data key, length distribution, caps) of a workload: its own (not if smoke), else its family's."""
         if not self.smoke and "lengths" in w:
             return w["data"], w["lengths"], w["caps"]
-        return fam, self.lengths[fam], self.caps[fam]
+        return w["family"], self.lengths[w["family"]], self.caps[w["family"]]
 
     def workload(self, name: str, w: dict) -> dict:
         """Prepare the data, run every side; returns the workload's result."""
@@ -110,8 +97,7 @@ class Session:
         import lorakit
         from lorakit.recipe import recipe_from_dict
 
-        model = w["model"]
-        family = MODELS[model]["family"]
+        model, family = w["model"], MODELS[w["model"]]["family"]
         w = dict(w, family=family)
         result = {"model": model, "like": MODELS[model]["like"], "family": family, "dtype": self.dtype}
         result.update({k: w[k] for k in ("method", "zero_stage", "batch", "steps")}, sides={})
@@ -212,8 +198,7 @@ class Session:
 
 
 def write_result(result: dict, output: Path, out_dir: Path | None) -> None:
-    """The JSON (targets evaluated) and its chart at `output`, copies in `out_dir`; written after every
-    workload, so a command killed at its time limit still leaves the finished workloads."""
+    """The JSON (targets evaluated) and its chart at `output`, copies in `out_dir` (after every workload)."""
     from benchmarks.harness.plots import render
     from lorakit.rundir import write_json
 
@@ -263,8 +248,7 @@ def measure(bench) -> int:
         spec["gpu_tests"] = str(log_path)
     spec["models"] = {m: str(work / "models" / m) for m in s.models}
     try:
-        # On a GPU in its own process, so this one never holds device memory; the CPU smoke run saves the
-        # start-up of one more interpreter.
+        # On a GPU in its own process, so this one never holds device memory (the CPU smoke run: in this one).
         setup = device.setup_worker(spec) if smoke else runner.run("setup", spec, "setup")
     except RuntimeError as e:
         log(str(e))
@@ -296,8 +280,7 @@ def measure(bench) -> int:
             error = f"{type(e).__name__}: {e}"
             result["workloads"][name] = {"model": w["model"], "status": "failed", "error": error}
             log(f"  {name}: FAILED: {error}")
-        # Free the disk of models no later workload uses (8B is 16 GB); a skipped or failed workload's stays for a
-        # second command on the same machine.
+        # Free the disk of models no later workload uses (8B is 16 GB), but a skipped or failed workload's.
         later = {x["model"] for x in list(workloads.values())[i + 1 :]}
         later |= {x["model"] for x in result["workloads"].values() if x["status"] != "measured"}
         for m in [m for m in s.models if m not in later]:
@@ -318,8 +301,7 @@ def measure(bench) -> int:
 
 
 def plot(result: dict, plt):
-    """Useful tokens/s (with ratio and MFU) and peak GPU memory per workload and side; None when no side was
-    measured."""
+    """Useful tokens/s (ratio, MFU) and peak GPU memory per workload and side; None when none was measured."""
     workloads, measured = result["workloads"], gpu_result.measured
     names = [n for n, w in workloads.items() if any(map(measured, w.get("sides", {}).values()))]
     if not names:
@@ -328,20 +310,17 @@ def plot(result: dict, plt):
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(max(10, 2.2 * len(names) + 4), 5.2))
     width = 0.8 / len(sides)
     for j, side in enumerate(sides):
-        xs, tps, mem, labels = [], [], [], []
-        for i, n in enumerate(names):
-            r = workloads[n]["sides"].get(side, {})
-            if not measured(r):
-                continue
-            xs.append(i + (j - (len(sides) - 1) / 2) * width)
-            tps.append(r["useful_tokens_per_second"])
-            mem.append((r["peak_gpu_memory_bytes"] or r["peak_cpu_rss_bytes"]) / 2**30)
-            ratio, mfu = workloads[n]["ratios"].get(f"{side}/hf"), r["mfu"]
-            mfu = r["mfu_vs_measured_matmul"] if mfu is None else mfu
-            labels.append((f"x{ratio:.2f}\n" if ratio else "") + f"{mfu:.0%}")
-        ax.bar(xs, tps, width, label=side, color=f"C{j}")
-        ax2.bar(xs, mem, width, label=side, color=f"C{j}")
-        for x, y, text in zip(xs, tps, labels, strict=True):
+        offset = (j - (len(sides) - 1) / 2) * width
+        bars = [(i + offset, n, workloads[n]["sides"].get(side, {})) for i, n in enumerate(names)]
+        bars = [(x, n, r) for x, n, r in bars if measured(r)]
+        tps = [r["useful_tokens_per_second"] for _, _, r in bars]
+        mem = [(r["peak_gpu_memory_bytes"] or r["peak_cpu_rss_bytes"]) / 2**30 for _, _, r in bars]
+        ax.bar([x for x, _, _ in bars], tps, width, label=side, color=f"C{j}")
+        ax2.bar([x for x, _, _ in bars], mem, width, label=side, color=f"C{j}")
+        for (x, n, r), y in zip(bars, tps, strict=True):
+            ratio = workloads[n]["ratios"].get(f"{side}/hf")
+            mfu = r["mfu_vs_measured_matmul"] if r["mfu"] is None else r["mfu"]
+            text = (f"x{ratio:.2f}\n" if ratio else "") + f"{mfu:.0%}"
             ax.annotate(text, (x, y), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=7)
     for a in (ax, ax2):
         a.set_xticks(range(len(names)), [n.replace("_", "\n", 1) for n in names], fontsize=8)

@@ -1,7 +1,5 @@
-"""lorakit's GRPO vs TRL's GRPOTrainer on one CPU process, recipes/quickstart_grpo.yaml's job both ways, each
-run a worker of the harness (specs/grpo_vs_trl.yaml): seconds per optimizer step after the first, generate()'s
-token slots per second, mean reward per step. Needs `pip install 'lorakit[bench-trl]'`; benchmarks/README.md
-and docs/grpo.md say what is set alike on both sides.
+"""lorakit's GRPO vs TRL's GRPOTrainer on one CPU process, recipes/quickstart_grpo.yaml's job both ways; needs
+`pip install 'lorakit[bench-trl]'` (what is measured and set alike: benchmarks/README.md, docs/grpo.md).
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the harness and this lorakit
 
 from benchmarks.harness import ROOT, load_spec, main  # noqa: E402
-from benchmarks.harness.runner import medians_of  # noqa: E402
+from benchmarks.harness.runner import medians_of, pairs  # noqa: E402
 
 SPEC = load_spec("grpo_vs_trl")
 RECIPE = ROOT / "recipes" / "quickstart_grpo.yaml"
@@ -145,11 +143,9 @@ def measure(bench) -> int:
 
     runs = bench.rounds(list(SIDES), a.rounds, run)
     med = {s: medians_of([r for r in runs if r["side"] == s], KEYS) for s in SIDES}
-    pairs = zip(*([r for r in runs if r["side"] == s] for s in SIDES), strict=True)
-    per_round = [{k: x[k] / y[k] for k in KEYS[:2]} for x, y in pairs]
-    result = bench.result(
-        recipe=RECIPE.name, runs=runs, median_over_runs=med, lorakit_over_trl_per_round=per_round
-    )
+    per_round = [{k: x[k] / y[k] for k in KEYS[:2]} for y, x in pairs(runs, "lorakit", "trl")]
+    result = bench.result(recipe=RECIPE.name, runs=runs, median_over_runs=med)
+    result["lorakit_over_trl_per_round"] = per_round
     result["versions"]["trl"] = metadata.version("trl")
     bench.log(json.dumps({"median_over_runs": med, "lorakit_over_trl_per_round": per_round}, indent=1))
     return bench.finish(result)

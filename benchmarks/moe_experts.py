@@ -1,12 +1,7 @@
 """One MoE block's experts with LoRA on the fused stacks, forward + backward, per experts path: transformers'
-loop over the experts ("eager"), transformers' grouped matmul through peft's materialised W + B A
-("grouped_mm", transformers' default) and lorakit's grouped experts with the LoRA factored per group
-(lorakit.model.grouped_experts). Interleaved rounds, median seconds per path, ratios against the loop.
-
-    python benchmarks/moe_experts.py [--rounds 7] [--output benchmarks/results/moe_experts.json]
-
-The shapes (specs/moe_experts.yaml): the tiny Mixtral's block, and a wider one of Qwen3-MoE's proportions
-(small experts, many of them) at a CPU-sized width.
+loop ("eager"), its grouped matmul through peft's W + B A ("grouped_mm") and lorakit's grouped experts with
+the LoRA factored per group. Interleaved rounds, median seconds per path, ratios against the loop; shapes in
+specs/moe_experts.yaml, the command in benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -47,13 +42,6 @@ def block(hidden: int, expert_ffn: int, experts: int, top_k: int, lora_r: int, *
     return moe, config
 
 
-def step(moe, x) -> float:
-    """Seconds of one forward + backward (the LoRA weights' and the input's gradients)."""
-    t0 = time.perf_counter()
-    moe(x).square().mean().backward()
-    return time.perf_counter() - t0
-
-
 def measure_shape(shape: dict, rounds: int) -> dict:
     """The spec's shape with each path's seconds per round, their medians and the speed-ups over the loop."""
     import torch
@@ -69,9 +57,10 @@ def measure_shape(shape: dict, rounds: int) -> dict:
         for path in PATHS:
             config._experts_implementation = path
             moe.zero_grad()
-            t = step(moe, x)
+            t0 = time.perf_counter()
+            moe(x).square().mean().backward()  # the LoRA weights' and the input's gradients
             if i:
-                times[path].append(t)
+                times[path].append(time.perf_counter() - t0)
     median = {p: statistics.median(t) for p, t in times.items()}
     speedup = {p: median["eager"] / median[p] for p in PATHS}
     return {**shape, "median_seconds": median, "seconds": times, "speedup_vs_eager": speedup}

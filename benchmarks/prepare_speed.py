@@ -20,7 +20,7 @@ from benchmarks.harness.workers import guide_preprocess  # noqa: E402
 
 SPEC = load_spec("prepare_speed")
 SAMPLE = ROOT / "lorakit" / "data" / "samples" / "news_summaries" / "train.jsonl"
-TEMPLATE = "Summarize the following news article:\n{input}\nSummary:\n"
+TEMPLATE = SPEC["recipe"]["data"]["prompt_template"]
 GUIDE_SOURCE_CAP = 512
 
 
@@ -64,9 +64,7 @@ def guide(spec: dict) -> dict:
     wall, cpu = time.perf_counter(), _cpu()
     out = Path(spec["out"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    ds = datasets.load_dataset(
-        "json", data_files=spec["rows"], split="train", cache_dir=str(out / "hf-cache")
-    )
+    ds = datasets.load_dataset("json", data_files=spec["rows"], split="train", cache_dir=f"{out}/hf-cache")
     columns, caps = ("article", "highlights"), (GUIDE_SOURCE_CAP, spec["target_cap"])
     preprocess_function = guide_preprocess(tokenizer, TEMPLATE, columns, caps)
     num_proc = spec["num_proc"] if spec["num_proc"] > 1 else None
@@ -85,11 +83,9 @@ def lorakit_side(spec: dict) -> dict:
 
     datasets.disable_progress_bars()
     out = Path(spec["out"])
-    data = {"source": spec["rows"], "input_column": "article", "target_column": "highlights"}
-    data.update(prompt_template=TEMPLATE, max_source_length="auto", max_target_length="auto")
-    data.update(num_proc=spec["num_proc"], cache_dir=str(out / "cache"))
-    recipe = {"model": {"name_or_path": spec["model"]}, "method": {"kind": "lora"}, "data": data}
-    recipe.update(eval={"enabled": False}, distributed={"num_processes": 1}, output={"dir": str(out / "run")})
+    recipe = json.loads(json.dumps(SPEC["recipe"]))
+    recipe["data"].update(source=spec["rows"], num_proc=spec["num_proc"], cache_dir=str(out / "cache"))
+    recipe.update(model={"name_or_path": spec["model"]}, output={"dir": str(out / "run")})
     recipe = recipe_from_dict(recipe)
     wall, cpu = time.perf_counter(), _cpu()
     data = lorakit.prepare(recipe)
@@ -107,10 +103,6 @@ def longest_target(model: Path, rows: Path) -> int:
 
 
 WORKERS = {"guide": guide, "lorakit": lorakit_side}
-
-
-def default_output(args) -> str:
-    return SPEC["output"].replace(".json", "" if args.shape == "news" else f"_{args.shape}.json")
 
 
 def measure(bench) -> int:

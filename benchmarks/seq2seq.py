@@ -1,14 +1,9 @@
 """Encoder-decoder (T5) training, two measurements of useful tokens per second over one epoch.
 
-    python benchmarks/seq2seq.py padding [--dataset news|code] [--max-samples N] [--sides S,..] [--smoke] ...
-    python benchmarks/seq2seq.py packing [--dataset dialogues|news] [--model tiny:t5|tiny:t5gemma]
-                                         [--examples-per-row 8,16,32] [--sweep-repeats K] [--smoke] ...
-    python benchmarks/seq2seq.py padding --plot-only benchmarks/results/seq2seq_padding.json
-
 `padding` (specs/seq2seq_padding.yaml): lorakit vs the FLAN-T5 DeepSpeed guide's Seq2SeqTrainer pipeline (pads
 to max_length), without and with its ZeRO-3, and vs an expert's that pads dynamically and groups by length.
 `packing` (specs/seq2seq_packing.yaml): packed vs padded in lorakit, with the eval loss after the epoch.
-benchmarks/README.md says more of both.
+Commands (`python benchmarks/seq2seq.py padding|packing [--smoke] ...`): benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -21,13 +16,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the harness and this lorakit
 
-from benchmarks.harness import load_spec, main, plots  # noqa: E402
+from benchmarks.harness import load_spec, main, plots, workers  # noqa: E402
 from benchmarks.harness.runner import claims, first_of, one_or_all, token_checks  # noqa: E402
-from benchmarks.harness.workers import dig, guide_preprocess, one_process_env, train, training_args, with_lora  # noqa: E402
 
 PADDING, PACKING = load_spec("seq2seq_padding"), load_spec("seq2seq_packing")
 MICRO_BATCH = PACKING["recipe"]["train"]["micro_batch_size"]
 SIDES = list(PACKING["sides"])
+UNTRUNCATED = ("source_tokens_untruncated", "target_tokens_untruncated")
 
 
 def data_overrides(bench) -> dict:
@@ -40,12 +35,6 @@ def data_overrides(bench) -> dict:
         write_rows(bench.tmp / "code" / "train.jsonl", bench.args.max_samples, "code")
         data["source"] = str(bench.tmp / "code")
     return {f"data.{k}": v for k, v in data.items()}
-
-
-def check_args_padding(args, error) -> None:
-    unknown = sorted(set(args.sides or ()) - set(PADDING["sides"]))
-    if unknown:
-        error(f"--sides: unknown side(s) {', '.join(unknown)}; the sides are {', '.join(PADDING['sides'])}")
 
 
 def hf_worker(spec: dict) -> dict:
@@ -68,18 +57,16 @@ def hf_worker(spec: dict) -> dict:
     columns = (data["input_column"], data["target_column"])
     caps = (spec["max_source_length"], spec["max_target_length"])
     padding = "do_not_pad" if dynamic else "max_length"
-    preprocess = guide_preprocess(tokenizer, data["prompt_template"], columns, caps, padding)
+    preprocess = workers.guide_preprocess(tokenizer, data["prompt_template"], columns, caps, padding)
     rows = rows.map(preprocess, batched=True, remove_columns=rows.column_names)
     hf.set_seed(cfg["seed"])
     dtype, attention = getattr(torch, recipe["model"]["dtype"]), spec["attention"]
-    model = hf.AutoModelForSeq2SeqLM.from_pretrained(source, dtype=dtype, attn_implementation=attention)
-    model.config.use_cache = False
-    model = with_lora(model, recipe["method"], seq2seq=True)
+    model = workers.hf_model(source, recipe["method"], True, dtype=dtype, attn_implementation=attention)
     collator = hf.DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100)
     out = {"useful_tokens": 0, "token_slots": 0, "samples": 0}
     out.update(epoch_seconds=0.0, epoch_cpu_seconds=0.0, step_seconds=0.0)
 
-    def counting_collator(features):  # counts what every trained batch holds; the batch itself is untouched
+    def counted(features):  # counts what every trained batch holds; the batch itself is untouched
         batch = collator(features)
         out["useful_tokens"] += int(batch["attention_mask"].sum()) + int((batch["labels"] != -100).sum())
         out["token_slots"] += batch["input_ids"].numel() + batch["labels"].numel()
@@ -90,8 +77,7 @@ def hf_worker(spec: dict) -> dict:
 
     class Timer(hf.TrainerCallback):
         def on_train_begin(self, *a, **k):
-            # DeepSpeed's initialisation inside the Trainer resets torch's thread count (to one per core);
-            # pin it again so every side computes with the same number of threads.
+            # DeepSpeed's initialisation inside the Trainer resets torch's thread count: pin it again.
             if spec.get("torch_threads"):
                 torch.set_num_threads(spec["torch_threads"])
 
@@ -108,16 +94,15 @@ def hf_worker(spec: dict) -> dict:
         def on_step_end(self, *a, **k):
             out["step_seconds"] += time.perf_counter() - marks["step"]
 
-    deepspeed = None
-    if spec["hf"].get("zero3"):  # the model is loaded before the arguments, as in the guide's script
-        one_process_env(spec["master_port"])
-        deepspeed = spec["guide_zero3"]
+    # Under ZeRO-3 the model is loaded before the arguments, as in the guide's script.
+    zero3 = spec["hf"].get("zero3")
+    deepspeed = workers.one_process_deepspeed(spec["master_port"], spec["guide_zero3"]) if zero3 else None
     # group_by_length: the expert's LengthGroupedSampler; the guide samples at random.
-    kwargs = {k: dig(recipe, key) for k, key in PADDING["hf_from_recipe"].items()}
+    kwargs = {k: workers.dig(recipe, key) for k, key in PADDING["hf_from_recipe"].items()}
     kwargs.update(spec["hf_args"], deepspeed=deepspeed, output_dir=spec["work_dir"], group_by_length=dynamic)
-    args = training_args(hf.Seq2SeqTrainingArguments, **kwargs)
-    trainer, metrics, losses = train(
-        hf.Seq2SeqTrainer, model, args, rows, counting_collator, tokenizer, Timer()
+    args = workers.training_args(hf.Seq2SeqTrainingArguments, **kwargs)
+    trainer, metrics, losses = workers.train(
+        hf.Seq2SeqTrainer, model, args, rows, counted, tokenizer, Timer()
     )
     params = list(model.parameters())
     out.update(steps=trainer.state.global_step, trainer_train_runtime=metrics["train_runtime"], **losses)
@@ -165,8 +150,7 @@ def measure_padding(bench) -> int:
     data_keys = data_overrides(bench)
     data = bench.prepare("lorakit_zero3", data_keys)  # the lorakit runs reuse its tiny T5 and cache
     log(data.describe())
-    lengths = {"max_source_length": data.lengths.max_source_length}
-    lengths["max_target_length"] = data.lengths.max_target_length
+    lengths = {k: getattr(data.lengths, k) for k in ("max_source_length", "max_target_length")}
     hf_spec = {**lengths, "attention": choose_attention("auto", T5ForConditionalGeneration)}
     hf_spec.update(guide_zero3=spec["guide_zero3"], hf_args=spec["hf_args"])
 
@@ -196,12 +180,7 @@ def measure_padding(bench) -> int:
     source = base["source"] if base["source"].startswith("builtin:") else PADDING["generated_source"]
     data_setup = {"dataset": args.dataset, "source": source, "split": base["split"], "rows": args.max_samples}
     data_setup.update(prompt_template=base["prompt_template"], **lengths, lengths_from=spec["lengths_from"])
-    stats = (
-        "source_tokens_untruncated",
-        "target_tokens_untruncated",
-        "truncated_sources",
-        "truncated_targets",
-    )
+    stats = (*UNTRUNCATED, "truncated_sources", "truncated_targets")
     data_setup.update({k: data.stats.get(k) for k in stats})
     checkpointing = {"use_reentrant": False} if args.gradient_checkpointing else None
     whole = next((s for s in sides if "zero3" not in s), sides[0])  # ZeRO-3 sides count a partition
@@ -241,32 +220,24 @@ def check_args_packing(args, error) -> None:
 
 
 def rows_at(budget: int, sources: list[int], targets: list[int]) -> int:
-    """Packed rows of one epoch at encoder budget `budget` (decoder budget: lorakit's default), as lorakit
-    packs them on one process."""
+    """Packed rows of one epoch at encoder budget `budget`, as lorakit packs them on one process."""
     from lorakit.data.multipack_seq2seq import Seq2SeqMultipackBatchSampler, default_max_target_tokens
 
     max_target = default_max_target_tokens(sources, targets, budget)
     return len(Seq2SeqMultipackBatchSampler(sources, targets, budget, max_target, num_replicas=1))
 
 
-def packed_candidates(row_examples: list, examples_per_step: int, sources: list, targets: list) -> list:
-    """(examples per row, train.max_tokens, rows per optimizer step) for each packed row size swept.
-
-    The budget is the largest multiple of 8 at which the epoch still packs into at least n / k rows, so
-    rows hold at most k examples on average and, with examples_per_step / k rows per step, the epoch takes
-    at least the padded sides' optimizer steps (never fewer, larger steps)."""
-    out = []
-    mean = sum(sources) / len(sources)
-    for k in row_examples:
-        need = math.ceil(len(sources) / k)
-        lo = 8 * math.ceil(max(sources) / 8)  # any one example must fit
-        budgets = range(lo, max(lo, 8 * math.ceil(2 * k * mean / PACKING["row_fill"] / 8)) + 1, 8)
-        # rows_at falls as the budget grows: the largest budget that still packs `need` rows or more.
-        fewer = bisect.bisect_right(budgets, -need, key=lambda b: -rows_at(b, sources, targets))
-        budget = budgets[max(fewer - 1, 0)]
-        c = {"examples_per_row": k, "max_tokens": budget, "accumulation": examples_per_step // k}
-        out.append({**c, "rows_per_epoch": rows_at(budget, sources, targets)})
-    return out
+def budget_rows(k: int, examples_per_step: int, sources: list, targets: list) -> dict:
+    """Rows of k examples on average: the largest train.max_tokens (a multiple of 8) that still packs the
+    epoch into n / k rows or more (benchmarks/README.md), its rows per optimizer step and per epoch."""
+    mean, need = sum(sources) / len(sources), math.ceil(len(sources) / k)
+    lo = 8 * math.ceil(max(sources) / 8)  # any one example must fit
+    budgets = range(lo, max(lo, 8 * math.ceil(2 * k * mean / PACKING["row_fill"] / 8)) + 1, 8)
+    # rows_at falls as the budget grows: the largest budget that still packs `need` rows or more.
+    fewer = bisect.bisect_right(budgets, -need, key=lambda b: -rows_at(b, sources, targets))
+    budget = budgets[max(fewer - 1, 0)]
+    c = {"examples_per_row": k, "max_tokens": budget, "accumulation": examples_per_step // k}
+    return {**c, "rows_per_epoch": rows_at(budget, sources, targets)}
 
 
 def measure_packing(bench) -> int:
@@ -275,8 +246,7 @@ def measure_packing(bench) -> int:
     base_seed = spec["base_seed"]
 
     def overrides(side: str, b: dict, seed: int) -> dict:
-        """`b`: examples per micro-batch (packed: per row, without a budget), the packed rows' token budget
-        or None, micro-batches per optimizer step."""
+        """`b`: examples per micro-batch (or row), the packed rows' budget or None, micro-batches per step."""
         out = {f"data.{k}": v for k, v in dataset.items()}
         out.update({"train.micro_batch_size": b["micro_batch"], "train.seed": seed})
         out["train.gradient_accumulation_steps"] = b["accumulation"]
@@ -307,14 +277,13 @@ def measure_packing(bench) -> int:
 
     row_sweep = None
     if len(candidates) > 1:
-        # Chosen by useful tokens per CPU second: with one torch thread, what the run computed; wall seconds
-        # also hold what other jobs on a shared machine took (up to 2x on a sweep run's wall time here).
+        # Chosen by useful tokens per CPU second: wall seconds also hold what other jobs on the machine took.
         row_sweep = bench.sweep(list(by_size), sweep_run, lambda k, runs: by_size[k])
         row_sweep["candidates"] = candidates
     best = row_sweep["best"] if row_sweep else candidates[0]["examples_per_row"]
     chosen = next(c for c in candidates if c["examples_per_row"] == best)
     # Rows filled to a token budget, at the same examples per row on average (lorakit with max_tokens).
-    (budget,) = packed_candidates([best], per_step, sources, targets)
+    budget = budget_rows(best, per_step, sources, targets)
     budget["micro_batch"] = MICRO_BATCH
     prepare("packed_budget", budget["max_tokens"])
     log(f"packed rows: {best} random examples; budget rows: train.max_tokens {budget['max_tokens']}")
@@ -340,17 +309,12 @@ def measure_packing(bench) -> int:
     result["max_target_tokens"] = first_of(runs, SIDES, "max_target_tokens")
     r0, eval_rows = runs[0], one_or_all(r["eval_rows"] for r in every if r["eval_rows"] is not None)
     data_setup = {**dataset, "split": "train", "rows": args.max_samples, "format": "instruction"}
-    caps = ("max_source_length", "max_target_length")
+    caps = ("max_source_length", "max_target_length", *UNTRUNCATED)
     data_setup.update({k: r0[k] for k in caps}, caps_from=spec["caps_from"])
-    data_setup.update({k: r0[k] for k in ("source_tokens_untruncated", "target_tokens_untruncated")})
     data_setup.update(eval_split="validation", eval_rows=eval_rows)
+    more = {"zero_stage": first_of(runs, SIDES, "zero_stage"), "saving": "disabled"}
     evaluation = spec["evaluation"].format(n=args.max_eval_samples)
-    more = {
-        "zero_stage": first_of(runs, SIDES, "zero_stage"),
-        "evaluation": evaluation,
-        "saving": "disabled",
-    }
-    setup = bench.setup(every, SIDES, data_setup, **more)
+    setup = bench.setup(every, SIDES, data_setup, evaluation=evaluation, **more)
     how = "chosen by the sweep" if row_sweep else "the only row size given, no sweep"
     context = {"k": best, "how": how, "budget": budget["max_tokens"], "budget_k": best}
     context.update(packed_accumulation=chosen["accumulation"], padded_accumulation=padded["accumulation"])
@@ -385,22 +349,14 @@ def plot_packing(result: dict, plt):
     losses = [r["eval_loss"] for r in result["runs"]]
     pad = 0.5 * (max(losses) - min(losses) + 0.05)
     axes[1].set_ylim(min(losses) - pad, max(losses) + pad)
-    if swept:  # the sweep chooses by useful tokens per CPU second (see sweep())
-        title = f"row size sweep: packed useful tokens / CPU s ({swept['repeats']} round(s))"
-
-        def notes(p: dict) -> str:
-            eff, steps, loss = p["padding_efficiency"], p["optimizer_steps"], p["eval_loss"]
-            return f"eff. {eff:.2f}\n{steps} steps\neval {loss:.3f}"
-
-        metric = "useful_tokens_per_cpu_second"
-        plots.sweep_bars(axes[2], swept, PACKING["sweep"], metric, notes, title)
-        axes[2].set_xlabel("train.micro_batch_size (random examples per packed row)", fontsize=8)
+    if swept:
+        plots.sweep_bars(axes[2], swept, PACKING["sweep"])
     return fig
 
 
 WORKERS = {"hf": hf_worker}
 MEASUREMENTS = {  # what the harness reads of a script, for each of its measurements (harness/cli.py)
-    "padding": dict(SPEC=PADDING, measure=measure_padding, plot=plot_padding, check_args=check_args_padding),
+    "padding": dict(SPEC=PADDING, measure=measure_padding, plot=plot_padding),
     "packing": dict(SPEC=PACKING, measure=measure_packing, plot=plot_packing, check_args=check_args_packing),
 }
 

@@ -1,6 +1,5 @@
-"""Time to the first step and time around the steps, on the quickstart (specs/step_overhead.yaml): the share
-of per-step work outside forward, backward and optimizer step, and with --compile-ab a step's CPU time compiled
-against eager. The phase timers wrap lorakit's internals (harness/workers.py); benchmarks/README.md says more.
+"""Time to the first step and the share of per-step work outside forward, backward and optimizer step, on the
+quickstart; with --compile-ab a step's CPU time compiled against eager (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -112,12 +111,11 @@ def measure_first_step(bench, overrides: list[str]) -> dict:
 
 
 def measure_compile(bench) -> int:
-    """--compile-ab: one optimizer step's CPU time with model.compile true and false, on each shape, the
-    two interleaved; the steps before --warmup-steps (compilation) left out and the compile time reported."""
+    """--compile-ab: a step's CPU time with model.compile true and false, interleaved, after the warm-up."""
     from benchmarks.harness.device import build_weights, write_model_dir
     from benchmarks.harness.runner import median, paired_ratios
 
-    args, ab = bench.args, SPEC["compile_ab"]
+    args, ab, sides = bench.args, SPEC["compile_ab"], ("compiled", "eager")
     result = bench.result(compile_ab=ab["about"], shapes={})
     for shape in args.compile_ab:
         s = ab["shapes"][shape]
@@ -140,11 +138,9 @@ def measure_compile(bench) -> int:
             bench.log(f"  {shape} {side}: step {r['step_cpu']:.3f} CPU s, compile {r['compile']}")
             return {k: r[k] for k in ("side", "step_cpu", "step_wall", "first_steps_cpu", "compile", "steps")}
 
-        runs = bench.rounds(["compiled", "eager"], args.repeats, one, title=shape)
-        paired = paired_ratios(runs, "compiled", "eager", "step_cpu")
-        meds = {
-            side: median(r["step_cpu"] for r in runs if r["side"] == side) for side in ("compiled", "eager")
-        }
+        runs = bench.rounds(list(sides), args.repeats, one, title=shape)
+        paired = paired_ratios(runs, *sides, "step_cpu")
+        meds = {side: median(r["step_cpu"] for r in runs if r["side"] == side) for side in sides}
         ratio = meds["compiled"] / meds["eager"]
         result["shapes"][shape] = {**s, "median_step_cpu": meds, "compiled_over_eager": ratio}
         result["shapes"][shape].update(paired_compiled_over_eager=paired, runs=runs)

@@ -1,5 +1,4 @@
-"""A benchmark's command line, built from its spec, and the invocation it drives (`Bench`): recipes of the
-sides, worker runs, interleaved rounds, the result's common blocks, writing the JSON and the chart."""
+"""A benchmark's command line, built from its spec, and the invocation it drives (`Bench`)."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ def options(spec: dict) -> dict:
 
 
 def parse(spec: dict, module, argv: list[str]) -> argparse.Namespace:
-    """The spec's options plus --output, --smoke (its smoke options first, so that later ones win), --note and
-    --plot-only, parsed; bad values exit with code 2 before anything is written."""
+    """The spec's options plus --output, --smoke, --note and --plot-only, parsed; bad values exit with 2."""
     p = argparse.ArgumentParser(prog=f"python benchmarks/{script(spec)}", description=spec["about"])
     default = spec.get("output_help", spec.get("output"))
     p.add_argument("--output", help=f"result JSON (default: {default}; --smoke: a temp file)")
@@ -81,6 +79,10 @@ def parse(spec: dict, module, argv: list[str]) -> argparse.Namespace:
             # lorakit's sampler fills a last short micro-batch with repeats: the sides' counts would differ.
             what = o["multiple_of"].rpartition(".")[2].replace("_", " ")
             p.error(f"{flag} must be a multiple of the {what} {n}")
+        if "of" in o and value is not None:  # names of the spec's `of` entries, at least one
+            unknown, what = sorted(set(value) - set(spec[o["of"]])), o["of"].removesuffix("s") + "(s)"
+            if unknown or not value:
+                p.error(f"{flag}: unknown {what} {', '.join(unknown)}; known: {', '.join(spec[o['of']])}")
         if o.get("type") == "switch":
             setattr(args, name, value == "on")
         elif o.get("type") == "path" and value is not None:
@@ -98,11 +100,9 @@ def main(module, argv: list[str] | None = None) -> int:
     if hasattr(module, "MEASUREMENTS"):  # one script, several measurements: the first argument names one
         if argv[:1] and argv[0] in module.MEASUREMENTS:
             return main(SimpleNamespace(**module.MEASUREMENTS[argv[0]], __file__=module.__file__), argv[1:])
-        names = ",".join(module.MEASUREMENTS)
-        print(
-            f"usage: python benchmarks/{Path(module.__file__).name} {{{names}}} [--help | OPTIONS]",
-            file=sys.stderr,
-        )
+        names = "{" + ",".join(module.MEASUREMENTS) + "}"
+        usage = f"usage: python benchmarks/{Path(module.__file__).name} {names} [--help | OPTIONS]"
+        print(usage, file=sys.stderr)
         return 2
     args = parse(module.SPEC, module, argv)
     if args.plot_only:
@@ -133,10 +133,8 @@ class Bench:
         self.module, self.spec, self.args = module, module.SPEC, args
         self.provenance = Provenance()
         self.tmp = Path(tempfile.mkdtemp(prefix=f"lorakit-{self.spec['benchmark']}-"))
-        # A spec with `datasets` writes each --dataset's result to its own `output`.
-        by_dataset = lambda a: self.spec["datasets"][a.dataset]["output"]  # noqa: E731
-        default = getattr(module, "default_output", by_dataset if "datasets" in self.spec else None)
-        default = default(args) if default else self.spec["output"]
+        by = self.spec.get("output_by")  # an option: `dataset` writes to `datasets[--dataset].output`
+        default = self.spec[f"{by}s"][getattr(args, by)]["output"] if by else self.spec["output"]
         if args.smoke and not args.output:  # never over a committed result: a directory that outlives the run
             default = Path(tempfile.mkdtemp(prefix=f"lorakit-{self.spec['benchmark']}-smoke-")) / "smoke.json"
         self.output = Path(args.output or ROOT / default).expanduser().resolve()
@@ -156,8 +154,7 @@ class Bench:
         return raw
 
     def prepare(self, side: str, overrides: dict | None = None):
-        """lorakit.prepare on the side's recipe, before any timed run: the tiny model is built and the rows
-        tokenized and cached once, here, so that no run pays for it. Keeps the model's config for `setup`."""
+        """lorakit.prepare on the side's recipe, so that no timed run pays for it; keeps the model config."""
         import lorakit
         from lorakit.model import load_config
         from lorakit.recipe import recipe_from_dict
@@ -171,8 +168,7 @@ class Bench:
         return bool(self.spec["sides"][side].get("recipe", {}).get("data.packing"))
 
     def run(self, side: str, label=None, overrides=None, kind="lorakit", spec=None, **fields) -> dict:
-        """One run of a side in a fresh worker (lorakit.train on the side's recipe unless `kind`/`spec` say
-        otherwise); the run gets `side`, `fields` and the spec's rates, and a line in the log."""
+        """One run of a side in a fresh worker (lorakit.train unless `kind`/`spec` say otherwise)."""
         label = label or side
         work = str(self.tmp / f"work-{label}-{time.monotonic_ns()}")
         if spec is None:
@@ -191,10 +187,8 @@ class Bench:
         return interleave(items, rounds, run_one, self.log, title)
 
     def sweep(self, items: list, run_one, extra=lambda item, runs: {}) -> dict:
-        """The spec's `sweep`: interleaved rounds (--sweep-repeats) of `run_one(item)` before the comparison
-        rounds (which are new runs, so picking the best of a noisy sweep does not flatter them). Per item: the
-        medians of its runs, each run's `run_lists` values, its first run's `firsts`, `extra(item, its runs)`;
-        then the best item by each metric of `choose`."""
+        """The spec's `sweep`: interleaved rounds (--sweep-repeats) of `run_one(item)`, a summary per item
+        (medians, `run_lists`, `firsts`, `extra(item, runs)`), the best item by each metric of `choose`."""
         sw = self.spec["sweep"]
         runs = self.rounds(items, self.args.sweep_repeats, lambda x, _: run_one(x), sw["title"])
         per = {}
@@ -213,8 +207,7 @@ class Bench:
         return meds, ratios(runs, meds, comparisons, self.spec.get("ratio_key", "{side}/{versus}"))
 
     def setup(self, runs: list[dict], sides: list[str], data: dict, **more) -> dict:
-        """The result's `setup`: the model (the spec's `model_config` attributes of its config), `data`, the
-        shared recipe's method, train and dtype, each side's attention, and `more` (after `prepare`)."""
+        """The result's `setup`: model, `data`, recipe, each side's attention, `more` (after `prepare`)."""
         recipe, first = self.spec["recipe"], runs[0]
         attrs = {k: getattr(self.model_config, k, None) for k in self.spec["model_config"]}
         model = {"name_or_path": recipe["model"]["name_or_path"]}
@@ -228,8 +221,7 @@ class Bench:
         return {**out, "torch_threads": sorted({r["torch_threads"] for r in runs})}
 
     def per_side(self, runs: list[dict], sides: list[str], equal: bool, meds: dict, firsts=()) -> dict:
-        """Tables by side: useful tokens (and whether all sides agree), median padding efficiency, token
-        slots and `firsts` (what every run of a side has alike, read from its first run)."""
+        """Tables by side: useful tokens, padding efficiency, token slots, `firsts` (from its first run)."""
         tokens = {s: sorted({r["useful_tokens"] for r in runs if r["side"] == s}) for s in sides}
         out = {"useful_tokens": {"per_side": {s: v[0] if len(v) == 1 else v for s, v in tokens.items()}}}
         out["useful_tokens"]["equal_on_all_sides"] = equal
@@ -249,9 +241,7 @@ class Bench:
         return {**head, **self.provenance.start(), "notes": list(self.args.note or [])}
 
     def finish(self, result: dict, valid: bool = True) -> int:
-        """Adds the provenance known at the end, writes the JSON and its chart, logs the checks, ratios and
-        claims; 1 (after writing the result, which records it) when the runs failed their checks (`valid`
-        false: the spec's `invalid` says how), else 0."""
+        """Writes the result and its chart, logs ratios and claims; 1 when the runs failed their checks."""
         from lorakit.rundir import write_json
 
         result.update(self.provenance.end())
@@ -261,14 +251,12 @@ class Bench:
         write_json(self.output, result)
         checks = result.get("checks", {})
         if "examples_per_run" in checks:
-            self.log(
-                f"useful tokens: {checks['useful_tokens']} on every run, {checks['examples_per_run']} examples"
-            )
+            examples = checks["examples_per_run"]
+            self.log(f"useful tokens: {checks['useful_tokens']} on every run, {examples} examples")
         for key, r in result.get("ratios", {}).items():
             paired = [round(x, 2) for x in r["paired_useful_tokens_per_second"]]
-            self.log(
-                f"{key}: x{r['useful_tokens_per_second']:.2f} useful tokens/s (of medians), paired {paired}"
-            )
+            ratio = r["useful_tokens_per_second"]
+            self.log(f"{key}: x{ratio:.2f} useful tokens/s (of medians), paired {paired}")
         for c in result.get("claims") or ([dict(result, name="claim")] if "claim_met" in result else []):
             self.log(f"{c['name']}: {'met' if c['claim_met'] else 'NOT met'}")
         self.log(f"wrote {self.output} in {result['benchmark_wall_seconds']:.0f} s")

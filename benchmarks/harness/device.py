@@ -15,8 +15,7 @@ from benchmarks.harness.provenance import ROOT
 
 
 def probe(matmul_n: int, dtype_name: str) -> dict:
-    """The device, its measured matmul rate, optional backends, versions. (lorakit's optimizer on CUDA is torch's
-    fused AdamW: no DeepSpeed op is built here or in a run.)"""
+    """The device, its measured matmul rate, optional backends, versions."""
     import importlib.util
     from importlib import metadata
 
@@ -74,9 +73,8 @@ def probe(matmul_n: int, dtype_name: str) -> dict:
 
 
 def t5_sdpa_backends(dtype) -> dict:
-    """Which of SDPA's kernels take T5's attention (an additive position-bias mask, dropout in training) in a
-    forward and backward pass of a small T5 on the GPU: the third lease's profile showed fp32 GEMMs where T5
-    attends, the signature of SDPA's math fallback."""
+    """Which of SDPA's kernels take T5's attention (a position-bias mask) in a forward and backward pass of a
+    small T5 on the GPU (the third lease's profile showed SDPA's math fallback there)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import T5Config, T5ForConditionalGeneration
@@ -85,10 +83,8 @@ def t5_sdpa_backends(dtype) -> dict:
     layers = {"num_layers": 1, "num_decoder_layers": 1, "feed_forward_proj": "gated-gelu"}
     config = T5Config(**sizes, **layers, decoder_start_token_id=0)
     model = T5ForConditionalGeneration._from_config(config, attn_implementation="sdpa", dtype=dtype).cuda()
-    ids, labels = (
-        torch.randint(1, 256, (4, 200), device="cuda"),
-        torch.randint(1, 256, (4, 40), device="cuda"),
-    )
+    ids = torch.randint(1, 256, (4, 200), device="cuda")
+    labels = torch.randint(1, 256, (4, 40), device="cuda")
     mask = torch.ones_like(ids)
     mask[1:, 150:] = 0  # padded rows, as length-grouped micro-batches have
     out = {}
@@ -103,9 +99,8 @@ def t5_sdpa_backends(dtype) -> dict:
 
 
 def setup_worker(spec: dict) -> dict:
-    """The probe, then the random weights of every model the run needs (one process for all of it). With
-    `gpu_tests` (the log's path) the GPU tests run beside the weight builds, after the probe has measured the
-    matmul rate on an idle device: the builds wait on the disk, the tests on small kernels."""
+    """The probe, then the random weights of every model the run needs; with `gpu_tests` (the log's path)
+    the GPU tests run beside the weight builds (which wait on the disk), after the probe."""
     import threading
 
     out = {"probe": probe(spec["matmul_n"], spec["dtype"]), "builds": {}}
@@ -125,8 +120,7 @@ def setup_worker(spec: dict) -> dict:
 
 
 def write_model_dir(path: Path, kwargs: dict):
-    """Tokenizer (lorakit's tiny BPE, ids < 2000) and config (transformers kwargs with `model_type`) of a
-    random-weight model of a real shape, saved in `path`; the config."""
+    """Tokenizer (lorakit's tiny BPE) and config (`kwargs`) of a random-weight model, saved in `path`."""
     from transformers import AutoConfig
 
     from lorakit.testing import build_tiny_tokenizer
@@ -176,19 +170,14 @@ def build_weights(model_dir: str, dtype: str) -> dict:
     if dev == "cuda":
         torch.cuda.empty_cache()
     size = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-    build = {
-        "seconds": time.perf_counter() - start,
-        "params": params,
-        "safetensors_bytes": size,
-        "device": dev,
-    }
+    build = {"seconds": time.perf_counter() - start, "params": params, "safetensors_bytes": size}
+    build["device"] = dev
     marker.write_text(json.dumps({"identity": identity, "build": build}))
     return build
 
 
 def run_gpu_tests(log_path: Path, log, tests: str = "tests/gpu", timeout: float = 300.0) -> dict:
-    """pytest -m gpu tests/gpu, output appended to the log and a junit XML beside it; the counts, and whether
-    they passed (gpu_tests_passed), go into the result. A run past `timeout` counts as failed."""
+    """pytest -m gpu tests/gpu (junit XML beside the log): the counts and whether they passed."""
     start = time.perf_counter()
     # One process on the one GPU, and no pytest-xdist there: the machine has pytest, not the dev extra.
     junit = log_path.with_name("gpu_tests_junit.xml")
@@ -210,7 +199,6 @@ def run_gpu_tests(log_path: Path, log, tests: str = "tests/gpu", timeout: float 
 
 
 def gpu_tests_passed(gpu_tests: dict) -> bool:
-    """Whether the GPU tests passed: pytest exited 0 and at least one test ran and passed (tests that all
-    skipped, on a machine without CUDA say, checked nothing)."""
+    """Whether pytest exited 0 and at least one test passed (tests that all skipped checked nothing)."""
     ran = re.search(r"(\d+) passed", gpu_tests.get("summary") or "")
     return gpu_tests.get("exit_code") == 0 and ran is not None and int(ran.group(1)) > 0

@@ -1,5 +1,5 @@
-"""A GPU benchmark's result beyond its runs: the targets judged, the table it prints, the exit status, and
-the parts of several invocations (one lease command each) merged into one result."""
+"""A GPU benchmark's result beyond its runs: targets, plan and profile, the table it prints, the exit status,
+and the parts of several invocations merged into one."""
 
 from __future__ import annotations
 
@@ -38,10 +38,8 @@ def target_met(target: dict, value: float) -> bool:
 
 
 def against_plan(recipe: dict, side: dict, gpu_memory: int | None) -> dict:
-    """lorakit.plan for the recipe a side trained, on one GPU of this one's memory, beside its measured peak:
-    the plan's allocated bytes (its per-GPU figure less the stated framework overhead) against
-    torch.cuda.max_memory_allocated, which counts the same tensors. On CPU (smoke) the plan is made for
-    PyTorch's CPU kernels and set against the process's peak RSS, which also holds the interpreter."""
+    """lorakit.plan for the recipe a side trained, on one GPU of this one's memory: its allocated bytes
+    (per-GPU less the framework overhead) against the measured peak (on CPU: the process's peak RSS)."""
     try:
         from lorakit.planner import plan
         from lorakit.recipe import recipe_from_dict
@@ -50,13 +48,10 @@ def against_plan(recipe: dict, side: dict, gpu_memory: int | None) -> dict:
         estimate = plan(recipe_from_dict(recipe), gpus=1, gpu_memory=gpu_memory, device=device).estimate
     except Exception as e:  # the measurement stands without it
         return {"error": f"{type(e).__name__}: {e}"[-1000:]}
-    planned = estimate.per_gpu_bytes - estimate.gpu_overhead
+    per_gpu = estimate.per_gpu_bytes
+    planned = per_gpu - estimate.gpu_overhead
     peak = side.get("peak_gpu_memory_bytes") or side["peak_cpu_rss_bytes"]
-    out = {
-        "device": device,
-        "planned_allocated_bytes": planned,
-        "planned_per_gpu_bytes": estimate.per_gpu_bytes,
-    }
+    out = {"device": device, "planned_allocated_bytes": planned, "planned_per_gpu_bytes": per_gpu}
     return {**out, "measured_peak_bytes": peak, "ratio": peak / planned, "breakdown": estimate.to_dict()}
 
 
@@ -76,17 +71,11 @@ def describe_extras(side: dict) -> list[str]:
     return lines
 
 
-HOST_SYNCS = (
-    "cudaStreamSynchronize",
-    "cudaDeviceSynchronize",
-    "cudaEventSynchronize",
-    "aten::_local_scalar_dense",
-)
+DEVICE_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def profile_summary(prof, step: int, seconds: float, top: int = 25) -> dict:
-    """What one profiled step spent its time on: the device kernels (or, without a device, the CPU
-    operators) by their own time, the share of the step the device was busy, and the host's busiest ops."""
+    """What one profiled step spent its time on: kernels (or CPU operators), device busy share, host ops."""
     from torch.autograd import DeviceType
 
     events = prof.key_averages()
@@ -104,9 +93,8 @@ def profile_summary(prof, step: int, seconds: float, top: int = 25) -> dict:
     out = {"step": step, "step_seconds": seconds, "what": "device kernels" if kernels else "CPU operators"}
     out.update(device_busy_seconds=busy, device_busy_share=None if busy is None else busy / seconds)
     out["kernel_launches"] = sum(e.count for e in kernels)
-    # Where the host waited for the device (an .item() is a copy and a stream synchronisation); without a
-    # device, the reads of a tensor's value that would be one.
-    waits = HOST_SYNCS[:3] if kernels else HOST_SYNCS[3:]
+    # Where the host waited for the device (an .item() is one); without a device, the reads that would be.
+    waits = DEVICE_SYNCS if kernels else ("aten::_local_scalar_dense",)
     out["host_syncs"] = sum(e.count for e in events if e.key in waits)
     out["host_top"] = [
         {"name": e.key[:200], "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3}
@@ -131,11 +119,8 @@ def table(result: dict) -> str:
                 continue
             ratio, mem = w["ratios"].get(f"{side}/hf"), (r["peak_gpu_memory_bytes"] or 0) / 2**30
             mfu, nemo, vs = share(r.get("mfu")), share(r.get("mfu_nemo")), f"x{ratio:.2f}" if ratio else ""
-            rate, eff, matmul = (
-                r["useful_tokens_per_second"],
-                r["padding_efficiency_timed"],
-                r["mfu_vs_measured_matmul"],
-            )
+            rate, eff = r["useful_tokens_per_second"], r["padding_efficiency_timed"]
+            matmul = r["mfu_vs_measured_matmul"]
             numbers = f"{rate:13,.0f} {mfu:>7s} {nemo:>7s} {matmul:7.1%} {eff:8.2f} {mem:9.1f} {vs:>7s}"
             lines.append(f"{name:21s} {side:15s} {numbers}")
         if not w.get("sides") and w.get("status") in ("skipped", "failed"):
@@ -145,8 +130,7 @@ def table(result: dict) -> str:
 
 
 def exit_status(result: dict) -> int:
-    """The script's exit status for a measured result: 1 when a workload failed or is partial, or when GPU
-    tests were asked for (--run-gpu-tests) and did not pass; else 0."""
+    """1 when a workload failed or is partial, or when GPU tests were asked for and did not pass; else 0."""
     failed = [n for n, w in result["workloads"].items() if w.get("status") in ("failed", "partial")]
     gpu = result.get("gpu_tests")
     return 1 if failed or (gpu is not None and not gpu_tests_passed(gpu)) else 0

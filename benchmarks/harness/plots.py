@@ -8,8 +8,7 @@ NOTE = {"xytext": (0, 4), "textcoords": "offset points", "ha": "center", "va": "
 
 
 def render(module, result: dict, path: Path) -> bool:
-    """Saves `module.plot(result, plt)` (a figure, or None when there is nothing to draw) as a PNG at `path`,
-    titled by the spec's `chart_title`; False when matplotlib is missing or nothing was drawn."""
+    """Saves `module.plot(result, plt)` as a PNG at `path`; False without matplotlib or a figure."""
     try:
         import matplotlib
 
@@ -29,8 +28,7 @@ def render(module, result: dict, path: Path) -> bool:
 
 
 def title(result: dict, text: str) -> str:
-    """`text` filled from the result's setup (and its torch threads and ZeRO stages), then the machine and
-    the versions it ran on."""
+    """`text` filled from the result's setup, then the machine and the versions it ran on."""
     setup, v = result["setup"], result["versions"]
     threads = "/".join(map(str, setup["torch_threads"]))
     zero = "/".join(str(z) for z in sorted(set(setup.get("zero_stage", {}).values())))
@@ -50,8 +48,7 @@ def panels(plt, widths: list[int], height: float = 4.8, scale: float = 1.4):
 def side_and_sweep_panels(
     plt, result: dict, sweep: str, items: str, side_panels: int = 1, scale: float = 1.4
 ):
-    """`side_panels` panels of the result's sides, then one of its sweep (`result[sweep][items]`) if it has
-    one; (figure, axes, sides, the sweep or None)."""
+    """`side_panels` panels of the sides, then one of the sweep if any: (figure, axes, sides, sweep)."""
     sides, swept = list(result["medians"]), result.get(sweep)
     widths = [len(sides) + 1] * side_panels + ([len(swept[items]) + 1] if swept else [])
     return (*panels(plt, widths, scale=scale), sides, swept)
@@ -78,15 +75,14 @@ def side_bars(ax, result: dict, metric: str, title: str, labels: dict, notes, fo
 
 
 def budget_labels(result: dict, spec: dict, sides: list[str]) -> dict:
-    """{side: its label in the spec, with its packed rows' token budget (`result['max_tokens']`) if it has one}."""
+    """{side: its label in the spec, with its packed rows' token budget if it has one}."""
     budget = result["max_tokens"]
     own = {s: f"\nmax_tokens {budget[s]}" for s in sides if budget.get(s)}
     return {s: spec["sides"][s]["label"] + own.get(s, "") for s in sides}
 
 
 def speed_bars(ax, result: dict, labels: dict, efficiency="padding efficiency", fontsize=8, name=str) -> None:
-    """Useful tokens/s of each side, with its ratios ('x1.23 vs OTHER', OTHER as `name` shows it) above it
-    and, unless `efficiency` is None, its padding efficiency."""
+    """Useful tokens/s of each side, its ratios ('x1.23 vs OTHER') and padding efficiency above it."""
 
     def notes(side: str) -> str:
         mine = [r for r in result["ratios"].values() if r["side"] == side]
@@ -98,11 +94,16 @@ def speed_bars(ax, result: dict, labels: dict, efficiency="padding efficiency", 
     side_bars(ax, result, "useful_tokens_per_second", title, labels, notes, fontsize)
 
 
-def sweep_bars(ax, swept: dict, spec: dict, metric: str, notes, title: str) -> None:
-    """A sweep's candidates (`spec`: the spec's `sweep`): the median `metric` of each, its runs,
-    `notes(the candidate's summary)` above it, and which one was chosen."""
-    items, per = swept[spec["items"]], swept[spec["per"]]
+def sweep_bars(ax, swept: dict, spec: dict) -> None:
+    """A sweep's candidates (`spec`: the spec's `sweep`): the median of the metric it chooses by, its runs, its
+    padding efficiency, steps and eval loss above it, and which one was chosen."""
+    items, per, metric = swept[spec["items"]], swept[spec["per"]], spec["choose"]["best"]
     dots = [[r[metric] for r in swept["runs"] if r[spec["key"]] == x] for x in items]
     labels = [f"{x}{' (chosen)' if x == swept['best'] else ''}" for x in items]
-    heights = [per[str(x)][metric] for x in items]
-    bars(ax, labels, heights, dots, [notes(per[str(x)]) for x in items], title, color="C2", fontsize=7)
+    heights, notes = [per[str(x)][metric] for x in items], []
+    for p in (per[str(x)] for x in items):
+        loss = f"\neval {p['eval_loss']:.3f}" if p.get("eval_loss") is not None else ""
+        notes.append(f"eff. {p['padding_efficiency']:.2f}\n{p['optimizer_steps']} steps{loss}")
+    title = f"{spec['chart']['title']} ({swept['repeats']} round(s))"
+    bars(ax, labels, heights, dots, notes, title, color="C2", fontsize=7)
+    ax.set_xlabel(spec["chart"]["xlabel"], fontsize=8)

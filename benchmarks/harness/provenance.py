@@ -48,10 +48,8 @@ def source_digest(files: dict[str, str]) -> str:
 
 
 class Provenance:
-    """Taken at the start of an invocation; `end()` returns the blocks a result records about it.
-
-    Other work may go on in the same checkout while a long benchmark runs, so lorakit's source is hashed at
-    both ends and the files that changed are named."""
+    """Taken at the start of an invocation; `end()` returns the blocks a result records about it (lorakit's
+    source is hashed at both ends: other work may go on in the checkout meanwhile)."""
 
     def __init__(self) -> None:
         from lorakit.rundir import git_revision

@@ -1,5 +1,4 @@
-"""Running the sides of a benchmark and reducing their runs: worker subprocesses under a time budget,
-interleaved rounds, per-run rates, medians, paired ratios and claims."""
+"""Worker subprocesses under a time budget, interleaved rounds, rates, medians, paired ratios and claims."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ from pathlib import Path
 
 from benchmarks.harness.provenance import ROOT
 
-# What every worker imports (seconds of CPU each): a smoke run's workers are forked from a server that has
-# imported them once (Runner's `forked`).
+# What every worker imports (seconds of CPU each): a smoke run's server imports them once (Runner's `forked`).
 PRELOAD = (
     "torch",
     "transformers",
@@ -35,8 +33,7 @@ PRELOAD = (
 
 
 def worker_env() -> dict[str, str]:
-    """The variables a worker runs under: this process's, tokenizers single-threaded, warnings off, the hub
-    offline (local models and data: a missing file fails at once), this checkout's harness and lorakit."""
+    """A worker's variables: this process's, quiet, the hub offline, this checkout on the path."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
     env.update({k: env.get(k, "1") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -44,13 +41,8 @@ def worker_env() -> dict[str, str]:
 
 
 class Runner:
-    """Runs workers (`SCRIPT --worker KIND SPEC RESULT`) in fresh processes, one at a time, under one
-    time budget, appending their output to one log.
-
-    Every run is its own process, so nothing (thread settings, DeepSpeed or transformers globals, allocator
-    state) leaks from one run into the next. A measured run starts a new interpreter; with `forked` (smoke
-    runs, which test the script and measure nothing) each run is forked from a server that imported `preload`
-    and nothing else (no tensor op ran, no thread started there), so the runs skip the imports' CPU seconds."""
+    """Runs workers (`SCRIPT --worker KIND SPEC RESULT`) one at a time, each a new interpreter (`forked`, smoke
+    runs: a child of a server that imported `preload` only), under one time budget, into one log."""
 
     def __init__(
         self,
@@ -68,9 +60,7 @@ class Runner:
 
         # Not on CUDA: DeepSpeed's import, in the server, initialises CUDA, which a forked process cannot use.
         if forked and not torch.cuda.is_available():
-            # The doc tests' fork server (a smoke run is a test of the script): `python` there is a shim that
-            # has a child of the warm server run the command, with this process's stdio, exit code and signals.
-            from tests.docs.zygote import Zygote
+            from tests.docs.zygote import Zygote  # the doc tests' fork server: its `python` is a shim
 
             self.zygote = Zygote(worker_env(), tmp, log=tmp / "zygote.log", warm=tuple(preload))
             weakref.finalize(self, self.zygote.close)
@@ -79,8 +69,7 @@ class Runner:
         return self.deadline - time.monotonic()
 
     def run(self, kind: str, spec: dict, name: str, reserve: float = 20.0) -> dict:
-        """The worker's JSON result plus `process_seconds` and `load_avg_1min_before`; raises RuntimeError
-        with the tail of the run's output when it fails or outlives the budget."""
+        """The worker's JSON result plus `process_seconds`; RuntimeError if it fails or runs out of time."""
         spec_path, result_path = self.tmp / f"{name}.spec.json", self.tmp / f"{name}.result.json"
         spec_path.write_text(json.dumps(spec))
         result_path.unlink(missing_ok=True)
@@ -94,16 +83,13 @@ class Runner:
             code = self._start(argv, log, timeout)
         seconds = time.perf_counter() - start
         if code != 0 or not result_path.is_file():
-            with open(self.log_path) as f:
-                f.seek(offset)
-                tail = f.read()[-4000:]
+            tail = Path(self.log_path).read_bytes()[offset:][-4000:].decode(errors="replace")
             why = f"timed out after {timeout:.0f} s (budget)" if code is None else f"exit code {code}"
             raise RuntimeError(f"{name} run failed: {why}; last output:\n{tail}")
         return dict(json.loads(result_path.read_text()), process_seconds=seconds, load_avg_1min_before=load)
 
     def _start(self, argv: list[str], log, timeout: float | None) -> int | None:
-        """`python SCRIPT ARGV` (a new interpreter, or a child of the warm server): its exit code, None when it
-        outlived `timeout`."""
+        """`python SCRIPT ARGV`: its exit code, None when it outlived `timeout`."""
         python, env = sys.executable, worker_env()
         if self.zygote is not None:
             self.zygote.wait_ready(timeout=120)  # until then (or if it died) `python` is a new interpreter
@@ -132,8 +118,7 @@ def worker_main(workers: dict, argv: list[str]) -> int:
 
 
 def interleave(items: list, rounds: int, run_one, log, title: str = "repeat") -> list[dict]:
-    """Every item once per round, the order reversed every other round, so that no item always runs first
-    (or right after the same neighbour); `run_one(item, round)` returns a run, given `repeat` and `position`."""
+    """Every item once per round, the order reversed every other round; runs get `repeat` and `position`."""
     runs = []
     for rnd in range(rounds):
         order = list(items) if rnd % 2 == 0 else list(reversed(items))
@@ -176,9 +161,8 @@ def paired_ratios(runs: list[dict], side: str, base: str, key: str) -> list[floa
 
 
 def ratios(runs: list[dict], meds: dict, comparisons, key_format: str = "{side}/{versus}") -> dict:
-    """Each comparison (side, versus): ratios of the medians and the same ratios round by round; per CPU
-    second too when runs record CPU time (with one torch thread it moves far less than wall time when other
-    jobs take the core), the eval-loss difference when they record an eval loss."""
+    """Each comparison (side, versus): ratios of the medians and the same ratios round by round, per CPU
+    second too when runs record CPU time, the eval-loss difference when they record an eval loss."""
     out = {}
     for side, base in comparisons:
         m, b = meds[side], meds[base]
@@ -202,12 +186,8 @@ def ratios(runs: list[dict], meds: dict, comparisons, key_format: str = "{side}/
 
 
 def claims(specs: list[dict], ratio_of: dict, meds: dict, valid: bool, key_format="{side}/{versus}") -> list:
-    """Each claim of the spec with the measured value it is judged on; `claim_met` comes from the recorded
-    medians, and is False whenever the runs failed their checks (`valid`).
-
-    A speed claim (`ratio_at_least`) is judged on wall-clock useful tokens/s, the ratio per CPU second
-    recorded next to it (`cpu_ratio`, `cpu_claim_met`) when measured; an eval-loss claim holds when the side's
-    median eval loss is at most the other's, with the paired differences (same seed)."""
+    """Each claim of the spec with the measured value it is judged on (benchmarks/README.md); `claim_met` is
+    False whenever the runs failed their checks (`valid`)."""
     out = []
     for c in specs:
         r = ratio_of[key_format.format(**c)]
@@ -233,8 +213,7 @@ def one_or_all(values) -> object:
 
 
 def token_checks(every: list[dict], rows: int, label=lambda r: r["side"]) -> dict:
-    """What every run of a lorakit-only benchmark must share: the same useful tokens (as lorakit counts
-    them, and as the worker counts them batch by batch), the same loss tokens, each example once."""
+    """What every run of a lorakit-only benchmark must share: useful and loss tokens, each example once."""
     useful, examples = sorted({r["useful_tokens"] for r in every}), sorted({r["examples"] for r in every})
     counted = all(r["counted_useful_tokens"] == r["useful_tokens"] for r in every)
     # With one torch thread, a run well below 1 CPU second per wall second lost the core to other jobs.

@@ -1,6 +1,5 @@
-"""Per optimizer step, for the GPU benchmark: what a model costs (its matmul parameters per token and attention
-shape, the FLOPs of the spec's flop_accounting), a recorder that times steps and sums what they held, and the
-two sides' workers it times: lorakit's, and Trainer + peft on the same tokenized rows."""
+"""Per optimizer step, for the GPU benchmark: what a model costs (the spec's flop_accounting), a recorder that
+times steps and sums what they held, and the two sides' workers: lorakit's, and Trainer + peft."""
 
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ def accounting(config, r: int) -> dict:
 
 def flop_parts(acc: dict, sums: dict) -> tuple[int, int, int]:
     """(frozen matmul parameters x their tokens, LoRA parameters x their tokens, the attention's forward
-    FLOPs: 4 per (query, key) pair and head dimension, QK^T and AV) of `sums` (token and pair counts)."""
+    FLOPs: 4 per (query, key) pair and head dimension) of `sums`."""
     p, lo, a = acc["matmul_params_per_token"], acc["lora_params_per_token"], acc["attention"]
     per_pair = 4 * a["heads"] * a["head_dim"]
     if acc["family"] == "causal":
@@ -62,9 +61,7 @@ def flop_parts(acc: dict, sums: dict) -> tuple[int, int, int]:
 
 
 def model_flops(acc: dict, method: str, sums: dict, count: str = "lorakit") -> float:
-    """Training FLOPs of `sums` under the spec's flop_accounting: per token 6N for full fine-tuning, for LoRA
-    as lorakit.meter.lora_training_flops counts them (`count`: lorakit's 4N + 6 N_lora, or NeMo AutoModel's);
-    the attention's forward x3."""
+    """Training FLOPs of `sums` under the spec's flop_accounting (`count`: lorakit's LoRA count or NeMo's)."""
     from lorakit.meter import lora_training_flops
 
     frozen, lora, attention = flop_parts(acc, sums)
@@ -74,8 +71,7 @@ def model_flops(acc: dict, method: str, sums: dict, count: str = "lorakit") -> f
 
 
 def peak_of(probe: dict, datasheets: list) -> dict:
-    """The peaks MFU is measured against: the datasheet's (the first of `datasheets`, [name part, FLOP/s,
-    source], whose name part the device's name holds) and the matmul rate the probe measured."""
+    """The peaks MFU is measured against: the device's datasheet peak and the probe's matmul rate."""
     name, m = probe.get("gpu_name") or "", probe["matmul"]
     sheet, source = next(((f, src) for key, f, src in datasheets if key in name), (None, None))
     out = {"device": name or "cpu", "datasheet": sheet}
@@ -183,8 +179,7 @@ class StepRecorder:
 
 
 def lorakit_worker(spec: dict) -> dict:
-    """lorakit.train on `spec['recipe']` (workers.lorakit_worker), with a timer at the end of every optimizer
-    step; the recorder's result with the worker's fields."""
+    """workers.lorakit_worker with a timer at the end of every optimizer step; the recorder's result."""
     import os
 
     import torch
@@ -222,8 +217,7 @@ def lorakit_worker(spec: dict) -> dict:
 
 
 def hf_worker(spec: dict) -> dict:
-    """The usual Hugging Face recipe: Trainer + peft on the rows lorakit prepared (`spec['prepared']`), timed per
-    optimizer step; `spec` also holds the method, LoRA settings, lr, seed, ZeRO-3 config and Trainer args."""
+    """The usual Hugging Face recipe, Trainer + peft, on the rows lorakit prepared, timed per step."""
     import torch
     import transformers as hf
 
@@ -236,8 +230,8 @@ def hf_worker(spec: dict) -> dict:
     hf.set_seed(spec["seed"])
     deepspeed = None
     if spec["zero_stage"] == 3:
-        workers.one_process_env(spec["master_port"])
-        deepspeed = json.loads(json.dumps(spec["hf_zero3"]))
+        zero3 = json.loads(json.dumps(spec["hf_zero3"]))  # a copy: changed below
+        deepspeed = workers.one_process_deepspeed(spec["master_port"], zero3)
         deepspeed["zero_optimization"]["overlap_comm"] = cuda
         if not cuda:
             deepspeed["optimizer"]["params"]["torch_adam"] = True  # DeepSpeed's fused Adam needs CUDA
@@ -253,15 +247,7 @@ def hf_worker(spec: dict) -> dict:
         nf4.update(load_in_4bit=True, bnb_4bit_compute_dtype=load["dtype"])
         load["quantization_config"] = hf.BitsAndBytesConfig(**nf4)
         load.update({"device_map": {"": 0}} if cuda else {})
-    auto = hf.AutoModelForSeq2SeqLM if seq2seq else hf.AutoModelForCausalLM
-    model = auto.from_pretrained(spec["model_dir"], **load)
-    model.config.use_cache = False
-    if method == "qlora":
-        from peft import prepare_model_for_kbit_training
-
-        model = prepare_model_for_kbit_training(model, True, {"use_reentrant": False})
-    if method != "full":
-        model = workers.with_lora(model, spec["lora"], seq2seq)
+    model = workers.hf_model(spec["model_dir"], None if method == "full" else spec["lora"], seq2seq, **load)
     rec = StepRecorder(spec["family"], cuda)
 
     def count(module, args_, kwargs):  # instrumentation only: reads the forward's inputs

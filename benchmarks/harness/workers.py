@@ -1,8 +1,5 @@
-"""What runs inside a worker process: `lorakit.train` with our timers and counters (`Clock`), and the pieces
-the Hugging Face Trainer baselines share.
-
-lorakit's loop has no hooks, so the timers wrap its internals (`Trainer.run`, `train_window`, ...): if one is
-renamed the worker fails loudly and every benchmark's smoke test catches it."""
+"""What runs inside a worker process: `lorakit.train` with our timers and counters (`Clock`: lorakit's loop
+has no hooks, so they wrap its internals; benchmarks/README.md), and what the Trainer baselines share."""
 
 from __future__ import annotations
 
@@ -72,9 +69,8 @@ def count_batches(counts: dict, window: list[dict], family: str) -> None:
 
 
 def lorakit_worker(spec: dict) -> dict:
-    """`lorakit.train(spec['recipe'])` in this (fresh) process. Returns `spec['fields']` read from its
-    summary (`{name: dotted path}`), the epoch's wall and CPU seconds (`Trainer.run`, the evaluation after
-    the epoch timed apart), and with `spec['count']` ('causal' or 'seq2seq') what the micro-batches held."""
+    """`lorakit.train(spec['recipe'])` in this process: `spec['fields']` of its summary (`{name: dotted
+    path}`), the epoch's (and evaluation's) seconds, and with `spec['count']` what the micro-batches held."""
     import torch
 
     import lorakit
@@ -108,20 +104,17 @@ def lorakit_worker(spec: dict) -> dict:
     return {**timer, **counts, **{name: dig(summary, path) for name, path in spec.get("fields", {}).items()}}
 
 
-# ------------------------------------------------------------------------------ Hugging Face baselines
-def one_process_env(port: int) -> None:
-    """The launcher's variables DeepSpeed reads, for one process (the Trainer with `deepspeed=...`)."""
+def one_process_deepspeed(port: int, config: dict) -> dict:
+    """`config` for the Trainer's `deepspeed=`, after setting the launcher's variables for one process."""
     import os
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return config
 
 
 def training_args(cls, *, checkpointing: bool, group_by_length: bool, **kwargs):
-    """`cls(**kwargs)` (TrainingArguments or Seq2SeqTrainingArguments) for this transformers version.
-
-    transformers 5 renamed gradient_checkpointing to activation_checkpointing (5.2x keeps the old name as a
-    deprecated alias) and group_by_length to train_sampling_strategy: use whichever this version has."""
+    """`cls(**kwargs)` (Seq2Seq)TrainingArguments with the names this transformers version has."""
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -135,25 +128,31 @@ def training_args(cls, *, checkpointing: bool, group_by_length: bool, **kwargs):
     return cls(**{k: v for k, v in kwargs.items() if k in fields})
 
 
-def with_lora(model, lora: dict, seq2seq: bool):
-    """peft's LoRA on `model` from a recipe's method section (r, alpha, dropout, target_modules)."""
-    from peft import LoraConfig, TaskType, get_peft_model
+def hf_model(path: str, lora: dict | None, seq2seq: bool, **load):
+    """A Trainer baseline's model: from_pretrained(path, **load) without its generation cache (ready for
+    k-bit training when `load` quantizes it), with peft's LoRA from a recipe's method section unless None."""
+    import transformers as hf
+    from peft import LoraConfig, TaskType, get_peft_model, prepare_model_for_kbit_training
 
+    model = (hf.AutoModelForSeq2SeqLM if seq2seq else hf.AutoModelForCausalLM).from_pretrained(path, **load)
+    model.config.use_cache = False
+    if "quantization_config" in load:
+        model = prepare_model_for_kbit_training(model, True, {"use_reentrant": False})
+    if lora is None:
+        return model
     task = TaskType.SEQ_2_SEQ_LM if seq2seq else TaskType.CAUSAL_LM
     kwargs = {"r": lora["r"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"]}
     return get_peft_model(model, LoraConfig(**kwargs, target_modules=lora["target_modules"], task_type=task))
 
 
 def guide_preprocess(tokenizer, template: str, columns: tuple, caps: tuple, padding: str = "max_length"):
-    """The preprocess_function of Philipp Schmid's "Fine-tune FLAN-T5 XL/XXL using DeepSpeed & Hugging Face
-    Transformers": the templated inputs and the targets (`columns`) tokenized, padded to the `caps` (or not:
-    `padding` "do_not_pad") and truncated, the labels' pad ids replaced by -100."""
+    """The preprocess_function of the FLAN-T5 DeepSpeed guide: inputs and targets (`columns`) tokenized,
+    padded to the `caps` (unless `padding` is "do_not_pad") and truncated, pad ids in labels -100."""
     pad = {"padding": padding, "truncation": True}
 
     def preprocess_function(sample):
-        model_inputs = tokenizer(
-            [template.format(input=x) for x in sample[columns[0]]], max_length=caps[0], **pad
-        )
+        sources = [template.format(input=x) for x in sample[columns[0]]]
+        model_inputs = tokenizer(sources, max_length=caps[0], **pad)
         labels = tokenizer(text_target=sample[columns[1]], max_length=caps[1], **pad)["input_ids"]
         model_inputs["labels"] = [[t if t != tokenizer.pad_token_id else -100 for t in ids] for ids in labels]
         return model_inputs
@@ -162,8 +161,7 @@ def guide_preprocess(tokenizer, template: str, columns: tuple, caps: tuple, padd
 
 
 def train(cls, model, args, rows, collator, tokenizer, callback) -> tuple:
-    """`cls` (Trainer or Seq2SeqTrainer) trained on `rows`; (the trainer, its metrics, the first and last loss
-    it logged)."""
+    """`cls` (Seq2Seq)Trainer trained on `rows`: (trainer, metrics, first and last logged loss)."""
     kwargs = {"train_dataset": rows, "data_collator": collator, "processing_class": tokenizer}
     trainer = cls(model=model, args=args, **kwargs, callbacks=[callback])
     metrics = trainer.train().metrics

@@ -3,7 +3,7 @@ import time
 import numpy as np
 import pytest
 
-from benchmarks.seq2seq import packed_candidates
+from benchmarks.seq2seq import budget_rows
 from lorakit.data.multipack_seq2seq import Seq2SeqMultipackBatchSampler, default_max_target_tokens, pack_pairs
 
 
@@ -171,7 +171,7 @@ def test_bins_are_about_equally_full(data, examples_per_row):
     src, tgt = data(1000)
     # The largest budget that still packs the data into n / examples_per_row rows (the benchmark's row
     # sizes): the bin count is one more than the lower bound needs, where late bins got only leftovers.
-    (row,) = packed_candidates([examples_per_row], 32, src.tolist(), tgt.tolist())
+    row = budget_rows(examples_per_row, 32, src.tolist(), tgt.tolist())
     cs = row["max_tokens"]
     ct = default_max_target_tokens(src, tgt, cs)
     bins = pack_pairs(src, tgt, cs, ct)
