@@ -75,6 +75,9 @@ def warm_interpreters(request, tmp_path_factory):
     if env.get("PYTHONPATH", str(ROOT)) == str(ROOT):
         env["PYTHONPATH"] = str(ROOT)
     zygote = Zygote(env, base, log=base / "zygote.log", shims_on_path=False)
+    # Until it listens every command starts fresh, silently: a worker's first launch raced it (test_faults'
+    # harness: 130 CPU-seconds instead of 62). Its imports take the CPU the first test would have had anyway.
+    zygote.wait_ready(timeout=180)
     saved = dict(os.environ)
     os.environ.update(zygote.env)
     _warm["python"] = zygote.python

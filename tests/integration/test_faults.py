@@ -68,12 +68,9 @@ def _rows(out: Path, done: list[tuple[subprocess.CompletedProcess, float]]) -> l
 
 
 @pytest.fixture(scope="module")
-def harness(cache_dir, tmp_path_factory, warm_interpreters):
+def harness(cache_dir, tmp_path_factory):
     """Both harness launches (rank 0 failing, rank 1 failing), at once; per launch: each rank's rows, the
     exit codes, and the seconds from the last row's failure until both processes were gone."""
-    # The session's fork server starts with the session: until it listens, the ranks would start fresh.
-    if warm_interpreters is not None:
-        warm_interpreters.wait_ready(180)
     outs = {f: tmp_path_factory.mktemp(f"rank{f}-fails") for f in ROWS}
     procs = [p for f in ROWS for p in _start_harness([str(f), str(cache_dir), str(outs[f])])]
     done = _finish(procs)
