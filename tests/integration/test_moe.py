@@ -49,7 +49,8 @@ def test_the_causal_quickstart_with_each_moe_model_trains_on_two_zero3_processes
     kind, cache_dir, tmp_path, monkeypatch
 ):
     """recipes/quickstart_causal.yaml with only the model changed (bf16, LoRA with dropout 0.05, 2 processes,
-    ZeRO-3; fewer examples and no generation to keep it short): it trains, says where dropout applies, which
+    ZeRO-3; fewer examples, one epoch (2 steps), a short evaluation and no generation to keep it short: no
+    check reads the loss or the evaluation): it trains, says where dropout applies, which
     experts path it took and that the experts received gradients; its adapter merges verified in bf16 (the
     routing fixed), and a wrong merge (the delta twice) is refused. (The quick doctor in bf16 passes for each
     family in test_doctor.py, and fails a wrong merge in tests/unit/test_moe_contracts.py.)"""
@@ -65,6 +66,8 @@ def test_the_causal_quickstart_with_each_moe_model_trains_on_two_zero3_processes
         RECIPES / "quickstart_causal.yaml",
         f"model.name_or_path=tiny:{kind}",
         "data.max_samples=48",
+        "data.max_eval_samples=8",
+        "train.epochs=1",
         "eval.generate=false",
         f"data.cache_dir={cache_dir}",
         f"output.dir={run_dir}",

@@ -2,7 +2,8 @@
 
 One torchrun launch trains the four recipes (qlora_worker.py); the checks then load each adapter with
 PeftModel.from_pretrained onto the 4-bit base, in this process. Every launched process is told its CPU has
-AVX512-BF16 (tests/bnb_layout.py), so bitsandbytes' CPU inference layout is in play on any machine: the
+AVX512-BF16 (tests/bnb_layout.py; forked from a fork server forced so, forced_bnb.py, rather than started
+fresh), so bitsandbytes' CPU inference layout is in play on any machine: the
 runs evaluate between training steps and checkpoints, where that layout broke ZeRO-3. A ZeRO-3 QLoRA run
 resumed after such an evaluation, in a fresh launch with dropout on, is test_fsdp.py's (beside FSDP2's).
 """
@@ -16,10 +17,11 @@ import torch
 from lorakit import rundir
 from tests.bnb_layout import ENV as AVX512BF16_ENV
 from tests.conftest import ROOT, tiny_recipe_dict
+from tests.integration.forced_bnb import FAULTS, forced_server
 from tests.integration.qlora_worker import train_in_one_launch
-from tests.integration.test_resume import FAULTS
 
-# Every process these tests launch: bitsandbytes' AVX512-BF16 branch forced, whatever this CPU has.
+# bitsandbytes' AVX512-BF16 branch forced, whatever this CPU has, in fresh interpreters: test_fsdp.py's
+# launches (this file's are forked from forced_server).
 FORCED_ENV = {AVX512BF16_ENV: "1", "PYTHONPATH": os.pathsep.join([str(FAULTS), str(ROOT)])}
 
 RUNS = [(kind, stage) for kind in ("llama", "t5") for stage in (2, 3)]
@@ -57,7 +59,9 @@ def qlora_runs(tmp_path_factory, cache_dir):
         base / f"{d.name}.yaml": qlora_recipe(cache_dir, d, kind, stage)
         for (kind, stage), d in run_dirs.items()
     }
-    proc = train_in_one_launch(recipes, FORCED_ENV)
+    # Every process launched: bitsandbytes' AVX512-BF16 branch forced, whatever this CPU has.
+    with forced_server(tmp_path_factory.mktemp("forced-bnb"), "1") as forced:
+        proc = train_in_one_launch(recipes, forced.env)
     return proc, {key: rundir.read_summary(d) for key, d in run_dirs.items()}, run_dirs
 
 
