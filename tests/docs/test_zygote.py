@@ -87,6 +87,13 @@ def test_a_startup_hook_on_an_added_path_is_per_command(tmp_path):
         "LORAKIT_FAULT",
         "PYTHONPATH",
     ]
+    # A directory that holds a module the server has imported: a fresh interpreter would take the directory's
+    # (tests/e2e/test_qlora_errors.py hides bitsandbytes so; served, the run trained with the real one).
+    stand_in = tmp_path / "stand-in" / "json"
+    stand_in.mkdir(parents=True)
+    (stand_in / "__init__.py").write_text("raise ModuleNotFoundError('json')\n")
+    hidden = {**startup, "PYTHONPATH": f"{stand_in.parent}:/repo"}
+    assert added_paths(hidden, startup) is None and env_differs(hidden, startup, startup) == ["PYTHONPATH"]
     # bitsandbytes' forced branch acts before bitsandbytes registers its kernels: never served.
     assert env_differs({**faulty, "LORAKIT_BNB_AVX512BF16": "1"}, startup, startup) == [
         "LORAKIT_BNB_AVX512BF16"

@@ -313,14 +313,18 @@ def per_command(env: dict, startup: dict) -> set[str]:
 def added_paths(env: dict, startup: dict) -> list[str] | None:
     """The directories a command's PYTHONPATH puts before the server's (`startup`'s), which a served child
     puts on sys.path where a fresh interpreter would (and runs a sitecustomize among them); None when it
-    changes the server's entries otherwise, or adds a sitecustomize where the server has imported one."""
+    changes the server's entries otherwise, or when one holds a module the server has imported (a fresh
+    interpreter would import that directory's: a stand-in that hides bitsandbytes, a second sitecustomize)."""
     ours = [p for p in startup.get("PYTHONPATH", "").split(os.pathsep) if p]
     theirs = list(dict.fromkeys(env.get("PYTHONPATH", "").split(os.pathsep)))
     added = [p for p in theirs if p not in ours]
     if [p for p in theirs if p] != added + list(dict.fromkeys(ours)) or "" in added:
         return None
-    hook = any(os.path.exists(os.path.join(p, "sitecustomize.py")) for p in added)
-    return None if hook and "sitecustomize" in sys.modules else added
+    for directory in added:
+        with contextlib.suppress(OSError):
+            if any(name.split(".")[0] in sys.modules for name in os.listdir(directory)):
+                return None
+    return added
 
 
 def fresh_parent(pid: int) -> int:

@@ -25,8 +25,7 @@ from lorakit.data.samples import builtin_dataset_dir
 from lorakit.engine.checkpoint import complete_checkpoints
 from lorakit.engine.launch import free_port
 from lorakit.runlock import LOCK
-from lorakit.slurm.__main__ import main as write_slurm_job
-from tests.conftest import RECIPES, ROOT
+from tests.conftest import RECIPES, ROOT, run_cli
 from tests.process_groups import finish_group, kill_group, start_group
 
 pytestmark = pytest.mark.slow
@@ -244,15 +243,13 @@ def _slurm_env(bin_dir: Path, record: Path, port: int, **extra) -> dict[str, str
     )
 
 
-def _write_job(recipe_args: list[str], capsys) -> Path:
-    """python -m lorakit.slurm for 2 nodes x 1 GPU, as docs/multinode.md shows it, run as its main() in this
-    process (which saves an interpreter's start); the script's path, which the command prints last."""
+def _write_job(recipe_args: list[str]) -> Path:
+    """python -m lorakit.slurm for 2 nodes x 1 GPU, as docs/multinode.md shows it (forked from the session's
+    warm interpreter: its environment is the server's); the script's path, which the command prints last."""
     args = [str(RECIPES / "quickstart_causal.yaml"), *recipe_args, "--nodes", "2", "--gpus-per-node", "1"]
     out = Path([a for a in recipe_args if a.startswith("output.dir=")][-1].split("=", 1)[1])
-    capsys.readouterr()
-    code = write_slurm_job([*args, "--time", "00:30:00"])
-    printed = capsys.readouterr()
-    assert code == 0 and printed.out.splitlines()[-1] == str(out / "job.sbatch"), printed.err
+    done = run_cli("lorakit.slurm", *args, "--time", "00:30:00", env=_env())
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == str(out / "job.sbatch"), done.stderr
     return out / "job.sbatch"
 
 
@@ -266,14 +263,14 @@ def _wait_for(predicate, proc: subprocess.Popen, what: str, limit: float = TIMEO
 
 
 def test_slurm_job_preflights_is_requeued_on_sigterm_and_resumes_like_one_run(
-    job, cache_dir, tmp_path, slurm_bin, capsys
+    job, cache_dir, tmp_path, slurm_bin
 ):
     """The generated job.sbatch run as Slurm would, on two "nodes" of one process: the preflight passes, a
     SIGTERM to the job while it trains leads to a checkpoint, exit 75 and `scontrol requeue`; the requeued
     job (same id, SLURM_RESTART_COUNT=1) resumes in the same run directory and ends as the one-node run of
     the same recipe does (losses and adapter to 1e-6)."""
     out = tmp_path / "slurm-run"
-    script = _write_job(_overrides(job["source"], cache_dir, out), capsys)
+    script = _write_job(_overrides(job["source"], cache_dir, out))
     # The command writes the script and nothing else; the plan for 2 x 1 heads it.
     assert sorted(p.name for p in out.iterdir()) == [".lorakit-run", "job.sbatch"]  # marker, script
     text = script.read_text()
@@ -326,13 +323,13 @@ def test_slurm_job_preflights_is_requeued_on_sigterm_and_resumes_like_one_run(
 
 
 def test_slurm_preflight_stops_the_job_in_seconds_naming_the_node_when_the_port_is_closed(
-    cache_dir, tmp_path, slurm_bin, capsys
+    cache_dir, tmp_path, slurm_bin
 ):
     """The rendezvous port is closed: another socket holds it without listening, so node 0 cannot open it
     and connections to it are refused. The job stops at the preflight (exit code 3) within a minute, naming
     the node and the cause, before anything is trained."""
     out = tmp_path / "closed"
-    script = _write_job([f"data.cache_dir={cache_dir}", f"output.dir={out}"], capsys)
+    script = _write_job([f"data.cache_dir={cache_dir}", f"output.dir={out}"])
     with socket.socket() as blocker:
         blocker.bind(("0.0.0.0", 0))
         port = blocker.getsockname()[1]
