@@ -376,7 +376,13 @@ def _start(conn, listener, server_envs: tuple[dict, dict], running: dict) -> int
     client = struct.unpack(
         "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     )
-    request["parent"] = _proc_parent(client[0])
+    try:
+        request["parent"] = _proc_parent(client[0])
+    except OSError:  # the client died while sending: nothing to run
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return None
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
