@@ -26,6 +26,15 @@ from tests.conftest import ROOT
 FAULTS = Path(__file__).parent / "faults"
 
 
+def forced_vars(flag: str = "1") -> dict[str, str]:
+    """The variables that force the answer in a process's sitecustomize.py (faults/ first on the path)."""
+    return {AVX512BF16_ENV: flag, "PYTHONPATH": os.pathsep.join([str(FAULTS), str(ROOT)])}
+
+
+# For launches in fresh interpreters, added to the caller's environment (test_fsdp.py's).
+FORCED_ENV = forced_vars("1")
+
+
 @dataclass(frozen=True)
 class Forced:
     """The interpreter to launch with (the server's shim, or this one when off) and its environment."""
@@ -45,7 +54,7 @@ def forced_env(flag: str = "1") -> dict[str, str]:
         for k, v in launch_env().items()
         if k not in (ENV_VAR, "PYTHON_EXEC", "LORAKIT_FAULT") and not k.startswith(("WANDB_", "MLFLOW_"))
     }
-    return env | {AVX512BF16_ENV: flag, "PYTHONPATH": os.pathsep.join([str(FAULTS), str(ROOT)])}
+    return env | forced_vars(flag)
 
 
 @contextlib.contextmanager

@@ -30,9 +30,10 @@ import pytest
 from safetensors.torch import load_file
 
 from lorakit import rundir
+from tests.integration.forced_bnb import FORCED_ENV
 from tests.integration.qlora_worker import finished, train_in_one_launch
 from tests.integration.test_dpo import _recipe as dpo_recipe
-from tests.integration.test_qlora import FORCED_ENV, qlora_recipe
+from tests.integration.test_qlora import qlora_recipe
 
 STEPS = 4
 # The ZeRO-3 run: step 1 for the comparison with FSDP2, an evaluation and a checkpoint at 2, one step resumed.

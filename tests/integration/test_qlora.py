@@ -8,21 +8,15 @@ runs evaluate between training steps and checkpoints, where that layout broke Ze
 resumed after such an evaluation, in a fresh launch with dropout on, is test_fsdp.py's (beside FSDP2's).
 """
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from lorakit import rundir
-from tests.bnb_layout import ENV as AVX512BF16_ENV
-from tests.conftest import ROOT, tiny_recipe_dict
-from tests.integration.forced_bnb import FAULTS, forced_server
+from tests.conftest import tiny_recipe_dict
+from tests.integration.forced_bnb import forced_server
 from tests.integration.qlora_worker import train_in_one_launch
-
-# bitsandbytes' AVX512-BF16 branch forced, whatever this CPU has, in fresh interpreters: test_fsdp.py's
-# launches (this file's are forked from forced_server).
-FORCED_ENV = {AVX512BF16_ENV: "1", "PYTHONPATH": os.pathsep.join([str(FAULTS), str(ROOT)])}
 
 RUNS = [(kind, stage) for kind in ("llama", "t5") for stage in (2, 3)]
 
