@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -72,7 +73,7 @@ def test_a_command_is_served_only_with_the_servers_environment():
     )
 
 
-def test_a_startup_hook_on_an_added_path_is_per_command(tmp_path):
+def test_a_startup_hook_on_an_added_path_is_per_command(tmp_path, monkeypatch):
     startup = {"PATH": "/bin", "PYTHONPATH": "/repo"}
     hook = tmp_path / "hook"
     hook.mkdir()
@@ -98,11 +99,13 @@ def test_a_startup_hook_on_an_added_path_is_per_command(tmp_path):
     assert env_differs({**faulty, "LORAKIT_BNB_AVX512BF16": "1"}, startup, startup) == [
         "LORAKIT_BNB_AVX512BF16"
     ]
-    # W&B's variables, read by wandb once imported (the server has not imported it).
-    assert (
-        "wandb" not in sys.modules
-        and env_differs({**startup, "WANDB_MODE": "offline"}, startup, startup) == []
-    )
+    # W&B's variables, read by wandb once imported: per command while the server has not imported it, a
+    # difference once it has. Both set here: this process's modules depend on what ran before in the worker
+    # (CI's gw1 had imported wandb, and the check read that instead of the rule).
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    assert env_differs({**startup, "WANDB_MODE": "offline"}, startup, startup) == []
+    monkeypatch.setitem(sys.modules, "wandb", types.ModuleType("wandb"))
+    assert env_differs({**startup, "WANDB_MODE": "offline"}, startup, startup) == ["WANDB_MODE"]
 
 
 @pytest.mark.slow
