@@ -73,6 +73,13 @@ class Engine(Protocol):
         FSDP2 unshards them; a rank done early keeps taking part). `sampling`: generate's arguments."""
         ...
 
+    def generation_weights(self) -> contextlib.AbstractContextManager[bool]:
+        """The weights generation runs on, as a context (collective when `sharded`): yields True when they
+        are whole on this rank for its duration (never sharded, or gathered once on entry:
+        distributed.gather_for_generation), so each rank generates on its own; False when every forward
+        gathers them layer by layer, so the ranks must take part in as many forwards (synced generation)."""
+        ...
+
     def backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
         """Backpropagate `loss` as given (the loop weighted it); `boundary`: this is the accumulation
         window's last micro-batch, whose backward completes the window's gradients."""
@@ -130,16 +137,47 @@ class Forwarding:
         """Evaluation mode (dropout off)."""
         self.inner.eval()
 
+    @contextlib.contextmanager
+    def generation_weights(self):
+        """Whole where nothing is sharded; a sharded engine that can gather its weights for generation says
+        so itself (Engine.generation_weights)."""
+        yield not self.sharded
+
     def generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **sampling: Any
     ) -> torch.Tensor:
-        """transformers' generate on the (peft) module, through evaluation's generate_ids; synced over the
-        ranks where the parameters are sharded."""
+        """transformers' generate on the (peft) module, through evaluation's generate_ids, on the weights
+        generation_weights gives; synced over the ranks where they stay sharded."""
         from lorakit import dist
         from lorakit.evaluation.generate import generate_ids
 
-        synced = self.sharded and dist.world_size() > 1
-        return generate_ids(self.module, input_ids, attention_mask, synced_gpus=synced, **sampling)
+        with self.generation_weights() as whole:
+            synced = not whole and dist.world_size() > 1
+            return generate_ids(self.module, input_ids, attention_mask, synced_gpus=synced, **sampling)
+
+
+# distributed.gather_for_generation auto: gather when the bytes gathering adds take at most this share of the
+# memory free on the device (on every rank); the rest is left to the KV cache and the logits.
+GATHER_SHARE = 0.5
+
+
+def gathers_for_generation(setting: bool | str, gathered_bytes: int, device: torch.device) -> bool:
+    """Whether generation gathers the weights whole (distributed.gather_for_generation, `setting`): True,
+    False, or auto: when the `gathered_bytes` gathering adds on this rank fit in GATHER_SHARE of the
+    device's free memory on every rank (collective under auto: all ranks take the same branch)."""
+    if setting != "auto":
+        return bool(setting)
+    import psutil
+    import torch
+
+    from lorakit import dist
+
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = psutil.virtual_memory().available
+    fits = gathered_bytes <= GATHER_SHARE * free
+    return dist.all_reduce([0.0 if fits else 1.0], op="max")[0] == 0.0
 
 
 @runtime_checkable

@@ -18,7 +18,7 @@ import torch
 
 from lorakit import dist, rundir
 from lorakit.backends import deepspeed_bf16 as bf16
-from lorakit.backends.base import Forwarding, StepResult, gather_trainable
+from lorakit.backends.base import Forwarding, StepResult, gather_trainable, gathers_for_generation
 from lorakit.backends.facts import ByteModels, Layout, Readiness
 from lorakit.model.load_plan import WHOLE, LoadPlan
 
@@ -63,13 +63,36 @@ class DeepSpeedEngine(Forwarding):
     `built`: the BuiltModel the engine was made from; its HfDeepSpeedConfig (ZeRO-3 loading) must live as
     long as the engine, and `close()` lets it go."""
 
-    def __init__(self, engine, built=None):
+    def __init__(self, engine, built=None, gather_for_generation: bool | str = "auto"):
         self.engine, self.built = engine, built
+        self.gather_for_generation = gather_for_generation
         # Forward, train() and eval() go through DeepSpeed's engine (it casts inputs, times steps).
         self.inner = engine
         self.module = engine.module
         self.device = engine.device
         self.sharded = engine.zero_optimization_stage() == 3
+
+    @contextlib.contextmanager
+    def generation_weights(self):
+        """ZeRO-3: the whole model gathered once on entry and DeepSpeed's per-layer hooks off until the exit
+        (DeepSpeed's own unwrap_model_for_generation), when distributed.gather_for_generation allows;
+        otherwise each decoding step's forwards gather layer by layer (synced). Stages 0-2: whole."""
+        if not self.sharded:
+            yield True
+            return
+        # What gathering adds on this rank: every partitioned parameter's other ranks' shares.
+        adds = sum(
+            (p.ds_numel - p.partition_numel()) * p.element_size()
+            for p in self.module.parameters()
+            if hasattr(p, "ds_id") and not p.ds_persist
+        )
+        if not gathers_for_generation(self.gather_for_generation, adds, self.device):
+            yield False
+            return
+        from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(self.engine):
+            yield True
 
     def backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
         """DeepSpeed's backward of the loop's already weighted loss (no division by its own accumulation
@@ -260,4 +283,4 @@ class DeepSpeedBackend:
             # One process without ZeRO has nothing to reduce: DeepSpeed would still walk every parameter and
             # run its all-reduce fallback after each backward (about 3% of a small model's step on CPU).
             engine.enable_backward_allreduce = False
-        return DeepSpeedEngine(engine, built)
+        return DeepSpeedEngine(engine, built, self.recipe.distributed.gather_for_generation)

@@ -3,6 +3,7 @@ part."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -24,6 +25,10 @@ class EvalModel(Protocol):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward."""
+        ...
+
+    def generation_weights(self) -> contextlib.AbstractContextManager[bool]:
+        """The weights generation runs on: yields True when whole on this rank (lorakit.backends' Engine)."""
         ...
 
 
@@ -192,17 +197,18 @@ def evaluate_model(
                 prompt = left_pad_prompts([e["prompt_ids"] for e in examples], tokenizer.pad_token_id)
             else:
                 prompt = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-            texts = generate_texts(
-                model,
-                tokenizer,
-                prompt,
-                device,
-                causal=causal,
-                max_new_tokens=max_new_tokens,
-                num_beams=num_beams,
-                # With sharded parameters a rank that finishes early must keep gathering them for the others.
-                synced_gpus=zero3 and dist.world_size() > 1,
-            )
+            with engine.generation_weights() as whole:
+                texts = generate_texts(
+                    model,
+                    tokenizer,
+                    prompt,
+                    device,
+                    causal=causal,
+                    max_new_tokens=max_new_tokens,
+                    num_beams=num_beams,
+                    # Weights gathered layer by layer: a rank that finishes early keeps gathering for the others.
+                    synced_gpus=zero3 and not whole and dist.world_size() > 1,
+                )
             if sp_rank == 0:  # the other ranks of a sequence-parallel group generated the same rows
                 predictions.extend(zip(rows[:real], texts[:real], strict=True))
     loss_sum, tokens, *group_sums = dist.all_reduce([loss_sum, tokens, *group_sums])

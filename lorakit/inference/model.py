@@ -4,6 +4,7 @@ training held it."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +114,11 @@ class LoadedModel:
 
     def __call__(self, **kwargs):
         return self.module(**kwargs)
+
+    @contextlib.contextmanager
+    def generation_weights(self):
+        """Whole: one process holds the model."""
+        yield True
 
 
 def load_model(

@@ -141,3 +141,26 @@ def test_each_backend_plans_the_load(tmp_path, strategy, stage, kind):
     config = {"zero_optimization": {"stage": stage}}
     plan = backend_for(recipe, "cpu").load_plan(config)
     assert plan.kind == kind and (plan.zero_config is config) == (kind == "partitioned")
+
+
+def test_generation_gathers_as_the_setting_says_and_auto_only_what_fits(monkeypatch):
+    """distributed.gather_for_generation: true and false as given; auto gathers what fits in GATHER_SHARE of
+    the free memory (one process: no other rank to agree with). A rule that gathered whatever the size would
+    put a model that only fits sharded out of memory at its first eval."""
+    import psutil
+
+    from lorakit.backends.base import GATHER_SHARE, gathers_for_generation
+
+    free = 8 * 2**30
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=free))
+    cpu = torch.device("cpu")
+    assert gathers_for_generation(True, 10 * free, cpu) and not gathers_for_generation(False, 0, cpu)
+    assert gathers_for_generation("auto", int(GATHER_SHARE * free), cpu)
+    assert not gathers_for_generation("auto", int(GATHER_SHARE * free) + 1, cpu)
+
+
+def test_the_recipe_takes_gather_for_generation_as_auto_or_a_boolean():
+    assert DistributedSection().gather_for_generation == "auto"
+    assert DistributedSection(gather_for_generation=False).gather_for_generation is False
+    with pytest.raises(ValueError, match="gather_for_generation"):
+        DistributedSection(gather_for_generation="sometimes")
