@@ -173,7 +173,9 @@ def gathers_for_generation(setting: bool | str, gathered_bytes: int, device: tor
     from lorakit import dist
 
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
+        # The driver's free memory and what torch's caching allocator holds unused (free to torch too).
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free = torch.cuda.mem_get_info(device)[0] + cached
     else:
         free = psutil.virtual_memory().available
     fits = gathered_bytes <= GATHER_SHARE * free
