@@ -29,16 +29,18 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def gathered_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
-    """What unsharding every parameter of `model` adds on this rank: each DTensor's other shards, in the dtype
-    FSDP2 gathers it in (floating-point weights in `dtype`, the mixed-precision policy's model.dtype, where
-    that is narrower than what the shard holds: fp32 masters of a bf16 model; None: as held)."""
+    """What unsharding every parameter of `model` adds on this rank's device: each DTensor whole, in the
+    dtype FSDP2 gathers it in (floating-point weights in `dtype`, the mixed-precision policy's model.dtype,
+    where that is narrower than what the shard holds: fp32 masters of a bf16 model; None: as held). Whole,
+    not the other ranks' shards only: unshard all-gathers into a buffer of its own beside the shard, which
+    stays (in CPU memory under cpu_offload)."""
     total = 0
     for p in model.parameters():
         if _is_dtensor(p):
             size = p.element_size()
             if dtype is not None and p.is_floating_point():
                 size = min(size, dtype.itemsize)
-            total += (p.numel() - p.to_local().numel()) * size
+            total += p.numel() * size
     return total
 
 

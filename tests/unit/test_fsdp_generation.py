@@ -1,11 +1,14 @@
-"""FSDP2's generation weights in one process (a one-process gloo group): gathered, every FSDP module stays
-unsharded across the forwards of a generate call and generates what the unsharded model generates, LoRA
-and QLoRA (the 4-bit base sharded, bitsandbytes' CPU branch without AVX512-BF16 forced, as
-test_fsdp_qlora.py does); on exit each module reshards after forward as before (the blocks do, the root does
-not) and holds its shards again. Two ranks generating different numbers of tokens without a collective, and
-the training step after a gathered generation, are tests/integration/test_token_weighting.py's."""
+"""FSDP2's generation weights in one process (a one-process gloo group; the engine FsdpBackend.wrap makes,
+with the recipe's distributed.gather_for_generation): gathered, every FSDP module stays unsharded across
+the forwards of a generate call and generates what the unsharded model generates, LoRA and QLoRA (the 4-bit
+base sharded, bitsandbytes' CPU branch without AVX512-BF16 forced, as test_fsdp_qlora.py does); on exit
+each module reshards after forward as before (the blocks do, the root does not) and holds its shards again.
+Two ranks generating different numbers of tokens without a collective, and the training step after a
+gathered generation, are tests/integration/test_token_weighting.py's."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
@@ -17,21 +20,25 @@ from tests.unit.test_quantize import qlora_dict
 
 
 def _recipe(cache_dir, tmp_path, kind: str):
+    """The tiny Llama on FSDP2 gathering for generation (true: the recipe's setting reaches the engine)."""
     if kind == "qlora":
-        return recipe_from_dict(qlora_dict(cache_dir, tmp_path / "run", kind="llama", r=4, alpha=8))
-    raw = tiny_recipe_dict(cache_dir, tmp_path / "run", model={"name_or_path": "tiny:llama"})
+        raw = qlora_dict(cache_dir, tmp_path / "run", kind="llama", r=4, alpha=8)
+    else:
+        raw = tiny_recipe_dict(cache_dir, tmp_path / "run", model={"name_or_path": "tiny:llama"})
+    raw["distributed"].update({"strategy": "fsdp", "zero_stage": 3, "gather_for_generation": True})
     return recipe_from_dict(raw)
 
 
 def _built(recipe):
     torch.manual_seed(0)
-    model = build_model(recipe).model
+    built = build_model(recipe)
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
-        for n, p in sorted(model.named_parameters()):
+        for n, p in sorted(built.model.named_parameters()):
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)  # B starts at zero
-    return model.eval()
+    built.model.eval()
+    return built
 
 
 def _groups(model):
@@ -51,8 +58,8 @@ def test_gathered_generation_keeps_the_model_unsharded_then_restores_fsdps_behav
 ):
     from torch.distributed.fsdp import FSDPModule
 
-    from lorakit.backends.fsdp import FsdpEngine
-    from lorakit.backends.fsdp_shard import DTYPES, _reshard_after_forward, device_mesh, shard_model
+    from lorakit.backends.fsdp import FsdpBackend
+    from lorakit.backends.fsdp_shard import DTYPES, _reshard_after_forward, gathered_bytes
     from lorakit.engine.launch import process_group
 
     if kind == "qlora":
@@ -64,12 +71,15 @@ def test_gathered_generation_keeps_the_model_unsharded_then_restores_fsdps_behav
     mask = torch.ones_like(ids)
     fixed = {"max_new_tokens": 5, "min_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
-        want = _built(recipe).generate(input_ids=ids, attention_mask=mask, **fixed)
+        want = _built(recipe).model.generate(input_ids=ids, attention_mask=mask, **fixed)
     with process_group("gloo"):
-        dtype = recipe.model.dtype
-        model = shard_model(_built(recipe), device_mesh("full", None, "cpu"), dtype=dtype, cpu_offload=False)
-        sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-        engine = FsdpEngine(model, sgd, None, torch.device("cpu"), 0.0, DTYPES[dtype])
+        constant = partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda _: 1.0)
+        engine = FsdpBackend(recipe, "cpu").wrap(_built(recipe), {}, constant)
+        model, dtype = engine.module, DTYPES[recipe.model.dtype]
+        assert engine.gather_for_generation is True
+        # What gathering adds: the whole model in model.dtype (LoRA's fp32 masters gathered in bf16 for QLoRA).
+        numel = sum(p.numel() for p in model.parameters())
+        assert gathered_bytes(model, dtype) == numel * dtype.itemsize
         modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
         before = [_reshard_after_forward(m) for m in modules]
         # fully_shard's default: the blocks reshard after forward, the root (lazily initialised) does not.
