@@ -4,7 +4,8 @@
 (lorakit.backends.fsdp_shard). `FsdpEngine` is the sharded model with its AdamW optimizer and LR schedule,
 answering lorakit's Engine verbs (lorakit.backends.base): forward, backward, the step at the accumulation
 boundary with gradient clipping and the LR schedule, resumable checkpoints through
-torch.distributed.checkpoint, the whole model's state for saving.
+torch.distributed.checkpoint, the whole model's state for saving, and the weights generation runs on
+(unsharded once per generate call where distributed.gather_for_generation allows).
 
 Gradients: FSDP2 reduce-scatters once per accumulation window (at the boundary's backward) and divides by the data-parallel world size, as
 DeepSpeed averages over ranks, so lorakit's token-weighted micro-batch loss (loss.micro_batch_loss: loss sum
@@ -13,6 +14,7 @@ x world / window tokens) gives the same applied gradient on either backend.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -21,25 +23,62 @@ from typing import Any
 import torch
 
 from lorakit import dist
-from lorakit.backends.base import Forwarding, StepResult, gather_trainable
+from lorakit.backends.base import Forwarding, StepResult, gather_trainable, gathers_for_generation
 from lorakit.backends.facts import ByteModels, Layout, Readiness
-from lorakit.backends.fsdp_shard import DTYPES, check_built, device_mesh, full_tensor, mesh_shape, shard_model
+from lorakit.backends.fsdp_shard import (
+    DTYPES,
+    check_built,
+    device_mesh,
+    full_tensor,
+    gathered_bytes,
+    mesh_shape,
+    shard_model,
+    unsharded,
+)
 from lorakit.model.load_plan import WHOLE, LoadPlan
 
 
 class FsdpEngine(Forwarding):
     """A model sharded by FSDP2 with its AdamW optimizer and LR schedule, behind lorakit's Engine verbs."""
 
-    # Every rank holds a shard of each parameter: forwards (and generate) are collective.
+    # Every rank holds a shard of each parameter: forwards are collective (generate's too, unless
+    # generation_weights gathered the model whole).
     sharded = True
 
-    def __init__(self, module, optimizer, scheduler, device, max_grad_norm: float, save_dtype=None):
+    def __init__(
+        self, module, optimizer, scheduler, device, max_grad_norm: float, save_dtype=None,
+        gather_for_generation: bool | str = "auto",
+    ):  # fmt: skip
         self.module, self.optimizer, self.lr_scheduler = module, optimizer, scheduler
         self.inner = module
-        # The dtype full_model_state writes floating-point weights in (model.dtype; None: as held).
+        # The dtype full_model_state writes floating-point weights in (model.dtype, the dtype forwards gather
+        # them in; None: as held).
         self.save_dtype = save_dtype
         self.device = device
         self.max_grad_norm = max_grad_norm
+        self.gather_for_generation = gather_for_generation
+        self._gathered = False  # inside generation_weights' gathered context
+
+    @contextlib.contextmanager
+    def generation_weights(self):
+        """Every FSDP module unsharded once on entry and kept so across the forwards inside (fsdp_shard.
+        unsharded), each module's reshard-after-forward behaviour put back and the weights resharded on exit,
+        when distributed.gather_for_generation allows: True, each rank then decodes on its own. Otherwise
+        False: each decoding step's forwards gather layer by layer (synced). Nested in a gathered context
+        (generate inside it): whole, as the outer context keeps them."""
+        if self._gathered:
+            yield True
+            return
+        adds = gathered_bytes(self.module, self.save_dtype)
+        if not gathers_for_generation(self.gather_for_generation, adds, self.device):
+            yield False
+            return
+        with unsharded(self.module):
+            self._gathered = True
+            try:
+                yield True
+            finally:
+                self._gathered = False
 
     def backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
         """Backpropagate `loss` as given (the loop already weighted it). Before the boundary the gradients
@@ -256,7 +295,9 @@ class FsdpBackend:
             groups, lr=t.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=t.weight_decay
         )
         dtype = DTYPES[self.recipe.model.dtype]
-        return FsdpEngine(model, optimizer, schedule(optimizer), device, t.max_grad_norm, dtype)
+        return FsdpEngine(
+            model, optimizer, schedule(optimizer), device, t.max_grad_norm, dtype, d.gather_for_generation
+        )
 
     def _reader(self, built) -> Callable | None:
         """For a model built on the meta device: its adapter made real now, and the filler shard_model calls

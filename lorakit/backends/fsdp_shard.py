@@ -5,7 +5,8 @@ lorakit.backends.fsdp.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -25,6 +26,66 @@ def _is_dtensor(t: Any) -> bool:
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """`t` whole: a sharded DTensor gathered from its mesh (collective), any other tensor as it is."""
     return t.full_tensor() if _is_dtensor(t) else t
+
+
+def gathered_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """What unsharding every parameter of `model` adds on this rank's device: each DTensor whole, in the
+    dtype FSDP2 gathers it in (floating-point weights in `dtype`, the mixed-precision policy's model.dtype,
+    where that is narrower than what the shard holds: fp32 masters of a bf16 model; None: as held). Whole,
+    not the other ranks' shards only: unshard all-gathers into a buffer of its own beside the shard, which
+    stays (in CPU memory under cpu_offload)."""
+    total = 0
+    for p in model.parameters():
+        if _is_dtensor(p):
+            size = p.element_size()
+            if dtype is not None and p.is_floating_point():
+                size = min(size, dtype.itemsize)
+            total += p.numel() * size
+    return total
+
+
+@contextlib.contextmanager
+def unsharded(model: torch.nn.Module) -> Iterator[None]:
+    """Every FSDP module of `model` unsharded on entry (its all-gathers: collective) and kept unsharded across
+    the forwards inside (no reshard after forward), so those forwards run no collective and each rank may run
+    as many as it needs. On exit each module's reshard-after-forward behaviour is put back as it was and every
+    module resharded (local: frees the gathered weights)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    saved = [_reshard_after_forward(m) for m in modules]
+    try:
+        for m in modules:
+            m.set_reshard_after_forward(False, recurse=False)
+        for m in modules:  # the same order on every rank: the all-gathers pair up
+            m.unshard()
+        yield
+    finally:
+        for m, behaviour in zip(modules, saved, strict=True):
+            _restore_reshard_after_forward(m, behaviour)
+        for m in modules:
+            m.reshard()
+
+
+def _reshard_after_forward(module) -> tuple[Any, list[Any]]:
+    """An FSDP module's reshard-after-forward behaviour as torch stores it: the state's
+    _auto_reshard_after_forward (fully_shard called without reshard_after_forward, as shard_model does: the
+    root's lazy initialisation then turns its own off) and each parameter group's post_forward_mesh_info
+    (None: keep unsharded, the root's default; the shard mesh: reshard, the blocks'; a smaller mesh: an int
+    reshard_after_forward)."""
+    state = module._get_fsdp_state()
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+
+
+def _restore_reshard_after_forward(module, behaviour: tuple[Any, list[Any]]) -> None:
+    """Put back what _reshard_after_forward read. The public set_reshard_after_forward takes a bool only and
+    marks the module as set by hand (_auto_reshard_after_forward False), so the stored values go back as they
+    were."""
+    state = module._get_fsdp_state()
+    auto, infos = behaviour
+    state._auto_reshard_after_forward = auto
+    for group, info in zip(state._fsdp_param_groups, infos, strict=True):
+        group.post_forward_mesh_info = info
 
 
 def mesh_shape(sharding: str, shard_size: int | None, world: int) -> dict[str, int]:

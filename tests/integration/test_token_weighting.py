@@ -113,11 +113,12 @@ def test_one_step_is_the_same_as_one_batch_on_one_process(steps, kind, mode):
 
 @pytest.mark.slow
 def test_engine_generate_equals_the_unsharded_models_generate_on_zero3_and_fsdp(steps, cache_dir, tmp_path):
-    """Engine.generate with the weights each engine holds (ZeRO-3 on one process and on two, gathered whole
-    for the call and layer by layer, FSDP2 on two; the two ranks with different prompts and lengths) gives
+    """Engine.generate with the weights each engine holds (ZeRO-3 on one process, ZeRO-3 and FSDP2 on two,
+    gathered whole for the call and layer by layer; the two ranks with different prompts and lengths) gives
     what transformers' generate gives on the whole model, greedy and sampled from the same seed, for the
-    tiny Llama and the tiny T5; the ZeRO-3 step after it is test_one_step_is_the_same_as_one_batch_on_one_
-    process's (DeepSpeed's per-layer hooks are back after a gathered generation)."""
+    tiny Llama and the tiny T5; the ZeRO-3 and FSDP2 steps after it are test_one_step_is_the_same_as_one_
+    batch_on_one_process's (DeepSpeed's per-layer hooks, FSDP2's resharding are back after a gathered
+    generation)."""
     out = steps["weighting"]
     for kind in ("t5", "llama"):
         want = token_weighting_worker.reference_generations(str(cache_dir), str(tmp_path), kind)
@@ -127,9 +128,10 @@ def test_engine_generate_equals_the_unsharded_models_generate_on_zero3_and_fsdp(
             # Every row made exactly its new tokens (T5: after the decoder's start token).
             assert [len(r) for r in ref["greedy"]] == [prompt + new + (kind == "t5")] * len(rows)
             assert ref["sampled"] != ref["greedy"], kind
-            # Whose weights are whole while generating: one process's; ZeRO-3's gathered once per generate
-            # (distributed.gather_for_generation auto, plenty of memory here) or not (false); FSDP2's never.
-            held = {"one_batch": True, "two_ranks": True, "two_ranks-layered": False, "fsdp": False}
+            # Whose weights are whole while generating: one process's; ZeRO-3's and FSDP2's gathered once per
+            # generate (distributed.gather_for_generation auto, plenty of memory here) or not (false).
+            held = {"one_batch": True, "two_ranks": True, "two_ranks-layered": False}
+            held.update({"fsdp": True, "fsdp-layered": False})
             for mode, whole in held.items():
                 got = json.loads((out / f"{kind}-{mode}-generate-rank{rank}.json").read_text())
                 assert got.pop("whole") is whole, f"{kind} {mode} rank {rank}"

@@ -6,8 +6,8 @@ and the updated (gathered) LoRA weights of each.
 Before the step of the one-process batch and of the two ranks' split rows (not hybrid's four), each engine
 generates from its rank's prompts (Engine.generate: greedy, and sampled from a seeded RNG; GENERATE), written
 as NAME-generate-rankR.json with whether its weights were whole (Engine.generation_weights), which the test
-compares with the unsharded model's generate (`reference_generations`); ZeRO-3 on two ranks generates with
-its weights gathered whole, then layer by layer (NAME-layered-generate-rankR.json).
+compares with the unsharded model's generate (`reference_generations`); ZeRO-3 and FSDP2 on two ranks
+generate with their weights gathered whole, then layer by layer (NAME-layered-generate-rankR.json).
 
 MODE: single (one process: the 6 rows as one batch, and as 2 accumulated micro-batches) | two_ranks (2
 processes: DeepSpeed ZeRO-3, then FSDP2 full sharding, written as "fsdp"; then FSDP2 with 4 accumulated
@@ -231,9 +231,10 @@ def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
         # Before the step, from the weights _same_start gave every backend: the engine's own generation.
         name = f"{kind}-{layout if mode == 'single' else mode}"
         ranks = range(len(GENERATE)) if mode == "single" else [dist.rank()]
-        # ZeRO-3 on two ranks: with the whole model gathered once per generate (what auto does here), then
-        # layer by layer, the ranks synced (distributed.gather_for_generation false); the step comes after.
-        settings = {"": "auto", "-layered": False} if mode == "two_ranks" else {"": "auto"}
+        # ZeRO-3 and FSDP2 on two ranks: with the whole model gathered once per generate (what auto does
+        # here), then layer by layer, the ranks synced (distributed.gather_for_generation false); the step
+        # comes after.
+        settings = {"": "auto", "-layered": False} if mode in ("two_ranks", "fsdp") else {"": "auto"}
         for suffix, setting in settings.items():
             if hasattr(engine, "gather_for_generation"):
                 engine.gather_for_generation = setting
