@@ -80,9 +80,10 @@ class DeepSpeedEngine(Forwarding):
         if not self.sharded:
             yield True
             return
-        # What gathering adds on this rank: every partitioned parameter's other ranks' shares.
+        # What gathering adds on this rank: every partitioned parameter whole (DeepSpeed gathers into a new
+        # full-size buffer and keeps the rank's partition beside it).
         adds = sum(
-            (p.ds_numel - p.partition_numel()) * p.element_size()
+            p.ds_numel * p.element_size()
             for p in self.module.parameters()
             if hasattr(p, "ds_id") and not p.ds_persist
         )
