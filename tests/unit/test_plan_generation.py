@@ -112,3 +112,24 @@ def test_when_nothing_fits_gathered_the_recommendation_generates_layer_by_layer(
     fits = _plan(gpu_memory="24GB")
     assert fits.recommendation is not None
     assert "distributed.gather_for_generation=false" not in fits.recommended_overrides
+
+
+@pytest.mark.parametrize("slack", [0, -2])
+def test_the_plan_decides_as_the_runtime_rule_does(monkeypatch, slack):
+    """lorakit.backends.base.gathers_for_generation (one process: no other rank to agree with) and the
+    planner take the same branch for the same bytes gathering adds and the same memory free."""
+    import psutil
+    import torch
+
+    from lorakit.backends.base import gathers_for_generation
+    from lorakit.planner.arch import arch_from_config, known_config
+    from lorakit.planner.generation import planned_generation
+
+    recipe = load_recipe(XL)
+    setup = _plan(gpu_memory="80GB").estimate.setup
+    arch = arch_from_config(known_config("google/flan-t5-xl"))
+    adds = planned_generation(recipe, arch, 2, setup, 8, None).adds_bytes
+    free = int(adds / GATHER_SHARE) + slack
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("M", (), {"available": free})())
+    runtime = gathers_for_generation("auto", adds, torch.device("cpu"))
+    assert planned_generation(recipe, arch, 2, setup, 8, free).gathers == runtime == (slack == 0)
