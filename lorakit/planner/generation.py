@@ -16,6 +16,8 @@ the other N-1 ranks' shares of every weight, fits in GATHER_SHARE of the memory 
 moment (the runtime's rule, lorakit.backends.base.gathers_for_generation). The plan takes as free the
 capacity less the framework's share (CUDA context; a CPU run's process) and the resident states: what the
 first generate call finds. Without a capacity, auto is counted as gathering, the conservative answer.
+The whole model includes the small parameters ZeRO-3 already keeps whole on every rank (below
+stage3_param_persistence_threshold), which gathering leaves alone: tens of MB counted twice at most.
 """
 
 from __future__ import annotations
