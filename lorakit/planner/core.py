@@ -6,7 +6,7 @@ the recipe's setup and to the alternatives search.py lists, and returns a Memory
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,10 @@ from lorakit.planner.activations import Activations, Kernels, Shape, activations
 from lorakit.planner.arch import Arch, arch_from_config, resolve_config
 from lorakit.planner.byte_models import PlannedBytes
 from lorakit.planner.checkpointing import Checkpointing, choose, with_checkpointing
+from lorakit.planner.generation import Generation, generation_ways, planned_generation
 from lorakit.planner.moe import moe_notes
 from lorakit.planner.rollouts import RolloutPlan, completions_per_prompt, planned_rollouts, rollout_shape
-from lorakit.planner.search import ROW_STEP, candidates, longest_row, overrides, recipe_setup, slowdown
+from lorakit.planner.search import ROW_STEP, longest_row, overrides, recipe_setup, recommend, slowdown
 from lorakit.planner.shapes import attention_label, micro_batch_shape, positive
 from lorakit.planner.states import Item, Setup, counts
 from lorakit.planner.units import HEADROOM, PlanError, parse_bytes
@@ -61,6 +62,8 @@ class Estimate:
     slowdown: float
     # train.objective grpo: what generating the rollouts holds and the time split (lorakit.planner.rollouts).
     rollouts: RolloutPlan | None = None
+    # What generating (eval predictions, GRPO) does with sharded weights (lorakit.planner.generation).
+    generation: Generation | None = None
 
     @property
     def fits(self) -> bool | None:
@@ -77,18 +80,9 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able summary of this estimate."""
-        s = self.setup
         a = self.activations
         return {
-            "setup": {
-                "zero_stage": s.zero_stage,
-                "offload_optimizer": s.offload_optimizer,
-                "offload_params": s.offload_params,
-                "micro_batch_size": s.micro_batch_size,
-                "max_tokens": s.max_tokens,
-                "gradient_checkpointing": s.gradient_checkpointing,
-                "checkpoint_every": s.checkpoint_every,
-            },
+            "setup": asdict(self.setup),
             "fits": self.fits,
             "fits_gpu": self.fits_gpu,
             "fits_cpu": self.fits_cpu,
@@ -115,18 +109,9 @@ class Estimate:
                 "no_grad_forward": a.no_grad_forward,
                 "checkpointed_blocks": a.checkpointed,
             },  # fmt: skip
-            "items": [
-                {
-                    "name": i.name,
-                    "bytes": i.bytes,
-                    "where": i.where,
-                    "when": i.when,
-                    "kind": i.kind,
-                    "note": i.note,
-                }
-                for i in self.items
-            ],
+            "items": [asdict(i) for i in self.items],
             "rollouts": self.rollouts.to_dict() if self.rollouts else None,
+            "generation": self.generation.to_dict() if self.generation else None,
         }
 
 
@@ -276,21 +261,19 @@ def plan(
     if kernels.packed:
         base = replace(base, max_tokens=shape.seq_len)
 
-    def estimate(setup: Setup) -> Estimate:
-        return _estimate(recipe, arch, a, setup, shape, kernels, world, gpus, gpu_cap, cpu_cap, base, nodes)
+    def estimate(setup: Setup, r=recipe) -> Estimate:
+        return _estimate(r, arch, a, setup, shape, kernels, world, gpus, gpu_cap, cpu_cap, base, nodes)
 
     blocks = arch.layers + arch.decoder_layers
     ckpt = choose(recipe.model, base, estimate, gpu_cap if device == "cuda" else None, blocks)
     base = with_checkpointing(base, ckpt)
     own = estimate(base)
-    best = None
+    best, extra = None, []
     if gpu_cap is not None:
-        # Recommend only setups with headroom for the model's error; the recipe's own setup first on ties.
-        options = candidates(base, min_tokens=min_tokens, layouts=backend.layouts())
-        tried = [own] + [e for e in map(estimate, options) if e.setup != base]
-        fitting = [e for e in tried if e.fits and e.per_gpu_bytes <= HEADROOM * gpu_cap]
-        if fitting:
-            best = min(fitting, key=lambda e: round(e.slowdown, 6))
+        # Only setups with headroom for the model's error; generating layer by layer only when no setup fits
+        # with the whole model gathered for it.
+        ways = generation_ways(recipe, own.generation)
+        best, extra = recommend(estimate, base, ways, HEADROOM * gpu_cap, min_tokens, backend.layouts())
     longest = None
     if gpu_cap is not None and kernels.packed and not arch.is_encoder_decoder:
 
@@ -302,6 +285,7 @@ def plan(
 
         longest = longest_row(fits, step=ROW_STEP * shape.sequence_parallel)
     c = counts(arch, recipe.method, a, None)
+    said = (own.rollouts and own.rollouts.note(), own.generation and own.generation.note())
     return MemoryPlan(
         model=recipe.model.name_or_path,
         method=recipe.method.kind,
@@ -316,8 +300,8 @@ def plan(
         trainable_params=c.trainable,
         estimate=own,
         recommendation=best,
-        recommended_overrides=tuple(overrides(best.setup, recipe, base, backend)) if best else (),
-        assumptions=tuple(notes + ([own.rollouts.note()] if own.rollouts else [])),
+        recommended_overrides=tuple(overrides(best.setup, recipe, base, backend) + extra) if best else (),
+        assumptions=tuple(notes + [n for n in said if n]),
         longest_row=longest,
         sequence_parallel=shape.sequence_parallel,
         timeout_minutes=recipe.distributed.timeout_minutes,
@@ -360,15 +344,26 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
     # Before anything of the micro-batch is kept: an objective's no-grad forward (DPO's reference pass, full
     # fine-tuning's pass before training), FSDP2's first block (items "start": the root's all-gather output).
     no_grad = act.no_grad_forward if objective_type(recipe).passes(recipe).no_grad_forward else 0
+    # Generating (eval predictions, GRPO) on sharded weights gathers them whole or layer by layer; auto asks
+    # what is free beside the resident states, as the first generate call finds it.
+    context = CUDA_CONTEXT_BYTES if kernels.device == "cuda" else CPU_RUN_PROCESS_BYTES
+    free = None if gpu_cap is None else gpu_cap - context - gpu["resident"]
+    gen = planned_generation(recipe, arch, a, setup, world, free)
+    if gen is not None and gen.mode == "gathered":
+        items.append(gen.item())
     # GRPO generates before it trains: a forward's weights with the rollouts' KV cache and logits.
-    rollouts = planned_rollouts(recipe, arch, a, setup, shape, world)
+    rollouts = planned_rollouts(recipe, arch, a, setup, shape, world, gen)
     generating = rollouts.generation_bytes if rollouts else 0
+    # While generating: the forward's gathered weights, or the whole model gathered in their place.
+    generation_peak = gpu["resident"] + max(gpu["forward"], total("gpu", "generate")) + generating
+    gen = gen and replace(gen, peak_bytes=generation_peak)
     train = gpu["resident"] + max(
         gpu["forward"] + act.at_loss,
         gpu["forward"] + gpu["backward"] + gpu["gradients"] + act.in_layers,
         gpu["gradients"] + gpu["step"],
-        gpu["forward"] + max(no_grad, gpu["start"], generating),
+        gpu["forward"] + max(no_grad, gpu["start"]),
     )
+    train = max(train, generation_peak)
     allocated = max(train, total("gpu", "load"))
     overhead = int(CUDA_CONTEXT_BYTES + FRAGMENTATION * allocated) if kernels.device == "cuda" else 0
     per_gpu = allocated + overhead
@@ -392,4 +387,5 @@ def _estimate(recipe, arch: Arch, a: int, setup: Setup, shape: Shape, kernels: K
         fits_cpu=None if cpu_cap is None else cpu <= cpu_cap,
         slowdown=slowdown(setup, reference, adapter=recipe.method.adapter(), nodes=nodes),
         rollouts=rollouts,
+        generation=gen,
     )

@@ -17,6 +17,7 @@ _WHEN = {
     "step": "optimizer step",
     "load": "loading",
     "start": "at the forward's start",
+    "generate": "while generating",
 }
 
 

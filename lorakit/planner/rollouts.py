@@ -2,7 +2,8 @@
 prompt from the weights being trained, and how a step's time splits between generating and training.
 
 Memory while generating (per rank, one micro-batch of prompts, on top of the resident states and the weights
-a forward holds: ZeRO-3's gathered layer, FSDP2's unsharded block):
+a forward holds: ZeRO-3's gathered layer, FSDP2's unsharded block; or the whole model, gathered for
+generation):
     KV cache      micro_batch_size x G sequences, every decoder layer's keys and values for the prompt and
                   max_new_tokens (encoder-decoders: the decoder's own and the cross-attention's over the
                   prompt, and the encoder's output)
@@ -13,8 +14,10 @@ after the other, so they add time, not a peak.
 
 Time is a stated model, not a measurement (docs/grpo.md says what was measured): generating is
 max_new_tokens decoding steps, each reading the weights and the KV cache from memory (ZeRO-3 and FSDP2 also
-gather the weights over the interconnect each step); training is compute at a model-FLOPs utilisation, for
-each pass over the rollouts plus the no-grad forwards. Rates are those of an H100-class GPU (ASSUMED_GPU).
+gather the weights over the interconnect: the whole model once per generate call when they gather it for
+generation, lorakit.planner.generation, else every layer again at each decoding step); training is compute
+at a model-FLOPs utilisation, for each pass over the rollouts plus the no-grad forwards. Rates are those of
+an H100-class GPU (ASSUMED_GPU).
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class RolloutPlan:
     no_grad: tuple[str, ...]
     generate_seconds: float
     train_seconds: float
+    # How sharded weights reach the decoding steps: "none" (whole on every rank), "per_call" (the whole model
+    # gathered once per generate call), "per_step" (every layer gathered again at each decoding step).
+    gathers: str = "none"
 
     @property
     def no_grad_forwards(self) -> int:
@@ -77,6 +83,7 @@ class RolloutPlan:
             f"{' (' + ', '.join(self.no_grad) + ')' if self.no_grad else ''}; time model ({ASSUMED_GPU}): "
             f"~{self.generate_share:.0%} of a step generating, {self.generate_seconds:.2f} s against "
             f"{self.train_seconds:.2f} s training per micro-batch of prompts (all grpo.passes)"
+            + _GATHERS[self.gathers]
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,8 +100,16 @@ class RolloutPlan:
             "generate_seconds": round(self.generate_seconds, 4),
             "train_seconds": round(self.train_seconds, 4),
             "generate_share": round(self.generate_share, 4),
+            "gathers": self.gathers,
             "assumed_gpu": ASSUMED_GPU,
         }
+
+
+_GATHERS = {
+    "none": "",
+    "per_call": ", the sharded weights gathered once per generate call",
+    "per_step": ", the sharded weights gathered again at every decoding step",
+}
 
 
 def _gib(n: int) -> str:
@@ -115,11 +130,13 @@ def rollout_plan(
     adapter: bool,
     gradient_checkpointing: bool,
     gathered_over: int = 1,
+    gathered_whole: bool = False,
 ) -> RolloutPlan:
     """The rollouts of one micro-batch of `micro_batch_size` prompts of `prompt_len` tokens for a model of
     shape `arch` (lorakit.planner.arch.Arch): `weight_bytes` the base weights as stored on the GPU (what each
-    decoding step reads), `gathered_over` the ranks the weights are sharded over (ZeRO-3, FSDP2: each
-    decoding step gathers the rest over the interconnect; 1: whole on every rank)."""
+    decoding step reads), `gathered_over` the ranks the weights are sharded over (ZeRO-3, FSDP2: the other
+    ranks' shares come over the interconnect; 1: whole on every rank), `gathered_whole` whether generate
+    gathers them whole once per call (distributed.gather_for_generation) instead of at each decoding step."""
     n = micro_batch_size * num_generations
     a = dtype_bytes
     kv = arch.kv_width
@@ -143,10 +160,13 @@ def rollout_plan(
         step_read / (HBM_BYTES_PER_S * DECODE_BANDWIDTH_SHARE),
         2 * decoding * params * n / (PEAK_FLOPS * TRAIN_MFU),
     )
-    if gathered_over > 1:
-        per_step += decoding * weight_bytes * (gathered_over - 1) / gathered_over / LINK_BYTES_PER_S
+    # The other ranks' shares of the weights, over the interconnect.
+    link = weight_bytes * (gathered_over - 1) / gathered_over / LINK_BYTES_PER_S
+    once = link if gathered_whole else 0.0
+    if not gathered_whole:
+        per_step += decoding * link
     prefill = 2 * params * prompt_tokens / (PEAK_FLOPS * TRAIN_MFU)
-    generate = max_new_tokens * per_step + prefill
+    generate = max_new_tokens * per_step + prefill + once
     # Training: forward 2N per token, backward 2N (activation gradients; full fine-tuning 4N with the
     # weights'), the recomputed forward under gradient checkpointing; and the no-grad forwards.
     tokens = prompt_tokens + completion_tokens
@@ -164,6 +184,7 @@ def rollout_plan(
         no_grad=no_grad,
         generate_seconds=generate,
         train_seconds=flops / (PEAK_FLOPS * TRAIN_MFU),
+        gathers="none" if gathered_over <= 1 else ("per_call" if gathered_whole else "per_step"),
     )
 
 
@@ -202,9 +223,13 @@ def rollout_shape(
     return replace(prompts, rows=rows, seq_len=prompts.seq_len + section.max_new_tokens), kernels, None
 
 
-def planned_rollouts(recipe, arch, dtype_bytes: int, setup, shape: Shape, world: int) -> RolloutPlan | None:
+def planned_rollouts(
+    recipe, arch, dtype_bytes: int, setup, shape: Shape, world: int, generation=None
+) -> RolloutPlan | None:
     """The rollouts of `recipe` under `setup` (lorakit.planner.states.Setup) on `world` ranks, the training
-    micro-batch's `shape` that rollout_shape gave; None unless train.objective is grpo."""
+    micro-batch's `shape` that rollout_shape gave, generating as `generation` says (a
+    lorakit.planner.generation.Generation; None: sharded weights gathered at each decoding step); None
+    unless train.objective is grpo."""
     section = _section(recipe)
     if section is None:
         return None
@@ -229,6 +254,7 @@ def planned_rollouts(recipe, arch, dtype_bytes: int, setup, shape: Shape, world:
         weight_bytes=weights,
         adapter=method.adapter(),
         gradient_checkpointing=setup.gradient_checkpointing,
-        # ZeRO-3 (and FSDP2, which shards as it does) gathers the weights for every decoding step.
+        # ZeRO-3 (and FSDP2, planned as it): the weights gathered whole per generate call, or per step.
         gathered_over=world if setup.zero_stage == 3 else 1,
+        gathered_whole=bool(generation and generation.gathers and "GRPO rollouts" in generation.moments),
     )

@@ -91,6 +91,21 @@ def candidates(base: Setup, *, min_tokens: int | None, layouts: list[Layout]) ->
     return out
 
 
+def recommend(estimate, base: Setup, ways, limit: float, min_tokens: int | None, layouts: list[Layout]):
+    """The fastest setup that fits in `limit` bytes per GPU and in the CPU RAM, and the overrides its recipe
+    adds, or (None, []): `estimate(setup, recipe)` of `base` (first: it wins a tie) and its candidates, for
+    each (recipe, overrides) of `ways` in turn until one fits."""
+    options = candidates(base, min_tokens=min_tokens, layouts=layouts)
+    for recipe, extra in ways:
+        tried = [estimate(base, recipe)] + [
+            e for e in (estimate(o, recipe) for o in options) if e.setup != base
+        ]
+        fitting = [e for e in tried if e.fits and e.per_gpu_bytes <= limit]
+        if fitting:
+            return min(fitting, key=lambda e: round(e.slowdown, 6)), extra
+    return None, []
+
+
 def overrides(setup: Setup, recipe, base: Setup, backend: Backend) -> list[str]:
     """The dotted recipe overrides that turn `recipe` (whose own setup is `base`) into `setup` (empty when
     nothing changes): the backend's for its layout, then the micro-batch's, keeping the optimizer batch (a

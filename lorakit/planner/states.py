@@ -84,7 +84,8 @@ class Item:
     when: "resident" (from initialisation or the first step on), "forward" (from the forward through the
     backward), "backward" (from the first gradient of the backward on), "gradients" (from the first gradient
     through the optimizer step), "step" (during the optimizer step only), "start" (at the forward's start,
-    before any activation: FSDP2's first block) or "load" (while the model loads).
+    before any activation: FSDP2's first block), "load" (while the model loads) or "generate" (while
+    generating: the whole model gathered for generation, lorakit.planner.generation).
     """
 
     name: str
@@ -93,7 +94,8 @@ class Item:
     when: str
     note: str = ""
     # "state": model states as DeepSpeed's estimators count them (weights, gradients, optimizer state, the
-    # layer ZeRO-3 gathers); "buffer": communication buckets; "load": only while loading.
+    # layer ZeRO-3 gathers); "buffer": communication buckets; "load": only while loading; "generation": the
+    # whole model gathered for generation.
     kind: str = "state"
 
 

@@ -11,7 +11,7 @@ from lorakit.objectives import Objective, objective_named, register, unregister
 from lorakit.objectives.grpo_settings import GRPO, GrpoSection
 from lorakit.planner import plan
 from lorakit.planner.arch import arch_from_config, known_config
-from lorakit.planner.rollouts import LOGITS_COPIES, rollout_plan
+from lorakit.planner.rollouts import LINK_BYTES_PER_S, LOGITS_COPIES, rollout_plan
 from lorakit.recipe import load_recipe
 from tests.conftest import RECIPES
 
@@ -140,8 +140,42 @@ def test_the_planned_micro_batch_is_the_rollouts_completions(grpo_registered):
 
 
 def test_qlora_decoding_reads_the_4bit_base_the_states_count(grpo_registered):
-    recipe = load_recipe(RECIPES / "qwen3_8b_grpo_math.yaml")
-    lora = plan(recipe, gpu_memory="80GB").estimate.rollouts
-    qlora = plan(load_recipe(RECIPES / "qwen3_8b_grpo_math.yaml", ["method.kind=qlora"]), gpu_memory="80GB")
-    # Decoding is bound by reading the weights: a 4-bit base (~0.5 byte a weight) is read ~3-4x faster.
+    # Layer by layer, every decoding step gathers and reads the weights: a 4-bit base (~0.5 byte a weight)
+    # is gathered and read ~3-4x faster.
+    off = "distributed.gather_for_generation=false"
+    lora = plan(load_recipe(RECIPES / "qwen3_8b_grpo_math.yaml", [off]), gpu_memory="80GB").estimate.rollouts
+    qlora = plan(
+        load_recipe(RECIPES / "qwen3_8b_grpo_math.yaml", ["method.kind=qlora", off]), gpu_memory="80GB"
+    )
     assert 2.5 < lora.generate_seconds / qlora.estimate.rollouts.generate_seconds < 4.5
+
+
+def test_weights_gathered_whole_come_over_the_link_once_per_generate_call(grpo_registered):
+    arch = _arch("meta-llama/Meta-Llama-3-8B")
+    alone = rollout_plan(arch, **_kw())
+    per_step = rollout_plan(arch, **_kw(), gathered_over=8)
+    per_call = rollout_plan(arch, **_kw(), gathered_over=8, gathered_whole=True)
+    # The other 7 ranks' shares of the 16 GiB of weights: at each of the 512 decoding steps, or once.
+    link = 16 * 2**30 * 7 / 8 / LINK_BYTES_PER_S
+    assert per_step.generate_seconds == pytest.approx(alone.generate_seconds + 512 * link)
+    assert per_call.generate_seconds == pytest.approx(alone.generate_seconds + link)
+    assert (alone.gathers, per_step.gathers, per_call.gathers) == ("none", "per_step", "per_call")
+    assert per_call.train_seconds == per_step.train_seconds
+    # The plan: distributed.gather_for_generation decides both the time and the generation's peak.
+    on, off = (
+        plan(load_recipe(RECIPES / "qwen3_8b_grpo_math.yaml", [f"distributed.gather_for_generation={s}"]),
+             gpu_memory="80GB").estimate
+        for s in ("true", "false")
+    )  # fmt: skip
+    assert on.rollouts.gathers == "per_call" and off.rollouts.gathers == "per_step"
+    assert on.rollouts.generate_seconds < off.rollouts.generate_seconds / 2
+    assert "once per generate call" in on.rollouts.note()
+    forward = sum(i.bytes for i in on.items if i.where == "gpu" and i.when == "forward")
+    g = on.generation
+    assert g.moments == ("GRPO rollouts",) and g.mode == "gathered"
+    assert g.peak_bytes - off.generation.peak_bytes == g.whole_bytes - forward
+    assert (
+        off.generation.peak_bytes
+        == sum(i.bytes for i in off.items if i.where == "gpu" and i.when in ("resident", "forward"))
+        + off.rollouts.generation_bytes
+    )
