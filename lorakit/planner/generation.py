@@ -12,7 +12,7 @@ N ranks (ZeRO-3, FSDP2) they go one of two ways:
                     forward's gathered weights)
 
 true gathers, false goes layer by layer, auto (the default) gathers when what gathering adds on a rank,
-the other N-1 ranks' shares of every weight, fits in GATHER_SHARE of the memory free on the device at that
+every sharded weight whole (a new buffer beside the rank's own share), fits in GATHER_SHARE of the memory free on the device at that
 moment (the runtime's rule, lorakit.backends.base.gathers_for_generation). The plan takes as free the
 capacity less the framework's share (CUDA context; a CPU run's process) and the resident states: what the
 first generate call finds. Without a capacity, auto is counted as gathering, the conservative answer.
@@ -49,8 +49,9 @@ class Generation:
 
     @property
     def adds_bytes(self) -> int:
-        """What the runtime's auto rule weighs: the other ranks' shares of every weight."""
-        return self.whole_bytes - self.whole_bytes // max(self.sharded_over, 1)
+        """What the runtime's auto rule weighs: every weight whole (gathered into a buffer of its own, beside
+        the rank's share)."""
+        return self.whole_bytes
 
     @property
     def mode(self) -> str:
@@ -73,7 +74,7 @@ class Generation:
                     "the conservative answer (give --gpu-memory for the runtime's rule)")  # fmt: skip
         verb = "fits in" if self.gathers else "exceeds"
         return (f"distributed.gather_for_generation auto: what gathering adds ({format_bytes(self.adds_bytes)}, "
-                f"the other ranks' shares) {verb} {GATHER_SHARE:.0%} of the {format_bytes(self.free_bytes)} "
+                f"every weight whole) {verb} {GATHER_SHARE:.0%} of the {format_bytes(self.free_bytes)} "
                 "free beside the resident states")  # fmt: skip
 
     def note(self) -> str | None:
@@ -120,8 +121,7 @@ def planned_generation(recipe, arch, dtype_bytes: int, setup: Setup, world: int,
                        free: int | None) -> Generation | None:  # fmt: skip
     """How `recipe` generates under `setup` on `world` ranks with `free` bytes free beside the resident
     states (None: capacity unknown); None when nothing generates. The weights are sharded under ZeRO-3 and
-    FSDP2 (planned as ZeRO-3) over the world (FSDP2's hybrid sharding over a shard group: the rule's
-    other shares are then taken a little larger)."""
+    FSDP2 (planned as ZeRO-3) over the world (FSDP2's hybrid sharding over a shard group)."""
     moments = generation_moments(recipe)
     if not moments:
         return None
