@@ -66,6 +66,7 @@ class DeepSpeedEngine(Forwarding):
     def __init__(self, engine, built=None, gather_for_generation: bool | str = "auto"):
         self.engine, self.built = engine, built
         self.gather_for_generation = gather_for_generation
+        self._gathered = False  # inside generation_weights' gathered context
         # Forward, train() and eval() go through DeepSpeed's engine (it casts inputs, times steps).
         self.inner = engine
         self.module = engine.module
@@ -76,8 +77,10 @@ class DeepSpeedEngine(Forwarding):
     def generation_weights(self):
         """ZeRO-3: the whole model gathered once on entry and DeepSpeed's per-layer hooks off until the exit
         (DeepSpeed's own unwrap_model_for_generation), when distributed.gather_for_generation allows;
-        otherwise each decoding step's forwards gather layer by layer (synced). Stages 0-2: whole."""
-        if not self.sharded:
+        otherwise each decoding step's forwards gather layer by layer (synced). Stages 0-2: whole. Nested in a
+        gathered context (generate inside it): whole, as the outer one keeps them (a second unwrap would put
+        DeepSpeed's hooks back twice)."""
+        if not self.sharded or self._gathered:
             yield True
             return
         # What gathering adds on this rank: every partitioned parameter whole (DeepSpeed gathers into a new
@@ -93,7 +96,11 @@ class DeepSpeedEngine(Forwarding):
         from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
         with unwrap_model_for_generation(self.engine):
-            yield True
+            self._gathered = True
+            try:
+                yield True
+            finally:
+                self._gathered = False
 
     def backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
         """DeepSpeed's backward of the loop's already weighted loss (no division by its own accumulation

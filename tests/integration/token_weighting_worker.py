@@ -238,11 +238,11 @@ def _step(cache: str, out: str, kind: str, mode: str, layout: str) -> None:
         for suffix, setting in settings.items():
             if hasattr(engine, "gather_for_generation"):
                 engine.gather_for_generation = setting
+            # Engine.generate inside the engine's own context: nested, it takes the weights as they are.
             with engine.generation_weights() as whole:
-                pass
-            for r in ranks:
-                made = {**generations(engine.generate, data, tok, kind, r), "whole": whole}
-                (Path(out) / f"{name}{suffix}-generate-rank{r}.json").write_text(json.dumps(made))
+                for r in ranks:
+                    made = {**generations(engine.generate, data, tok, kind, r), "whole": whole}
+                    (Path(out) / f"{name}{suffix}-generate-rank{r}.json").write_text(json.dumps(made))
     if mode == "fsdp":
         with _counting_reduce_scatters() as comms:  # FSDP2's gradient reductions
             stats = train_window(engine, built.inputs, window, TokenMeter())
