@@ -208,12 +208,16 @@ def _recording_exit(run_dir: Path, fn, *args):
 
 def record_failure(run_dir: Path, error: BaseException) -> None:
     """Write `error` as run_dir/exit.json for the launcher: a full disk (any rank may hit it: each writes its
-    own shards) or a failed push (rank 0) with its code and message; a crash, or a collective a vanished
+    own shards), a failed push (rank 0), a preemption or divergence (every rank) with its code and message; a crash, or a collective a vanished
     peer left unfinished, as one line naming the rank, phase and step, unless a rank recorded its failure first. Another rank's failure
     (RankFailedError) is that rank's to record."""
+    from lorakit.engine.loop import Preempted, TrainingDiverged
+
     if isinstance(error, RankFailedError):
         return
-    if isinstance(error, (DiskFullError, PublishError)):
+    # A preemption or divergence stops every rank together with the same message: recorded as itself by
+    # whichever rank gets here first (rank 0's Job.train writes it too), never as that rank's own failure.
+    if isinstance(error, (DiskFullError, PublishError, Preempted, TrainingDiverged)):
         info = {"code": error.exit_code, "error": type(error).__name__, "message": str(error)}
     elif (run_dir / EXIT).exists():
         return

@@ -42,3 +42,25 @@ def test_a_recorded_root_cause_or_reported_failures_leave_the_record_as_it_is():
     # The recording survivor is never its own root cause, reported or not.
     assert root_cause_line(STUCK, {"0": _ended(1, False)}) is None
     assert root_cause_line(None, {}) is None
+
+
+def test_a_stop_every_rank_makes_is_recorded_as_itself_whichever_rank_records_first(tmp_path):
+    """Preemption (and divergence) stops every rank together; rank 0 writes exit.json as its kind, but on a
+    loaded machine rank 1 reached api.record_failure first and wrote the stop as a failure of its own:
+    the launcher then said "error: rank 1 failed during training at step 7: Preempted: ..." and the run's
+    last line was no longer the preemption's (tests/integration/test_resume.py failed so in a whole run)."""
+    import pytest
+
+    from lorakit.api import _raise_worker_exit, record_failure
+    from lorakit.engine.loop import Preempted, TrainingDiverged
+
+    stop = (
+        "stopped at step 6 on request (SIGTERM/SIGUSR1); checkpoint saved to run/checkpoints/step-00000006."
+    )
+    for kind in (Preempted, TrainingDiverged):
+        run = tmp_path / kind.__name__
+        run.mkdir()
+        record_failure(run, kind(stop))
+        with pytest.raises(kind, match=r"^stopped at step 6 ") as raised:
+            _raise_worker_exit(run, {})
+        assert raised.value.exit_code == kind.exit_code
