@@ -125,6 +125,9 @@ class Forwarding:
     inner: Any
     module: Any
     sharded: bool
+    # distributed.gather_for_generation, and whether a _gathering context holds the weights whole now.
+    gather_for_generation: bool | str = "auto"
+    _gathered: bool = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.inner(*args, **kwargs)
@@ -142,6 +145,25 @@ class Forwarding:
         """Whole where nothing is sharded; a sharded engine that can gather its weights for generation says
         so itself (Engine.generation_weights)."""
         yield not self.sharded
+
+    @contextlib.contextmanager
+    def _gathering(self, adds: Callable[[], int], gather: Callable[[], Any]):
+        """generation_weights of a sharded engine: `gather()` (a context holding the weights whole) when
+        distributed.gather_for_generation allows `adds()` bytes more (yields True), else layer by layer
+        (False). Nested in its own gathered context: whole, as the outer one keeps them (a second gather
+        would put DeepSpeed's hooks back twice, or reshard FSDP2's modules under the outer one)."""
+        if self._gathered:
+            yield True
+            return
+        if not gathers_for_generation(self.gather_for_generation, adds(), self.device):
+            yield False
+            return
+        with gather():
+            self._gathered = True
+            try:
+                yield True
+            finally:
+                self._gathered = False
 
     def generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **sampling: Any

@@ -18,7 +18,7 @@ import torch
 
 from lorakit import dist, rundir
 from lorakit.backends import deepspeed_bf16 as bf16
-from lorakit.backends.base import Forwarding, StepResult, gather_trainable, gathers_for_generation
+from lorakit.backends.base import Forwarding, StepResult, gather_trainable
 from lorakit.backends.facts import ByteModels, Layout, Readiness
 from lorakit.model.load_plan import WHOLE, LoadPlan
 
@@ -80,27 +80,21 @@ class DeepSpeedEngine(Forwarding):
         otherwise each decoding step's forwards gather layer by layer (synced). Stages 0-2: whole. Nested in a
         gathered context (generate inside it): whole, as the outer one keeps them (a second unwrap would put
         DeepSpeed's hooks back twice)."""
-        if not self.sharded or self._gathered:
+        if not self.sharded:
             yield True
-            return
-        # What gathering adds on this rank: every partitioned parameter whole (DeepSpeed gathers into a new
-        # full-size buffer and keeps the rank's partition beside it).
-        adds = sum(
-            p.ds_numel * p.element_size()
-            for p in self.module.parameters()
-            if hasattr(p, "ds_id") and not p.ds_persist
-        )
-        if not gathers_for_generation(self.gather_for_generation, adds, self.device):
-            yield False
             return
         from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
-        with unwrap_model_for_generation(self.engine):
-            self._gathered = True
-            try:
-                yield True
-            finally:
-                self._gathered = False
+        # What gathering adds on this rank: every partitioned parameter whole (DeepSpeed gathers into a new
+        # full-size buffer and keeps the rank's partition beside it).
+        def adds() -> int:
+            params = self.module.parameters()
+            return sum(
+                p.ds_numel * p.element_size() for p in params if hasattr(p, "ds_id") and not p.ds_persist
+            )
+
+        with self._gathering(adds, lambda: unwrap_model_for_generation(self.engine)) as whole:
+            yield whole
 
     def backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
         """DeepSpeed's backward of the loop's already weighted loss (no division by its own accumulation

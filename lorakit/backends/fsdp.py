@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from lorakit import dist
-from lorakit.backends.base import Forwarding, StepResult, gather_trainable, gathers_for_generation
+from lorakit.backends.base import Forwarding, StepResult, gather_trainable
 from lorakit.backends.facts import ByteModels, Layout, Readiness
 from lorakit.backends.fsdp_shard import (
     DTYPES,
@@ -66,19 +66,11 @@ class FsdpEngine(Forwarding):
         when distributed.gather_for_generation allows: True, each rank then decodes on its own. Otherwise
         False: each decoding step's forwards gather layer by layer (synced). Nested in a gathered context
         (generate inside it): whole, as the outer context keeps them."""
-        if self._gathered:
-            yield True
-            return
-        adds = gathered_bytes(self.module, self.save_dtype)
-        if not gathers_for_generation(self.gather_for_generation, adds, self.device):
-            yield False
-            return
-        with unsharded(self.module):
-            self._gathered = True
-            try:
-                yield True
-            finally:
-                self._gathered = False
+        gathered = self._gathering(
+            lambda: gathered_bytes(self.module, self.save_dtype), lambda: unsharded(self.module)
+        )
+        with gathered as whole:
+            yield whole
 
     def backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
         """Backpropagate `loss` as given (the loop already weighted it). Before the boundary the gradients
