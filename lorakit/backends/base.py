@@ -183,6 +183,12 @@ class Forwarding:
 GATHER_SHARE = 0.5
 
 
+def gather_fits(gathered_bytes: int, free_bytes: int) -> bool:
+    """distributed.gather_for_generation auto's rule: the bytes gathering adds fit in GATHER_SHARE of what is
+    free (the runtime asks it with the device's free memory, the planner with its estimate of it)."""
+    return gathered_bytes <= GATHER_SHARE * free_bytes
+
+
 def gathers_for_generation(setting: bool | str, gathered_bytes: int, device: torch.device) -> bool:
     """Whether generation gathers the weights whole (distributed.gather_for_generation, `setting`): True,
     False, or auto: when the `gathered_bytes` gathering adds on this rank fit in GATHER_SHARE of the
@@ -200,7 +206,7 @@ def gathers_for_generation(setting: bool | str, gathered_bytes: int, device: tor
         free = torch.cuda.mem_get_info(device)[0] + cached
     else:
         free = psutil.virtual_memory().available
-    fits = gathered_bytes <= GATHER_SHARE * free
+    fits = gather_fits(gathered_bytes, free)
     return dist.all_reduce([0.0 if fits else 1.0], op="max")[0] == 0.0
 
 

@@ -12,8 +12,8 @@ N ranks (ZeRO-3, FSDP2) they go one of two ways:
                     forward's gathered weights)
 
 true gathers, false goes layer by layer, auto (the default) gathers when what gathering adds on a rank,
-every sharded weight whole (a new buffer beside the rank's own share), fits in GATHER_SHARE of the memory free on the device at that
-moment (the runtime's rule, lorakit.backends.base.gathers_for_generation). The plan takes as free the
+every sharded weight whole (a new buffer beside the rank's own share), fits in GATHER_SHARE of the memory
+free on the device at that moment (the runtime's rule, lorakit.backends.base.gather_fits). The plan takes as free the
 capacity less the framework's share (CUDA context; a CPU run's process) and the resident states: what the
 first generate call finds. Without a capacity, auto is counted as gathering, the conservative answer.
 The whole model includes the small parameters ZeRO-3 already keeps whole on every rank (below
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lorakit.backends.base import GATHER_SHARE
+from lorakit.backends.base import GATHER_SHARE, gather_fits
 from lorakit.planner.states import Item, Setup, counts
 from lorakit.units import format_bytes
 
@@ -131,7 +131,7 @@ def planned_generation(recipe, arch, dtype_bytes: int, setup: Setup, world: int,
     g = Generation(moments, setting, sharded, world if sharded else 1, whole, free, gathers=False)
     if not sharded or setting is False:
         return g
-    gathers = setting is True or free is None or g.adds_bytes <= GATHER_SHARE * free
+    gathers = setting is True or free is None or gather_fits(g.adds_bytes, free)
     return replace(g, gathers=gathers)
 
 
