@@ -274,6 +274,10 @@ class DeepSpeedBackend:
             bf16.place_module(built.model, accelerator_device())
             optimizer, groups = bf16.mixed_precision_adamw(groups, config), None
             config = bf16.engine_config(config)
+        if config["zero_optimization"]["stage"] == 3:
+            from lorakit.backends.zero3_leaves import gather_adapter_layers_whole
+
+            gather_adapter_layers_whole(built.model)
         engine, *_ = deepspeed.initialize(
             model=built.model,
             model_parameters=groups,

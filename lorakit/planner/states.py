@@ -152,6 +152,20 @@ def adapter_params(arch: Arch, method) -> list[int]:
     return out + arch.module_copy_params(method.modules_to_save or ())
 
 
+def largest_adapter_layer(arch: Arch, method) -> int:
+    """The most parameters one adapter layer holds, its base linear with the adapter's own: ZeRO-3 gathers
+    each adapter layer whole (lorakit/backends/zero3_leaves.py)."""
+    if method.kind == "ia3":
+        layers = [(lin, lin.in_features if ff else lin.out_features)
+                  for lin, ff in arch.ia3_targets(method.target_modules, method.feedforward_modules)]  # fmt: skip
+    else:
+        dora = 1 if method.use_dora else 0
+        layers = [(lin, method.r * (lin.in_features + lin.out_features) + dora * lin.out_features)
+                  for lin in arch.lora_targets(method.target_modules)]  # fmt: skip
+    return max((lin.in_features * lin.out_features + lin.bias * lin.out_features + own for lin, own in layers),
+               default=0)  # fmt: skip
+
+
 def counts(arch: Arch, method, dtype_bytes: int, persistence_threshold: int | None) -> Counts:
     """Trainable and frozen parameters and the bytes of the frozen base for a method section."""
 
@@ -190,7 +204,7 @@ def counts(arch: Arch, method, dtype_bytes: int, persistence_threshold: int | No
         quant_constants=constants,
         persistent_frozen=small(arch.param_numels),
         persistent_trainable=small(lora),
-        largest_module=arch.largest_module_params,
+        largest_module=max(arch.largest_module_params, largest_adapter_layer(arch, method)),
         largest_trainable_module=max(lora, default=0),
         **extra,
     )
