@@ -19,10 +19,10 @@ from lorakit.backends.zero3_leaves import _input_requires_grad, gather_adapter_l
 from lorakit.testing import tiny_config
 
 
-def _lora_llama(targets):
+def _lora_llama(targets, use_dora=False):
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config("llama"))
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_dora=use_dora))
 
 
 def test_every_linear_adapter_layer_becomes_a_leaf_and_nothing_else():
@@ -80,3 +80,20 @@ def test_a_full_backward_hook_sees_the_weight_gradients_only_with_the_input_hook
         layer(torch.randn(2, 5, 64)).sum().backward()
     assert seen == [hooked]
     assert weight.grad is not None
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_the_planners_largest_module_is_the_largest_leaf_deepspeed_gathers(use_dora):
+    """planner/states.largest_adapter_layer against the built model: the most parameters one leaf holds (its
+    base linear with A, B and DoRA's magnitude), which ZeRO-3 gathers at once."""
+    from types import SimpleNamespace
+
+    from lorakit.planner.arch import arch_from_config
+    from lorakit.planner.states import largest_adapter_layer
+
+    model = _lora_llama("all-linear", use_dora)
+    gather_adapter_layers_whole(model)
+    leaves = [m for m in model.modules() if z3_leaf_module(m)]
+    method = SimpleNamespace(kind="lora", r=4, use_dora=use_dora, target_modules="all-linear")
+    planned = largest_adapter_layer(arch_from_config(tiny_config("llama")), method)
+    assert planned == max(sum(p.numel() for p in leaf.parameters()) for leaf in leaves)
