@@ -66,7 +66,6 @@ class DeepSpeedEngine(Forwarding):
     def __init__(self, engine, built=None, gather_for_generation: bool | str = "auto"):
         self.engine, self.built = engine, built
         self.gather_for_generation = gather_for_generation
-        self._gathered = False  # inside generation_weights' gathered context
         # Forward, train() and eval() go through DeepSpeed's engine (it casts inputs, times steps).
         self.inner = engine
         self.module = engine.module
@@ -274,10 +273,9 @@ class DeepSpeedBackend:
             bf16.place_module(built.model, accelerator_device())
             optimizer, groups = bf16.mixed_precision_adamw(groups, config), None
             config = bf16.engine_config(config)
-        if config["zero_optimization"]["stage"] == 3:
-            from lorakit.backends.zero3_leaves import gather_adapter_layers_whole
+        from lorakit.backends.zero3_leaves import before_initialize
 
-            gather_adapter_layers_whole(built.model)
+        before_initialize(built.model, config)
         engine, *_ = deepspeed.initialize(
             model=built.model,
             model_parameters=groups,

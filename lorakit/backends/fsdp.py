@@ -57,7 +57,6 @@ class FsdpEngine(Forwarding):
         self.device = device
         self.max_grad_norm = max_grad_norm
         self.gather_for_generation = gather_for_generation
-        self._gathered = False  # inside generation_weights' gathered context
 
     @contextlib.contextmanager
     def generation_weights(self):

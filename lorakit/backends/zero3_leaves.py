@@ -64,3 +64,11 @@ def gather_adapter_layers_whole(model: torch.nn.Module) -> int:
 
     visit(model)
     return marked
+
+
+def before_initialize(model: torch.nn.Module, ds_config: dict) -> int:
+    """What the model gets before deepspeed.initialize under `ds_config` (DeepSpeedBackend.wrap): under ZeRO-3
+    its adapter layers as leaves (gather_adapter_layers_whole); nothing at stages 0-2. Returns how many."""
+    if ds_config["zero_optimization"]["stage"] != 3:
+        return 0
+    return gather_adapter_layers_whole(model)

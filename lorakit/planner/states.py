@@ -113,6 +113,9 @@ class Counts:
     persistent_trainable: int
     largest_module: int
     largest_trainable_module: int
+    # What ZeRO-3 gathers at once in training: the largest module, an adapter layer counted whole with its
+    # base linear (backends/zero3_leaves.py). Loading (zero.Init) comes before the adapter: largest_module.
+    largest_gathered: int
     # QLoRA: the weights stored in 4 bits, of them the fused MoE experts' (lorakit.model.quant_experts), and
     # the weights left in the compute dtype (embeddings, norms, routers, the output head).
     quantized_params: int = 0
@@ -182,6 +185,7 @@ def counts(arch: Arch, method, dtype_bytes: int, persistence_threshold: int | No
             persistent_trainable=small(arch.param_numels),
             largest_module=arch.largest_module_params,
             largest_trainable_module=arch.largest_module_params,
+            largest_gathered=arch.largest_module_params,
         )
     lora = adapter_params(arch, method)
     frozen_bytes = arch.total_params * dtype_bytes
@@ -204,8 +208,9 @@ def counts(arch: Arch, method, dtype_bytes: int, persistence_threshold: int | No
         quant_constants=constants,
         persistent_frozen=small(arch.param_numels),
         persistent_trainable=small(lora),
-        largest_module=max(arch.largest_module_params, largest_adapter_layer(arch, method)),
+        largest_module=arch.largest_module_params,
         largest_trainable_module=max(lora, default=0),
+        largest_gathered=max(arch.largest_module_params, largest_adapter_layer(arch, method)),
         **extra,
     )
 
@@ -265,7 +270,7 @@ def zero_buffers(c: Counts, setup: Setup, *, world: int, dtype_bytes: int, ds_co
     a, s = dtype_bytes, setup.zero_stage
     items = []
     if s == 3:
-        gathered = zero3_gathered(c.largest_module, c.total, zero)
+        gathered = zero3_gathered(c.largest_gathered, c.total, zero)
         items.append(Item("ZeRO-3 gathered weights", int(gathered * a), "gpu", "forward",
                           "largest layer + prefetch bucket + reuse window, at most the model"))  # fmt: skip
         items.append(

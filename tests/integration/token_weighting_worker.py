@@ -145,12 +145,11 @@ def _engine(recipe, built, ds_config):
     from lorakit.backends.deepspeed import DeepSpeedEngine
 
     ds_config["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
-    if ds_config["zero_optimization"]["stage"] == 3:
-        # As DeepSpeedBackend.wrap does: each LoRA layer gathered whole. Without checkpointing, as here, the
-        # first block's layers read inputs that need no grad (backends/zero3_leaves.py's input hook).
-        from lorakit.backends.zero3_leaves import gather_adapter_layers_whole
+    # As DeepSpeedBackend.wrap does (every recipe here is ZeRO-3): each LoRA layer gathered whole. Without
+    # checkpointing, as here, the first block's layers read inputs that need no grad (zero3_leaves.py's hook).
+    from lorakit.backends.zero3_leaves import before_initialize
 
-        assert gather_adapter_layers_whole(built.model) > 0
+    assert before_initialize(built.model, ds_config) > 0
     engine, *_ = deepspeed.initialize(
         model=built.model,
         config=ds_config,
