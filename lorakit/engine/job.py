@@ -33,6 +33,7 @@ from lorakit.engine.steps import StaticSteps, StepPlan, StepSource
 from lorakit.engine.summary import MemoryProbe, summarize
 from lorakit.model import BuiltModel, build_model, count_parameters, load_config, load_tokenizer
 from lorakit.model.checkpointing import from_plan, planner_decides
+from lorakit.model.cpu_products import FP32_PRODUCTS_LINE
 from lorakit.model.expert_gradients import ExpertGradientProbe
 from lorakit.model.families import family_of
 from lorakit.model.families.moe import describe as describe_moe
@@ -74,9 +75,11 @@ def run_job(recipe: Recipe, plan_of_run: PlanOfRun) -> TrainResult:
     )
     built = dist.on_every_rank(
         "load", build_model, recipe, backend.load_plan(backend_config), sp_group=mesh.sp_group,
-        checkpointing=from_plan(early, recipe.model),
+        checkpointing=from_plan(early, recipe.model), device_type=memory.device_kind,
     )  # fmt: skip
     say(built.checkpointing.describe())
+    if built.fp32_products:
+        say(FP32_PRODUCTS_LINE)
     params = count_parameters(built.model)
     log = (
         dist.on_main(

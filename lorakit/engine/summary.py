@@ -78,6 +78,9 @@ class RunSummary:
     # checkpoint config attribute it was read from ({token_id, token, field}; families/start.py); else None.
     decoder_start: dict[str, Any] | None
     dtype: str
+    # How the linear layers multiply: `fp32` (bf16 on a CPU without a fast bf16 kernel, products formed in
+    # fp32: lorakit.model.cpu_products), else `native` (torch's kernels for the dtype).
+    matmul: str
     world_size: int
     # distributed.strategy: deepspeed (ZeRO, zero_stage says which), or fsdp (FSDP2; zero_stage is the
     # recipe's value and does not apply: the sharding is in fsdp_config.json).
@@ -225,6 +228,7 @@ def summarize(
         attention_bias=bias_attention.chosen(),
         decoder_start=decoder_start_summary(job.config, job.tokenizer),
         dtype=recipe.model.dtype,
+        matmul="fp32" if job.built.fp32_products else "native",
         world_size=world,
         strategy=recipe.distributed.strategy,
         zero_stage=recipe.distributed.zero_stage,

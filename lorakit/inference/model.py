@@ -139,6 +139,7 @@ def load_model(
 
     from lorakit.export.loading import auto_model_class, load_pretrained
     from lorakit.model.attention import choose_attention
+    from lorakit.model.cpu_products import use_fp32_products
     from lorakit.model.families.unknown import loadable_class
 
     src = trained.source
@@ -183,6 +184,8 @@ def load_model(
     model.to(where).eval()
     tokenizer = tokenizer or _tokenizer(src)
     compute = torch_dtype if dtype else model.dtype
+    # As training computed on this CPU: bf16 products formed in fp32 where it has no fast bf16 kernel.
+    use_fp32_products(model, compute, where.type)
     return LoadedModel(model, tokenizer, config, where, compute, attention or "eager")
 
 

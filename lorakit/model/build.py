@@ -14,6 +14,7 @@ from lorakit.errors import RecipeError
 from lorakit.model.adapter import apply_linear_dropout, peft_config
 from lorakit.model.attention import choose_attention, packing_enabled, set_attention_dropout
 from lorakit.model.checkpointing import Checkpointing, enable_checkpointing, from_recipe
+from lorakit.model.cpu_products import use_fp32_products
 from lorakit.model.families import Family, family_of
 from lorakit.model.families.moe import check_method
 from lorakit.model.families.start import start_generation_on_it
@@ -55,6 +56,8 @@ class BuiltModel:
     compiled: dict[str, Any] | None = None
     # model.gradient_checkpointing as resolved for this run (lorakit.model.checkpointing).
     checkpointing: Checkpointing | None = None
+    # bf16 linear layers multiplying in fp32 on a CPU without a fast bf16 kernel (lorakit.model.cpu_products).
+    fp32_products: bool = False
 
 
 def no_safetensors_weights(error: OSError) -> bool:
@@ -67,7 +70,11 @@ def no_safetensors_weights(error: OSError) -> bool:
 
 
 def build_model(
-    recipe: Recipe, load: LoadPlan = WHOLE, sp_group: Any = None, checkpointing: Checkpointing | None = None
+    recipe: Recipe,
+    load: LoadPlan = WHOLE,
+    sp_group: Any = None,
+    checkpointing: Checkpointing | None = None,
+    device_type: str | None = None,
 ) -> BuiltModel:
     """Load the base in the recipe's dtype and attention backend, then apply the method.
 
@@ -76,6 +83,7 @@ def build_model(
     one rank), meta (the structure only; the backend reads each rank's shards once sharded) or whole. With
     distributed.sequence_parallel > 1, `sp_group` is this rank's sequence-parallel group (engine/mesh.py).
     `checkpointing`: the run's gradient checkpointing (the planner's choice); None: the recipe's own.
+    `device_type`: where the model will compute (`cpu`, `cuda`); None: a GPU if one is present.
     """
     source, config = load_config(recipe)
     is_enc_dec = bool(getattr(config, "is_encoder_decoder", False))
@@ -177,6 +185,8 @@ def build_model(
                 p.data = p.data.to(dtype)
     _tile_mlps(recipe, config, model, family)
     loss_head = _tile_loss(recipe, config, model)
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    fp32_products = use_fp32_products(model, dtype, device_type)
     initial = None
     if recipe.method.mutates_base():
         # Before deepspeed.initialize, so the adapter's weights are still whole on every rank.
@@ -199,6 +209,7 @@ def build_model(
         experts,
         compiled,
         checkpointing,
+        fp32_products,
     )
 
 

@@ -18,7 +18,10 @@ class ModelSection(Section):
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the model.")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="Weights and compute dtype; bf16 is the default on every modern GPU."
+        "bfloat16",
+        description="Weights and compute dtype; bf16 is the default on every modern GPU. On a CPU without bf16 "
+        "instructions (AVX2), bf16 linear layers form their products in fp32 and round them once, as torch's "
+        "own slow bf16 loop does (summary.json's matmul; LORAKIT_CPU_BF16_MATMUL=native keeps torch's).",
     )
     attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
         "auto",

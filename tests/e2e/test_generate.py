@@ -81,6 +81,19 @@ def test_run_dir_adapter_dir_and_merged_export_generate_the_same(mnli_run, mnli_
     assert [r["output"] for r in default.records] == trained[:2]
 
 
+def test_a_bf16_run_generates_with_the_products_it_trained_with(mnli_run, monkeypatch):
+    """On this CPU a bf16 run's linear layers form their products as training's evaluation did
+    (lorakit.model.cpu_products; summary.json's matmul)."""
+    from lorakit.model import cpu_products
+
+    changed, original = [], cpu_products.use_fp32_products
+    monkeypatch.setattr(
+        cpu_products, "use_fp32_products", lambda *a: changed.append(original(*a)) or changed[-1]
+    )
+    lorakit.generate(mnli_run, eval_rows(1), max_new_tokens=1)
+    assert changed == [rundir.read_summary(mnli_run)["matmul"] == "fp32"]
+
+
 def test_a_model_without_recipe_takes_text_lines_as_given(mnli_run, mnli_merged, inputs, tmp_path):
     bare = tmp_path / "bare"
     shutil.copytree(mnli_merged, bare, ignore=shutil.ignore_patterns("README.md"))  # no card: no recipe

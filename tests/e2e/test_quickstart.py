@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lorakit import rundir
+from lorakit.model.cpu_products import FP32_PRODUCTS_LINE, fp32_products_wanted
 from tests.conftest import RECIPES, ROOT, run_cli
 from tests.docs.samples import mismatches, sample_after
 
@@ -86,6 +87,11 @@ def read_summary(run_dir) -> dict:
     return summary
 
 
+def machine_matmul() -> str:
+    """How a bf16 run multiplies on this CPU by default (lorakit.model.cpu_products): `fp32` or `native`."""
+    return "fp32" if fp32_products_wanted(torch.bfloat16, "cpu") else "native"
+
+
 def quiet_zero3_summary(run) -> dict:
     """The summary of a quickstart `run` (run_recipe's result), after checking what every quickstart
     promises: a quiet console (lorakit's own lines, the progress bar and real problems only) and 2
@@ -108,6 +114,9 @@ def test_quickstart_trains_evaluates_and_saves(quickstart):
     summary = quiet_zero3_summary(quickstart)
     proc, _, run_dir = quickstart
     assert summary["method"] == "lora"
+    # This CPU's own choice for bf16 products (the other is forced in test_quickstart_causal.py's QLoRA run).
+    assert summary["matmul"] == machine_matmul()
+    assert (FP32_PRODUCTS_LINE in proc.stdout) is (summary["matmul"] == "fp32")
     # packing: auto packs T5 on sdpa: encoder and decoder rows, attention per example (docs/packing.md).
     batching = summary["batching"]
     assert batching["packing"] is True and summary["attention"] == "lorakit_varlen_sdpa"

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from lorakit import rundir
+from lorakit.model.cpu_products import FORCE
 from tests.bnb_layout import ENV as AVX512BF16_ENV
 from tests.conftest import ROOT
-from tests.e2e.test_quickstart import noise_lines, quiet_zero3_summary, recipe_run, run_recipe
+from tests.e2e.test_quickstart import machine_matmul, noise_lines, quiet_zero3_summary, recipe_run, run_recipe
 from tests.integration.test_resume import FAULTS
 
 quickstart_causal = recipe_run("quickstart_causal.yaml")
@@ -67,13 +68,16 @@ def test_causal_adapter_loads_with_peft_and_matches_eval_loss(quickstart_causal)
 @pytest.mark.parametrize("verbose", ["0", "1"], ids=["quiet", "LORAKIT_VERBOSE"])
 def test_qlora_quickstart_on_zero3_with_a_quiet_console(tmp_path, verbose):
     """The causal quickstart with a 4-bit base, bitsandbytes' AVX512-BF16 branch forced on (its CPU inference
-    layout once broke this): trains, evaluates (generating) and saves on 2 processes with ZeRO-3, and the
-    console holds no other library's chatter unless LORAKIT_VERBOSE=1 asks for it. A quarter of the data
-    and shorter generations: the quickstart's own size is test_packed_causal_run_trains_and_reports_packing's."""
+    layout once broke this) and the bf16 products this CPU would not choose (lorakit.model.cpu_products; the
+    T5 quickstart takes the CPU's own choice): trains, evaluates (generating) and saves on 2 processes with
+    ZeRO-3, and the console holds no other library's chatter unless LORAKIT_VERBOSE=1 asks for it. A quarter
+    of the data and shorter generations: the quickstart's own size is
+    test_packed_causal_run_trains_and_reports_packing's."""
     env = {
         **os.environ,
         AVX512BF16_ENV: "1",
         "LORAKIT_VERBOSE": verbose,
+        FORCE: {"fp32": "native", "native": "fp32"}[machine_matmul()],
         "PYTHONPATH": os.pathsep.join([str(FAULTS), str(ROOT)]),
     }
     env.pop("OMP_NUM_THREADS", None)  # torchrun's banner about it is part of what is checked
@@ -90,6 +94,7 @@ def test_qlora_quickstart_on_zero3_with_a_quiet_console(tmp_path, verbose):
         return
     summary = quiet_zero3_summary(run)
     assert summary["method"] == "qlora"
+    assert summary["matmul"] == env[FORCE]
     assert summary["loss"]["last"] < 0.8 * summary["loss"]["first"]
     assert {"loss", "rouge1"} <= set(summary["eval"]) and (run_dir / "adapter").is_dir()
     assert "quantization: bitsandbytes-nf4" in proc.stdout
