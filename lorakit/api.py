@@ -34,6 +34,7 @@ from lorakit.errors import (
     WorkerFailedError,
 )
 from lorakit.export import publish
+from lorakit.model.cpu_products import forced_setting
 from lorakit.observe import trackers
 from lorakit.preflight import prepare
 from lorakit.recipe import Recipe, dump_recipe
@@ -97,6 +98,7 @@ def train(recipe: Recipe, train_dataset=None, eval_dataset=None) -> TrainResult:
     trackers.require(recipe.output.report_to)
     publish.check_before_training(recipe.output.push_to_hub)
     check_extension_locks()
+    forced_setting()  # LORAKIT_CPU_BF16_MATMUL: a bad value is exit 2 now, not a crash of every rank
 
     if launched_distributed():
         # Workers of `python -m lorakit.run` find their launcher's lock token in their environment; a job

@@ -34,8 +34,11 @@ import os
 import torch
 from torch import nn
 
+from lorakit.errors import LorakitError
+
 FORCE = "LORAKIT_CPU_BF16_MATMUL"
 CHOICES = ("auto", "native", "fp32")
+DOC = "README.md#quickstart-cpu-no-network-a-few-minutes"
 # fp32 elements of one transient piece (64 MiB): an output head's weight and logits are formed in pieces.
 CHUNK_ELEMENTS = 2**24
 # The run's console line when the layers were changed.
@@ -50,12 +53,19 @@ def fast_bf16_kernel() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def forced_setting() -> str:
+    """LORAKIT_CPU_BF16_MATMUL (unset: auto); any other value than auto, native or fp32 is a LorakitError
+    (exit 2), which lorakit.train raises before any work."""
+    forced = os.environ.get(FORCE, "") or "auto"
+    if forced not in CHOICES:
+        raise LorakitError(f"{FORCE}={forced!r}: expected one of {', '.join(CHOICES)} (unset: auto)", doc=DOC)
+    return forced
+
+
 def fp32_products_wanted(dtype: torch.dtype, device_type: str) -> bool:
     """Whether a `dtype` model on `device_type` multiplies in fp32: bf16 on a CPU without torch's fast bf16
     kernel, unless LORAKIT_CPU_BF16_MATMUL says `native` or `fp32`."""
-    forced = os.environ.get(FORCE, "auto") or "auto"
-    if forced not in CHOICES:
-        raise ValueError(f"{FORCE}={forced!r}: expected one of {', '.join(CHOICES)}")
+    forced = forced_setting()
     if dtype != torch.bfloat16 or device_type != "cpu" or forced == "native":
         return False
     return forced == "fp32" or not fast_bf16_kernel()

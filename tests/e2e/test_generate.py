@@ -47,6 +47,33 @@ def inputs(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("inputs") / "mnli.jsonl", eval_rows(24))
 
 
+# Two next-token logits closer than this are a tie under bf16 rounding (bf16 spaces logits of 8 to 16 by
+# 0.0625): greedy decoding may take either.
+NEAR_TIE = 0.125
+
+
+def greedy_margins(source, inputs) -> list[float]:
+    """Per input row, the smallest gap between the two best next-token logits along the greedy path of the
+    model at `source` (each row alone, 8 new tokens at most): how near the row's output is to a tie."""
+    from lorakit.inference.generation import Prompter, _encode
+    from lorakit.inference.model import find_trained, load_model
+
+    trained = find_trained(source)
+    model = load_model(trained)
+    rows = Prompter(trained.recipe.data, writes_label=bool(trained.labels)).rows(inputs)
+    margins = []
+    for ids in _encode(rows, model, trained.recipe.data)[1]:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.module.generate(
+                input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False,
+                output_scores=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        gaps = [float(top[0] - top[1]) for top in (step[0].float().topk(2).values for step in out.scores)]
+        margins.append(min(gaps))
+    return margins
+
+
 def test_run_dir_adapter_dir_and_merged_export_generate_the_same(mnli_run, mnli_merged, inputs, tmp_path):
     summary = rundir.read_summary(mnli_run)
     outputs = {}
@@ -57,12 +84,14 @@ def test_run_dir_adapter_dir_and_merged_export_generate_the_same(mnli_run, mnli_
         assert read_jsonl(tmp_path / f"{name}.jsonl") == result.records and result.labels == LABELS
         outputs[name] = result.records
     assert outputs["run"] == outputs["adapter"]
-    # The merged export folds the adapter into bf16 weights: other rounding than base + adapter, so a near-tie
-    # between two label words may flip (1 of 24 on a CPU with AVX512-BF16, whose bf16 matmuls round
-    # otherwise); prompts, templates and every other row must be the same.
+    # The merged export folds the adapter into bf16 weights: other rounding than base + adapter. Prompts and
+    # templates must be the same for every row; an output may differ only on a row whose greedy path passes
+    # a near-tie (8 steps of a briefly trained classifier leave many: 3 of 24 rows seen, margins 0.03-0.05).
+    assert [r["prompt"] for r in outputs["adapter"]] == [r["prompt"] for r in outputs["merged"]]
     flips = [i for i, (a, m) in enumerate(zip(outputs["adapter"], outputs["merged"], strict=True)) if a != m]
-    assert len(flips) <= 1, flips
-    assert all(outputs["adapter"][i]["prompt"] == outputs["merged"][i]["prompt"] for i in flips)
+    margins = greedy_margins(mnli_run, inputs)
+    assert all(margins[i] < NEAR_TIE for i in flips), {i: margins[i] for i in flips}
+    assert len(flips) < len(margins) // 4, flips  # a handful of near-ties, not a different model
     records = outputs["run"]
     rows = eval_rows(24)
     assert [{k: r[k] for k in ("id", "premise", "hypothesis")} for r in records] == rows  # input order
@@ -72,9 +101,11 @@ def test_run_dir_adapter_dir_and_merged_export_generate_the_same(mnli_run, mnli_
     trained = [json.loads(line)["prediction"] for line in open(mnli_run / "eval_predictions.jsonl")]
     # Training's eval runs packed rows through the fused T5 kernels (compiled FlexAttention) under ZeRO-3 in
     # bf16, generate runs each input alone through SDPA: the same model, other rounding, so a near-tie between
-    # two label words may flip (1 of 24 seen). Anything more is a real difference in prompts or decoding.
+    # two label words may flip (1 of 24 seen). A confident row that differs is a real difference in prompts or
+    # decoding.
     differ = [i for i, (r, t) in enumerate(zip(records, trained, strict=True)) if r["output"] != t]
-    assert len(differ) <= 1, differ
+    assert all(margins[i] < NEAR_TIE for i in differ), {i: margins[i] for i in differ}
+    assert len(differ) < len(margins) // 4, differ
     # Without --max-new-tokens, a run directory generates up to its target cap, as its eval did.
     default = lorakit.generate(mnli_run, eval_rows(2))
     assert default.max_new_tokens == summary["data"]["max_target_length"] and default.output is None

@@ -19,6 +19,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import LlamaForCausalLM
 
+from lorakit.errors import LorakitError
 from lorakit.model import cpu_products
 from lorakit.model.checkpointing import enable_checkpointing
 from lorakit.model.cpu_products import FORCE, Fp32ProductLinear, fp32_products_wanted, use_fp32_products
@@ -40,8 +41,20 @@ def test_auto_follows_torchs_test_for_the_fast_kernel_and_the_flag_forces_either
         assert not fp32_products_wanted(torch.float16, "cpu")
         assert not fp32_products_wanted(BF16, "cuda")
     monkeypatch.setenv(FORCE, "fast")
-    with pytest.raises(ValueError, match=f"{FORCE}='fast': expected one of auto, native, fp32"):
+    with pytest.raises(LorakitError, match=f"{FORCE}='fast': expected one of auto, native, fp32") as e:
         fp32_products_wanted(BF16, "cpu")
+    assert e.value.exit_code == 2
+
+
+def test_lorakit_train_refuses_a_bad_setting_before_any_work(monkeypatch, tmp_path):
+    """Before this check every rank loaded its model, then crashed with a traceback (exit 1)."""
+    import lorakit
+    from tests.conftest import tiny_recipe
+
+    monkeypatch.setenv(FORCE, "bf16")
+    with pytest.raises(LorakitError, match=f"{FORCE}='bf16'"):
+        lorakit.train(tiny_recipe(tmp_path / "cache", tmp_path / "run"))
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 
 
 def test_auto_asks_torch_itself():
