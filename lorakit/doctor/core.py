@@ -77,6 +77,7 @@ def environment(recipe) -> list[CheckResult]:
         ("driver + nccl", env.driver),
         ("flash-attn", env.flash_attn),
         ("bitsandbytes", lambda: env.bitsandbytes(recipe)),
+        ("cpu bf16 matmul", env.cpu_matmul),
         ("deepspeed ops", lambda: ds_ops.deepspeed_ops(recipe)),
         ("fsdp", lambda: fsdp_backend(recipe)),
         ("extension locks", env.stale_locks),

@@ -194,6 +194,32 @@ def bitsandbytes(recipe=None) -> CheckResult:
     return passed(SECTION, "bitsandbytes", f"{bnb.__version__}, GPU branch ({backend})", **data)
 
 
+def cpu_matmul() -> CheckResult:
+    """How a bf16 model's linear layers multiply on this CPU (lorakit.model.cpu_products): torch's bf16 kernel
+    where the CPU has a fast one, else products formed in fp32; a bad LORAKIT_CPU_BF16_MATMUL fails."""
+    from lorakit.errors import LorakitError
+    from lorakit.model import cpu_products
+
+    try:
+        forced = cpu_products.forced_setting()
+    except LorakitError as e:
+        return failed(
+            SECTION,
+            "cpu bf16 matmul",
+            str(e),
+            "lorakit.train stops with exit 2 before any work",
+            f"unset {cpu_products.FORCE} or set it to {', '.join(cpu_products.CHOICES)}",
+        )
+    fast = cpu_products.fast_bf16_kernel()
+    fp32 = cpu_products.fp32_products_wanted(torch.bfloat16, "cpu")
+    how = "products formed in fp32, rounded once" if fp32 else "torch's bf16 kernel"
+    why = "oneDNN has a bf16 kernel here" if fast else "torch has no fast bf16 kernel for this CPU"
+    if forced != "auto":
+        why += f"; {cpu_products.FORCE}={forced}"
+    data = {"fast_bf16_kernel": fast, "products": "fp32" if fp32 else "native", "forced": forced}
+    return passed(SECTION, "cpu bf16 matmul", f"bf16 runs on this CPU: {how} ({why})", **data)
+
+
 def disk(recipe) -> CheckResult:
     """output.dir and data.cache_dir writable, with room for what the run writes (lorakit.preflight)."""
     from lorakit import preflight

@@ -14,7 +14,8 @@ from tests.conftest import RECIPES
 # Every check the doctor has; on a CPU with one process all_reduce and the ZeRO-3 save are skipped with a
 # reason, everything else runs.
 CHECKS = {
-    "python + torch", "libraries", "gpus", "driver + nccl", "flash-attn", "bitsandbytes", "deepspeed ops",
+    "python + torch", "libraries", "gpus", "driver + nccl", "flash-attn", "bitsandbytes", "cpu bf16 matmul",
+    "deepspeed ops",
     "fsdp", "extension locks", "disk", "packed == alone", "chunked CE == full CE", "LoRA merged == adapter",
     "token-weighted accumulation", "ZeRO-3 save + reload", "block forward+backward", "run time estimate",
     "all_reduce", "memory plan",
@@ -22,7 +23,8 @@ CHECKS = {
 # fsdp: the recipes train on DeepSpeed.
 SKIPPED_ON_ONE_CPU = {"gpus", "driver + nccl", "fsdp", "ZeRO-3 save + reload", "all_reduce"}
 ENVIRONMENT = {
-    "python + torch", "libraries", "gpus", "driver + nccl", "flash-attn", "bitsandbytes", "deepspeed ops",
+    "python + torch", "libraries", "gpus", "driver + nccl", "flash-attn", "bitsandbytes", "cpu bf16 matmul",
+    "deepspeed ops",
     "fsdp", "extension locks", "disk",
 }  # fmt: skip
 

@@ -61,6 +61,23 @@ def test_bitsandbytes_branch_is_reported():
             assert isinstance(result.data["avx512_bf16"], bool)
 
 
+@pytest.mark.parametrize("fast_kernel", [True, False], ids=["avx512-bf16", "avx2"])
+def test_cpu_bf16_matmul_reports_the_branch_a_run_takes_and_fails_a_bad_setting(monkeypatch, fast_kernel):
+    from lorakit.model import cpu_products
+
+    monkeypatch.setattr(cpu_products, "fast_bf16_kernel", lambda: fast_kernel)
+    monkeypatch.delenv(cpu_products.FORCE, raising=False)
+    result = env.cpu_matmul()
+    assert result.passed and result.data["products"] == ("native" if fast_kernel else "fp32")
+    assert ("products formed in fp32" in result.detail) is not fast_kernel
+    monkeypatch.setenv(cpu_products.FORCE, "fp32")
+    result = env.cpu_matmul()
+    assert result.data["products"] == "fp32" and "LORAKIT_CPU_BF16_MATMUL=fp32" in result.detail
+    monkeypatch.setenv(cpu_products.FORCE, "fast")
+    result = env.cpu_matmul()
+    assert result.status == "fail" and "'fast'" in result.detail and "exit 2" in result.meaning
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_ce_contract_passes(dtype):
     result = contracts.chunked_ce(3000, dtype)
