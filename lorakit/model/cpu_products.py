@@ -14,9 +14,10 @@ gradients stay bf16 in memory; only the product is formed in fp32.
 - `_Fp32Linear` saves its inputs as they are (the parameter itself, as DeepSpeed's ZeRO-3 linear function
   does, so a partitioned weight is re-gathered for the backward rather than kept) and forms its gradients
   in fp32 the same way.
-- Over and above what torch's kernel holds, it keeps an fp32 copy of the input (and of the input's
-  gradient) while it runs, and pieces of the output features of at most CHUNK_ELEMENTS fp32 values: an
-  output head over a 128k-token vocabulary never has its fp32 weight or logits whole.
+- Over and above what torch's kernel holds, it keeps an fp32 copy of the input while it runs (in the
+  backward only for a weight that trains) and of the input's gradient, and pieces of the output features
+  of at most CHUNK_ELEMENTS fp32 values: an output head over a 128k-token vocabulary never has its fp32
+  weight or logits whole.
 - A call whose tensors are not plain bf16 CPU tensors (a GPU, another dtype, a DTensor) runs `nn.Linear`'s
   own forward, so the layer stays correct wherever the model goes.
 - 4-bit layers (bitsandbytes' subclasses of `nn.Linear`) keep their own kernels: only `nn.Linear` itself is
@@ -105,12 +106,14 @@ class _Fp32Linear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, bias = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])
-        x32 = x.reshape(-1, x.shape[-1]).float()
+        rows, width = g.shape[0], x.shape[-1]
         want_x, want_w, want_b = ctx.needs_input_grad
-        gx32 = torch.zeros_like(x32) if want_x else None
+        # A frozen base weight (every LoRA layer's) needs no fp32 copy of the input.
+        x32 = x.reshape(rows, width).float() if want_w else None
+        gx32 = torch.zeros(rows, width, dtype=torch.float32) if want_x else None
         gw = torch.empty_like(weight) if want_w else None
         gb = torch.empty_like(bias) if bias is not None and want_b else None
-        for a, b in _spans(weight.shape[0], max(x32.shape)):
+        for a, b in _spans(weight.shape[0], max(rows, width)):
             g32 = g[:, a:b].float()
             if gx32 is not None:
                 gx32 += g32 @ weight[a:b].float()
