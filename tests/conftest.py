@@ -177,6 +177,15 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -unit_seconds.get(_unit_of(_file_of(item.nodeid)), 0.0))  # stable
 
 
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, the test modules) lives as long as the test process: out
+    of its collections from here on (gc.freeze), as the fork server's imports are out of its children's. A
+    full collection walked all of it (0.3 s and up), and models built in tests trigger them often."""
+    import gc
+
+    gc.freeze()
+
+
 def pytest_configure(config):
     if "not slow" in (config.getoption("markexpr", "") or ""):
         sys.addaudithook(_record_launch)

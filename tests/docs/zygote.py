@@ -223,6 +223,7 @@ class Zygote:
 
 def serve(path: str, *warm: str) -> None:
     """Import `warm`, then serve requests on the Unix socket `path` until stdin closes (the harness is done)."""
+    import gc
     import importlib
     import selectors
 
@@ -237,6 +238,10 @@ def serve(path: str, *warm: str) -> None:
     # What the imports set (torch's and others' variables): a command started by a child of this server (a
     # launcher's ranks) inherits them, as a fresh chain's ranks inherit their launcher's.
     imported_env = dict(os.environ)
+    # The imported modules live as long as the children: out of every child's collections (each full one walked
+    # them, 0.3-1 s, and libraries collect often: DeepSpeed's ZeRO-3 setup, lorakit's group teardown), and
+    # their pages shared with the children instead of copied when a collection writes to them.
+    gc.freeze()
     parents = Path(path).parent / "parents"  # a child's fresh_parent, written by the child
     parents.mkdir(exist_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
