@@ -71,6 +71,11 @@ def test_a_command_is_served_only_with_the_servers_environment():
     assert (
         env_differs({**startup, "MLFLOW_ALLOW_FILE_STORE": "true", "COLUMNS": "80"}, startup, imported) == []
     )
+    # Set by llama.cpp's library as a GGUF test loads it in the test process: before, every later launch of
+    # that xdist worker (compare, doctor, the 2-process runs) went to fresh interpreters, 9 in one run.
+    assert env_differs({**startup, "KMP_BLOCKTIME": "1"}, startup, imported) == []
+    # Set by a test for its run, read by the preloaded mlflow at each use (test_resume's failing trackers).
+    assert env_differs({**startup, "MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}, startup, imported) == []
 
 
 def test_a_startup_hook_on_an_added_path_is_per_command(tmp_path, monkeypatch):

@@ -58,9 +58,15 @@ SET_WHILE_WORKING = frozenset(
     {
         "MLFLOW_ALLOW_FILE_STORE", "_MLFLOW_TELEMETRY_SESSION_ID", "COLUMNS", "LINES",
         "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "PYTORCH_NVML_BASED_CUDA_CHECK",
+        # llama.cpp's CPU library sets it as the GGUF tests load it; only an Intel/LLVM OpenMP runtime reads
+        # it (torch's libgomp does not), and the library sets it again wherever it is loaded.
+        "KMP_BLOCKTIME",
     }
 )  # fmt: skip
-PER_COMMAND = SHELL_VARS | RUNTIME_VARS | SET_WHILE_WORKING
+# What a test sets for a command and a preloaded library reads at each use, never at import: MLflow's tracking
+# URI (mlflow.environment_variables reads os.environ on every get()).
+READ_WHEN_USED = frozenset({"MLFLOW_TRACKING_URI"})
+PER_COMMAND = SHELL_VARS | RUNTIME_VARS | SET_WHILE_WORKING | READ_WHEN_USED
 # The switches of the tests' startup hook (tests/integration/faults/sitecustomize.py, on a PYTHONPATH entry the
 # command puts before the server's): read by that hook only, which a served child runs as a fresh interpreter's
 # site module would. LORAKIT_BNB_AVX512BF16 is not one: it must act before bitsandbytes registers its kernels,
