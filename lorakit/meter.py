@@ -141,7 +141,8 @@ class TokenMeter:
 
 def _live_storages(device_type: str | None = None) -> dict[int, torch.UntypedStorage]:
     """Every storage of a live tensor that Python can see (parameters, gradients, optimizer state, buffers
-    held by DeepSpeed), by identity; `device_type` ("cpu", "cuda") filters."""
+    held by DeepSpeed), by identity; `device_type` ("cpu", "cuda") filters. Objects frozen out of collection
+    (gc.freeze: what a launched rank imported before its job, lorakit.run) are not seen; no model's are."""
     import gc
     import warnings
 
